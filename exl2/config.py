@@ -1,0 +1,65 @@
+"""Pydantic v2 models for everything a user configures: the engine, sampling, conversion, the server."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+KV_CACHE_MODES = ("fp16", "q8", "q6", "q4", "q3", "q2")
+# exllamav2's integer cache codes: 0 = 16-bit, 1 = 8-bit, 2 = 4-bit, 3 = 2-bit.
+KV_CACHE_CODES = {0: "fp16", 1: "q8", 2: "q4", 3: "q2"}
+
+
+class EngineConfig(BaseModel):
+    """How to load and run one model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    model_dir: Path = Field(validation_alias=AliasChoices("model_dir", "model_directory"))
+    max_seq_len: int = Field(4096, ge=512, le=131072)
+    gpu_split: Optional[Union[list[float], Literal["auto"]]] = None
+    kv_cache_mode: str = "fp16"
+    flash_attention_enabled: bool = True
+    device: Optional[str] = None
+    max_batch_size: int = Field(16, ge=1, le=256)
+
+    @field_validator("gpu_split")
+    @classmethod
+    def _split(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("gpu_split must list at least one GPU (or be 'auto')")
+            if any(x <= 0 for x in v):
+                raise ValueError("gpu_split entries must be positive numbers of GB")
+        return v
+
+    @field_validator("kv_cache_mode", mode="before")
+    @classmethod
+    def _cache_mode(cls, v):
+        if isinstance(v, bool):
+            raise ValueError("kv_cache_mode must be a mode name or an integer code")
+        if isinstance(v, int):
+            if v not in KV_CACHE_CODES:
+                raise ValueError(f"kv_cache_mode code must be one of {sorted(KV_CACHE_CODES)}")
+            return KV_CACHE_CODES[v]
+        if isinstance(v, str) and v.lower() in KV_CACHE_MODES:
+            return v.lower()
+        raise ValueError(f"kv_cache_mode must be one of {', '.join(KV_CACHE_MODES)} or 0-3")
+
+
+class SamplingSettings(BaseModel):
+    """Token sampling; temperature 0 means greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(0.8, ge=0.0, le=10.0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    seed: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
