@@ -1,0 +1,260 @@
+"""One generic decoder for every supported architecture, driven by a ModelSpec.
+
+Weights come through a `WeightProvider` (see exl2.runtime.weights): the decoder asks for linears and tensors by
+their Hugging Face names and never sees file formats.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+from torch import nn
+
+from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, softcap, temperature_scale
+from exl2.models.rope import RopeSpec, apply_rope
+from exl2.models.spec import LayerSpec, ModelSpec
+
+
+class WeightProvider(Protocol):
+    def has(self, name: str) -> bool: ...
+    def tensor(self, name: str) -> torch.Tensor: ...
+    def linear(self, prefix: str, in_features: int, out_features: int, bias: bool) -> nn.Module: ...
+    def linears_split(self, prefix: str, in_features: int, sizes: list[int], bias: bool) -> list[nn.Module]: ...
+    def expert_linears(self, prefix: str, num: int, hidden: int, dim: int) -> list[tuple[nn.Module, nn.Module, nn.Module]]: ...
+
+
+class KVCache:
+    """Contiguous per-layer key/value cache for incremental decoding: [B, max_len, Hkv, D]."""
+
+    def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, k_dim: int, v_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.k = [torch.zeros(batch, max_len, kv_heads, k_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(batch, max_len, kv_heads, v_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[1]
+        self.k[layer][:, start:end] = k
+        self.v[layer][:, start:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with the per-architecture options of ModelSpec/LayerSpec."""
+
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, idx: int, w: WeightProvider, prefix: str):
+        super().__init__()
+        self.spec, self.layer, self.idx = spec, layer, idx
+        h, hk, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+        sizes = [h * d, hk * d, hk * d]
+        if spec.fused_qkv and w.has(f"{prefix}.qkv_proj.weight"):
+            self.q_proj, self.k_proj, self.v_proj = w.linears_split(f"{prefix}.qkv_proj", hid, sizes, spec.qkv_bias)
+        else:
+            self.q_proj = w.linear(f"{prefix}.q_proj", hid, sizes[0], spec.qkv_bias)
+            self.k_proj = w.linear(f"{prefix}.k_proj", hid, sizes[1], spec.qkv_bias)
+            self.v_proj = w.linear(f"{prefix}.v_proj", hid, sizes[2], spec.qkv_bias)
+        self.o_proj = w.linear(f"{prefix}.o_proj", h * d, hid, spec.o_bias)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(w.tensor(f"{prefix}.q_norm.weight"), spec.norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(w.tensor(f"{prefix}.k_norm.weight"), spec.norm_eps, spec.norm_offset)
+        self.scale = spec.attn_scale if spec.attn_scale is not None else d ** -0.5
+
+    def forward(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache: Optional[KVCache],
+                start: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        s, layer = self.spec, self.layer
+        q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            cos, sin, inter = rope
+            q, k = apply_rope(q, cos, sin, inter), apply_rope(k, cos, sin, inter)
+        if layer.qk_l2_norm:
+            q, k = l2_norm(q, s.norm_eps), l2_norm(k, s.norm_eps)
+        if layer.temperature_tuning:
+            q = temperature_scale(q, q_pos, *s.attn_temperature)
+        if cache is not None:
+            k, v = cache.update(self.idx, start, k, v)
+        o = attention(q, k, v, q_pos, self.scale, layer.sliding_window, layer.chunk_size, s.attn_softcap)
+        return self.o_proj(o.reshape(b, t, -1))
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V3 multi-head latent attention; keys/values are expanded per head before caching."""
+
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, idx: int, w: WeightProvider, prefix: str):
+        super().__init__()
+        m = spec.mla
+        self.spec, self.layer, self.idx, self.m = spec, layer, idx, m
+        hid, h = spec.hidden_size, spec.num_heads
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            self.q_a_proj = w.linear(f"{prefix}.q_a_proj", hid, m.q_lora_rank, spec.qkv_bias)
+            self.q_a_norm = RMSNorm(w.tensor(f"{prefix}.q_a_layernorm.weight"), spec.norm_eps)
+            self.q_b_proj = w.linear(f"{prefix}.q_b_proj", m.q_lora_rank, h * qk, False)
+        else:
+            self.q_proj = w.linear(f"{prefix}.q_proj", hid, h * qk, False)
+        self.kv_a_proj = w.linear(f"{prefix}.kv_a_proj_with_mqa", hid, m.kv_lora_rank + m.qk_rope_head_dim,
+                                  spec.qkv_bias)
+        self.kv_a_norm = RMSNorm(w.tensor(f"{prefix}.kv_a_layernorm.weight"), spec.norm_eps)
+        self.kv_b_proj = w.linear(f"{prefix}.kv_b_proj", m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim),
+                                  False)
+        self.o_proj = w.linear(f"{prefix}.o_proj", h * m.v_head_dim, hid, spec.o_bias)
+        self.scale = spec.attn_scale
+
+    def forward(self, x, q_pos, rope, cache, start):
+        b, t, _ = x.shape
+        m, h = self.m, self.spec.num_heads
+        if m.q_lora_rank:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(b, t, h, -1)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        ckv = self.kv_a_proj(x)
+        c, k_pe = ckv.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_norm(c)).view(b, t, h, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k_pe = k_pe.view(b, t, 1, m.qk_rope_head_dim)
+        cos, sin, inter = rope
+        q_pe, k_pe = apply_rope(q_pe, cos, sin, inter), apply_rope(k_pe, cos, sin, inter)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(b, t, h, m.qk_rope_head_dim)], dim=-1)
+        if cache is not None:
+            k, v = cache.update(self.idx, start, k, v.contiguous())
+        o = attention(q, k, v, q_pos, self.scale)
+        return self.o_proj(o.reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, idx: int, w: WeightProvider):
+        super().__init__()
+        self.spec, self.idx = spec, idx
+        layer = spec.layers[idx]
+        self.layer = layer
+        p = f"model.layers.{idx}"
+        eps, off = spec.norm_eps, spec.norm_offset
+        self.input_layernorm = RMSNorm(w.tensor(f"{p}.input_layernorm.weight"), eps, off)
+        self.post_attention_layernorm = RMSNorm(w.tensor(f"{p}.post_attention_layernorm.weight"), eps, off)
+        if spec.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(w.tensor(f"{p}.pre_feedforward_layernorm.weight"), eps, off)
+            self.post_feedforward_layernorm = RMSNorm(w.tensor(f"{p}.post_feedforward_layernorm.weight"), eps, off)
+        attn_cls = MLAttention if spec.mla is not None else Attention
+        self.self_attn = attn_cls(spec, layer, idx, w, f"{p}.self_attn")
+        self.mlp = build_mlp(spec, layer, w, f"{p}.{spec.mlp_key}")
+
+    def attn_block(self, x, q_pos, rope, cache=None, start=0) -> torch.Tensor:
+        """Residual stream after the attention half of the layer."""
+        h = self.self_attn(self.input_layernorm(x), q_pos, rope, cache, start)
+        if self.spec.sandwich_norm:
+            h = self.post_attention_layernorm(h)
+        return x + h
+
+    def mlp_block(self, x) -> torch.Tensor:
+        """Residual stream after the feed-forward half of the layer."""
+        if self.spec.sandwich_norm:
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, q_pos, rope, cache=None, start=0):
+        return self.mlp_block(self.attn_block(x, q_pos, rope, cache, start))
+
+
+def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> nn.Module:
+    hid = spec.hidden_size
+    if not layer.moe:
+        dim = layer.dense_dim or spec.intermediate_size
+        if w.has(f"{p}.gate_up_proj.weight"):
+            gate, up = w.linears_split(f"{p}.gate_up_proj", hid, [dim, dim], spec.mlp_bias)
+        else:
+            gate = w.linear(f"{p}.gate_proj", hid, dim, spec.mlp_bias)
+            up = w.linear(f"{p}.up_proj", hid, dim, spec.mlp_bias)
+        down = w.linear(f"{p}.down_proj", dim, hid, spec.mlp_bias)
+        return GatedMLP(gate, up, down, spec.activation)
+    m = spec.moe
+    router_key = {"mixtral": "gate", "qwen": "gate", "deepseek": "gate", "llama4": "router"}[m.style]
+    experts = [GatedMLP(g, u, d, spec.activation)
+               for g, u, d in w.expert_linears(f"{p}.experts", m.num_experts, hid, m.expert_dim)]
+    shared = None
+    if m.shared_dim:
+        sp = f"{p}.shared_experts" if m.style == "deepseek" else f"{p}.shared_expert"
+        shared = GatedMLP(w.linear(f"{sp}.gate_proj", hid, m.shared_dim, False),
+                          w.linear(f"{sp}.up_proj", hid, m.shared_dim, False),
+                          w.linear(f"{sp}.down_proj", m.shared_dim, hid, False), spec.activation)
+    bias_key = f"{p}.gate.e_score_correction_bias"
+    return MoE(m, w.tensor(f"{p}.{router_key}.weight"), experts, shared,
+               w.tensor(bias_key) if w.has(bias_key) else None)
+
+
+class DecoderModel(nn.Module):
+    """Embeddings → decoder layers → final norm → head, for any ModelSpec."""
+
+    def __init__(self, spec: ModelSpec, w: WeightProvider):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Parameter(w.tensor("model.embed_tokens.weight"), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, w) for i in range(spec.num_layers))
+        self.norm = RMSNorm(w.tensor("model.norm.weight"), spec.norm_eps, spec.norm_offset)
+        if w.has("lm_head.weight") or w.has("lm_head.q_weight") or w.has("lm_head.qweight"):
+            self.lm_head = w.linear("lm_head", spec.hidden_size, spec.vocab_size, False)
+        elif spec.tie_embeddings:
+            self.lm_head = w.linear("model.embed_tokens", spec.hidden_size, spec.vocab_size, False)
+        else:
+            self.lm_head = w.linear("lm_head", spec.hidden_size, spec.vocab_size, False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.embedding(ids, self.embed_tokens)
+        if self.spec.embed_scale != 1.0:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        return x
+
+    def rope_tables(self, q_pos: torch.Tensor) -> dict:
+        """cos/sin for the positions of this forward, per RoPE table in use."""
+        s = self.spec
+        pos = q_pos[None, :]
+        tables = {"global": (*s.rope.cos_sin(pos, self.dtype), s.rope.interleaved)}
+        if s.local_rope is not None:
+            tables["local"] = (*s.local_rope.cos_sin(pos, self.dtype), s.local_rope.interleaved)
+        return tables
+
+    def layer_rope(self, tables: dict, i: int):
+        layer = self.spec.layers[i]
+        if not layer.use_rope:
+            return None
+        return tables["local" if layer.local_rope else "global"]
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(x))[..., : self.spec.vocab_size]
+        return softcap(logits.float(), self.spec.final_softcap)
+
+    def forward(self, ids: torch.Tensor, cache: Optional[KVCache] = None, start: int = 0,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits (float32) for token ids [B, T] placed at positions start..start+T-1."""
+        t = ids.shape[1]
+        q_pos = torch.arange(start, start + t, device=ids.device)
+        tables = self.rope_tables(q_pos)
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, q_pos, self.layer_rope(tables, i), cache, start)
+        if last_only:
+            x = x[:, -1:]
+        return self.head(x)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        s = self.spec
+        if s.mla is not None:
+            return KVCache(s.num_layers, batch, max_len, s.num_heads, s.head_dim, s.mla.v_head_dim, self.dtype,
+                           self.device)
+        return KVCache(s.num_layers, batch, max_len, s.num_kv_heads, s.head_dim, s.head_dim, self.dtype, self.device)

@@ -1,0 +1,143 @@
+"""Building blocks of the generic decoder, in plain PyTorch: norms, attention math, MLP and MoE."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; `offset` 1.0 gives Gemma's (1 + w) scaling."""
+
+    def __init__(self, weight: torch.Tensor | None, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False) if weight is not None else None
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is None:
+            return xf.to(dtype)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * xf.to(dtype)
+
+
+def activation(name: str):
+    if name == "silu":
+        return F.silu
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.gelu
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+              window: int | None = None, chunk: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Reference causal attention. q [B,T,H,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv], q_pos [T] absolute positions of the
+    queries (keys sit at positions 0..S-1). Returns [B,T,H,Dv]."""
+    h, hkv = q.shape[2], k.shape[2]
+    if h != hkv:
+        k = k.repeat_interleave(h // hkv, dim=2)
+        v = v.repeat_interleave(h // hkv, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    kv_pos = torch.arange(k.shape[1], device=q.device)
+    mask = kv_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= (q_pos[:, None] - kv_pos[None, :]) < window
+    if chunk is not None:
+        mask &= (q_pos[:, None] // chunk) == (kv_pos[None, :] // chunk)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.einsum("bhts,bshd->bthd", probs, v)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module, act: str):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Routed experts (+ optional shared expert). Routing rules follow the source architectures exactly."""
+
+    def __init__(self, spec, router_weight: torch.Tensor, experts: list[GatedMLP], shared: GatedMLP | None,
+                 score_bias: torch.Tensor | None = None):
+        super().__init__()
+        self.spec = spec
+        self.router_weight = nn.Parameter(router_weight, requires_grad=False)
+        self.score_bias = nn.Parameter(score_bias, requires_grad=False) if score_bias is not None else None
+        self.experts = nn.ModuleList(experts)
+        self.shared = shared
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (expert ids [N, k], weights [N, k]) for flattened tokens x [N, H]."""
+        m = self.spec
+        logits = F.linear(x.float(), self.router_weight.float())
+        if m.router == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            w, idx = torch.topk(probs, m.top_k, dim=-1)
+            if m.norm_topk_prob:
+                w = w / w.sum(-1, keepdim=True)
+            return idx, w
+        if m.router == "sigmoid_grouped":
+            scores = logits.sigmoid()
+            choice = scores + self.score_bias.float() if self.score_bias is not None else scores
+            n = x.shape[0]
+            grouped = choice.view(n, m.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+            gidx = group_scores.topk(m.topk_group, dim=-1, sorted=False)[1]
+            gmask = torch.zeros_like(group_scores).scatter_(1, gidx, 1)
+            smask = gmask[:, :, None].expand_as(grouped).reshape(n, -1)
+            choice = choice.masked_fill(smask == 0, 0.0)
+            idx = choice.topk(m.top_k, dim=-1, sorted=False)[1]
+            w = scores.gather(1, idx)
+            if m.norm_topk_prob:
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            return idx, w * m.routed_scaling_factor
+        if m.router == "sigmoid_input":
+            val, idx = torch.topk(logits.to(x.dtype), m.top_k, dim=-1)
+            return idx, torch.sigmoid(val.float())
+        raise ValueError(m.router)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, w = self.route(flat)
+        out = torch.zeros_like(flat)
+        scale_input = self.spec.router == "sigmoid_input"
+        for e in torch.unique(idx).tolist():
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            we = w[rows, slot].to(flat.dtype)[:, None]
+            if scale_input:
+                out.index_add_(0, rows, self.experts[e](flat[rows] * we))
+            else:
+                out.index_add_(0, rows, self.experts[e](flat[rows]) * we)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(shape)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def temperature_scale(q: torch.Tensor, q_pos: torch.Tensor, attn_scale: float, floor_scale: float) -> torch.Tensor:
+    """Llama 4 attention temperature tuning for NoPE layers."""
+    s = torch.log1p(torch.floor((q_pos.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q * s.view(1, -1, 1, 1)).to(q.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap if cap else x
+

@@ -1,0 +1,282 @@
+"""config.json → ModelSpec for every supported Hugging Face architecture."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from exl2.errors import ConfigError, ModelLoadError
+from exl2.models.rope import ROPE_TYPES, RopeSpec
+from exl2.models.spec import LayerSpec, MLASpec, MoESpec, ModelSpec
+
+_FAMILIES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Phi3ForCausalLM": "llama",
+    "DeepseekV3ForCausalLM": "deepseek",
+    "Llama4ForCausalLM": "llama4",
+}
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+
+
+def read_config(model_dir: Path | str) -> dict[str, Any]:
+    """Read config.json with readable errors for the usual mistakes."""
+    d = Path(model_dir)
+    if not d.exists():
+        raise ModelLoadError(f"Model directory {d} does not exist.")
+    if not d.is_dir():
+        raise ModelLoadError(f"{d} is not a directory (expected a model directory with config.json).")
+    path = d / "config.json"
+    if not path.exists():
+        raise ModelLoadError(f"{d} has no config.json, so it is not a Hugging Face or EXL2 model directory.")
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e}).") from None
+
+
+def spec_from_dir(model_dir: Path | str) -> ModelSpec:
+    return spec_from_config(read_config(model_dir))
+
+
+def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch == "Gemma3ForConditionalGeneration" or (arch is None and cfg.get("model_type") == "gemma3_text"):
+        arch = "Gemma3ForCausalLM"
+    if arch == "Llama4ForConditionalGeneration":
+        arch = "Llama4ForCausalLM"
+    if "text_config" in cfg and arch in ("Gemma3ForCausalLM", "Llama4ForCausalLM") and "hidden_size" not in cfg:
+        cfg = {**cfg["text_config"], "architectures": [arch]}
+    if arch not in _FAMILIES:
+        raise ConfigError(
+            f"Architecture {arch!r} is not supported; supported architectures are: {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    try:
+        return _BUILDERS[_FAMILIES[arch]](arch, cfg)
+    except KeyError as e:
+        raise ConfigError(f"config.json for {arch} lacks the field {e.args[0]!r}.") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def _rope(cfg: dict, head_dim: int, default_theta: float = 10000.0, layer_type: str | None = None,
+          interleaved: bool = False, dim: int | None = None) -> RopeSpec:
+    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if layer_type is not None and layer_type in rp:
+        rp = dict(rp[layer_type])
+    rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
+    if rtype == "su":
+        rtype = "longrope"
+    if rtype not in ROPE_TYPES:
+        raise ConfigError(f"RoPE type {rtype!r} is not supported; supported types are: {', '.join(ROPE_TYPES)}.")
+    theta = rp.get("rope_theta", cfg.get("rope_theta", default_theta))
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    if rtype in ("llama3", "yarn", "longrope"):
+        rp.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos))
+    partial = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rdim = dim if dim is not None else int(head_dim * partial)
+    return RopeSpec(rope_type=rtype, theta=float(theta), dim=rdim, max_position=max_pos, params=rp,
+                    interleaved=interleaved)
+
+
+def _eos(cfg: dict) -> tuple[int, ...]:
+    e = cfg.get("eos_token_id")
+    if e is None:
+        return ()
+    return tuple(e) if isinstance(e, list) else (int(e),)
+
+
+def _common(arch: str, cfg: dict) -> dict:
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return dict(
+        arch=arch,
+        model_type=cfg.get("model_type", ""),
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=cfg.get("intermediate_size", 0),
+        max_position=cfg.get("max_position_embeddings", 2048),
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos(cfg),
+    )
+
+
+def _layer_windows(cfg: dict, n: int, arch: str) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    if arch == "MistralForCausalLM" or arch == "Phi3ForCausalLM":
+        return [window] * n
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window") and window:
+        start = cfg.get("max_window_layers", n)
+        return [window if i >= start else None for i in range(n)]
+    return [None] * n
+
+
+def _llama(arch: str, cfg: dict) -> ModelSpec:
+    c = _common(arch, cfg)
+    n = c["num_layers"]
+    qwen2 = arch == "Qwen2ForCausalLM"
+    bias = bool(cfg.get("attention_bias", qwen2))
+    windows = _layer_windows(cfg, n, arch)
+    return ModelSpec(
+        **c,
+        rope=_rope(cfg, c["head_dim"]),
+        layers=tuple(LayerSpec(sliding_window=w) for w in windows),
+        activation=_act(cfg),
+        qkv_bias=bias,
+        o_bias=bias and not qwen2,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        fused_qkv=arch == "Phi3ForCausalLM",
+    )
+
+
+def _act(cfg: dict) -> str:
+    a = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if a in ("silu", "swish"):
+        return "silu"
+    if a in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
+        return "gelu_tanh"
+    if a == "gelu":
+        return "gelu"
+    raise ConfigError(f"Activation {a!r} is not supported.")
+
+
+def _mixtral(arch: str, cfg: dict) -> ModelSpec:
+    c = _common(arch, cfg)
+    moe = MoESpec(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                  expert_dim=cfg["intermediate_size"], router="softmax", norm_topk_prob=True, style="mixtral")
+    windows = _layer_windows(cfg, c["num_layers"], "MistralForCausalLM")
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"], 1e6), activation=_act(cfg), moe=moe,
+                     layers=tuple(LayerSpec(sliding_window=w, moe=True) for w in windows),
+                     mlp_key="block_sparse_moe")
+
+
+def _qwen3_moe(arch: str, cfg: dict) -> ModelSpec:
+    c = _common(arch, cfg)
+    n = c["num_layers"]
+    moe = MoESpec(num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                  expert_dim=cfg["moe_intermediate_size"], router="softmax",
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), style="qwen")
+    step = cfg.get("decoder_sparse_step", 1)
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    is_moe = [i not in dense_only and moe.num_experts > 0 and (i + 1) % step == 0 for i in range(n)]
+    windows = _layer_windows(cfg, n, "Qwen3ForCausalLM")
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"]), activation=_act(cfg), moe=moe, qk_norm=True,
+                     qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+                     layers=tuple(LayerSpec(sliding_window=w, moe=m) for w, m in zip(windows, is_moe)))
+
+
+def _gemma(arch: str, cfg: dict) -> ModelSpec:
+    c = _common(arch, cfg)
+    c["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
+    n = c["num_layers"]
+    gemma3 = arch == "Gemma3ForCausalLM"
+    if not cfg.get("layer_types"):
+        if gemma3:
+            pattern = cfg.get("sliding_window_pattern", 6)
+            cfg = {**cfg, "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                          for i in range(n)]}
+        else:
+            cfg = {**cfg, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]}
+    windows = _layer_windows(cfg, n, arch)
+    rope = _rope(cfg, c["head_dim"], layer_type="full_attention")
+    local = None
+    if gemma3:
+        rp = cfg.get("rope_parameters") or {}
+        if "sliding_attention" in rp:
+            local = _rope(cfg, c["head_dim"], layer_type="sliding_attention")
+        else:
+            local = RopeSpec(theta=float(cfg.get("rope_local_base_freq", 10000.0)), dim=c["head_dim"],
+                             max_position=c["max_position"])
+    return ModelSpec(
+        **c,
+        rope=rope,
+        local_rope=local,
+        layers=tuple(LayerSpec(sliding_window=w, local_rope=gemma3 and w is not None) for w in windows),
+        activation=_act(cfg),
+        norm_offset=1.0,
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=gemma3,
+        sandwich_norm=True,
+        embed_scale=c["hidden_size"] ** 0.5,
+        attn_scale=cfg.get("query_pre_attn_scalar", c["head_dim"]) ** -0.5,
+        attn_softcap=cfg.get("attn_logit_softcapping") if not gemma3 else cfg.get("attn_logit_softcapping"),
+        final_softcap=cfg.get("final_logit_softcapping"),
+    )
+
+
+def _deepseek(arch: str, cfg: dict) -> ModelSpec:
+    c = _common(arch, cfg)
+    n = c["num_layers"]
+    mla = MLASpec(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+                  qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                  v_head_dim=cfg["v_head_dim"])
+    qk_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    rope = _rope(cfg, qk_head, interleaved=bool(cfg.get("rope_interleave", True)), dim=mla.qk_rope_head_dim)
+    scale = qk_head ** -0.5
+    rp = rope.params
+    if rope.rope_type == "yarn" and rp.get("mscale_all_dim"):
+        import math
+        factor = rp["factor"]
+        m = 0.1 * rp["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale = scale * m * m
+    moe = MoESpec(num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+                  expert_dim=cfg["moe_intermediate_size"], router="sigmoid_grouped",
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), n_group=cfg.get("n_group", 1),
+                  topk_group=cfg.get("topk_group", 1), routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+                  shared_dim=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0), style="deepseek")
+    k_dense = cfg.get("first_k_dense_replace", 0)
+    c["head_dim"] = qk_head
+    return ModelSpec(**c, rope=rope, mla=mla, moe=moe, attn_scale=scale, activation=_act(cfg),
+                     qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+                     layers=tuple(LayerSpec(moe=i >= k_dense) for i in range(n)))
+
+
+def _llama4(arch: str, cfg: dict) -> ModelSpec:
+    c = _common(arch, cfg)
+    n = c["num_layers"]
+    moe_layers = cfg.get("moe_layers")
+    if moe_layers is None:
+        step = cfg.get("interleave_moe_layer_step", 1)
+        moe_layers = list(range(step - 1, n, step))
+    moe_layers = set(moe_layers)
+    no_rope = cfg.get("no_rope_layers") or [int((i + 1) % cfg.get("no_rope_layer_interval", 4) != 0) for i in range(n)]
+    types = cfg.get("layer_types") or ["chunked_attention" if r else "full_attention" for r in no_rope]
+    chunk = cfg.get("attention_chunk_size")
+    moe = MoESpec(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                  expert_dim=cfg["intermediate_size"], router="sigmoid_input", shared_dim=cfg["intermediate_size"],
+                  style="llama4")
+    c["intermediate_size"] = cfg.get("intermediate_size_mlp", cfg["intermediate_size"])
+    qk = bool(cfg.get("use_qk_norm", True))
+    tt = bool(cfg.get("attn_temperature_tuning", True))
+    layers = tuple(
+        LayerSpec(chunk_size=chunk if t == "chunked_attention" else None, use_rope=bool(r), moe=i in moe_layers,
+                  qk_l2_norm=qk and bool(r), temperature_tuning=tt and not r)
+        for i, (t, r) in enumerate(zip(types, no_rope))
+    )
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"], 500000.0, interleaved=True), layers=layers,
+                     activation=_act(cfg), moe=moe, mlp_key="feed_forward",
+                     qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+                     attn_temperature=(cfg.get("attn_scale", 0.1), cfg.get("floor_scale", 8192)))
+
+
+_BUILDERS: dict[str, Callable[[str, dict], ModelSpec]] = {
+    "llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "gemma": _gemma,
+    "deepseek": _deepseek, "llama4": _llama4,
+}

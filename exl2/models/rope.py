@@ -1,0 +1,119 @@
+"""Rotary position embeddings: every scaling variant reduces to an inverse-frequency vector and a cos/sin factor."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One RoPE configuration, normalized from the many ways config.json spells it."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    dim: int = 64                       # rotated dimensions (head_dim * partial_rotary_factor)
+    max_position: int = 2048            # config.max_position_embeddings
+    params: dict = field(default_factory=dict, hash=False, compare=False)
+    interleaved: bool = False           # GPT-J style pairs (x0,x1),(x2,x3)… instead of rotate-half
+
+    def inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies [dim/2] (float32) and the cos/sin scale for a forward that reaches `seq_len`."""
+        p, dim, base = self.params, self.dim, self.theta
+        exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv = 1.0 / (base ** exps)
+        t = self.rope_type
+        if t == "default":
+            return inv, 1.0
+        if t == "linear":
+            return inv / p["factor"], 1.0
+        if t == "dynamic":
+            seq = max(seq_len, self.max_position)
+            f = p["factor"]
+            b = base * ((f * seq / self.max_position) - (f - 1)) ** (dim / (dim - 2))
+            return 1.0 / (b ** exps), 1.0
+        if t == "llama3":
+            return _llama3(inv, p), 1.0
+        if t == "yarn":
+            return _yarn(self, p)
+        if t == "longrope":
+            orig = p["original_max_position_embeddings"]
+            factor = p.get("factor") or self.max_position / orig
+            att = p.get("attention_factor")
+            if att is None:
+                att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+            ext = torch.tensor(p["long_factor"] if seq_len > orig else p["short_factor"], dtype=torch.float32)
+            return 1.0 / (ext * base ** exps), att
+        raise ValueError(f"unknown rope type {t}")
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [*positions.shape, dim] in the rotate-half layout (frequencies repeated twice)."""
+        seq_len = int(positions.max().item()) + 1 if positions.numel() else 1
+        inv, scale = self.inv_freq(seq_len)
+        freqs = positions.to(torch.float32)[..., None] * inv.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
+    factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    lo_wl, hi_wl = old / lo, old / hi
+    wl = 2 * math.pi / inv
+    out = torch.where(wl > lo_wl, inv / factor, inv)
+    smooth = (old / wl - lo) / (hi - lo)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wl < hi_wl) & ~(wl > lo_wl)
+    return torch.where(medium, smoothed, out)
+
+
+def _yarn(spec: RopeSpec, p: dict) -> tuple[torch.Tensor, float]:
+    dim, base = spec.dim, spec.theta
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or spec.max_position / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    att = p.get("attention_factor")
+    if att is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            att = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            att = mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos = base ** (torch.arange(0, dim, 2).float() / dim)
+    extra, inter = 1.0 / pos, 1.0 / (factor * pos)
+    keep = 1 - ramp
+    return inter * (1 - keep) + extra * keep, float(att)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x [B, T, H, D]; cos/sin are [B, T, dim] (rotate-half layout)."""
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd], x[..., rd:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    if interleaved:
+        half = rd // 2
+        c, s = c[..., :half].repeat_interleave(2, -1), s[..., :half].repeat_interleave(2, -1)
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack([-x2, x1], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat([-x2, x1], dim=-1)
+    out = xr * c + rot * s
+    return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out

@@ -1,0 +1,101 @@
+"""ModelSpec: every architecture fact the runtime needs, in one frozen object built from config.json."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from exl2.models.rope import RopeSpec
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts block. `router` picks the routing rule; `style` the tensor naming."""
+
+    num_experts: int
+    top_k: int
+    expert_dim: int
+    router: str = "softmax"          # softmax | sigmoid_grouped (DeepSeek-V3) | sigmoid_input (Llama 4)
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_dim: int = 0              # intermediate size of the always-on shared expert(s), 0 if none
+    style: str = "mixtral"           # mixtral | qwen | deepseek | llama4
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek multi-head latent attention dimensions."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Per-layer variations: attention window, RoPE use and table, dense or MoE feed-forward."""
+
+    sliding_window: Optional[int] = None   # attend to the last W positions (including the current one)
+    chunk_size: Optional[int] = None       # Llama 4 chunked attention
+    use_rope: bool = True
+    local_rope: bool = False               # use ModelSpec.local_rope (Gemma 3 sliding layers)
+    moe: bool = False
+    dense_dim: Optional[int] = None        # intermediate size of a dense layer when it differs from the default
+    qk_l2_norm: bool = False               # Llama 4 L2 norm on q/k (rope layers only)
+    temperature_tuning: bool = False       # Llama 4 attention temperature on NoPE layers
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int
+    norm_eps: float
+    rope: RopeSpec
+    layers: tuple[LayerSpec, ...]
+    activation: str = "silu"               # silu | gelu_tanh
+    norm_offset: float = 0.0               # Gemma stores w-1: scale is (offset + w)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    sandwich_norm: bool = False            # Gemma 2/3: norms after attention and MLP too
+    embed_scale: float = 1.0
+    attn_scale: Optional[float] = None     # softmax scale; default head_dim ** -0.5
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
+    tie_embeddings: bool = False
+    fused_qkv: bool = False                # Phi-3 qkv_proj / gate_up_proj in the source files
+    local_rope: Optional[RopeSpec] = None
+    moe: Optional[MoESpec] = None
+    mla: Optional[MLASpec] = None
+    mlp_key: str = "mlp"                   # name of the feed-forward module inside a layer
+    attn_temperature: tuple[float, float] = (0.0, 8192.0)   # Llama 4 (attn_scale, floor_scale)
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def num_params_hint(self) -> int:
+        """Rough parameter count for display (embeddings + attention + MLP per layer)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp_dense = 3 * h * i
+        total = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        for layer in self.layers:
+            if layer.moe and self.moe:
+                m = self.moe
+                total += attn + 3 * h * m.expert_dim * m.num_experts + 3 * h * m.shared_dim
+            else:
+                total += attn + (3 * h * layer.dense_dim if layer.dense_dim else mlp_dense)
+        return total

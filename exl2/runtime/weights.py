@@ -1,0 +1,119 @@
+"""Turn the tensors of a model directory into decoder modules: picks the format of each linear layer by which
+tensors exist (`q_weight` → EXL2, `qweight` → GPTQ, `weight` → dense), like exllamav2."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from exl2.errors import FormatError, ModelLoadError
+from exl2.formats.safetensors_io import TensorSource
+from exl2.runtime.linear import Linear
+
+
+class WeightLoader:
+    """Implements exl2.models.decoder.WeightProvider over a TensorSource."""
+
+    def __init__(self, source: TensorSource, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 checkpoint_format: str = "gptq", gptq_bits: int = 4, use_kernels: Optional[bool] = None):
+        self.src = source
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.checkpoint_format = checkpoint_format
+        self.gptq_bits = gptq_bits
+        self.use_kernels = (self.device.type == "cuda") if use_kernels is None else use_kernels
+
+    def has(self, name: str) -> bool:
+        return name in self.src
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.src:
+            raise ModelLoadError(f"The model files lack the tensor {name!r}.")
+        return self.src[name].to(device=self.device, dtype=self.dtype)
+
+    def _bias(self, prefix: str, out: int, bias: bool) -> Optional[torch.Tensor]:
+        name = f"{prefix}.bias"
+        if name not in self.src:
+            if bias:
+                raise ModelLoadError(f"The model files lack the tensor {name!r}.")
+            return None
+        return self.src[name][:out].to(device=self.device, dtype=self.dtype)
+
+    def _dense_matrix(self, prefix: str) -> tuple[torch.Tensor, dict]:
+        """[out, in] weight of any format, in compute dtype, plus format info."""
+        if f"{prefix}.q_weight" in self.src:
+            from exl2.formats.exl2 import bit_mix, dequantize
+            w = dequantize(self.src, prefix).t()
+            return w, {"format": "exl2", "bits": bit_mix(self.src, prefix)}
+        if f"{prefix}.qweight" in self.src:
+            from exl2.formats.gptq import dequantize_gptq
+            w = dequantize_gptq(self.src, prefix, self.checkpoint_format, self.gptq_bits).t()
+            return w, {"format": "gptq"}
+        if f"{prefix}.weight" in self.src:
+            return self.src[f"{prefix}.weight"], {"format": "dense"}
+        raise ModelLoadError(f"The model files lack the weights of layer {prefix!r}.")
+
+    def _kernel(self, prefix: str):
+        """A GPU kernel object for a quantized layer, or None to use the dense path."""
+        if not self.use_kernels:
+            return None
+        try:
+            if f"{prefix}.q_weight" in self.src:
+                from exl2.kernels.exl2_matmul import Exl2Weight
+                return Exl2Weight.from_tensors(self.src, prefix, self.device)
+            if f"{prefix}.qweight" in self.src and self.gptq_bits == 4:
+                from exl2.kernels.gptq_matmul import GptqWeight
+                return GptqWeight.from_tensors(self.src, prefix, self.device, self.checkpoint_format)
+        except ImportError:
+            return None
+        return None
+
+    def linear(self, prefix: str, in_features: int, out_features: int, bias: bool) -> Linear:
+        kernel = self._kernel(prefix)
+        b = self._bias(prefix, out_features, bias)
+        if kernel is not None:
+            info = {"format": "exl2" if f"{prefix}.q_weight" in self.src else "gptq"}
+            return Linear(in_features, out_features, None, b, kernel, info)
+        w, info = self._dense_matrix(prefix)
+        w = w[:out_features]
+        if tuple(w.shape) != (out_features, in_features):
+            raise FormatError(f"Layer {prefix!r} has shape {tuple(w.shape)}, expected {(out_features, in_features)}.")
+        return Linear(in_features, out_features, w.to(device=self.device, dtype=self.dtype).contiguous(), b,
+                      info=info)
+
+    def linears_split(self, prefix: str, in_features: int, sizes: list[int], bias: bool) -> list[Linear]:
+        """Split a fused dense projection (Phi-3 qkv_proj, gate_up_proj) into separate linears."""
+        w, info = self._dense_matrix(prefix)
+        if w.shape[0] < sum(sizes) or w.shape[1] != in_features:
+            raise FormatError(f"Fused layer {prefix!r} has shape {tuple(w.shape)}, expected ({sum(sizes)}, {in_features}).")
+        b = self._bias(prefix, sum(sizes), bias)
+        out, start = [], 0
+        for n in sizes:
+            part = w[start:start + n].to(device=self.device, dtype=self.dtype).contiguous()
+            out.append(Linear(in_features, n, part, None if b is None else b[start:start + n].contiguous(),
+                              info=info))
+            start += n
+        return out
+
+    def expert_linears(self, prefix: str, num: int, hidden: int, dim: int) -> list[tuple[Linear, Linear, Linear]]:
+        """(gate, up, down) per expert, from per-expert tensors (Mixtral w1/w3/w2 or gate/up/down_proj) or from
+        fused 3-D tensors (`experts.gate_up_proj` [E, H, 2I] and `experts.down_proj` [E, I, H])."""
+        fused = f"{prefix}.gate_up_proj"
+        if fused in self.src or f"{fused}.weight" in self.src:
+            gu = self.src[fused] if fused in self.src else self.src[f"{fused}.weight"]
+            dn = self.src.get(f"{prefix}.down_proj")
+            if dn is None:
+                dn = self.src[f"{prefix}.down_proj.weight"]
+            out = []
+            for e in range(num):
+                g, u = gu[e].t().chunk(2, dim=0) if gu.shape[1] == hidden else gu[e].chunk(2, dim=0)
+                d = dn[e].t() if dn.shape[1] == dim else dn[e]
+                mk = lambda m, i, o: Linear(i, o, m.to(device=self.device, dtype=self.dtype).contiguous(),
+                                            info={"format": "dense"})
+                out.append((mk(g, hidden, dim), mk(u, hidden, dim), mk(d, dim, hidden)))
+            return out
+        names = ("w1", "w3", "w2") if f"{prefix}.0.w1.weight" in self.src or f"{prefix}.0.w1.q_weight" in self.src \
+            else ("gate_proj", "up_proj", "down_proj")
+        return [(self.linear(f"{prefix}.{e}.{names[0]}", hidden, dim, False),
+                 self.linear(f"{prefix}.{e}.{names[1]}", hidden, dim, False),
+                 self.linear(f"{prefix}.{e}.{names[2]}", dim, hidden, False)) for e in range(num)]
