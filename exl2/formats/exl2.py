@@ -6,6 +6,7 @@ Pure tensor code, device-agnostic, no runtime knowledge. Matrices are `[K, N]` (
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -17,6 +18,7 @@ WIDTHS = (8, 6, 5, 4, 3, 2)
 LAYER_KEYS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
 _MAX_K = 65536  # exllamav2 reads permutations as uint16
 _MAX_PACKED_OFFSET = 32767  # q_groups is int16
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 @dataclass
@@ -77,37 +79,60 @@ def _runs(groups: Sequence[Exl2Group]) -> list[Exl2Group]:
     return runs
 
 
-def _decode_run(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """Decode int32 packed rows `[P, N]` of one width into uint8 codes `[P·32/bits, N]` (§1.4 bit stream)."""
-    mask = (1 << bits) - 1
+def _decode_run(words: torch.Tensor, bits: int, out: torch.Tensor, use_bytes: bool = _LITTLE_ENDIAN) -> None:
+    """Decode contiguous int32 packed rows `[P, N]` of one width into codes `out` `[P·32/bits, N]` (§1.4).
+
+    `out` may be uint8 or int16. The byte path reads each word's bytes (a code spans at most two bytes since
+    b ≤ 8), a quarter of the memory traffic of int32 arithmetic; the int32 path is the big-endian fallback.
+    """
     n = words.shape[1]
-    if 32 % bits == 0:
-        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
-        codes = (words.unsqueeze(1) >> shifts.view(1, -1, 1)) & mask
-        return codes.to(torch.uint8).view(-1, n)
     unit_rows, unit_words = _unit(bits)
+    dst = out.view(-1, unit_rows, n)
+    if use_bytes:
+        by = words.view(torch.uint8).view(-1, unit_words, n, 4)
+        for r in range(unit_rows):
+            t, s = divmod(r * bits, 8)
+            lo = by[:, t // 4, :, t % 4]
+            if s + bits <= 8:
+                part = lo >> s if s else lo
+            else:  # uint8 shifts wrap, which drops exactly the bits above this code
+                hi = by[:, (t + 1) // 4, :, (t + 1) % 4]
+                part = (lo >> s) | (hi << (8 - s))
+            if s + bits == 8:
+                dst[:, r].copy_(part)
+            else:
+                torch.bitwise_and(part, (1 << bits) - 1, out=dst[:, r])
+        return
     u = words.view(-1, unit_words, n)
-    out = torch.empty((u.shape[0], unit_rows, n), dtype=torch.uint8, device=words.device)
     for r in range(unit_rows):
         w, s = divmod(r * bits, 32)
         low_bits = min(bits, 32 - s)
         code = (u[:, w] >> s) & ((1 << low_bits) - 1)
         if low_bits < bits:  # straddles two words: the high part comes from the next word's low bits
             code |= (u[:, w + 1] & ((1 << (bits - low_bits)) - 1)) << low_bits
-        out[:, r] = code
-    return out.view(-1, n)
+        dst[:, r] = code
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    if words.dtype == torch.int32:
+        return words.contiguous()
+    if words.dtype == torch.uint32:
+        return words.contiguous().view(torch.int32)
+    return words.to(torch.int32).contiguous()
+
+
+def _decode(q_weight: torch.Tensor, groups: list[Exl2Group], dtype: torch.dtype) -> torch.Tensor:
+    k = sum(g.rows for g in groups)
+    out = torch.empty((k, q_weight.shape[1]), dtype=dtype, device=q_weight.device)
+    for run in _runs(groups):
+        _decode_run(_as_int32(q_weight[run.packed_start:run.packed_end]), run.bits,
+                    out[run.row_start:run.row_start + run.rows])
+    return out
 
 
 def unpack_codes(q_weight: torch.Tensor, groups: list[Exl2Group]) -> torch.Tensor:
     """Integer codes `[K, N]` (uint8, 0 … 2^b−1) in stored row order."""
-    k = sum(g.rows for g in groups)
-    out = torch.empty((k, q_weight.shape[1]), dtype=torch.uint8, device=q_weight.device)
-    for run in _runs(groups):
-        words = q_weight[run.packed_start:run.packed_end]
-        if words.dtype != torch.int32:
-            words = words.view(torch.int32) if words.dtype == torch.uint32 else words.to(torch.int32)
-        out[run.row_start:run.row_start + run.rows] = _decode_run(words.contiguous(), run.bits)
-    return out
+    return _decode(q_weight, groups, torch.uint8)
 
 
 def unpack_scale_codes(q_scale: torch.Tensor, n: int) -> torch.Tensor:
@@ -162,25 +187,23 @@ def _read_layer(tensors: Mapping[str, torch.Tensor] | Any, prefix: str):
     return q_weight, groups, scales, inv
 
 
-def _row_maps(groups: list[Exl2Group], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per stored row: group index and zero point 2^(b−1)."""
-    rows = torch.tensor([g.rows for g in groups], device=device)
-    gidx = torch.repeat_interleave(torch.arange(len(groups), device=device), rows)
-    zero = torch.repeat_interleave(torch.tensor([1 << (g.bits - 1) for g in groups], device=device), rows)
-    return gidx, zero
-
-
-def _dequant_rows(codes: torch.Tensor, gidx: torch.Tensor, zero: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    # (code − zero) is a small exact integer in fp16; the product rounds once, as exllamav2's __hmul does.
-    level = (codes.to(torch.int16) - zero.to(torch.int16).unsqueeze(1)).to(torch.float16)
-    return level * scales.index_select(0, gidx)
+def _dequant_stored(q_weight: torch.Tensor, groups: list[Exl2Group], scales: torch.Tensor) -> torch.Tensor:
+    # Decode into int16 and set the fp16 exponent bits 0x6400: each element then reads as exactly 1024 + code.
+    w = _decode(q_weight, groups, torch.int16)
+    w |= 0x6400
+    w = w.view(torch.float16)
+    for run in _runs(groups):
+        w[run.row_start:run.row_start + run.rows] -= 1024 + (1 << (run.bits - 1))
+    # (code − zero) is an exact small integer; one fp16 rounding of its product, like exllamav2's __hmul.
+    for g, grp in enumerate(groups):
+        w[grp.row_start:grp.row_start + grp.rows] *= scales[g]
+    return w
 
 
 def dequantize_stored(tensors: Mapping[str, torch.Tensor] | Any, prefix: str) -> torch.Tensor:
     """fp16 `[K, N]` weight in stored (act-order permuted) row order."""
     q_weight, groups, scales, _ = _read_layer(tensors, prefix)
-    gidx, zero = _row_maps(groups, q_weight.device)
-    return _dequant_rows(unpack_codes(q_weight, groups), gidx, zero, scales)
+    return _dequant_stored(q_weight, groups, scales)
 
 
 def dequantize(tensors: Mapping[str, torch.Tensor] | Any, prefix: str) -> torch.Tensor:
@@ -189,11 +212,8 @@ def dequantize(tensors: Mapping[str, torch.Tensor] | Any, prefix: str) -> torch.
     N is the stored (32-padded) width; slice columns for the true output width.
     """
     q_weight, groups, scales, inv = _read_layer(tensors, prefix)
-    gidx, zero = _row_maps(groups, q_weight.device)
-    codes = unpack_codes(q_weight, groups)
-    # The formula is per element, so gathering the small uint8 codes first gives the same bits as gathering fp16.
-    inv = inv.to(q_weight.device)
-    return _dequant_rows(codes.index_select(0, inv), gidx[inv], zero[inv], scales)
+    w = _dequant_stored(q_weight, groups, scales)
+    return w.index_select(0, inv.to(w.device))
 
 
 def _wrap_int32(x: torch.Tensor) -> torch.Tensor:
@@ -201,11 +221,20 @@ def _wrap_int32(x: torch.Tensor) -> torch.Tensor:
     return (((x + (1 << 31)) % (1 << 32)) - (1 << 31)).to(torch.int32)
 
 
-def _encode_run(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `_decode_run`: int codes `[R, N]` → int32 packed rows `[R·bits/32, N]`."""
+def _encode_run(codes: torch.Tensor, bits: int, use_bytes: bool = _LITTLE_ENDIAN) -> torch.Tensor:
+    """Inverse of `_decode_run`: uint8 codes `[R, N]` (already range-checked) → int32 packed rows `[R·bits/32, N]`."""
     unit_rows, unit_words = _unit(bits)
     n = codes.shape[1]
-    u = codes.to(torch.int64).view(-1, unit_rows, n)
+    u = codes.view(-1, unit_rows, n)
+    if use_bytes:
+        by = torch.zeros((u.shape[0], unit_words, n, 4), dtype=torch.uint8, device=codes.device)
+        for r in range(unit_rows):
+            t, s = divmod(r * bits, 8)
+            by[:, t // 4, :, t % 4] |= u[:, r] << s  # uint8 shift wraps: keeps the bits that fit this byte
+            if s + bits > 8:
+                by[:, (t + 1) // 4, :, (t + 1) % 4] |= u[:, r] >> (8 - s)
+        return by.view(torch.int32).view(-1, n)
+    u = u.to(torch.int64)
     words = torch.zeros((u.shape[0], unit_words, n), dtype=torch.int64, device=codes.device)
     for r in range(unit_rows):
         w, s = divmod(r * bits, 32)
@@ -265,25 +294,28 @@ def pack(codes: torch.Tensor, groups: list[tuple[int, int]], scale_codes: torch.
     if int(scale_codes.min()) < 1 or int(scale_codes.max()) > 16:
         raise ValueError("scale_codes must lie in 1..16.")
 
-    codes = codes.to(torch.int64)
+    layout, row = [], 0
+    for bits, rows in groups:
+        layout.append(Exl2Group(bits, 0, 0, row, rows))
+        row += rows
+    for run in _runs(layout):
+        part = codes[run.row_start:run.row_start + run.rows]
+        if int(part.min()) < 0 or int(part.max()) >= 1 << run.bits:
+            raise ValueError(f"codes of the {run.bits}-bit rows must lie in 0..{(1 << run.bits) - 1}.")
+    codes = codes.to(torch.uint8)
     scale_codes = scale_codes.to(torch.int64)
-    row_bits = torch.repeat_interleave(torch.tensor([b for b, _ in groups], device=codes.device),
-                                       torch.tensor([r for _, r in groups], device=codes.device))
-    if bool((codes < 0).any()) or bool((codes >> row_bits.unsqueeze(1)).any()):
-        raise ValueError("codes must lie in 0 … 2^bits − 1 of their group.")
     pad = -n % 32
     if pad:
-        zero_codes = (1 << (row_bits - 1)).unsqueeze(1).expand(k, pad)
-        codes = torch.cat([codes, zero_codes], dim=1)
+        zero = torch.cat([codes.new_full((r, 1), 1 << (b - 1)) for b, r in groups]).expand(k, pad)
+        codes = torch.cat([codes, zero], dim=1)
         scale_codes = torch.cat([scale_codes, scale_codes.new_full((g_count, pad), 16)], dim=1)
         if bias is not None:
             bias = torch.cat([bias, bias.new_zeros(pad)])
 
-    packed, q_groups, row, offset = [], [], 0, 0
+    packed = [_encode_run(codes[r.row_start:r.row_start + r.rows].contiguous(), r.bits) for r in _runs(layout)]
+    q_groups, offset = [], 0
     for bits, rows in groups:
-        packed.append(_encode_run(codes[row:row + rows], bits))
         q_groups += [bits, offset]
-        row += rows
         offset += rows * bits // 32
     if q_groups[-1] > _MAX_PACKED_OFFSET:
         raise ValueError(f"the last group starts at packed row {q_groups[-1]}, beyond the int16 range of q_groups.")

@@ -1,0 +1,46 @@
+"""Flags and helpers shared by the subcommands."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from exl2.config import SamplingSettings
+from exl2.errors import ConfigError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model_dir", "--model", dest="model_dir", default=None,
+                   help="model directory (HF fp16/bf16, EXL2 or GPTQ); default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
+    p.add_argument("-l", "--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=4096,
+                   help="context length to allocate (default 4096, capped by the model)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> None:
+    p.add_argument("-temp", "--temperature", type=float, default=temperature,
+                   help=f"sampling temperature, 0 = greedy (default {temperature})")
+    p.add_argument("-topk", "--top-k", "--top_k", dest="top_k", type=int, default=0, help="top-k cutoff, 0 = off")
+    p.add_argument("-topp", "--top-p", "--top_p", dest="top_p", type=float, default=1.0, help="nucleus cutoff (default 1.0)")
+    p.add_argument("-minp", "--min-p", "--min_p", dest="min_p", type=float, default=0.0, help="min-p cutoff (default 0)")
+    p.add_argument("-repp", "--repetition-penalty", dest="repetition_penalty", type=float, default=1.0,
+                   help="repetition penalty (default 1.0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+
+
+def sampling_from_args(args) -> SamplingSettings:
+    try:
+        return SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed)
+    except Exception as e:  # pydantic ValidationError: name the field in one sentence
+        errs = getattr(e, "errors", lambda: [])()
+        if errs:
+            err = errs[0]
+            raise ConfigError(f"Invalid --{err['loc'][0]}: {err['msg']}.") from None
+        raise ConfigError(str(e)) from None
+
+
+def resolve_model_dir(model_dir: str | None) -> Path:
+    if model_dir:
+        return Path(model_dir)
+    from exl2.models.default_model import default_model_dir
+    return default_model_dir()

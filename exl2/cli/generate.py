@@ -1,0 +1,36 @@
+"""`exl2 generate`: a plain completion (no chat template) printed to stdout as it streams."""
+from __future__ import annotations
+
+import sys
+
+from exl2.cli.common import add_model_args, add_sampling_args, resolve_model_dir, sampling_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="complete a prompt (no chat template)",
+                       description="Complete a prompt and print only the generated continuation.")
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", required=True, help="text to complete")
+    p.add_argument("-n", "--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=128,
+                   help="maximum number of tokens to generate (default 128)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from exl2.generation.generator import Generator
+    from exl2.generation.tokenizer import Tokenizer
+    from exl2.runtime.loader import load_model
+
+    settings = sampling_from_args(args)
+    model_dir = resolve_model_dir(args.model_dir)
+    model = load_model(model_dir, args.device)
+    tok = Tokenizer.from_dir(model_dir)
+    gen = Generator(model, tok, min(args.max_seq_len, model.spec.max_position))
+    for text, _ in gen.stream(args.prompt, settings, args.max_new_tokens, args.stop):
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
