@@ -18,7 +18,7 @@ class Engine:
         self.config = config
         self.model = load_model(config.model_dir, config.device)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
-        self.template = ChatTemplate.for_tokenizer(self.tokenizer)
+        self.template = ChatTemplate.from_tokenizer(self.tokenizer)
         self.generator = Generator(self.model, self.tokenizer, min(config.max_seq_len, self.model.spec.max_position))
 
     def generate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,

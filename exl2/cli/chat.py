@@ -30,7 +30,7 @@ def run(args) -> int:
     model_dir = resolve_model_dir(args.model_dir)
     model = load_model(model_dir, args.device)
     tok = Tokenizer.from_dir(model_dir)
-    template = ChatTemplate.for_tokenizer(tok)
+    template = ChatTemplate.from_tokenizer(tok)
     gen = Generator(model, tok, min(args.max_seq_len, model.spec.max_position))
     interactive = sys.stdin.isatty()
     history: list[dict] = []
