@@ -24,7 +24,10 @@ class WeightProvider(Protocol):
 
 
 class KVCache:
-    """Contiguous per-layer key/value cache for incremental decoding: [B, max_len, Hkv, D]."""
+    """Contiguous per-layer key/value cache for incremental decoding: [B, max_len, Hkv, D].
+
+    Caches implement `attend`, so the decoder never knows how keys are stored (the paged, quantized cache in
+    exl2.runtime has the same method, backed by kernels)."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, k_dim: int, v_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
@@ -33,11 +36,16 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + k.shape[1]
-        self.k[layer][:, start:end] = k
-        self.v[layer][:, start:end] = v
-        return self.k[layer][:, :end], self.v[layer][:, :end]
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+               scale: float, window=None, chunk=None, softcap=None) -> torch.Tensor:
+        """Store k/v at the positions q_pos ([B, T], contiguous per row) and attend over everything cached."""
+        b, t = q_pos.shape
+        starts = q_pos[:, 0].tolist()
+        for i, s0 in enumerate(starts):
+            self.k[layer][i, s0:s0 + t] = k[i]
+            self.v[layer][i, s0:s0 + t] = v[i]
+        end = int(q_pos[:, -1].max()) + 1
+        return attention(q, self.k[layer][:b, :end], self.v[layer][:b, :end], q_pos, scale, window, chunk, softcap)
 
 
 class Attention(nn.Module):
@@ -61,8 +69,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(w.tensor(f"{prefix}.k_norm.weight"), spec.norm_eps, spec.norm_offset)
         self.scale = spec.attn_scale if spec.attn_scale is not None else d ** -0.5
 
-    def forward(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache: Optional[KVCache],
-                start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None) -> torch.Tensor:
         b, t, _ = x.shape
         s, layer = self.spec, self.layer
         q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim)
@@ -77,9 +84,8 @@ class Attention(nn.Module):
             q, k = l2_norm(q, s.norm_eps), l2_norm(k, s.norm_eps)
         if layer.temperature_tuning:
             q = temperature_scale(q, q_pos, *s.attn_temperature)
-        if cache is not None:
-            k, v = cache.update(self.idx, start, k, v)
-        o = attention(q, k, v, q_pos, self.scale, layer.sliding_window, layer.chunk_size, s.attn_softcap)
+        args = (q_pos, self.scale, layer.sliding_window, layer.chunk_size, s.attn_softcap)
+        o = cache.attend(self.idx, q, k, v, *args) if cache is not None else attention(q, k, v, *args)
         return self.o_proj(o.reshape(b, t, -1))
 
 
@@ -106,7 +112,7 @@ class MLAttention(nn.Module):
         self.o_proj = w.linear(f"{prefix}.o_proj", h * m.v_head_dim, hid, spec.o_bias)
         self.scale = spec.attn_scale
 
-    def forward(self, x, q_pos, rope, cache, start):
+    def forward(self, x, q_pos, rope, cache=None):
         b, t, _ = x.shape
         m, h = self.m, self.spec.num_heads
         if m.q_lora_rank:
@@ -124,9 +130,9 @@ class MLAttention(nn.Module):
         q_pe, k_pe = apply_rope(q_pe, cos, sin, inter), apply_rope(k_pe, cos, sin, inter)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, t, h, m.qk_rope_head_dim)], dim=-1)
-        if cache is not None:
-            k, v = cache.update(self.idx, start, k, v.contiguous())
-        o = attention(q, k, v, q_pos, self.scale)
+        v = v.contiguous()
+        o = cache.attend(self.idx, q, k, v, q_pos, self.scale) if cache is not None else \
+            attention(q, k, v, q_pos, self.scale)
         return self.o_proj(o.reshape(b, t, -1))
 
 
@@ -147,9 +153,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = attn_cls(spec, layer, idx, w, f"{p}.self_attn")
         self.mlp = build_mlp(spec, layer, w, f"{p}.{spec.mlp_key}")
 
-    def attn_block(self, x, q_pos, rope, cache=None, start=0) -> torch.Tensor:
-        """Residual stream after the attention half of the layer."""
-        h = self.self_attn(self.input_layernorm(x), q_pos, rope, cache, start)
+    def attn_block(self, x, q_pos, rope, cache=None) -> torch.Tensor:
+        """Residual stream after the attention half of the layer; q_pos [B, T] absolute positions."""
+        h = self.self_attn(self.input_layernorm(x), q_pos, rope, cache)
         if self.spec.sandwich_norm:
             h = self.post_attention_layernorm(h)
         return x + h
@@ -160,8 +166,8 @@ class DecoderLayer(nn.Module):
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward(self, x, q_pos, rope, cache=None, start=0):
-        return self.mlp_block(self.attn_block(x, q_pos, rope, cache, start))
+    def forward(self, x, q_pos, rope, cache=None):
+        return self.mlp_block(self.attn_block(x, q_pos, rope, cache))
 
 
 def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> nn.Module:
@@ -221,9 +227,9 @@ class DecoderModel(nn.Module):
         return x
 
     def rope_tables(self, q_pos: torch.Tensor) -> dict:
-        """cos/sin for the positions of this forward, per RoPE table in use."""
+        """cos/sin for the positions [B, T] of this forward, per RoPE table in use."""
         s = self.spec
-        pos = q_pos[None, :]
+        pos = q_pos
         tables = {"global": (*s.rope.cos_sin(pos, self.dtype), s.rope.interleaved)}
         if s.local_rope is not None:
             tables["local"] = (*s.local_rope.cos_sin(pos, self.dtype), s.local_rope.interleaved)
@@ -239,15 +245,23 @@ class DecoderModel(nn.Module):
         logits = self.lm_head(self.norm(x))[..., : self.spec.vocab_size]
         return softcap(logits.float(), self.spec.final_softcap)
 
-    def forward(self, ids: torch.Tensor, cache: Optional[KVCache] = None, start: int = 0,
+    @staticmethod
+    def positions(ids: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """[B, T] absolute positions for tokens placed after `start` (an int or a per-row [B] tensor)."""
+        b, t = ids.shape
+        steps = torch.arange(t, device=ids.device)
+        if isinstance(start, torch.Tensor):
+            return start.to(ids.device).view(-1, 1) + steps
+        return (steps + start).expand(b, t)
+
+    def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
                 last_only: bool = False) -> torch.Tensor:
-        """Logits (float32) for token ids [B, T] placed at positions start..start+T-1."""
-        t = ids.shape[1]
-        q_pos = torch.arange(start, start + t, device=ids.device)
+        """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared)."""
+        q_pos = self.positions(ids, start)
         tables = self.rope_tables(q_pos)
         x = self.embed(ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, q_pos, self.layer_rope(tables, i), cache, start)
+            x = layer(x, q_pos, self.layer_rope(tables, i), cache)
         if last_only:
             x = x[:, -1:]
         return self.head(x)

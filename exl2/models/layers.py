@@ -35,8 +35,8 @@ def activation(name: str):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
               window: int | None = None, chunk: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Reference causal attention. q [B,T,H,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv], q_pos [T] absolute positions of the
-    queries (keys sit at positions 0..S-1). Returns [B,T,H,Dv]."""
+    """Reference causal attention. q [B,T,H,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv]; q_pos [T] or [B,T] absolute
+    positions of the queries (key s sits at position s). Returns [B,T,H,Dv]."""
     h, hkv = q.shape[2], k.shape[2]
     if h != hkv:
         k = k.repeat_interleave(h // hkv, dim=2)
@@ -44,15 +44,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    kv_pos = torch.arange(k.shape[1], device=q.device)
-    mask = kv_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        mask &= (q_pos[:, None] - kv_pos[None, :]) < window
-    if chunk is not None:
-        mask &= (q_pos[:, None] // chunk) == (kv_pos[None, :] // chunk)
-    scores = scores.masked_fill(~mask, float("-inf"))
+    mask = attention_mask(q_pos if q_pos.dim() == 2 else q_pos[None], k.shape[1], window, chunk)
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return torch.einsum("bhts,bshd->bthd", probs, v)
+
+
+def attention_mask(q_pos: torch.Tensor, kv_len: int, window: int | None = None, chunk: int | None = None
+                   ) -> torch.Tensor:
+    """Boolean [B, T, S] mask: causal, optionally within a sliding window of `window` keys or the same chunk."""
+    kv_pos = torch.arange(kv_len, device=q_pos.device)[None, None, :]
+    qp = q_pos[:, :, None]
+    mask = kv_pos <= qp
+    if window is not None:
+        mask &= (qp - kv_pos) < window
+    if chunk is not None:
+        mask &= (qp // chunk) == (kv_pos // chunk)
+    return mask
 
 
 class GatedMLP(nn.Module):
@@ -135,7 +143,7 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 def temperature_scale(q: torch.Tensor, q_pos: torch.Tensor, attn_scale: float, floor_scale: float) -> torch.Tensor:
     """Llama 4 attention temperature tuning for NoPE layers."""
     s = torch.log1p(torch.floor((q_pos.float() + 1.0) / floor_scale)) * attn_scale + 1.0
-    return (q * s.view(1, -1, 1, 1)).to(q.dtype)
+    return (q * s.reshape(-1 if q_pos.dim() == 2 else 1, q.shape[1], 1, 1)).to(q.dtype)
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
