@@ -100,13 +100,13 @@ class MLAttention(nn.Module):
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank:
             self.q_a_proj = w.linear(f"{prefix}.q_a_proj", hid, m.q_lora_rank, spec.qkv_bias)
-            self.q_a_norm = RMSNorm(w.tensor(f"{prefix}.q_a_layernorm.weight"), spec.norm_eps)
+            self.q_a_norm = RMSNorm(w.tensor(f"{prefix}.q_a_layernorm.weight"), 1e-6)  # fixed eps, as in HF
             self.q_b_proj = w.linear(f"{prefix}.q_b_proj", m.q_lora_rank, h * qk, False)
         else:
             self.q_proj = w.linear(f"{prefix}.q_proj", hid, h * qk, False)
         self.kv_a_proj = w.linear(f"{prefix}.kv_a_proj_with_mqa", hid, m.kv_lora_rank + m.qk_rope_head_dim,
                                   spec.qkv_bias)
-        self.kv_a_norm = RMSNorm(w.tensor(f"{prefix}.kv_a_layernorm.weight"), spec.norm_eps)
+        self.kv_a_norm = RMSNorm(w.tensor(f"{prefix}.kv_a_layernorm.weight"), 1e-6)
         self.kv_b_proj = w.linear(f"{prefix}.kv_b_proj", m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim),
                                   False)
         self.o_proj = w.linear(f"{prefix}.o_proj", h * m.v_head_dim, hid, spec.o_bias)

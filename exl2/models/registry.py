@@ -78,6 +78,8 @@ def _rope(cfg: dict, head_dim: int, default_theta: float = 10000.0, layer_type: 
     theta = rp.get("rope_theta", cfg.get("rope_theta", default_theta))
     max_pos = cfg.get("max_position_embeddings", 2048)
     if rtype in ("llama3", "yarn", "longrope"):
+        if cfg.get("model_type") == "phi3" and "original_max_position_embeddings" in cfg:
+            rp["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]  # HF: top level wins
         rp.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos))
     partial = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     rdim = dim if dim is not None else int(head_dim * partial)
@@ -92,9 +94,12 @@ def _eos(cfg: dict) -> tuple[int, ...]:
     return tuple(e) if isinstance(e, list) else (int(e),)
 
 
+_HEAD_DIM_DEFAULTS = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128}
+
+
 def _common(arch: str, cfg: dict) -> dict:
     heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    head_dim = cfg.get("head_dim") or _HEAD_DIM_DEFAULTS.get(arch) or cfg["hidden_size"] // heads
     return dict(
         arch=arch,
         model_type=cfg.get("model_type", ""),
@@ -114,7 +119,8 @@ def _common(arch: str, cfg: dict) -> dict:
 
 
 def _layer_windows(cfg: dict, n: int, arch: str) -> list[int | None]:
-    window = cfg.get("sliding_window")
+    # transformers' MistralConfig defaults the window to 4096 when the key is absent (null disables it).
+    window = cfg.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
     types = cfg.get("layer_types")
     if types:
         return [window if t == "sliding_attention" else None for t in types]
@@ -216,7 +222,7 @@ def _gemma(arch: str, cfg: dict) -> ModelSpec:
         sandwich_norm=True,
         embed_scale=c["hidden_size"] ** 0.5,
         attn_scale=cfg.get("query_pre_attn_scalar", c["head_dim"]) ** -0.5,
-        attn_softcap=cfg.get("attn_logit_softcapping") if not gemma3 else cfg.get("attn_logit_softcapping"),
+        attn_softcap=None if gemma3 else cfg.get("attn_logit_softcapping"),  # Gemma 3 stores it but never applies it
         final_softcap=cfg.get("final_logit_softcapping"),
     )
 

@@ -1,0 +1,429 @@
+"""Tiny random Hugging Face models and transformers reference outputs for decoder parity tests.
+
+Each ARCHS entry builds a 2-3 layer float32 model whose config is chosen so that the architecture's
+quirks bite on a 64 + 16 token sequence (sliding windows and chunks of 16, rope scaling whose original
+length is below the sequence, soft-caps small enough to matter, mixes of dense and MoE layers). All
+weights, including norms, biases, routers and DeepSeek's routing bias, are re-drawn at a scale that
+keeps activations O(1), so no code path is a no-op. See docs/architectures.md for what each quirk is.
+
+ARCHS maps a fixture name to a function returning its transformers config; build_tiny makes the weights.
+Import from tests as `from tiny_models import ARCHS, build_tiny, reference_logits, reference_decode`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# A shared small shape: hidden 64, 4 query heads, 2 KV heads, vocab 256.
+_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+
+
+def _cfg(**overrides):
+    out = dict(_BASE)
+    out.update(overrides)
+    return out
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_cfg(head_dim=16, **kw))
+
+
+def _arch_llama():
+    return _llama(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _arch_llama3_rope():
+    # original 64 -> wavelength bounds 16 and 64: with head_dim 16 / theta 1e4, pair 0 (wavelength 6.3)
+    # is kept, pairs 1-2 (19.9, 62.8) are smoothed and pairs 3-7 are divided by the factor.
+    return _llama(
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+
+
+def _arch_llama_linear_rope():
+    return _llama(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+
+
+def _arch_llama_dynamic_rope():
+    # max_position_embeddings 32 < the 80-token test sequence, so the NTK base is recomputed.
+    return _llama(
+        max_position_embeddings=32,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )
+
+
+def _arch_llama_yarn_rope():
+    return _llama(
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+    )
+
+
+def _arch_llama_tied():
+    return _llama(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _arch_mistral_swa():
+    from transformers import MistralConfig
+
+    # head_dim 32 != hidden/heads (16): Mistral-Nemo style decoupled head_dim.
+    return MistralConfig(
+        **_cfg(head_dim=32, sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    )
+
+
+def _arch_mixtral():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        **_cfg(
+            head_dim=16,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+    )
+
+
+def _arch_qwen2():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_cfg(rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+def _arch_qwen3():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_cfg(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+def _arch_qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    # Layers 0 and 2 are MoE, layer 1 is dense (mlp_only_layers); norm_topk_prob False keeps the raw
+    # softmax mass of the chosen experts (Mixtral covers the renormalising branch).
+    return Qwen3MoeConfig(
+        **_cfg(
+            num_hidden_layers=3,
+            head_dim=32,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+    )
+
+
+def _arch_gemma2():
+    from transformers import Gemma2Config
+
+    # Layers 0, 2 sliding (window 16), layer 1 global; soft-caps small enough to change the numbers
+    # (tied logits here have std ~0.25, so the final cap of 0.5 bends most of them).
+    return Gemma2Config(
+        **_cfg(
+            num_hidden_layers=3,
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            query_pre_attn_scalar=24,
+            sliding_window=16,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=0.5,
+            hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    )
+
+
+def _arch_gemma3():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **_cfg(
+            num_hidden_layers=3,
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            query_pre_attn_scalar=24,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        )
+    )
+
+
+def _arch_phi3():
+    from transformers import Phi3Config
+
+    return Phi3Config(**_cfg(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
+def _arch_phi3_longrope():
+    from transformers import Phi3Config
+
+    # Phi-4-mini style: partial rotary 0.75 (12 of 16 dims, 6 pairs). The top-level
+    # original_max_position_embeddings (32 < 80) overrides the one in rope_parameters, so long factors
+    # apply whenever the highest position + 1 exceeds 32.
+    gen = torch.Generator().manual_seed(1234)
+    short = (1.0 + torch.rand(6, generator=gen)).tolist()
+    long = (1.0 + 4.0 * torch.rand(6, generator=gen)).tolist()
+    return Phi3Config(
+        **_cfg(
+            max_position_embeddings=128,
+            original_max_position_embeddings=32,
+            partial_rotary_factor=0.75,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": short,
+                "long_factor": long,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    )
+
+
+def _deepseek(**kw):
+    from transformers import DeepseekV3Config
+
+    base = _cfg(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rms_norm_eps=1e-6,
+    )
+    base.update(kw)
+    return DeepseekV3Config(**base)
+
+
+def _arch_deepseek_v3():
+    # YaRN with mscale != mscale_all_dim so both the cos/sin factor and the softmax-scale factor differ from 1.
+    return _deepseek(
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        },
+    )
+
+
+def _arch_deepseek_v3_no_qlora():
+    # DeepSeek-V2-Lite style attention: plain q_proj, non-interleaved rope, default rope, no top-k renorm.
+    return _deepseek(
+        q_lora_rank=None,
+        rope_interleave=False,
+        norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+
+
+def _arch_llama4():
+    from transformers import Llama4TextConfig
+
+    # Layers 0, 1 use rope + chunked attention (chunk 16) + L2 qk-norm; layer 2 is NoPE, full attention,
+    # with temperature tuning (floor_scale 16 so it changes scales inside 80 tokens). Layer 1 is MoE.
+    return Llama4TextConfig(
+        **_cfg(
+            num_hidden_layers=3,
+            head_dim=16,
+            intermediate_size=64,
+            intermediate_size_mlp=128,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
+            no_rope_layers=[1, 1, 0],
+            attention_chunk_size=16,
+            use_qk_norm=True,
+            attn_temperature_tuning=True,
+            floor_scale=16,
+            attn_scale=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    )
+
+
+ARCHS: dict[str, Callable] = {
+    "llama": _arch_llama,
+    "llama3_rope": _arch_llama3_rope,
+    "llama_linear_rope": _arch_llama_linear_rope,
+    "llama_dynamic_rope": _arch_llama_dynamic_rope,
+    "llama_yarn_rope": _arch_llama_yarn_rope,
+    "llama_tied": _arch_llama_tied,
+    "mistral_swa": _arch_mistral_swa,
+    "mixtral": _arch_mixtral,
+    "qwen2": _arch_qwen2,
+    "qwen3": _arch_qwen3,
+    "qwen3_moe": _arch_qwen3_moe,
+    "gemma2": _arch_gemma2,
+    "gemma3": _arch_gemma3,
+    "phi3": _arch_phi3,
+    "phi3_longrope": _arch_phi3_longrope,
+    "deepseek_v3": _arch_deepseek_v3,
+    "deepseek_v3_no_qlora": _arch_deepseek_v3_no_qlora,
+    "llama4": _arch_llama4,
+}
+
+
+@torch.no_grad()
+def _randomize(model: nn.Module, config, seed: int) -> None:
+    """Redraw every weight so norms, biases and routers all matter and activations stay O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    gemma = config.model_type in ("gemma2", "gemma3_text")
+    llama4 = config.model_type == "llama4_text"
+
+    def randn(shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            p.copy_(0.1 * randn(p.shape))
+        elif p.ndim == 1:
+            # RMSNorm weights: Gemma stores w and multiplies by (1 + w); the others multiply by w.
+            p.copy_((0.0 if gemma else 1.0) + 0.1 * randn(p.shape))
+        elif "embed_tokens" in name:
+            # Gemma multiplies embeddings by sqrt(hidden). A tied head scores the input token's own
+            # embedding highly, so tied models get smaller embeddings to keep greedy decoding varied.
+            scale = config.hidden_size**-0.5 * 0.25 if gemma else (0.1 if config.tie_word_embeddings else 1.0)
+            p.copy_(randn(p.shape) * scale)
+        elif p.ndim == 3:
+            # Fused expert tensors: Llama4 stores [E, in, out], the others [E, out, in].
+            fan_in = p.shape[1] if llama4 else p.shape[2]
+            p.copy_(randn(p.shape) * fan_in**-0.5)
+        else:
+            p.copy_(randn(p.shape) * p.shape[1] ** -0.5)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * randn(b.shape))
+
+
+def build_tiny(name: str, out_dir: Path, seed: int = 0) -> Path:
+    """Build the tiny float32 model `name` with weights drawn from `seed` and save it as safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    config = ARCHS[name]()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    _randomize(model, config, seed)
+    model.eval()
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def _load(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(model_dir), attn_implementation="eager", dtype=torch.float32)
+    return model.eval()
+
+
+def _batched(input_ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.ndim == 1:
+        return input_ids[None], True
+    return input_ids, False
+
+
+@torch.no_grad()
+def reference_logits(model_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of one full forward pass over `input_ids` ([T] -> [T, V], [B, T] -> [B, T, V])."""
+    ids, squeeze = _batched(input_ids)
+    logits = _load(model_dir)(input_ids=ids, use_cache=False).logits.float()
+    return logits[0] if squeeze else logits
+
+
+@torch.no_grad()
+def reference_decode(
+    model_dir: Path, input_ids: torch.Tensor, steps: int
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Greedy decoding through transformers' own KV cache, one token per forward.
+
+    Returns (prefill_logits, step_logits, tokens): prefill_logits are the logits of every prompt position
+    ([T, V] or [B, T, V]); tokens[i] is the greedy token fed at decode step i (tokens[0] is the argmax of
+    the last prefill position, tokens[i + 1] the argmax of step_logits[i]); step_logits[i] are the logits
+    ([V] or [B, V]) produced by feeding tokens[i]. len(step_logits) == tokens.shape[-1] == steps.
+    """
+    from transformers import DynamicCache
+
+    ids, squeeze = _batched(input_ids)
+    model = _load(model_dir)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    prefill = out.logits.float()
+    cache = out.past_key_values
+    nxt = prefill[:, -1].argmax(-1)
+    steps_out: list[torch.Tensor] = []
+    tokens: list[torch.Tensor] = []
+    for _ in range(steps):
+        tokens.append(nxt)
+        out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits[:, -1].float()
+        steps_out.append(logits[0] if squeeze else logits)
+        nxt = logits.argmax(-1)
+    toks = torch.stack(tokens, dim=-1) if tokens else torch.empty(ids.shape[0], 0, dtype=torch.long)
+    if squeeze:
+        return prefill[0], steps_out, toks[0]
+    return prefill, steps_out, toks
