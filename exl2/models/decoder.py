@@ -226,13 +226,25 @@ class DecoderModel(nn.Module):
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         return x
 
+    def prepare_rope(self, length: int) -> None:
+        """Precompute cos/sin tables up to `length` so a forward only gathers rows (no host sync: graph-safe)."""
+        ropes = {"global": self.spec.rope, "local": self.spec.local_rope}
+        self._rope_cache = {name: (*r.table(length, self.dtype, self.device), r.interleaved)
+                            for name, r in ropes.items() if r is not None and r.static}
+
     def rope_tables(self, q_pos: torch.Tensor) -> dict:
         """cos/sin for the positions [B, T] of this forward, per RoPE table in use."""
         s = self.spec
-        pos = q_pos
-        tables = {"global": (*s.rope.cos_sin(pos, self.dtype), s.rope.interleaved)}
-        if s.local_rope is not None:
-            tables["local"] = (*s.local_rope.cos_sin(pos, self.dtype), s.local_rope.interleaved)
+        cached = getattr(self, "_rope_cache", {})
+        tables = {}
+        for name, r in (("global", s.rope), ("local", s.local_rope)):
+            if r is None:
+                continue
+            if name in cached:
+                cos, sin, inter = cached[name]
+                tables[name] = (cos[q_pos], sin[q_pos], inter)
+            else:
+                tables[name] = (*r.cos_sin(q_pos, self.dtype), r.interleaved)
         return tables
 
     def layer_rope(self, tables: dict, i: int):

@@ -49,6 +49,20 @@ class RopeSpec:
             return 1.0 / (ext * base ** exps), att
         raise ValueError(f"unknown rope type {t}")
 
+    @property
+    def static(self) -> bool:
+        """Whether the frequencies are independent of the sequence length (so tables can be precomputed)."""
+        if self.rope_type == "dynamic":
+            return False
+        if self.rope_type == "longrope":
+            return self.params.get("long_factor") == self.params.get("short_factor")
+        return True
+
+    def table(self, length: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [length, dim] for positions 0..length-1 (static RoPE types only)."""
+        pos = torch.arange(length, device=device)
+        return self.cos_sin(pos, dtype)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [*positions.shape, dim] in the rotate-half layout (frequencies repeated twice)."""
         seq_len = int(positions.max().item()) + 1 if positions.numel() else 1
