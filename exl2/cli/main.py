@@ -7,7 +7,7 @@ import sys
 
 from exl2.errors import Exl2Error
 
-COMMANDS = ("generate", "chat", "info", "import_gguf")
+COMMANDS = ("generate", "chat", "info", "import_gguf", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

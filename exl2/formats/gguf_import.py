@@ -269,7 +269,7 @@ def _sp_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
 
 def _sp_tokenizer(meta: dict, tokens: list[str], types: list[int], special: dict):
     """Llama/sentencepiece style BPE with byte fallback (tokenizer.ggml.model == 'llama')."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
     scores = meta.get("tokenizer.ggml.scores")
     if not scores or len(scores) != len(tokens):
@@ -279,8 +279,9 @@ def _sp_tokenizer(meta: dict, tokens: list[str], types: list[int], special: dict
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_sp_merges(tokens, scores, types), unk_token=unk,
                                fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
-                                                 split=False)
+    # Like sentencepiece (and llama.cpp): always prepend one "▁", even before text that starts with spaces.
+    replace = normalizers.Replace(" ", "▁")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace]) if prefix else replace
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -312,12 +313,13 @@ def _tokenizer_files(meta: dict, context: int) -> tuple[str, dict, dict]:
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and special["eos"] is not None
     name = {k: (tokens[v] if v is not None and 0 <= v < len(tokens) else None) for k, v in special.items()}
     if add_bos or add_eos:
-        bos = f"{name['bos']}:0 " if add_bos else ""
-        eos = f" {name['eos']}:0" if add_eos else ""
+        def seq(piece: str, type_id: int) -> list[str]:
+            return ([f"{name['bos']}:{type_id}"] if add_bos else []) + [f"{piece}:{type_id}"] + (
+                [f"{name['eos']}:{type_id}"] if add_eos else [])
+
         pairs = [(name[k], special[k]) for k, on in (("bos", add_bos), ("eos", add_eos)) if on]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {bos.replace(':0', ':1')}$B:1{eos.replace(':0', ':1')}",
-            special_tokens=pairs)
+        tok.post_processor = processors.TemplateProcessing(single=seq("$A", 0), pair=seq("$A", 0) + seq("$B", 1),
+                                                           special_tokens=pairs)
     elif model == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
 
@@ -432,6 +434,8 @@ def import_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype =
         _write_json(tmp / "tokenizer_config.json", tok_config)
         _write_json(tmp / "generation_config.json", gen)
         _write_json(tmp / MARKER_FILE, {"source": gguf_path.name, "importer_version": IMPORTER_VERSION})
+        for f in tmp.iterdir():
+            f.chmod(0o644)  # safetensors writes 0600; the import is as readable as any other download
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

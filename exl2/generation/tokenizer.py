@@ -163,7 +163,7 @@ class _SPBackend:
         for i in ids:
             if i in skip:
                 continue
-            if i in self.added or self.sp.is_control(i):
+            if i in self.added or not 0 <= i < self.sp.get_piece_size() or self.sp.is_control(i):
                 if run:
                     text.append(self.sp.decode(run))
                     run = []

@@ -1,0 +1,56 @@
+"""`exl2 bench`: prefill and decode speed on the GPU against the memory-bandwidth bound."""
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="measure prefill/decode speed on the GPU",
+                       description="Prefill and decode throughput (batch 1 and a large batch, fp16 and quantized "
+                                   "KV cache) with the memory-bandwidth bound and the share of it reached. Without "
+                                   "-m it fabricates a Llama-3-8B-shaped EXL2 model (4.0 bpw, 6-bit head).")
+    p.add_argument("-m", "--model_dir", dest="model_dir", default=None, help="model directory (default: synthetic 8B)")
+    p.add_argument("--modes", default="fp16,q4", help="KV cache modes to measure (default fp16,q4)")
+    p.add_argument("--contexts", default="128,2048", help="decode context lengths (default 128,2048)")
+    p.add_argument("--prefill", type=int, default=2047, help="prefill length (default 2047)")
+    p.add_argument("--batch", type=int, default=16, help="large decode batch (default 16)")
+    p.add_argument("--layers", type=int, default=None, help="synthetic model: number of layers (default 32)")
+    p.add_argument("--breakdown", action="store_true", help="also print per-kernel times of one decode step")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from exl2.errors import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError("exl2 bench needs a CUDA GPU; none is available here.")
+    from exl2.models.decoder import DecoderModel
+    from exl2.models.registry import read_config, spec_from_config
+    from exl2.runtime.benchmark import format_table, kernel_breakdown, run_benchmark, weight_bytes
+    from exl2.runtime.synthetic import LLAMA3_8B, DictSource, llama_exl2_tensors
+    from exl2.runtime.weights import WeightLoader
+    from exl2.formats.safetensors_io import TensorSource
+
+    dev = torch.device("cuda")
+    if args.model_dir:
+        cfg = read_config(args.model_dir)
+        source = TensorSource(args.model_dir)
+    else:
+        cfg = dict(LLAMA3_8B)
+        if args.layers:
+            cfg["num_hidden_layers"] = args.layers
+        source = DictSource(llama_exl2_tensors(cfg, device=dev))
+    spec = spec_from_config(cfg)
+    with torch.inference_mode():
+        model = DecoderModel(spec, WeightLoader(source, dev, torch.float16)).eval()
+    wbytes = weight_bytes(source)
+    print(f"model: {args.model_dir or 'synthetic Llama-3-8B-shaped EXL2 4.0 bpw, 6-bit head'}; "
+          f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}")
+    rows = run_benchmark(model, wbytes, tuple(args.modes.split(",")), tuple(int(c) for c in args.contexts.split(",")),
+                         args.prefill, args.batch, log=lambda r: None)
+    print(format_table(rows))
+    if args.breakdown:
+        print("\nper-kernel time of one decode step (batch 1, ctx 2048, fp16 cache):")
+        for name, calls, us, share in kernel_breakdown(model):
+            print(f"  {name:<60} {calls:>5} {us:>10.1f} µs {share:>6.1%}")
+    return 0

@@ -1,0 +1,132 @@
+"""Decode/prefill throughput of a model on the GPU, against the memory-bandwidth bound (`exl2 bench`)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from exl2.models.decoder import DecoderModel
+from exl2.runtime.graphs import DecodeGraphs
+from exl2.runtime.paged_cache import PagedKVCache
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (DESIGN.md)
+
+
+@dataclass
+class Row:
+    name: str
+    tokens_per_s: float
+    bound: Optional[float] = None
+
+    @property
+    def pct(self) -> Optional[float]:
+        return 100 * self.tokens_per_s / self.bound if self.bound else None
+
+
+def weight_bytes(source) -> int:
+    """Bytes one decode step must read from the model files: every tensor but the embedding table, of which one
+    row is read."""
+    total = 0
+    for name in source.keys():
+        t = source[name]
+        if name == "model.embed_tokens.weight":
+            total += t.shape[1] * t.element_size()
+        else:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _time(fn: Callable[[], object], iters: int) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contexts=(128, 2048),
+                  prefill_len: int = 2047, big_batch: int = 16, page_size: int = 256, iters: int = 50,
+                  log=print) -> list[Row]:
+    """Rows of the benchmark table; `wbytes` is the weight bytes read per decode step (see weight_bytes)."""
+    dev = model.device
+    max_ctx = max(max(contexts), prefill_len) + 64
+    pages_per_seq = -(-max_ctx // page_size)
+    rows: list[Row] = []
+    vocab = model.spec.vocab_size
+    for mode in modes:
+        cache = PagedKVCache(model.spec, num_pages=1 + big_batch * pages_per_seq, page_size=page_size, mode=mode,
+                             device=dev, dtype=model.dtype)
+        graphs = DecodeGraphs(model, cache, pages_per_seq, scratch_page=0)
+        graphs.capture()
+        table = (1 + torch.arange(big_batch * pages_per_seq, device=dev, dtype=torch.int32)).view(big_batch, -1)
+        kv_token = cache.bytes_per_token()
+        if mode == modes[0]:
+            ids = torch.randint(0, vocab, (1, prefill_len), device=dev)
+            cache.bind(table[:1])
+
+            def prefill():
+                with torch.inference_mode():
+                    model(ids, cache, 0, last_only=True)
+            prefill()
+            dt = _time(prefill, 3)
+            rows.append(Row(f"prefill {prefill_len} tokens ({mode} cache)", prefill_len / dt))
+            log(rows[-1])
+        for ctx in contexts:
+            ids = torch.randint(0, vocab, (1, 1), device=dev)
+            pos = torch.full((1,), ctx, device=dev)
+            dt = _time(lambda: graphs.step(ids, pos, table[:1]), iters)
+            bound = COPY_BANDWIDTH / (wbytes + kv_token * ctx)
+            rows.append(Row(f"decode bs=1 ctx={ctx} ({mode} cache)", 1 / dt, bound))
+            log(rows[-1])
+        ids = torch.randint(0, vocab, (big_batch, 1), device=dev)
+        pos = torch.full((big_batch,), contexts[0], device=dev)
+        dt = _time(lambda: graphs.step(ids, pos, table), iters)
+        bound = big_batch * COPY_BANDWIDTH / (wbytes + big_batch * kv_token * contexts[0])
+        rows.append(Row(f"decode bs={big_batch} ctx={contexts[0]} ({mode} cache), total", big_batch / dt, bound))
+        log(rows[-1])
+        del graphs, cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def kernel_breakdown(model: DecoderModel, page_size: int = 256, ctx: int = 2048, top: int = 15) -> list[tuple]:
+    """Per-kernel GPU time of one captured decode step (batch 1): [(kernel, calls, µs, share)]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = model.device
+    pages = -(-(ctx + 64) // page_size)
+    cache = PagedKVCache(model.spec, num_pages=1 + pages, page_size=page_size, device=dev, dtype=model.dtype)
+    graphs = DecodeGraphs(model, cache, pages)
+    graphs.capture((1,))
+    table = (1 + torch.arange(pages, device=dev, dtype=torch.int32)).view(1, -1)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    pos = torch.full((1,), ctx, device=dev)
+    for _ in range(3):
+        graphs.step(ids, pos, table)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graphs.step(ids, pos, table)
+        torch.cuda.synchronize()
+    stats = {}
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        n, t = stats.get(ev.name, (0, 0.0))
+        stats[ev.name] = (n + 1, t + ev.device_time / 5)
+    total = sum(t for _, t in stats.values()) or 1.0
+    rows = sorted(((k[:60], n // 5, t, t / total) for k, (n, t) in stats.items()), key=lambda r: -r[2])
+    return rows[:top] + [("total", sum(r[1] for r in rows), total, 1.0)]
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [f"| {'measure':<46} | {'tok/s':>10} | {'bound tok/s':>11} | {'% of bound':>10} |",
+             f"|{'-' * 48}|{'-' * 12}|{'-' * 13}|{'-' * 12}|"]
+    for r in rows:
+        b = f"{r.bound:,.0f}" if r.bound else "—"
+        p = f"{r.pct:.0f} %" if r.pct else "—"
+        lines.append(f"| {r.name:<46} | {r.tokens_per_s:>10,.0f} | {b:>11} | {p:>10} |")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""Fabricated EXL2 models: random but valid tensors with real shapes, for benchmarks without a model download."""
+from __future__ import annotations
+
+import torch
+
+from exl2.formats.exl2 import group_layout, pack
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "bos_token_id": 128000, "eos_token_id": 128001,
+}
+
+# (bits, proportion, group size) per option: 4.0 bpw body (4-bit, group 128) and exllamav2's -hb 6 head.
+BODY_OPTION = ([4], [1.0], [128])
+HEAD_OPTION = ([8, 6], [0.15, 0.85], [128, 128])
+
+
+def random_exl2_layer(k: int, n: int, option=BODY_OPTION, device="cpu", generator=None) -> dict[str, torch.Tensor]:
+    """On-disk EXL2 tensors of a random layer [K in, N out] with weights of a realistic magnitude."""
+    bits, prop, gs = option
+    groups = group_layout(k, bits, prop, gs)
+    codes = torch.empty(k, n, dtype=torch.uint8, device=device)
+    row = 0
+    for b, rows in groups:
+        codes[row:row + rows] = torch.randint(0, 2 ** b, (rows, n), dtype=torch.uint8, generator=generator,
+                                              device=device)
+        row += rows
+    scale_codes = torch.randint(8, 17, (len(groups), n), generator=generator, device=device)
+    scale_max = torch.tensor([0.02 / 2.0 ** (b - 1) for b, _ in groups], dtype=torch.float16, device=device)
+    perm = torch.randperm(k, generator=generator, device=device)
+    return {key: t.to(device) for key, t in pack(codes, groups, scale_codes, scale_max, perm).items()}
+
+
+def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """All tensors of a Llama-shaped EXL2 model (4-bit body, 6-bit head), keyed like an EXL2 checkpoint."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": (torch.randn(v, h, generator=g, device=device) * 0.02).half(),
+        "model.norm.weight": torch.ones(h, dtype=torch.float16, device=device),
+    }
+
+    def add(prefix, k, n, option=BODY_OPTION):
+        for key, t in random_exl2_layer(k, n, option, device, g).items():
+            out[f"{prefix}.{key}"] = t
+
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.float16, device=device)
+        out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.float16, device=device)
+        add(f"{p}.self_attn.q_proj", h, h)
+        add(f"{p}.self_attn.k_proj", h, kv)
+        add(f"{p}.self_attn.v_proj", h, kv)
+        add(f"{p}.self_attn.o_proj", h, h)
+        add(f"{p}.mlp.gate_proj", h, i)
+        add(f"{p}.mlp.up_proj", h, i)
+        add(f"{p}.mlp.down_proj", i, h)
+    add("lm_head", h, v, HEAD_OPTION)
+    return out
+
+
+class DictSource(dict):
+    """A dict of tensors that quacks like TensorSource for WeightLoader."""
+
+    def shape(self, name: str) -> list[int]:
+        return list(self[name].shape)

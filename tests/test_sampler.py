@@ -1,0 +1,130 @@
+"""Sampler against transformers' logits processors; seeded reproducibility; empirical frequencies."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl2.config import SamplingSettings
+from exl2.generation.sampler import apply_repetition_penalty, filter_logits, make_generator, sample
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _hf_chain(settings: SamplingSettings, input_ids, scores):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+        TopKLogitsWarper, TopPLogitsWarper,
+    )
+
+    procs = []
+    if settings.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(settings.repetition_penalty))
+    if settings.temperature not in (0.0, 1.0):
+        procs.append(TemperatureLogitsWarper(settings.temperature))
+    if settings.top_k:
+        procs.append(TopKLogitsWarper(settings.top_k))
+    if settings.top_p < 1.0:
+        procs.append(TopPLogitsWarper(settings.top_p))
+    if settings.min_p > 0.0:
+        procs.append(MinPLogitsWarper(settings.min_p))
+    return LogitsProcessorList(procs)(input_ids, scores.clone())
+
+
+CASES = [
+    dict(temperature=0.7, top_k=50),
+    dict(temperature=1.3, top_p=0.9),
+    dict(temperature=1.0, top_p=0.5),
+    dict(temperature=0.9, min_p=0.05),
+    dict(temperature=2.0, min_p=0.2),
+    dict(temperature=0.8, top_k=200, top_p=0.95, min_p=0.02, repetition_penalty=1.3),
+    dict(temperature=1.5, top_k=7, top_p=0.8, repetition_penalty=0.8),
+    dict(temperature=1.0, repetition_penalty=1.5),
+]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+@pytest.mark.parametrize("device", DEVICES)
+def test_filters_match_transformers(index, device):
+    case = CASES[index]
+    torch.manual_seed(index)
+    batch, vocab = 4, 1000
+    logits = torch.randn(batch, vocab) * 4
+    past = torch.randint(0, vocab, (batch, 64))
+    settings = SamplingSettings(**case)
+    ref = _hf_chain(settings, past, logits)
+    ours = filter_logits(apply_repetition_penalty(logits.to(device), settings.repetition_penalty, past.to(device)),
+                         settings).cpu()
+    keep = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(ours), keep)
+    filtering = settings.top_k or settings.top_p < 1.0 or settings.min_p > 0.0
+    assert 0 < keep.sum() < batch * vocab if filtering else keep.all()
+    torch.testing.assert_close(ours[keep], ref[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_repetition_penalty_rows_and_padding():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0], [2.0, -2.0, 1.0, -1.0]])
+    expected = torch.tensor([[1.0, -4.0, 1.0, -1.0], [2.0, -2.0, 0.5, -2.0]])
+    as_list = apply_repetition_penalty(logits, 2.0, [[0, 1, 0], [2, 3]])
+    as_tensor = apply_repetition_penalty(logits, 2.0, torch.tensor([[0, 1, 0, -1], [2, 3, -1, -1]]))
+    torch.testing.assert_close(as_list, expected)
+    torch.testing.assert_close(as_tensor, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy(device):
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 4.0]], device=device)
+    out = sample(logits, SamplingSettings(temperature=0.0), None)
+    assert out.dtype == torch.int64 and out.device.type == device
+    assert out.tolist() == [1, 0]
+    # top_k=1 is greedy too, and the repetition penalty still applies before the argmax.
+    out = sample(logits, SamplingSettings(top_k=1, repetition_penalty=2.0), None, past_ids=[[1], [0]])
+    assert out.tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_reproducibility(device):
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0)).to(device)
+    settings = SamplingSettings(temperature=1.0, top_p=0.95)
+    runs = []
+    for seed in (1234, 1234, 99):
+        gen = make_generator(seed, device)
+        runs.append(torch.stack([sample(logits, settings, gen) for _ in range(5)]).cpu())
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def _frequencies(logits_row, settings, n=40000, seed=0):
+    out = sample(logits_row.expand(n, -1), settings, make_generator(seed, "cpu"))
+    return torch.bincount(out, minlength=logits_row.numel()).double() / n
+
+
+def test_empirical_frequencies():
+    logits = torch.tensor([1.0, 0.5, 0.0, -1.0, -3.0])
+    # Binomial std for n=40000 is at most 0.0025; 0.012 is ~5 sigma.
+    freq = _frequencies(logits, SamplingSettings(temperature=1.0))
+    torch.testing.assert_close(freq, logits.double().softmax(0), atol=0.012, rtol=0)
+    freq = _frequencies(logits, SamplingSettings(temperature=0.5))
+    torch.testing.assert_close(freq, (logits.double() / 0.5).softmax(0), atol=0.012, rtol=0)
+    freq = _frequencies(logits, SamplingSettings(temperature=1.0, top_k=2))
+    expected = torch.zeros(5, dtype=torch.float64)
+    expected[:2] = logits[:2].double().softmax(0)
+    torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
+    assert freq[2:].sum() == 0
+    # min_p=0.3 keeps tokens with p >= 0.3 * p_max: here the first three.
+    freq = _frequencies(logits, SamplingSettings(temperature=1.0, min_p=0.3))
+    expected = torch.zeros(5, dtype=torch.float64)
+    expected[:3] = logits[:3].double().softmax(0)
+    torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
+
+
+def test_fp16_logits_and_1d_input():
+    logits = torch.randn(300).half()
+    out = sample(logits, SamplingSettings(temperature=0.9, top_k=10), make_generator(3))
+    assert out.shape == (1,) and out.dtype == torch.int64
+    assert out.item() in torch.topk(logits.float(), 10).indices.tolist()
+
+
+def test_make_generator_unseeded_differs():
+    a = torch.randint(0, 1 << 30, (4,), generator=make_generator(None))
+    b = torch.randint(0, 1 << 30, (4,), generator=make_generator(None))
+    assert not torch.equal(a, b)
