@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, softcap, temperature_scale
-from exl2.models.rope import RopeSpec, apply_rope
+from exl2.kernels.rotary import apply_rotary
 from exl2.models.spec import LayerSpec, ModelSpec
 
 
@@ -79,7 +79,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin, inter = rope
-            q, k = apply_rope(q, cos, sin, inter), apply_rope(k, cos, sin, inter)
+            apply_rotary(q, k, cos, sin, q_pos, 2 * cos.shape[-1], inter)
         if layer.qk_l2_norm:
             q, k = l2_norm(q, s.norm_eps), l2_norm(k, s.norm_eps)
         if layer.temperature_tuning:
@@ -127,8 +127,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k_pe = k_pe.view(b, t, 1, m.qk_rope_head_dim)
         cos, sin, inter = rope
-        q_pe, k_pe = apply_rope(q_pe, cos, sin, inter), apply_rope(k_pe, cos, sin, inter)
-        q = torch.cat([q_nope, q_pe], dim=-1)
+        apply_rotary(q_pe, k_pe, cos, sin, q_pos, m.qk_rope_head_dim, inter)  # in place, through the views
         k = torch.cat([k_nope, k_pe.expand(b, t, h, m.qk_rope_head_dim)], dim=-1)
         v = v.contiguous()
         o = cache.attend(self.idx, q, k, v, q_pos, self.scale) if cache is not None else \
@@ -168,6 +167,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, q_pos, rope, cache=None):
         return self.mlp_block(self.attn_block(x, q_pos, rope, cache))
+
+    def fused_step(self, x: torch.Tensor, delta: Optional[torch.Tensor], q_pos, rope, cache=None):
+        """Inference form of forward: `x` is the residual stream (updated in place) and `delta` the previous
+        layer's MLP output not yet added, so each residual add fuses with the following norm. Returns the new
+        (x, delta)."""
+        if self.spec.sandwich_norm:
+            if delta is not None:
+                x = x + delta
+            return self.mlp_block(self.attn_block(x, q_pos, rope, cache)), None
+        h = self.input_layernorm.add_norm(delta, x) if delta is not None else self.input_layernorm(x)
+        h = self.self_attn(h, q_pos, rope, cache)
+        return x, self.mlp(self.post_attention_layernorm.add_norm(h, x))
 
 
 def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> nn.Module:
@@ -227,13 +238,14 @@ class DecoderModel(nn.Module):
         return x
 
     def prepare_rope(self, length: int) -> None:
-        """Precompute cos/sin tables up to `length` so a forward only gathers rows (no host sync: graph-safe)."""
+        """Precompute cos/sin tables up to `length`, so a forward needs no host sync (CUDA-graph safe)."""
         ropes = {"global": self.spec.rope, "local": self.spec.local_rope}
-        self._rope_cache = {name: (*r.table(length, self.dtype, self.device), r.interleaved)
+        self._rope_cache = {name: (*r.table(length, self.device), r.interleaved)
                             for name, r in ropes.items() if r is not None and r.static}
+        self._rope_len = length
 
     def rope_tables(self, q_pos: torch.Tensor) -> dict:
-        """cos/sin for the positions [B, T] of this forward, per RoPE table in use."""
+        """cos/sin tables [positions, dim/2] covering q_pos, per RoPE table in use."""
         s = self.spec
         cached = getattr(self, "_rope_cache", {})
         tables = {}
@@ -241,10 +253,10 @@ class DecoderModel(nn.Module):
             if r is None:
                 continue
             if name in cached:
-                cos, sin, inter = cached[name]
-                tables[name] = (cos[q_pos], sin[q_pos], inter)
+                tables[name] = cached[name]
             else:
-                tables[name] = (*r.cos_sin(q_pos, self.dtype), r.interleaved)
+                end = int(q_pos.max()) + 1
+                tables[name] = (*r.table(end, self.device), r.interleaved)
         return tables
 
     def layer_rope(self, tables: dict, i: int):
@@ -254,8 +266,12 @@ class DecoderModel(nn.Module):
         return tables["local" if layer.local_rope else "global"]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(x))[..., : self.spec.vocab_size]
-        return softcap(logits.float(), self.spec.final_softcap)
+        """Final norm + output projection (+ soft-capping) → float32 logits."""
+        return self.logits(self.norm(x))
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        out = self.lm_head(normed)[..., : self.spec.vocab_size]
+        return softcap(out.float(), self.spec.final_softcap)
 
     @staticmethod
     def positions(ids: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
@@ -271,12 +287,11 @@ class DecoderModel(nn.Module):
         """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared)."""
         q_pos = self.positions(ids, start)
         tables = self.rope_tables(q_pos)
-        x = self.embed(ids)
+        x, delta = self.embed(ids).contiguous(), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, q_pos, self.layer_rope(tables, i), cache)
-        if last_only:
-            x = x[:, -1:]
-        return self.head(x)
+            x, delta = layer.fused_step(x, delta, q_pos, self.layer_rope(tables, i), cache)
+        normed = self.norm.add_norm(delta, x) if delta is not None else self.norm(x)
+        return self.logits(normed[:, -1:] if last_only else normed)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         s = self.spec

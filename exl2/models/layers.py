@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl2.kernels.activation import glu
+from exl2.kernels.norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; `offset` 1.0 gives Gemma's (1 + w) scaling."""
@@ -15,22 +18,12 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is None:
-            return xf.to(dtype)
-        if self.offset:
-            return (xf * (self.offset + self.weight.float())).to(dtype)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x.contiguous(), self.weight, self.eps, gemma=bool(self.offset))
 
-
-def activation(name: str):
-    if name == "silu":
-        return F.silu
-    if name == "gelu_tanh":
-        return lambda x: F.gelu(x, approximate="tanh")
-    return F.gelu
+    def add_norm(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += delta (in place); return norm(residual). One fused kernel on the GPU."""
+        normed, _ = rms_norm(delta.contiguous(), self.weight, self.eps, residual=residual, gemma=bool(self.offset))
+        return normed
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
@@ -69,10 +62,10 @@ class GatedMLP(nn.Module):
     def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module, act: str):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate, up, down
-        self.act = activation(act)
+        self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.act_name))
 
 
 class MoE(nn.Module):

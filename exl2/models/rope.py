@@ -58,10 +58,12 @@ class RopeSpec:
             return self.params.get("long_factor") == self.params.get("short_factor")
         return True
 
-    def table(self, length: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [length, dim] for positions 0..length-1 (static RoPE types only)."""
-        pos = torch.arange(length, device=device)
-        return self.cos_sin(pos, dtype)
+    def table(self, length: int, device, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos/sin [length, dim/2] for positions 0..length-1, as exl2.kernels.rotary takes them.
+        `seq_len` is the sequence length the frequencies are chosen for (dynamic and longrope only)."""
+        inv, scale = self.inv_freq(seq_len or length)
+        ang = torch.outer(torch.arange(length, dtype=torch.float32), inv)
+        return (ang.cos() * scale).to(device), (ang.sin() * scale).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [*positions.shape, dim] in the rotate-half layout (frequencies repeated twice)."""
@@ -114,20 +116,3 @@ def _yarn(spec: RopeSpec, p: dict) -> tuple[torch.Tensor, float]:
     extra, inter = 1.0 / pos, 1.0 / (factor * pos)
     keep = 1 - ramp
     return inter * (1 - keep) + extra * keep, float(att)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] dims of x [B, T, H, D]; cos/sin are [B, T, dim] (rotate-half layout)."""
-    rd = cos.shape[-1]
-    xr, xp = x[..., :rd], x[..., rd:]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    if interleaved:
-        half = rd // 2
-        c, s = c[..., :half].repeat_interleave(2, -1), s[..., :half].repeat_interleave(2, -1)
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack([-x2, x1], dim=-1).flatten(-2)
-    else:
-        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-        rot = torch.cat([-x2, x1], dim=-1)
-    out = xr * c + rot * s
-    return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out

@@ -7,13 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl2.kernels.quant_matmul import quant_matmul
+
 
 class Linear(nn.Module):
     """y = x · W + b.
 
     `weight` is the dense [out, in] matrix (the CPU path dequantizes quantized layers once at load);
-    `kernel`, when set, is a callable `kernel(x2d) -> y2d` from exl2.kernels that computes straight from the
-    quantized data on the GPU. `info` records the on-disk format for `exl2 info` and the quantizer.
+    `kernel`, when set, is an exl2.kernels QuantWeight (EXL2 or GPTQ, bias included) that the quantized matmul
+    kernels compute from directly on the GPU. `info` records the on-disk format for `exl2 info` and the quantizer.
     """
 
     def __init__(self, in_features: int, out_features: int, weight: Optional[torch.Tensor] = None,
@@ -27,10 +29,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            shape = x.shape
-            y = self.kernel(x.reshape(-1, shape[-1]))[:, : self.out_features]
-            y = y.reshape(*shape[:-1], self.out_features)
-            return y + self.bias if self.bias is not None else y
+            y = quant_matmul(x, self.kernel)
+            return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -61,19 +61,25 @@ class WeightLoader:
             if f"{prefix}.q_weight" in self.src:
                 from exl2.kernels.exl2_matmul import Exl2Weight
                 return Exl2Weight.from_tensors(self.src, prefix, self.device)
-            if f"{prefix}.qweight" in self.src and self.gptq_bits == 4:
+            if f"{prefix}.qweight" in self.src:
                 from exl2.kernels.gptq_matmul import GptqWeight
-                return GptqWeight.from_tensors(self.src, prefix, self.device, self.checkpoint_format)
+                return GptqWeight.from_tensors(self.src, prefix, self.device, self.checkpoint_format,
+                                               self.gptq_bits)
         except ImportError:
             return None
         return None
 
     def linear(self, prefix: str, in_features: int, out_features: int, bias: bool) -> Linear:
         kernel = self._kernel(prefix)
-        b = self._bias(prefix, out_features, bias)
-        if kernel is not None:
+        if kernel is not None:  # the kernel weight carries the bias
+            if bias and kernel.bias is None:
+                raise ModelLoadError(f"The model files lack the tensor {prefix + '.bias'!r}.")
+            if kernel.k != in_features or kernel.n < out_features:
+                raise FormatError(f"Layer {prefix!r} holds a {kernel.k}×{kernel.n} matrix, expected "
+                                  f"{in_features}×{out_features}.")
             info = {"format": "exl2" if f"{prefix}.q_weight" in self.src else "gptq"}
-            return Linear(in_features, out_features, None, b, kernel, info)
+            return Linear(in_features, out_features, None, None, kernel, info)
+        b = self._bias(prefix, out_features, bias)
         w, info = self._dense_matrix(prefix)
         w = w[:out_features]
         if tuple(w.shape) != (out_features, in_features):
