@@ -1,9 +1,9 @@
 """The paged KV cache: fixed-size pages shared by all sequences, addressed through per-sequence block tables.
 
-Keys/values are stored fp16 or quantized (q8, q6 = 8-bit keys + 4-bit values, q4, q3, q2; see
-exl2.kernels.kv_quant). `attend` writes the new keys/values of a forward and runs attention over each
-sequence's pages: the paged flash-decoding kernel for single-token steps, gathered pages + prefill attention
-otherwise. All tensors it uses are static, so a decode step can be captured in a CUDA graph.
+Keys/values are stored fp16 or quantized (q8, q6 = 8-bit keys + 4-bit values, q4, q3, q2; layout in
+exl2.kernels.kv_quant). `attend` writes the new keys/values of a forward and runs attention over each sequence's
+pages: the paged (flash-decoding) kernel for decode and chunked prefill, plain prefill attention over the new
+tokens when no prefix is cached. A decode step uses only static tensors, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -11,40 +11,46 @@ from typing import Optional
 
 import torch
 
+from exl2.kernels import kv_quant
+from exl2.kernels.attention import paged_attention, varlen_attention, write_kv
 from exl2.models.layers import attention
 from exl2.models.spec import ModelSpec
 
-KV_BITS = {"fp16": (16, 16), "q8": (8, 8), "q6": (8, 4), "q4": (4, 4), "q3": (3, 3), "q2": (2, 2)}
+KV_MODES = kv_quant.KV_MODES
 
 
 class PagedKVCache:
     def __init__(self, spec: ModelSpec, num_pages: int, page_size: int = 256, mode: str = "fp16",
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16):
-        if mode not in KV_BITS:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16, decode_splits: int = 8):
+        if mode not in KV_MODES:
             raise ValueError(f"unknown cache mode {mode}")
         self.spec, self.num_pages, self.page_size, self.mode = spec, num_pages, page_size, mode
         self.device, self.dtype = torch.device(device), dtype
+        self.decode_splits = decode_splits
         if spec.mla is not None:
             self.kv_heads, self.k_dim, self.v_dim = spec.num_heads, spec.head_dim, spec.mla.v_head_dim
         else:
             self.kv_heads, self.k_dim, self.v_dim = spec.num_kv_heads, spec.head_dim, spec.head_dim
-        self.k_bits, self.v_bits = KV_BITS[mode]
-        self.k = [self._alloc(self.k_dim, self.k_bits) for _ in range(spec.num_layers)]
-        self.v = [self._alloc(self.v_dim, self.v_bits) for _ in range(spec.num_layers)]
+        self.k_bits, self.v_bits = KV_MODES[mode]
+        for bits, dim in ((self.k_bits, self.k_dim), (self.v_bits, self.v_dim)):
+            if bits != 16:
+                kv_quant.check_head_dim(dim, bits)
+        self.k, self.k_scales = zip(*[self._alloc(self.k_dim, self.k_bits) for _ in range(spec.num_layers)])
+        self.v, self.v_scales = zip(*[self._alloc(self.v_dim, self.v_bits) for _ in range(spec.num_layers)])
         self.block_table: Optional[torch.Tensor] = None
 
-    # -- storage -------------------------------------------------------------------------------------------
     def _alloc(self, dim: int, bits: int):
         shape = (self.num_pages, self.page_size, self.kv_heads)
         if bits == 16:
-            return torch.zeros(*shape, dim, dtype=self.dtype, device=self.device)
-        from exl2.kernels.kv_quant import kv_storage
-        return kv_storage(shape, dim, bits, self.device)
+            return torch.zeros(*shape, dim, dtype=self.dtype, device=self.device), None
+        return (torch.zeros(*shape, kv_quant.packed_dim(dim, bits), dtype=torch.uint8, device=self.device),
+                torch.zeros(*shape, dim // 32, dtype=torch.float16, device=self.device))
 
     def bytes_per_token(self) -> float:
-        per = self.kv_heads * (self.k_dim * (self.k_bits + (0.5 if self.k_bits < 16 else 0))
-                               + self.v_dim * (self.v_bits + (0.5 if self.v_bits < 16 else 0))) / 8
-        return per * self.spec.num_layers
+        """Cache bytes per token of context over all layers (what a decode step reads per cached token)."""
+        def row(dim, bits):
+            return dim * 2 if bits == 16 else dim * bits / 8 + dim // 32 * 2
+        return self.kv_heads * (row(self.k_dim, self.k_bits) + row(self.v_dim, self.v_bits)) * self.spec.num_layers
 
     def bind(self, block_table: torch.Tensor) -> None:
         """Select the sequences of the next forward: row b of the batch uses pages block_table[b]."""
@@ -52,43 +58,41 @@ class PagedKVCache:
 
     def slots(self, q_pos: torch.Tensor) -> torch.Tensor:
         """Flat slot index (page * page_size + offset) of every position [B, T]."""
-        bt = self.block_table.long()
-        page = bt.gather(1, torch.div(q_pos, self.page_size, rounding_mode="floor"))
+        page = self.block_table.long().gather(1, torch.div(q_pos, self.page_size, rounding_mode="floor"))
         return page * self.page_size + q_pos % self.page_size
 
-    def _store(self, store, x: torch.Tensor, slots: torch.Tensor, bits: int) -> None:
-        flat = slots.reshape(-1)
-        xs = x.reshape(-1, *x.shape[2:])
-        if bits == 16:
-            store.view(-1, *store.shape[2:]).index_copy_(0, flat, xs.to(store.dtype))
-        else:
-            from exl2.kernels.kv_quant import kv_write
-            kv_write(store, xs, flat, bits)
-
-    def _gather(self, store, bits: int, dim: int, length: int) -> torch.Tensor:
-        """Keys or values of positions [0, length) for every bound sequence: [B, length, H, D]."""
+    def _read(self, layer: int, key: bool, length: int) -> torch.Tensor:
+        """Dequantized keys or values of positions [0, length) of every bound sequence: [B, length, H, D]."""
+        store, scales = (self.k[layer], self.k_scales[layer]) if key else (self.v[layer], self.v_scales[layer])
+        bits, dim = (self.k_bits, self.k_dim) if key else (self.v_bits, self.v_dim)
         pages = -(-length // self.page_size)
         bt = self.block_table[:, :pages].long()
-        if bits == 16:
-            x = store[bt]
-        else:
-            from exl2.kernels.kv_quant import kv_read_pages
-            x = kv_read_pages(store, bt, bits, dim, self.dtype)
+        x = store[bt] if bits == 16 else kv_quant.dequantize_kv(store[bt], scales[bt], bits, dim)
         return x.reshape(bt.shape[0], pages * self.page_size, self.kv_heads, dim)[:, :length]
 
-    # -- attention -----------------------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                scale: float, window=None, chunk=None, softcap=None) -> torch.Tensor:
-        slots = self.slots(q_pos)
-        self._store(self.k[layer], k, slots, self.k_bits)
-        self._store(self.v[layer], v, slots, self.v_bits)
-        seq_lens = q_pos[:, -1] + 1
-        if q.shape[1] == 1 and q.is_cuda:
-            from exl2.kernels.attention import paged_decode_attention
-            return paged_decode_attention(q, self.k[layer], self.v[layer], self.block_table, seq_lens, scale,
-                                          window=window, chunk=chunk, softcap=softcap, k_bits=self.k_bits,
-                                          v_bits=self.v_bits, v_dim=self.v_dim)
-        length = int(seq_lens.max())
-        kk = self._gather(self.k[layer], self.k_bits, self.k_dim, length)
-        vv = self._gather(self.v[layer], self.v_bits, self.v_dim, length)
-        return attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap)
+        b, t = q_pos.shape
+        write_kv(k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), self.k[layer], self.v[layer],
+                 self.slots(q_pos).reshape(-1), self.k_bits, self.v_bits, self.k_scales[layer],
+                 self.v_scales[layer])
+        if chunk is not None:  # Llama 4 chunked attention: not in the kernels, read the pages back
+            length = int(q_pos[:, -1].max()) + 1
+            kk, vv = self._read(layer, True, length), self._read(layer, False, length)
+            return attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap)
+        qf = q.reshape(b * t, *q.shape[2:])
+        opts = dict(scale=scale, sliding_window=window or 0, softcap=softcap or 0.0)
+        if t == 1:
+            out = paged_attention(qf, self.k[layer], self.v[layer], self.block_table, q_pos[:, 0].int() + 1,
+                                  k_bits=self.k_bits, v_bits=self.v_bits, k_scales=self.k_scales[layer],
+                                  v_scales=self.v_scales[layer], num_splits=self.decode_splits, **opts)
+        elif not bool((q_pos[:, 0] > 0).any()):  # fresh prompts: attention among the new tokens only
+            cu = list(range(0, b * t + 1, t))
+            out = varlen_attention(qf, k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), cu, t,
+                                   **opts)
+        else:  # chunked prefill after a cached prefix
+            cu = torch.arange(0, b * t + 1, t, dtype=torch.int32, device=q.device)
+            out = paged_attention(qf, self.k[layer], self.v[layer], self.block_table, q_pos[:, -1].int() + 1, cu, t,
+                                  k_bits=self.k_bits, v_bits=self.v_bits, k_scales=self.k_scales[layer],
+                                  v_scales=self.v_scales[layer], **opts)
+        return out.view(b, t, *out.shape[1:])
