@@ -1,0 +1,92 @@
+"""Gated activations of the MLP: `act(gate) * up` for SwiGLU (silu) and GeGLU (gelu, tanh or erf form).
+
+Input is either one fused tensor `[..., 2I]` (gate first, then up, as produced by a fused gate/up projection) or
+separate `gate` and `up` `[..., I]`. Computed in fp32, rounded once to the input dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from exl2.kernels.backend import next_pow2, tl, triton, use_triton
+
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+_ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
+
+
+@triton.jit
+def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(-2.0 * z))  # 0.5·(1 + tanh z) = sigmoid(2z): no cancellation for g << 0
+    else:
+        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    tl.store(o_ptr + row * stride_o + offs, (a * u).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _split(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if up is None:
+        if gate.shape[-1] % 2:
+            raise ValueError(f"a fused gate/up tensor needs an even last dim, got {gate.shape[-1]}.")
+        i = gate.shape[-1] // 2
+        return gate[..., :i], gate[..., i:]
+    if up.shape != gate.shape:
+        raise ValueError(f"gate {list(gate.shape)} and up {list(up.shape)} differ in shape.")
+    return gate, up
+
+
+def _act_torch(g: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return torch.nn.functional.silu(g)
+    if activation == "gelu_tanh":
+        return g * torch.sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (g + 0.044715 * g.pow(3)))
+    if activation == "gelu":
+        return torch.nn.functional.gelu(g)
+    raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}.")
+
+
+def glu_torch(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """The twin of `glu`."""
+    g, u = _split(gate, up)
+    return (_act_torch(g.float(), activation) * u.float()).to(gate.dtype)
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """`act(gate) * up`; `activation` is "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU)."""
+    if activation not in _ACT_ID:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}.")
+    if not use_triton(gate):
+        return glu_torch(gate, up, activation)
+    g, u = _split(gate, up)
+    i = g.shape[-1]
+    g2, u2 = g.reshape(-1, i), u.reshape(-1, i)  # views for the fused [.., 2I] case (row stride 2I)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    if u2.stride(-1) != 1:
+        u2 = u2.contiguous()
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    o2 = out.view(-1, i)
+    if o2.shape[0]:
+        block = min(2048, next_pow2(i))
+        grid = (o2.shape[0], triton.cdiv(i, block))
+        _glu_kernel[grid](g2, u2, o2, i, g2.stride(0), u2.stride(0), o2.stride(0), ACT=_ACT_ID[activation],
+                          BLOCK=block, num_warps=4)
+    return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(gate) * up`."""
+    return glu(gate, up, "silu")
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """`gelu_tanh(gate) * up` (Gemma's `gelu_pytorch_tanh`)."""
+    return glu(gate, up, "gelu_tanh")

@@ -1,0 +1,435 @@
+"""Attention: paged decode / chunked prefill over a (possibly quantized) paged KV cache, and prefill attention.
+
+Conventions (token-major, varlen batches):
+
+* `q` `[Tq, Hq, Dk]`: the new query tokens of all sequences, concatenated; `cu_seqlens_q` `[B+1]` int32 gives each
+  sequence's slice (None: one query per sequence, i.e. decode).
+* Paged cache per layer: `k_cache` `[pages, page_size, Hkv, Dk]` fp16, `v_cache` `[pages, page_size, Hkv, Dv]`
+  fp16, or for a quantized cache the packed uint8 rows plus fp16 scales `[pages, page_size, Hkv, D/32]`
+  (`exl2.kernels.kv_quant`). `block_table` `[B, max_pages]` int32 maps a sequence's page i to a cache page;
+  `seq_lens` `[B]` int32 counts the cached tokens of each sequence *including* the new ones, which the caller has
+  already written (`write_kv`). The `n` queries of a sequence of length `L` sit at positions `L−n … L−1` and
+  attend causally to cache positions `[0, L)`: decode, speculative verification and chunked prefill with a cached
+  prefix are the same call.
+* Options: GQA (`Hq` a multiple of `Hkv`), `scale` (default `Dk^−½`), `sliding_window` w > 0 (key j visible to
+  query i iff `i − w < j ≤ i`, Hugging Face's convention), `softcap` c > 0 (`c·tanh(s/c)` on scaled logits),
+  `Dk ≠ Dv` allowed. MLA models are run by the caller as standard attention with expanded heads (Dk = nope+rope,
+  Dv = v_head_dim); no absorbed-MLA kernel here.
+
+Kernel: one program per (sequence, block of query tokens × the GQA group's heads, KV head, split of the key
+range). With split-K ("flash-decoding") each program writes a partial output and its log-sum-exp, and a merge
+kernel combines them. A quantized cache is read as codes, never un-rotated: the query is rotated once (a 32×32
+Hadamard product per 64-element block), so q·k needs no inverse rotation of the keys, and since attention is
+linear in the values, the merge kernel un-rotates the merged output row once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from exl2.kernels import kv_quant
+from exl2.kernels.backend import next_pow2, sm_count, tl, triton, use_triton
+from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
+
+_LOG2E = 1.4426950408889634
+# (key block, warps) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md)
+TUNING = {("decode", "fp16"): (64, 4), ("decode", "quant"): (32, 4),
+          ("prefill", "fp16"): (32, 4), ("prefill", "quant"): (32, 4)}
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, cuk_ptr,
+                 o_ptr, lse_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_kst, stride_ksh, stride_vst, stride_vsh, stride_bt,
+                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
+                 scale, softcap, window, page_size, Q_BLOCKS,
+                 GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, K_BITS: tl.constexpr,
+                 V_BITS: tl.constexpr, KZERO: tl.constexpr, VZERO: tl.constexpr, SPLIT: tl.constexpr,
+                 PARTIAL: tl.constexpr):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    TQ: tl.constexpr = BM // GROUP
+    pid_q = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_q // Q_BLOCKS
+    t0 = (pid_q % Q_BLOCKS) * TQ
+    q_start = tl.load(cuq_ptr + b)
+    q_len = tl.load(cuq_ptr + b + 1) - q_start
+    if t0 < q_len:
+        seq_len = tl.load(seq_ptr + b)
+        if PAGED:
+            kv_base = 0
+        else:
+            kv_base = tl.load(cuk_ptr + b)
+        offs_m = tl.arange(0, BM)
+        tok = t0 + offs_m // GROUP
+        head = kvh * GROUP + offs_m % GROUP
+        row_ok = (offs_m < TQ * GROUP) & (tok < q_len)
+        qpos = seq_len - q_len + tok
+        dk = tl.arange(0, BDK)
+        dv = tl.arange(0, BDV)
+        q_rows = (q_start + tok).to(tl.int64)
+        # Quantized rows are stored rotated (per 64-block, H32 on even and odd elements). Work in the basis
+        # d' = 64·blk + 32·par + j (element e = 64·blk + 2j + par), where the rotation is block-diagonal H32.
+        if K_BITS < 16:
+            RQ: tl.constexpr = BM * (BDK // 32)
+            rr = tl.arange(0, RQ)
+            rm = rr // (BDK // 32)
+            r_tok = t0 + rm // GROUP
+            r_ok = (rm < TQ * GROUP) & (r_tok < q_len)
+            e = ((rr // 2) % (BDK // 64))[:, None] * 64 + 2 * tl.arange(0, 32)[None, :] + (rr % 2)[:, None]
+            qt = tl.load(q_ptr + (q_start + r_tok).to(tl.int64)[:, None] * stride_qt
+                         + (kvh * GROUP + rm % GROUP)[:, None] * stride_qh + e, mask=r_ok[:, None] & (e < DK),
+                         other=0.0).to(tl.float16)
+            q = tl.reshape(tl.dot(qt, h32_tl()) * 0.03125, [BM, BDK]).to(tl.float16)
+        else:
+            q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dk[None, :],
+                        mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float16)
+
+        last = tl.minimum(t0 + TQ, q_len) - 1
+        if CAUSAL:
+            hi = seq_len - q_len + last + 1
+        else:
+            hi = seq_len
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(seq_len - q_len + t0 - window + 1, 0)
+        per = tl.cdiv(tl.cdiv(hi - lo, SPLIT), BN) * BN
+        start = lo + pid_s * per
+        end = tl.minimum(hi, start + per)
+
+        m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, BDV], dtype=tl.float32)
+        for n0 in range(start, end, BN):
+            offs_n = n0 + tl.arange(0, BN)
+            nmask = offs_n < end
+            if PAGED:
+                page = tl.load(bt_ptr + b * stride_bt + offs_n // page_size, mask=nmask, other=0)
+                slot = page.to(tl.int64) * page_size + offs_n % page_size
+            else:
+                slot = (kv_base + offs_n).to(tl.int64)
+            kmask = nmask[None, :] & (dk[:, None] < DK)
+            if K_BITS == 16:
+                kt = tl.load(k_ptr + slot[None, :] * stride_kt + kvh * stride_kh + dk[:, None], mask=kmask, other=0.0)
+            else:
+                kt = tl.trans(kv_rows_rotated(k_ptr + slot * stride_kt + kvh * stride_kh,
+                                              ks_ptr + slot * stride_kst + kvh * stride_ksh, nmask, K_BITS, KZERO,
+                                              DK // 64, BDK // 64, BN))
+            s = tl.dot(q, kt.to(tl.float16))
+            if HAS_SOFTCAP:
+                u = s * (scale / softcap)
+                s = (softcap * LOG2E) * (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+            else:
+                s = s * (scale * LOG2E)
+            vis = nmask[None, :] & row_ok[:, None]
+            if CAUSAL:
+                vis = vis & (offs_n[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                vis = vis & (offs_n[None, :] > qpos[:, None] - window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vmask = nmask[:, None] & (dv[None, :] < DV)
+            if V_BITS == 16:
+                v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :], mask=vmask, other=0.0)
+            else:
+                v = kv_rows_rotated(v_ptr + slot * stride_vt + kvh * stride_vh,
+                                    vs_ptr + slot * stride_vst + kvh * stride_vsh, nmask, V_BITS, VZERO,
+                                    DV // 64, BDV // 64, BN)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+            m_i = m_new
+
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        omask = row_ok[:, None] & (dv[None, :] < DV)
+        o_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+        if PARTIAL:
+            tl.store(o_ptr + pid_s * stride_os + o_off, o, mask=omask)
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + pid_s * stride_ls + q_rows * stride_lt + head * stride_lh, lse, mask=row_ok)
+        else:
+            tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _merge_kernel(o_ptr, lse_ptr, out_ptr, SPLIT, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
+                  stride_xt, stride_xh, DV: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, V_ROT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BS)
+    dv = tl.arange(0, BDV)
+    smask = s < SPLIT
+    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h * stride_lh, mask=smask, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - mx))
+    o = tl.load(o_ptr + s[:, None] * stride_os + t * stride_ot + h * stride_oh + dv[None, :],
+                mask=smask[:, None] & (dv[None, :] < DV), other=0.0)
+    tot = tl.sum(w, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(tot > 0, tot, 1.0)
+    o_base = out_ptr + t * stride_xt + h * stride_xh
+    if V_ROT:
+        # rotated values, basis d' = 64·blk + 32·par + j: undo the block-diagonal H32 once, on the merged row
+        r2 = tl.reshape(res, [BDV // 32, 32])
+        x = tl.sum(r2[:, :, None] * h32_tl().to(tl.float32)[None, :, :], axis=1) * 0.03125
+        r = tl.arange(0, BDV // 32)
+        e = (r // 2)[:, None] * 64 + 2 * tl.arange(0, 32)[None, :] + (r % 2)[:, None]
+        tl.store(o_base + e, x.to(out_ptr.dtype.element_ty), mask=e < DV)
+    else:
+        tl.store(o_base + dv, res.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def _cache_rows(cache: torch.Tensor) -> torch.Tensor:
+    """`[pages, page_size, H, X]` (or `[slots, H, X]`) → `[slots, H, X]` view."""
+    return cache.view(-1, cache.shape[-2], cache.shape[-1])
+
+
+def _head_dim(cache: torch.Tensor, bits: int) -> int:
+    return cache.shape[-1] if bits == 16 else cache.shape[-1] * 8 // bits
+
+
+def _check(q, k_cache, v_cache, k_bits, v_bits, k_scales, v_scales):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], got {list(q.shape)}.")
+    hq, hkv = q.shape[1], k_cache.shape[-2]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads.")
+    if _head_dim(k_cache, k_bits) != q.shape[-1]:
+        raise ValueError(f"key head dim {_head_dim(k_cache, k_bits)} differs from the query's {q.shape[-1]}.")
+    for bits, sc, name in ((k_bits, k_scales, "k"), (v_bits, v_scales, "v")):
+        if bits != 16 and sc is None:
+            raise ValueError(f"a {bits}-bit {name} cache needs {name}_scales.")
+
+
+def slot_mapping(block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 page_size: int) -> torch.Tensor:
+    """Cache slot (`page·page_size + offset`) of every new token, in `q` order (int64 `[Tq]`)."""
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    b = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens.long())
+    i = torch.arange(b.numel(), device=b.device) - cu_seqlens_q[:-1].long()[b]
+    pos = seq_lens.long()[b] - q_lens.long()[b] + i
+    page = block_table.long()[b, pos // page_size]
+    return page * page_size + pos % page_size
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             k_bits: int = 16, v_bits: int = 16, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> None:
+    """Store new keys/values `[T, Hkv, D]` into the cache rows `slots` (quantizing for a quantized cache)."""
+    for x, cache, bits, sc in ((k, k_cache, k_bits, k_scales), (v, v_cache, v_bits, v_scales)):
+        if bits == 16:
+            _cache_rows(cache).index_copy_(0, slots.reshape(-1).long(), x.to(cache.dtype))
+        else:
+            kv_quant.write_kv_quant(x, cache, sc, slots.reshape(-1), bits)
+
+
+def _attend_torch(q, k, v, qpos, scale, causal, window, softcap):
+    """Reference attention for one sequence: q `[n, Hq, Dk]`, k/v `[L, Hkv, ·]` (fp32 math)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kf = k.float().repeat_interleave(hq // hkv, dim=1)
+    vf = v.float().repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    kpos = torch.arange(k.shape[0], device=q.device)
+    vis = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+    if causal:
+        vis &= kpos[None, :] <= qpos[:, None]
+    if window > 0:
+        vis &= kpos[None, :] > qpos[:, None] - window
+    s = s.masked_fill(~vis, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, vf)
+
+
+def _decode_cu(cu_seqlens_q, b, device):
+    return torch.arange(b + 1, dtype=torch.int32, device=device) if cu_seqlens_q is None else cu_seqlens_q
+
+
+# --------------------------------------------------------------------------------------------------- paged
+def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, max_q_len=1, *,
+                          scale=None, sliding_window=0, softcap=0.0, k_bits=16, v_bits=16, k_scales=None,
+                          v_scales=None, causal=True, num_splits=None):
+    """The twin of `paged_attention` (dequantizes the used cache rows, then plain attention per sequence)."""
+    _check(q, k_cache, v_cache, k_bits, v_bits, k_scales, v_scales)
+    dk, dv = q.shape[-1], _head_dim(v_cache, v_bits)
+    scale = dk ** -0.5 if scale is None else scale
+    ps = k_cache.shape[1]
+    cu = _decode_cu(cu_seqlens_q, block_table.shape[0], q.device).tolist()
+    lens = seq_lens.tolist()
+    out = torch.zeros((q.shape[0], q.shape[1], dv), dtype=q.dtype, device=q.device)
+    for b, length in enumerate(lens):
+        n = cu[b + 1] - cu[b]
+        if n == 0:
+            continue
+        pages = block_table[b, : -(-length // ps)].long()
+        slots = (pages[:, None] * ps + torch.arange(ps, device=q.device)).reshape(-1)[:length]
+
+        def rows(cache, bits, sc, d):
+            r = _cache_rows(cache).index_select(0, slots)
+            if bits == 16:
+                return r
+            return kv_quant.dequantize_kv_torch(r, _cache_rows(sc).index_select(0, slots), bits, d)
+
+        k = rows(k_cache, k_bits, k_scales, dk)
+        v = rows(v_cache, v_bits, v_scales, dv)
+        qpos = torch.arange(length - n, length, device=q.device)
+        out[cu[b]:cu[b + 1]] = _attend_torch(q[cu[b]:cu[b + 1]], k, v, qpos, scale, causal, sliding_window,
+                                             softcap).to(q.dtype)
+    return out
+
+
+def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu_k, max_q_len, scale,
+            sliding_window, softcap, k_bits, v_bits, causal, num_splits, paged, page_size):
+    tq, hq, dk = q.shape
+    hkv = k_rows.shape[1]
+    dv = _head_dim(v_rows, v_bits)
+    group = hq // hkv
+    b = cu_q.numel() - 1
+    out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
+    if tq == 0 or b == 0:
+        return out
+    decode_like = max_q_len * group <= 16
+    bm = max(16, next_pow2(group)) if decode_like else max(64, next_pow2(group))
+    quant = k_bits != 16 or v_bits != 16
+    bn, warps = TUNING[("decode" if decode_like else "prefill", "quant" if quant else "fp16")]
+    bm = max(bm, next_pow2(group) * min(next_pow2(max_q_len), max(1, bm // next_pow2(group))))
+    tq_per = bm // group
+    q_blocks = triton.cdiv(max_q_len, tq_per)
+    if num_splits is None:
+        progs = b * q_blocks * hkv
+        num_splits = 1 if not decode_like else max(1, min(32, triton.cdiv(2 * sm_count(q.device), progs)))
+    split = int(num_splits)
+    ks_rows = ks_rows if ks_rows is not None else q
+    vs_rows = vs_rows if vs_rows is not None else q
+    partial = split > 1 or v_bits != 16
+    if partial:
+        o_part = torch.empty((split, tq, hq, dv), dtype=torch.float32, device=q.device)
+        lse = torch.empty((split, tq, hq), dtype=torch.float32, device=q.device)
+        o_dst, os_ = o_part, o_part.stride()
+        ls_ = lse.stride()
+    else:
+        o_dst, lse = out, out
+        os_ = (0, out.stride(0), out.stride(1))
+        ls_ = (0, 0, 0)
+    bt = block_table if paged else cu_q
+    _attn_kernel[(b * q_blocks, hkv, split)](
+        q, k_rows, v_rows, ks_rows, vs_rows, bt, seq_lens, cu_q, cu_k if cu_k is not None else cu_q,
+        o_dst, lse,
+        q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
+        ks_rows.stride(0) if ks_rows.dim() == 3 else 0, ks_rows.stride(1) if ks_rows.dim() == 3 else 0,
+        vs_rows.stride(0) if vs_rows.dim() == 3 else 0, vs_rows.stride(1) if vs_rows.dim() == 3 else 0,
+        bt.stride(0), os_[0], os_[1], os_[2], ls_[0], ls_[1], ls_[2],
+        float(scale), float(softcap) if softcap else 1.0, int(sliding_window), int(page_size), q_blocks,
+        GROUP=group, DK=dk, DV=dv, BDK=next_pow2(dk), BDV=next_pow2(dv), BM=bm, BN=bn, PAGED=paged,
+        CAUSAL=causal, HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0, K_BITS=k_bits, V_BITS=v_bits,
+        KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
+        SPLIT=split, PARTIAL=partial, num_warps=warps, num_stages=2)
+    if partial:
+        _merge_kernel[(tq, hq)](o_part, lse, out, split, *o_part.stride()[:3], *lse.stride(), out.stride(0),
+                                out.stride(1), DV=dv, BS=next_pow2(split), BDV=next_pow2(dv), V_ROT=v_bits != 16,
+                                num_warps=4)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None, max_q_len: int = 1, *,
+                    scale: float | None = None, sliding_window: int = 0, softcap: float = 0.0, k_bits: int = 16,
+                    v_bits: int = 16, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                    causal: bool = True, num_splits: int | None = None) -> torch.Tensor:
+    """Attention of new queries over the paged cache (see the module docstring); returns `[Tq, Hq, Dv]`.
+
+    `max_q_len` bounds the query tokens of any one sequence (1 for decode). `num_splits` fixes the number of
+    key-range splits (None: enough programs to fill the GPU); fix it when capturing CUDA graphs.
+    """
+    _check(q, k_cache, v_cache, k_bits, v_bits, k_scales, v_scales)
+    if not use_triton(q):
+        return paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_q_len,
+                                     scale=scale, sliding_window=sliding_window, softcap=softcap, k_bits=k_bits,
+                                     v_bits=v_bits, k_scales=k_scales, v_scales=v_scales, causal=causal)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    cu_q = _decode_cu(cu_seqlens_q, block_table.shape[0], q.device)
+    return _launch(q, _cache_rows(k_cache), _cache_rows(v_cache),
+                   _cache_rows(k_scales) if k_scales is not None else None,
+                   _cache_rows(v_scales) if v_scales is not None else None,
+                   block_table, seq_lens, cu_q, None, max_q_len, scale, sliding_window, softcap, k_bits, v_bits,
+                   causal, num_splits, True, k_cache.shape[1])
+
+
+# --------------------------------------------------------------------------------------------------- prefill
+def varlen_attention_torch(q, k, v, cu_seqlens=None, max_seqlen=None, *, scale=None, causal=True,
+                           sliding_window=0, softcap=0.0):
+    """The twin of `varlen_attention`."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    cu = [0, q.shape[0]] if cu_seqlens is None else [int(c) for c in cu_seqlens]
+    out = torch.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        qpos = torch.arange(e - s, device=q.device)
+        out[s:e] = _attend_torch(q[s:e], k[s:e], v[s:e], qpos, scale, causal, sliding_window, softcap).to(q.dtype)
+    return out
+
+
+def _flash_attn():
+    try:
+        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+        return flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - optional dependency
+        return None
+
+
+def _sdpa(q, k, v, cu, scale, causal):
+    hq, hkv = q.shape[1], k.shape[1]
+    outs = []
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        qb, kb, vb = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if hq != hkv:
+            kb = kb.repeat_interleave(hq // hkv, dim=1)
+            vb = vb.repeat_interleave(hq // hkv, dim=1)
+        ob = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale)
+        outs.append(ob[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | list | None = None,
+                     max_seqlen: int | None = None, *, scale: float | None = None, causal: bool = True,
+                     sliding_window: int = 0, softcap: float = 0.0, backend: str = "auto") -> torch.Tensor:
+    """Prefill attention among new tokens only (no cached prefix): q `[T, Hq, Dk]`, k `[T, Hkv, Dk]`, v `[T, Hkv, Dv]`.
+
+    `cu_seqlens` (list or tensor `[B+1]`; None: one sequence) delimits the sequences. Backends: "sdpa" (PyTorch's
+    flash/cuDNN attention; plain causal or full only; the sequence list is read on the host), "flash_attn" (if
+    installed), "triton" (any option), "auto" (sdpa for plain masks, else flash_attn, else triton).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if not use_triton(q):
+        return varlen_attention_torch(q, k, v, cu_seqlens, max_seqlen, scale=scale, causal=causal,
+                                      sliding_window=sliding_window, softcap=softcap)
+    plain = sliding_window <= 0 and softcap <= 0
+    if backend == "auto":
+        backend = "sdpa" if plain and q.is_cuda else ("flash_attn" if _flash_attn() and q.is_cuda else "triton")
+    if backend == "sdpa":
+        if not plain:
+            raise ValueError("the sdpa backend supports neither sliding windows nor soft-capping.")
+        cu = [0, q.shape[0]] if cu_seqlens is None else [int(c) for c in cu_seqlens]
+        return _sdpa(q, k, v, cu, scale, causal)
+    cu_t = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device) if cu_seqlens is None else \
+        torch.as_tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+    if max_seqlen is None:
+        max_seqlen = int((cu_t[1:] - cu_t[:-1]).max())
+    if backend == "flash_attn":
+        fa = _flash_attn()
+        window = (sliding_window - 1, 0 if causal else -1) if sliding_window > 0 else (-1, -1)
+        return fa(q, k, v, cu_t, cu_t, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal,
+                  window_size=window, softcap=softcap)
+    seq_lens = cu_t[1:] - cu_t[:-1]
+    return _launch(q, k, v, None, None, cu_t, seq_lens, cu_t, cu_t, max_seqlen, scale, sliding_window, softcap,
+                   16, 16, causal, 1, False, 1)

@@ -1,0 +1,92 @@
+"""Which implementation runs: the Triton kernel or its plain-PyTorch twin.
+
+Triton runs when the tensor is on CUDA; on the CPU the twin runs, unless the Triton interpreter is active
+(`TRITON_INTERPRET=1`, set before Triton is imported) and the caller asked for the kernels with
+`force_triton()` — that is how the tests compare each kernel with its twin without a GPU.
+`force_torch()` makes CUDA tensors take the twins (reference runs on the GPU).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, contextmanager
+from typing import Iterator
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # noqa: BLE001 - any import failure means "no Triton": the twins still run
+    HAVE_TRITON = False
+
+    class _Stub:
+        """Lets kernel modules import (and define never-called kernels) where Triton is missing."""
+
+        constexpr = object
+
+        @staticmethod
+        def jit(fn=None, **_):
+            return fn if fn is not None else (lambda f: f)
+
+        def __getattr__(self, name):
+            raise RuntimeError(f"Triton is not available (needed for triton.{name}).")
+
+    triton = _Stub()  # type: ignore[assignment]
+    tl = _Stub()  # type: ignore[assignment]
+
+_mode = "auto"  # "auto" | "triton" | "torch"
+
+
+@contextmanager
+def _set_mode(mode: str) -> Iterator[None]:
+    global _mode
+    old, _mode = _mode, mode
+    try:
+        yield
+    finally:
+        _mode = old
+
+
+def force_triton() -> AbstractContextManager[None]:
+    """Run the Triton kernels on CPU tensors too (only meaningful under TRITON_INTERPRET=1)."""
+    return _set_mode("triton")
+
+
+def force_torch() -> AbstractContextManager[None]:
+    """Run the PyTorch twins even for CUDA tensors."""
+    return _set_mode("torch")
+
+
+def triton_usable() -> bool:
+    """True if Triton kernels can run at all here (a CUDA GPU, or the interpreter)."""
+    return HAVE_TRITON and (INTERPRET or torch.cuda.is_available())
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Dispatch rule shared by every kernel: see the module docstring."""
+    if not HAVE_TRITON or _mode == "torch":
+        return False
+    if t.is_cuda:
+        return True
+    return INTERPRET and _mode == "triton"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessor count (a fixed small number on CPU, where it only shapes interpreter grids)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

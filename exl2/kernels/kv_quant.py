@@ -1,0 +1,403 @@
+"""Quantized KV cache: Hadamard-rotated, per-32-element scaled codes (spec §4), 8/4/3/2 bits per element.
+
+A row `x` of `D` elements (one token, one KV head; `D % 64 == 0`) is processed in 64-element blocks. In each block
+the even elements `a[j] = x[2j]` and the odd ones `c[j] = x[2j+1]` are rotated by the unnormalised 32-point
+Sylvester Hadamard transform (five fp16 butterfly stages over distances 1, 2, 4, 8, 16; the lane with the
+distance bit set takes `partner − self`), giving `y[2j] = (H a)[j]`, `y[2j+1] = (H c)[j]`. Each run of 32
+consecutive `y` elements gets `amax = max |y|` (fp16) and codes:
+
+* 8 and 4 bits (exllamav2's Q8/Q4, bit for bit): `code = clamp(rint_even(fp16(fp16(y / amax)·h + h)), 0, 2h − 1)`
+  with `h = 2^(b−1)`, scale `amax / h`, value `(code − h) · scale`.
+* 3 and 2 bits (ours): `code = clamp(floor(fp16(y / amax)·h + h), 0, 2h − 1)`, scale `amax / h`, value
+  `(code − h + ½) · scale` (mid-rise levels; better than the mid-tread rule at so few levels).
+
+`amax = 0` gives code 0 and scale 0. Decoding: value in fp16, the same butterfly, times 1/32.
+
+Packed layout of a row, `D·b/8` bytes, little-endian within each byte:
+
+* 8 bits: element `e` in byte `e`. 4 bits: byte `e/2`, low nibble for even `e` (spec §4). 2 bits: byte `e/4`, bits
+  `2·(e mod 4)`.
+* 3 bits: 12 bytes per 32-element group `g`: bytes `12g … 12g+7` hold the low 2 bits of element `i` of the group
+  at byte `12g + i/4`, bits `2·(i mod 4)`; bytes `12g+8 … 12g+11` hold bit 2 of element `i` at byte
+  `12g + 8 + i/8`, bit `i mod 8`.
+
+Scales are fp16 `[..., D/32]`, one per 32 elements in order. Cache modes (key bits, value bits): `KV_MODES`.
+"""
+from __future__ import annotations
+
+import torch
+
+from exl2.kernels.backend import next_pow2, tl, triton, use_triton
+
+KV_MODES = {"fp16": (16, 16), "q8": (8, 8), "q6": (8, 4), "q4": (4, 4), "q3": (3, 3), "q2": (2, 2)}
+KV_BITS = (8, 4, 3, 2)
+
+
+def packed_dim(head_dim: int, bits: int) -> int:
+    """Bytes per row of `head_dim` elements."""
+    return head_dim * bits // 8
+
+
+def check_head_dim(head_dim: int, bits: int) -> None:
+    if bits not in KV_BITS:
+        raise ValueError(f"unsupported KV cache width {bits}; expected one of {KV_BITS}.")
+    if head_dim % 64:
+        raise ValueError(f"a quantized KV cache needs head_dim divisible by 64, got {head_dim}.")
+
+
+def _zero(bits: int) -> float:
+    h = 1 << (bits - 1)
+    return float(h) if bits >= 4 else h - 0.5
+
+
+# --------------------------------------------------------------------------------------------------- twins
+def _butterfly(v: torch.Tensor) -> torch.Tensor:
+    """Unnormalised 32-point Hadamard along the last dim, five fp16 stages."""
+    lead = v.shape[:-1]
+    for h in (1, 2, 4, 8, 16):
+        v = v.reshape(*lead, 32 // (2 * h), 2, h)
+        lo, hi = v[..., 0, :], v[..., 1, :]
+        v = torch.stack((lo + hi, lo - hi), dim=-2).reshape(*lead, 32)
+    return v
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    """Even/odd Hadamard rotation of each 64-element block of the last dim (fp16 in, fp16 out)."""
+    d = x.shape[-1]
+    b = x.reshape(-1, d // 64, 32, 2)
+    y = torch.stack((_butterfly(b[..., 0]), _butterfly(b[..., 1])), dim=-1)
+    return y.reshape(x.shape)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes `[R, D]` → packed bytes `[R, D·bits/8]`."""
+    r, d = codes.shape
+    c = codes.to(torch.int32)
+    if bits == 8:
+        out = c
+    elif bits in (4, 2):
+        per = 8 // bits
+        sh = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+        out = (c.view(r, d // per, per) << sh).sum(-1)
+    else:
+        g = c.view(r, d // 32, 32)
+        lo = ((g & 3).view(r, d // 32, 8, 4) << (torch.arange(4, device=codes.device, dtype=torch.int32) * 2)).sum(-1)
+        hi = (((g >> 2) & 1).view(r, d // 32, 4, 8) << torch.arange(8, device=codes.device, dtype=torch.int32)).sum(-1)
+        out = torch.cat((lo, hi), dim=-1).view(r, d * 3 // 8)
+    return out.to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """Inverse of `_pack`: `[R, D·bits/8]` → int32 codes `[R, D]`."""
+    r = packed.shape[0]
+    p = packed.to(torch.int32)
+    if bits == 8:
+        return p
+    if bits in (4, 2):
+        per = 8 // bits
+        sh = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+        return ((p.unsqueeze(-1) >> sh) & ((1 << bits) - 1)).view(r, d)
+    g = p.view(r, d // 32, 12)
+    lo = (g[..., :8].unsqueeze(-1) >> (torch.arange(4, device=packed.device, dtype=torch.int32) * 2)) & 3
+    hi = (g[..., 8:].unsqueeze(-1) >> torch.arange(8, device=packed.device, dtype=torch.int32)) & 1
+    return (lo.reshape(r, d // 32, 32) | (hi.reshape(r, d // 32, 32) << 2)).view(r, d)
+
+
+def quantize_kv_torch(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `quantize_kv`."""
+    d = x.shape[-1]
+    check_head_dim(d, bits)
+    rows = x.reshape(-1, d).to(torch.float16)
+    g = _rotate(rows).view(rows.shape[0], d // 32, 32)
+    amax = g.abs().amax(-1)
+    q = (g / amax.unsqueeze(-1)).float()  # fp16 division: NaN where amax == 0
+    h = float(1 << (bits - 1))
+    if bits >= 4:
+        code = torch.round((q * h + h).to(torch.float16).float())
+    else:
+        code = torch.floor(q * h + h)
+    code = torch.nan_to_num(code, nan=0.0).clamp(0, (1 << bits) - 1).to(torch.uint8)
+    scales = (amax.float() / h).to(torch.float16)
+    packed = _pack(code.view(-1, d), bits)
+    return packed.view(*x.shape[:-1], -1), scales.view(*x.shape[:-1], d // 32)
+
+
+def dequantize_kv_torch(packed: torch.Tensor, scales: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    """The twin of `dequantize_kv`."""
+    check_head_dim(head_dim, bits)
+    p = packed.reshape(-1, packed.shape[-1])
+    code = _unpack(p, bits, head_dim).view(-1, head_dim // 32, 32).to(torch.float16)
+    v = (code - _zero(bits)) * scales.reshape(-1, head_dim // 32, 1).to(torch.float16)
+    x = _rotate(v.view(-1, head_dim)) * (1.0 / 32)
+    return x.view(*packed.shape[:-1], head_dim)
+
+
+def rotation_matrix(head_dim: int, device: torch.device | str = "cpu", dtype=torch.float16) -> torch.Tensor:
+    """The rotation as a symmetric `[D, D]` matrix R (entries 0/±1): `y = x·R`, and `R·R = 32·I`."""
+    i = torch.arange(head_dim, device=device)
+    same_blk = (i[:, None] // 64) == (i[None, :] // 64)
+    same_par = (i[:, None] % 2) == (i[None, :] % 2)
+    a = (i[:, None] % 64) // 2 & (i[None, :] % 64) // 2
+    parity = torch.zeros_like(a)
+    for s in range(5):
+        parity ^= (a >> s) & 1
+    return torch.where(same_blk & same_par, 1 - 2 * parity, 0).to(dtype)
+
+
+_ROT: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def rotation_matrix_cached(head_dim: int, device: torch.device) -> torch.Tensor:
+    key = (head_dim, torch.device(device))
+    if key not in _ROT:
+        _ROT[key] = rotation_matrix(head_dim, device)
+    return _ROT[key]
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _butterfly_tl(y, RT: tl.constexpr):
+    """Five fp16 butterfly stages on the last dim (32) of y [RT, 32], each an exact ±1 product (two terms)."""
+    i = tl.arange(0, 32)[:, None]
+    k = tl.arange(0, 32)[None, :]
+    for s in tl.static_range(5):
+        h = 1 << s
+        diag = tl.where((k & h) != 0, -1.0, 1.0)
+        m = tl.where(i == k, diag, tl.where(i == (k ^ h), 1.0, 0.0)).to(tl.float16)
+        y = tl.dot(y, m).to(tl.float16)
+    return y
+
+
+@triton.jit
+def h32_tl():
+    """The unnormalised 32×32 Sylvester Hadamard matrix, fp16 (symmetric: H·H = 32·I)."""
+    a = tl.arange(0, 32)[:, None] & tl.arange(0, 32)[None, :]
+    par = (a ^ (a >> 1) ^ (a >> 2) ^ (a >> 3) ^ (a >> 4)) & 1
+    return (1 - 2 * par).to(tl.float16)
+
+
+@triton.jit
+def kv_codes(row_ptr, e, mask, BITS: tl.constexpr):
+    """int32 codes of flat elements `e` of packed rows starting at `row_ptr` (shapes broadcast; 0 where masked)."""
+    if BITS == 8:
+        code = tl.load(row_ptr + e, mask=mask, other=0).to(tl.int32)
+    elif BITS == 4:
+        code = (tl.load(row_ptr + e // 2, mask=mask, other=0).to(tl.int32) >> (4 * (e % 2))) & 15
+    elif BITS == 2:
+        code = (tl.load(row_ptr + e // 4, mask=mask, other=0).to(tl.int32) >> (2 * (e % 4))) & 3
+    else:
+        g = e // 32
+        i = e % 32
+        lo = (tl.load(row_ptr + 12 * g + i // 4, mask=mask, other=0).to(tl.int32) >> (2 * (i % 4))) & 3
+        hi = (tl.load(row_ptr + 12 * g + 8 + i // 8, mask=mask, other=0).to(tl.int32) >> (i % 8)) & 1
+        code = lo | (hi << 2)
+    return code
+
+
+@triton.jit
+def kv_rows_rotated(row_ptr, srow_ptr, nmask, BITS: tl.constexpr, ZERO: tl.constexpr, NB, NBP: tl.constexpr,
+                    BN: tl.constexpr):
+    """fp16 [BN, NBP·64] rows of rotated values (still in the rotated domain), column order d' = 64·blk + 32·par + j
+    for element e = 64·blk + 2j + par. `row_ptr`/`srow_ptr` [BN] point at each row's packed bytes / scales.
+    Contiguous byte loads, unpacked with broadcast shifts (no gathers)."""
+    R: tl.constexpr = BN * NBP
+    r = tl.arange(0, R)
+    blk = r % NBP
+    rptr = tl.reshape(tl.broadcast_to(row_ptr[:, None], [BN, NBP]), [R])
+    sptr = tl.reshape(tl.broadcast_to(srow_ptr[:, None], [BN, NBP]), [R])
+    ok = tl.reshape(tl.broadcast_to(nmask[:, None], [BN, NBP]), [R]) & (blk < NB)
+    par = tl.arange(0, 2)
+    if BITS == 8:
+        j = tl.arange(0, 32)
+        pp = rptr.to(tl.pointer_type(tl.uint16))[:, None] + blk[:, None] * 32 + j[None, :]
+        w = tl.load(pp, mask=ok[:, None], other=0).to(tl.int32)
+        code = (w[:, None, :] >> (8 * par)[None, :, None]) & 255
+    elif BITS == 4:
+        j = tl.arange(0, 32)
+        by = tl.load(rptr[:, None] + blk[:, None] * 32 + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        code = (by[:, None, :] >> (4 * par)[None, :, None]) & 15
+    elif BITS == 2:
+        q = tl.arange(0, 16)
+        by = tl.load(rptr[:, None] + blk[:, None] * 16 + q[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        sh = 2 * (2 * tl.arange(0, 2)[None, None, None, :] + par[None, :, None, None])
+        code = tl.reshape((by[:, None, :, None] >> sh) & 3, [R, 2, 32])
+    else:
+        hq = tl.arange(0, 16)
+        lo = tl.load(rptr[:, None] + 12 * (blk[:, None] * 2 + hq[None, :] // 8) + hq[None, :] % 8,
+                     mask=ok[:, None], other=0).to(tl.int32)
+        lsh = 2 * (2 * tl.arange(0, 2)[None, None, None, :] + par[None, :, None, None])
+        h8 = tl.arange(0, 8)
+        hi = tl.load(rptr[:, None] + 12 * (blk[:, None] * 2 + h8[None, :] // 4) + 8 + h8[None, :] % 4,
+                     mask=ok[:, None], other=0).to(tl.int32)
+        hsh = 2 * tl.arange(0, 4)[None, None, None, :] + par[None, :, None, None]
+        code = tl.reshape((lo[:, None, :, None] >> lsh) & 3, [R, 2, 32]) \
+            | (tl.reshape((hi[:, None, :, None] >> hsh) & 1, [R, 2, 32]) << 2)
+    half = tl.arange(0, 2)
+    sc = tl.load(sptr[:, None] + blk[:, None] * 2 + half[None, :], mask=ok[:, None], other=0.0)
+    sc = tl.reshape(tl.broadcast_to(sc[:, None, :, None], [R, 2, 2, 16]), [R, 2, 32])
+    val = (code.to(tl.float16) - ZERO) * sc
+    return tl.reshape(val, [BN, NBP * 64])
+
+
+@triton.jit
+def _kv_quant_kernel(x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_xh, stride_pt, stride_ph,
+                     stride_st, stride_sh, NB, HAS_SLOTS: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr,
+                     NBP: tl.constexpr):
+    RT: tl.constexpr = BT * NBP * 2
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    rho = tl.arange(0, RT)
+    th = rho // (NBP * 2)
+    blk = (rho // 2) % NBP
+    par = rho % 2
+    row = tl.program_id(0) * BT + th
+    valid = (row < ROWS) & (blk < NB)
+    tok = (row // H).to(tl.int64)
+    head = row % H
+    j = tl.arange(0, 32)
+    e = blk[:, None] * 64 + 2 * j[None, :] + par[:, None]
+    x = tl.load(x_ptr + tok[:, None] * stride_xt + head[:, None] * stride_xh + e, mask=valid[:, None], other=0.0)
+    y = _butterfly_tl(x.to(tl.float16), RT)
+    a4 = tl.reshape(tl.abs(y), [RT // 2, 2, 2, 16])
+    amax = tl.max(tl.max(a4, axis=3), axis=1)  # [RT/2, 2 halves]
+    am = tl.reshape(tl.broadcast_to(amax[:, None, :, None], [RT // 2, 2, 2, 16]), [RT, 32])
+    q = tl.math.div_rn(y.to(tl.float32), am.to(tl.float32)).to(tl.float16).to(tl.float32)
+    if BITS >= 4:
+        t = (q * HALF + HALF).to(tl.float16).to(tl.float32)
+        r = tl.floor(t + 0.5)
+        r = tl.where(((r - t) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r)
+    else:
+        r = tl.floor(q * HALF + HALF)
+    r = tl.where(r == r, r, 0.0)
+    code = tl.minimum(tl.maximum(r, 0.0), 2 * HALF - 1).to(tl.int32)
+
+    # per 64-element block (row-block rb = (th, blk)) addressing, for the packed bytes and the scales
+    rb = tl.arange(0, RT // 2)
+    rb_blk = rb % NBP
+    rb_row = tl.program_id(0) * BT + rb // NBP
+    rb_valid = (rb_row < ROWS) & (rb_blk < NB)
+    rb_tok = (rb_row // H).to(tl.int64)
+    rb_head = rb_row % H
+    if HAS_SLOTS:
+        rb_slot = tl.load(slot_ptr + rb_tok, mask=rb_valid, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + tok, mask=valid, other=0).to(tl.int64)
+    else:
+        rb_slot = rb_tok
+        slot = tok
+    p_row = p_ptr + slot * stride_pt + head * stride_ph
+    rb_prow = p_ptr + rb_slot * stride_pt + rb_head * stride_ph
+    if BITS == 8:
+        tl.store(p_row[:, None] + e, code.to(tl.uint8), mask=valid[:, None])
+    elif BITS == 4:
+        c3 = tl.reshape(code, [RT // 2, 2, 32]) << (4 * tl.arange(0, 2))[None, :, None]
+        byte = tl.sum(c3, axis=1)
+        tl.store(rb_prow[:, None] + rb_blk[:, None] * 32 + j[None, :], byte.to(tl.uint8), mask=rb_valid[:, None])
+    elif BITS == 2:
+        c4 = tl.reshape(code, [RT // 2, 2, 16, 2])
+        sh = 2 * (2 * tl.arange(0, 2)[None, None, None, :] + tl.arange(0, 2)[None, :, None, None])
+        byte = tl.sum(tl.sum(c4 << sh, axis=3), axis=1)
+        j16 = tl.arange(0, 16)
+        tl.store(rb_prow[:, None] + rb_blk[:, None] * 16 + j16[None, :], byte.to(tl.uint8), mask=rb_valid[:, None])
+    else:
+        par5 = tl.arange(0, 2)[None, :, None, None, None]
+        lo5 = tl.reshape(code & 3, [RT // 2, 2, 2, 8, 2])
+        lo = tl.sum(tl.sum(lo5 << (2 * (2 * tl.arange(0, 2)[None, None, None, None, :] + par5)), axis=4), axis=1)
+        hi5 = tl.reshape((code >> 2) & 1, [RT // 2, 2, 2, 4, 4])
+        hi = tl.sum(tl.sum(hi5 << (2 * tl.arange(0, 4)[None, None, None, None, :] + par5), axis=4), axis=1)
+        gb = 12 * (rb_blk[:, None, None] * 2 + tl.arange(0, 2)[None, :, None])  # [RT/2, 2, 1]
+        tl.store(rb_prow[:, None, None] + gb + tl.arange(0, 8)[None, None, :], lo.to(tl.uint8),
+                 mask=rb_valid[:, None, None])
+        tl.store(rb_prow[:, None, None] + gb + 8 + tl.arange(0, 4)[None, None, :], hi.to(tl.uint8),
+                 mask=rb_valid[:, None, None])
+    sc = (amax.to(tl.float32) / HALF).to(tl.float16)
+    s_ptrs = s_ptr + rb_slot[:, None] * stride_st + rb_head[:, None] * stride_sh + rb_blk[:, None] * 2 \
+        + tl.arange(0, 2)[None, :]
+    tl.store(s_ptrs, sc, mask=rb_valid[:, None])
+
+
+@triton.jit
+def _kv_dequant_kernel(p_ptr, s_ptr, o_ptr, ROWS, NB, stride_p, stride_s, stride_o, ZERO: tl.constexpr,
+                       BITS: tl.constexpr, BT: tl.constexpr, NBP: tl.constexpr):
+    RT: tl.constexpr = BT * NBP * 2
+    rho = tl.arange(0, RT)
+    th = rho // (NBP * 2)
+    blk = (rho // 2) % NBP
+    par = rho % 2
+    row = (tl.program_id(0) * BT + th).to(tl.int64)
+    valid = (row < ROWS) & (blk < NB)
+    j = tl.arange(0, 32)
+    e = blk[:, None] * 64 + 2 * j[None, :] + par[:, None]
+    m = valid[:, None] & (j[None, :] >= 0)
+    row_ptr = p_ptr + row[:, None] * stride_p
+    code = kv_codes(row_ptr, e, m, BITS)
+    sc = tl.load(s_ptr + row[:, None] * stride_s + e // 32, mask=m, other=0.0)
+    v = (code.to(tl.float16) - ZERO) * sc
+    x = _butterfly_tl(v, RT) * 0.03125
+    tl.store(o_ptr + row[:, None] * stride_o + e, x.to(tl.float16), mask=m)
+
+
+# --------------------------------------------------------------------------------------------------- API
+def _block_rows(d: int) -> tuple[int, int]:
+    nbp = next_pow2(d // 64)
+    bt = max(1, 16 // (2 * nbp))  # at least 16 tile rows for tl.dot
+    return bt, nbp
+
+
+def write_kv_quant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor | None,
+                   bits: int) -> None:
+    """Quantize `x` `[T, H, D]` into cache rows: `packed[slot_mapping[t], h]`, `scales[slot_mapping[t], h]`.
+
+    `packed` is uint8 `[slots, H, D·bits/8]` and `scales` fp16 `[slots, H, D/32]` (any leading shape that views as
+    slots, e.g. `[pages, page_size, H, ·]`). `slot_mapping=None` writes row t to slot t.
+    """
+    t, h, d = x.shape
+    check_head_dim(d, bits)
+    pk = packed.view(-1, h, packed.shape[-1])
+    sc = scales.view(-1, h, scales.shape[-1])
+    if pk.shape[-1] != packed_dim(d, bits) or sc.shape[-1] != d // 32:
+        raise ValueError(f"cache rows of {pk.shape[-1]} bytes / {sc.shape[-1]} scales do not fit D={d} at {bits} bits.")
+    if not use_triton(x):
+        q, s = quantize_kv_torch(x, bits)
+        idx = torch.arange(t, device=x.device) if slot_mapping is None else slot_mapping.reshape(-1).long()
+        pk.index_copy_(0, idx, q)
+        sc.index_copy_(0, idx, s)
+        return
+    if t == 0:
+        return
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    bt, nbp = _block_rows(d)
+    rows = t * h
+    _kv_quant_kernel[(triton.cdiv(rows, bt),)](
+        x, pk, sc, slot_mapping if slot_mapping is not None else x, rows, h, x.stride(0), x.stride(1),
+        pk.stride(0), pk.stride(1), sc.stride(0), sc.stride(1), d // 64, HAS_SLOTS=slot_mapping is not None,
+        BITS=bits, BT=bt, NBP=nbp, num_warps=4)
+
+
+def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[..., D]` → (packed uint8 `[..., D·bits/8]`, scales fp16 `[..., D/32]`); see the module docstring."""
+    d = x.shape[-1]
+    check_head_dim(d, bits)
+    if not use_triton(x):
+        return quantize_kv_torch(x, bits)
+    lead = x.shape[:-1]
+    packed = torch.empty((*lead, packed_dim(d, bits)), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((*lead, d // 32), dtype=torch.float16, device=x.device)
+    write_kv_quant(x.reshape(-1, 1, d), packed.view(-1, 1, packed.shape[-1]), scales.view(-1, 1, d // 32), None,
+                   bits)
+    return packed, scales
+
+
+def dequantize_kv(packed: torch.Tensor, scales: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    """Inverse of `quantize_kv` up to the quantization error: fp16 `[..., head_dim]`."""
+    check_head_dim(head_dim, bits)
+    if not use_triton(packed):
+        return dequantize_kv_torch(packed, scales, bits, head_dim)
+    p = packed.reshape(-1, packed.shape[-1])
+    s = scales.reshape(-1, scales.shape[-1])
+    out = torch.empty((p.shape[0], head_dim), dtype=torch.float16, device=packed.device)
+    if p.shape[0]:
+        bt, nbp = _block_rows(head_dim)
+        _kv_dequant_kernel[(triton.cdiv(p.shape[0], bt),)](
+            p, s, out, p.shape[0], head_dim // 64, p.stride(0), s.stride(0), out.stride(0), ZERO=_zero(bits),
+            BITS=bits, BT=bt, NBP=nbp, num_warps=4)
+    return out.view(*packed.shape[:-1], head_dim)

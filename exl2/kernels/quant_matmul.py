@@ -1,0 +1,377 @@
+"""Triton kernels for `y = x · W + bias` with W a `QuantWeight` (EXL2 or GPTQ), and the dispatcher.
+
+Three paths, chosen per shape (`choose_path`):
+
+* **gemv** (M ≤ 4): CUDA-core kernel, one input row per program. Each program owns BN output columns and a
+  1/SPLIT share of the steps of every width class (so each split reads the same mix of widths), decodes codes with
+  shifts and masks, turns them into floats with the 2^23 exponent trick and accumulates x·(code − zero) in fp32,
+  applying the group scale once per step and word.
+* **dot** (small M): decodes a [BS·32, BN] tile to fp16 exactly as the reference dequantizer does and feeds the
+  tensor cores with `tl.dot`.
+* **dequant** (large M): a Triton kernel writes the fp16 weight in natural order, then cuBLAS multiplies.
+
+Split-K partial sums go to an fp32 workspace; the last program of each output tile (counted with an atomic on a
+per-device counter pool that every program resets) adds them up, adds the bias and writes the output, so a
+call is one launch (CUDA-graph friendly). Counters are shared per device: calls on one stream never overlap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exl2.kernels.backend import sm_count, tl, triton, use_triton
+from exl2.kernels.qweight import WIDTHS, QuantWeight, matmul_torch, split_bits
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _store_out(res, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr, tile_id, pid_k, SPLIT,
+               HAS_BIAS: tl.constexpr, SPLIT_ON: tl.constexpr):
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if not SPLIT_ON:
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        p_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + p_off, res, mask=mask)
+        tl.debug_barrier()
+        count = tl.atomic_add(cnt_ptr + tile_id, 1)
+        if count == SPLIT - 1:
+            tot = tl.zeros_like(res)
+            for i in range(SPLIT):
+                tot += tl.load(part_ptr + i * M * N + p_off, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+
+
+@triton.jit
+def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                offs_n, mask_n, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                BS: tl.constexpr, BN: tl.constexpr):
+    """Partial x·W over this program's share of one width class's steps, for BN columns ([BN] fp32).
+
+    Tiles are [steps, low word j, row-in-word u, columns]; stored row of (s, j, u) is 32·s + PER·j + u."""
+    PER: tl.constexpr = 32 // LB
+    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
+    MAGIC: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
+    jj = tl.arange(0, LB)
+    uu = tl.arange(0, PER)
+    row = jj[:, None] * PER + uu[None, :]  # [LB, PER]
+    lo_sh = (uu * LB)[None, None, :, None]
+    hi_sh = (HB * (row % HPER))[None, :, :, None]
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    acc = tl.zeros([BS, LB, BN], dtype=tl.float32)
+    for s0 in range(s_lo, s_hi, BS):
+        offs_s = s0 + tl.arange(0, BS)
+        mask_s = offs_s < s_hi
+        m3 = mask_s[:, None, None] & mask_n[None, None, :]
+        wrow = first_word + (offs_s - first_step) * BITS
+        w = tl.load(qw_ptr + (wrow[:, None] + jj[None, :])[:, :, None].to(tl.int64) * N + offs_n[None, None, :],
+                    mask=m3, other=0)
+        code = (w[:, :, None, :] >> lo_sh) & ((1 << LB) - 1)
+        if HB > 0:
+            hrow = wrow[:, None] + LB + (jj * PER // HPER)[None, :]
+            h = tl.load(qw_ptr + hrow[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)
+            code = code | (((h[:, :, None, :] >> hi_sh) & ((1 << HB) - 1)) << LB)
+        ridx = tl.load(ri_ptr + offs_s[:, None, None] * 32 + row[None, :, :], mask=mask_s[:, None, None], other=-1)
+        xv = tl.load(x_ptr + ridx, mask=ridx >= 0, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        else:
+            cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC
+        t = tl.sum(xv[:, :, :, None] * cf, axis=2)
+        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
+        g_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
+        m2 = mask_s[:, None] & mask_n[None, :]
+        if HAS_ZEROS:
+            z = tl.load(zr_ptr + g_off, mask=m2, other=0.0).to(tl.float32)
+            t = t - tl.sum(xv, axis=2)[:, :, None] * z[:, None, :]
+        sc = tl.load(sc_ptr + g_off, mask=m2, other=0.0).to(tl.float32)
+        acc += t * sc[:, None, :]
+    return tl.sum(tl.sum(acc, axis=1), axis=0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr,
+                 M, N, stride_xm, stride_om, SPLIT,
+                 fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2,
+                 HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
+                 HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
+    """One input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from L2."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    xr = x_ptr + pid_m.to(tl.int64) * stride_xm
+    res = tl.zeros([BN], dtype=tl.float32)
+    if HAS8:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n,
+                           mask_n, 8, 8, 0, HAS_ZEROS, BS, BN)
+    if HAS6:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n,
+                           mask_n, 6, 4, 2, HAS_ZEROS, BS, BN)
+    if HAS5:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n,
+                           mask_n, 5, 4, 1, HAS_ZEROS, BS, BN)
+    if HAS4:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n,
+                           mask_n, 4, 4, 0, HAS_ZEROS, BS, BN)
+    if HAS3:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n,
+                           mask_n, 3, 2, 1, HAS_ZEROS, BS, BN)
+    if HAS2:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n,
+                           mask_n, 2, 2, 0, HAS_ZEROS, BS, BN)
+    offs_m = pid_m + tl.arange(0, 1)
+    _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
+               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON)
+
+
+@triton.jit
+def _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, first_word, offs_n, mask_n, N,
+                 BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 BS: tl.constexpr, BN: tl.constexpr):
+    """fp16 [BS, 32, BN] tile of dequantized stored rows, bit-exact with the reference dequantizer."""
+    PER: tl.constexpr = 32 // LB
+    m2 = mask_s[:, None] & mask_n[None, :]
+    m3 = mask_s[:, None, None] & mask_n[None, None, :]
+    wrow = first_word + (offs_s - first_step) * BITS
+    lo_rows = wrow[:, None] + tl.arange(0, LB)[None, :]
+    w = tl.load(qw_ptr + lo_rows[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)
+    sh = tl.arange(0, PER) * LB
+    code = (w[:, :, None, :] >> sh[None, None, :, None]) & ((1 << LB) - 1)
+    code = tl.reshape(code, [BS, 32, BN])
+    if HB == 1:
+        h = tl.load(qw_ptr + (wrow + LB)[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0)
+        code = code | (((h[:, None, :] >> tl.arange(0, 32)[None, :, None]) & 1) << LB)
+    if HB == 2:
+        hi_rows = wrow[:, None] + LB + tl.arange(0, 2)[None, :]
+        h = tl.load(qw_ptr + hi_rows[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)
+        hc = (h[:, :, None, :] >> (2 * tl.arange(0, 16))[None, None, :, None]) & 3
+        code = code | (tl.reshape(hc, [BS, 32, BN]) << LB)
+    # 0x6400 | code is the fp16 number 1024 + code: exact integer, no int->float conversion needed.
+    cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
+    g_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
+    sc = tl.load(sc_ptr + g_off, mask=m2, other=0.0)
+    if HAS_ZEROS:
+        z = tl.load(zr_ptr + g_off, mask=m2, other=0.0) + 1024.0
+        deq = (cf - z[:, None, :]) * sc[:, None, :]
+    else:
+        deq = (cf - (1024.0 + (1 << (BITS - 1)))) * sc[:, None, :]
+    return deq
+
+
+@triton.jit
+def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_step, n_steps,
+               first_word, pid_k, offs_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr,
+               LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+               BN: tl.constexpr):
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    mask_m = offs_m < M
+    for s0 in range(s_lo, s_hi, BS):
+        offs_s = s0 + tl.arange(0, BS)
+        mask_s = offs_s < s_hi
+        deq = _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, first_word, offs_n, mask_n,
+                           N, BITS, LB, HB, HAS_ZEROS, BS, BN)
+        ridx = tl.load(ri_ptr + offs_s[:, None] * 32 + tl.arange(0, 32)[None, :], mask=mask_s[:, None], other=-1)
+        ridx = tl.reshape(ridx, [BS * 32])
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + ridx[None, :],
+                     mask=mask_m[:, None] & (ridx[None, :] >= 0), other=0.0).to(tl.float16)
+        acc = tl.dot(xt, tl.reshape(deq, [BS * 32, BN]), acc)
+    return acc
+
+
+@triton.jit
+def _dot_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr,
+                M, N, stride_xm, stride_om, SPLIT,
+                fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2,
+                HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
+                HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if HAS8:
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs8, ns8, fw8,
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 8, 8, 0, HAS_ZEROS, BM, BS, BN)
+    if HAS6:
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs6, ns6, fw6,
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 6, 4, 2, HAS_ZEROS, BM, BS, BN)
+    if HAS5:
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs5, ns5, fw5,
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 5, 4, 1, HAS_ZEROS, BM, BS, BN)
+    if HAS4:
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs4, ns4, fw4,
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 4, 4, 0, HAS_ZEROS, BM, BS, BN)
+    if HAS3:
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs3, ns3, fw3,
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 3, 2, 1, HAS_ZEROS, BM, BS, BN)
+    if HAS2:
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs2, ns2, fw2,
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 2, 2, 0, HAS_ZEROS, BM, BS, BN)
+    _store_out(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
+               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON)
+
+
+@triton.jit
+def _dequant_kernel(out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_step, n_steps, first_word,
+                    BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    BS: tl.constexpr, BN: tl.constexpr):
+    offs_s = first_step + tl.program_id(0) * BS + tl.arange(0, BS)
+    mask_s = offs_s < first_step + n_steps
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    deq = _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, first_word, offs_n, mask_n, N,
+                       BITS, LB, HB, HAS_ZEROS, BS, BN)
+    ridx = tl.load(ri_ptr + offs_s[:, None] * 32 + tl.arange(0, 32)[None, :], mask=mask_s[:, None], other=-1)
+    ptrs = out_ptr + ridx[:, :, None].to(tl.int64) * N + offs_n[None, None, :]
+    tl.store(ptrs, deq, mask=(ridx[:, :, None] >= 0) & mask_n[None, None, :])
+
+
+# --------------------------------------------------------------------------------------------------- launch
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Launch parameters of the gemv/dot kernels."""
+
+    bm: int = 1
+    bs: int = 8
+    bn: int = 128
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTER_POOL = 1 << 16
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(_COUNTER_POOL, dtype=torch.int32, device=device)
+    return c
+
+
+def _class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
+    args, flags = [], {}
+    for bits in WIDTHS:
+        c = w.class_of(bits)
+        args += [c.first_step, c.n_steps, c.first_word] if c else [0, 0, 0]
+        flags[f"HAS{bits}"] = c is not None
+    return args, flags
+
+
+def _launch(kernel, x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Tensor:
+    m = x.shape[0]
+    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid_n, grid_m = triton.cdiv(w.n, cfg.bn), triton.cdiv(m, cfg.bm if kernel is _dot_kernel else 1)
+    split = cfg.split if grid_n * grid_m <= _COUNTER_POOL else 1
+    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else out
+    cls, flags = _class_args(w)
+    zeros = w.zeros if w.zeros is not None else w.scales
+    bias = w.bias if w.bias is not None else w.scales
+    kernel[(grid_n, split, grid_m)](
+        x, out, part, _counters(x.device), bias, w.qweight, w.scales, zeros, w.step_group, w.row_index,
+        m, w.n, x.stride(0), out.stride(0), split, *cls, **flags, HAS_ZEROS=w.zeros is not None,
+        HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BM=cfg.bm, BS=cfg.bs, BN=cfg.bn, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
+
+
+def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Tensor:
+    """CUDA-core path (small M); x `[M, K]` with a contiguous last dim."""
+    return _launch(_gemv_kernel, x, w, cfg)
+
+
+def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Tensor:
+    """Tensor-core path with in-register dequantization; cfg.bm ≥ 16 and cfg.bs ≥ 1."""
+    return _launch(_dot_kernel, x, w, cfg)
+
+
+def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
+    """fp16 `[K, N]` natural-order weight, bit-identical to `qweight.dequantize_torch`."""
+    out = torch.zeros((w.k, w.n), dtype=torch.float16, device=w.device)
+    zeros = w.zeros if w.zeros is not None else w.scales
+    for c in w.classes:
+        lb, hb = split_bits(c.bits)
+        grid = (triton.cdiv(c.n_steps, bs), triton.cdiv(w.n, bn))
+        _dequant_kernel[grid](out, w.qweight, w.scales, zeros, w.step_group, w.row_index, w.n, c.first_step,
+                              c.n_steps, c.first_word, BITS=c.bits, LB=lb, HB=hb, HAS_ZEROS=w.zeros is not None,
+                              BS=bs, BN=bn, num_warps=4)
+    return out
+
+
+def dequant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """Large-M path: dequantize to fp16 with Triton, multiply with cuBLAS."""
+    wd = dequantize_triton(w)
+    y = torch.matmul(x.to(torch.float16), wd) if x.is_cuda else (x.float() @ wd.float())
+    if w.bias is not None:
+        y = y + w.bias.to(y.dtype)
+    return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------- dispatch
+GEMV_MAX_M = 4
+DOT_MAX_M = 64
+
+
+def _auto_split(w: QuantWeight, tiles: int, device: torch.device, min_steps: int) -> int:
+    target = 2 * sm_count(device)
+    split = max(1, min(16, target // max(1, tiles)))
+    while split > 1 and w.n_steps // split < min_steps:
+        split //= 2
+    return split
+
+
+def choose_config(m: int, w: QuantWeight) -> tuple[str, MatmulConfig | None]:
+    """Pick the path and launch parameters for an [m, K] input (heuristics tuned on an H200, see RESULTS.md)."""
+    if m <= GEMV_MAX_M:
+        bn = 128 if w.n >= 4096 else 64
+        tiles = triton.cdiv(w.n, bn)
+        return "gemv", MatmulConfig(bm=1, bs=8, bn=bn,
+                                    split=_auto_split(w, tiles, w.device, 8), num_warps=4, num_stages=2)
+    if m <= DOT_MAX_M:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bn = 64
+        tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bm)
+        return "dot", MatmulConfig(bm=bm, bs=2, bn=bn, split=_auto_split(w, tiles, w.device, 4), num_warps=4,
+                                   num_stages=2)
+    return "dequant", None
+
+
+def quant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """`x · W + bias` for x `[..., K]` (fp16; bf16/fp32 accepted): output `[..., N]` in x's dtype.
+
+    N is the stored width (EXL2 pads to a multiple of 32); slice to `w.out_features` if needed.
+    """
+    if x.shape[-1] != w.k:
+        raise ValueError(f"input has {x.shape[-1]} features but the weight expects {w.k}.")
+    if not use_triton(x):
+        return matmul_torch(x.reshape(-1, w.k), w).view(*x.shape[:-1], w.n)
+    x2 = x.reshape(-1, w.k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    path, cfg = choose_config(x2.shape[0], w)
+    if path == "gemv":
+        y = gemv(x2, w, cfg)
+    elif path == "dot":
+        y = dot(x2, w, cfg)
+    else:
+        y = dequant_matmul(x2, w)
+    return y.view(*x.shape[:-1], w.n)

@@ -1,0 +1,203 @@
+"""Load-time layout of a quantized `[K, N]` matrix, shared by the EXL2 and GPTQ kernels, and its PyTorch decoder.
+
+Rows are grouped by bit width into *width classes* (8, 6, 5, 4, 3, 2 bits, in that order). Each class is cut into
+*steps* of 32 stored rows that all belong to one quantization group (a group whose row count is not a multiple of
+32 is padded with rows that decode to zero and read no input). A step of a `b`-bit class is `b` int32 words per
+column, laid out so that every code is a shift-and-mask of at most two words, with no code straddling words:
+
+* `LB` "low" words hold the low `LB` bits of the codes (`LB` = 2 for 2/3-bit, 4 for 4/5/6-bit, 8 for 8-bit):
+  row `r` of the step sits in low word `r // (32/LB)` at bit `LB·(r % (32/LB))`.
+* `HB = b − LB` "high" words (0, 1 or 2) hold the remaining bits: row `r` sits in high word `r // (32/HB)` at bit
+  `HB·(r % (32/HB))`.
+
+For 2-, 4- and 8-bit classes this is exactly the on-disk EXL2/GPTQ packing. Tensors:
+
+* `qweight` int32 `[Σ steps·b, N]`: the classes one after another, step-major, then word, then column.
+* `scales` fp16 `[G, N]`: effective per-(group, column) scale; `zeros` fp16 `[G, N]` or None (then the zero point
+  is the class's `2^(b−1)`, EXL2's convention).
+* `step_group` int32 `[S]`: the group of each step. `row_index` int32 `[S·32]`: the input feature (column of x,
+  row of the natural-order weight) of each stored row, −1 for padding rows. The kernels gather x through it, so
+  act-order needs no separate permutation pass.
+
+Dequantization of stored row `k'`, column `n`: `fp16((code − zero) · scale)`, one fp16 rounding, exactly as
+exllamav2's reconstruct kernel (spec §1.6).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+WIDTHS = (8, 6, 5, 4, 3, 2)
+
+
+def split_bits(bits: int) -> tuple[int, int]:
+    """(LB, HB): low and high field widths of a `bits`-bit code in this layout."""
+    if bits not in WIDTHS:
+        raise ValueError(f"unsupported bit width {bits}; expected one of {WIDTHS}.")
+    lb = 2 if bits <= 3 else (8 if bits == 8 else 4)
+    return lb, bits - lb
+
+
+@dataclass(frozen=True)
+class WidthClass:
+    bits: int
+    first_step: int
+    n_steps: int
+    first_word: int  # row of `qweight` where this class starts
+
+
+@dataclass
+class QuantWeight:
+    """A quantized linear weight repacked for the kernels (see the module docstring); y = x · W + bias."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    step_group: torch.Tensor
+    row_index: torch.Tensor
+    classes: tuple[WidthClass, ...]
+    k: int
+    n: int
+    bias: torch.Tensor | None = None
+    out_features: int | None = None
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def n_steps(self) -> int:
+        return self.step_group.numel()
+
+    def class_of(self, bits: int) -> WidthClass | None:
+        return next((c for c in self.classes if c.bits == bits), None)
+
+    def weight_bytes(self) -> int:
+        """Bytes the matmul kernels must read for the weight: packed codes, scales, zeros, maps, bias."""
+        t = [self.qweight, self.scales, self.step_group, self.row_index]
+        t += [x for x in (self.zeros, self.bias) if x is not None]
+        return sum(x.numel() * x.element_size() for x in t)
+
+    def to(self, device: torch.device | str) -> "QuantWeight":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return QuantWeight(mv(self.qweight), mv(self.scales), mv(self.zeros), mv(self.step_group),
+                           mv(self.row_index), self.classes, self.k, self.n, mv(self.bias), self.out_features)
+
+
+def encode_steps(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes `[S·32, N]` of one class → int32 words `[S·bits, N]` in this layout."""
+    lb, hb = split_bits(bits)
+    n = codes.shape[1]
+    c = codes.view(-1, 32, n).to(torch.int64)
+    s = c.shape[0]
+    parts = []
+    for width, shift_in, count in ((lb, 0, lb), (hb, lb, hb)):
+        if not width:
+            continue
+        per = 32 // width
+        f = ((c >> shift_in) & ((1 << width) - 1)).view(s, count, per, n)
+        sh = (torch.arange(per, device=codes.device, dtype=torch.int64) * width).view(1, 1, per, 1)
+        parts.append((f << sh).sum(dim=2))
+    words = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)
+    return words.to(torch.int32).reshape(s * bits, n)
+
+
+def decode_steps(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `encode_steps`: int32 words `[S·bits, N]` → int32 codes `[S·32, N]`."""
+    lb, hb = split_bits(bits)
+    n = words.shape[1]
+    w = words.view(-1, bits, n)
+    s = w.shape[0]
+
+    def field_(ws: torch.Tensor, width: int) -> torch.Tensor:
+        per = 32 // width
+        sh = (torch.arange(per, device=words.device, dtype=torch.int32) * width).view(1, 1, per, 1)
+        return ((ws.unsqueeze(2) >> sh) & ((1 << width) - 1)).reshape(s, 32, n)
+
+    code = field_(w[:, :lb], lb)
+    if hb:
+        code = code | (field_(w[:, lb:], hb) << lb)
+    return code.reshape(s * 32, n)
+
+
+def build(codes: torch.Tensor, groups: list[tuple[int, int]], scales: torch.Tensor, zeros: torch.Tensor | None,
+          perm: torch.Tensor | None, bias: torch.Tensor | None = None, out_features: int | None = None) -> QuantWeight:
+    """Repack stored-order codes into a `QuantWeight`.
+
+    `codes` `[K, N]` (stored row order), `groups` the (bits, rows) of each group in stored order, `scales` (and
+    optional `zeros`) fp16 `[G, N]`, `perm[k']` = input feature of stored row k' (None: identity).
+    """
+    k, n = codes.shape
+    dev = codes.device
+    if sum(r for _, r in groups) != k:
+        raise ValueError(f"the groups hold {sum(r for _, r in groups)} rows but the codes have {k}.")
+    starts, row = [], 0
+    for _, rows in groups:
+        starts.append(row)
+        row += rows
+    perm_t = torch.arange(k, device=dev) if perm is None else perm.to(dev, torch.int64)
+
+    words, step_group, row_index, classes = [], [], [], []
+    step = word = 0
+    for bits in WIDTHS:
+        members = [g for g, (b, _) in enumerate(groups) if b == bits]
+        if not members:
+            continue
+        src_parts, sg_parts = [], []
+        for g in members:
+            rows = groups[g][1]
+            padded = -(-rows // 32) * 32
+            idx = torch.arange(starts[g], starts[g] + padded, device=dev)
+            src_parts.append(torch.where(idx < starts[g] + rows, idx, -1))
+            sg_parts.append(torch.full((padded // 32,), g, dtype=torch.int32, device=dev))
+        src = torch.cat(src_parts)
+        contiguous = bool((src[1:] - src[:-1] == 1).all()) if src.numel() > 1 else True
+        if contiguous and int(src[0]) >= 0:
+            cls_codes = codes[int(src[0]):int(src[0]) + src.numel()]
+        else:
+            cls_codes = codes.index_select(0, src.clamp(min=0))
+            cls_codes[src < 0] = 1 << (bits - 1)
+        words.append(encode_steps(cls_codes.contiguous(), bits))
+        step_group += sg_parts
+        row_index.append(torch.where(src >= 0, perm_t.index_select(0, src.clamp(min=0)), -1).to(torch.int32))
+        s_c = src.numel() // 32
+        classes.append(WidthClass(bits, step, s_c, word))
+        step += s_c
+        word += s_c * bits
+    return QuantWeight(
+        qweight=torch.cat(words).contiguous(), scales=scales.to(dev, torch.float16).contiguous(),
+        zeros=None if zeros is None else zeros.to(dev, torch.float16).contiguous(),
+        step_group=torch.cat(step_group).contiguous(), row_index=torch.cat(row_index).contiguous(),
+        classes=tuple(classes), k=k, n=n, bias=None if bias is None else bias.to(dev, torch.float16).contiguous(),
+        out_features=out_features)
+
+
+def dequantize_torch(w: QuantWeight) -> torch.Tensor:
+    """fp16 `[K, N]` weight in natural input order (the reference dequantizer of this layout)."""
+    out = torch.zeros((w.k, w.n), dtype=torch.float16, device=w.device)
+    for c in w.classes:
+        code = decode_steps(w.qweight[c.first_word:c.first_word + c.n_steps * c.bits], c.bits)
+        grp = w.step_group[c.first_step:c.first_step + c.n_steps].long().repeat_interleave(32)
+        zero = w.zeros.index_select(0, grp) if w.zeros is not None else float(1 << (c.bits - 1))
+        deq = (code.to(torch.float16) - zero) * w.scales.index_select(0, grp)
+        ri = w.row_index[c.first_step * 32:(c.first_step + c.n_steps) * 32].long()
+        keep = ri >= 0
+        out.index_copy_(0, ri[keep], deq[keep])
+    return out
+
+
+def matmul_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The twin of the quantized matmul: dequantize, then a plain matmul (fp32 on CPU, fp16 on GPU)."""
+    wd = dequantize_torch(w)
+    if x.is_cuda:
+        y = torch.matmul(x.to(torch.float16), wd)
+        if w.bias is not None:
+            y = y + w.bias
+    else:
+        y = x.float() @ wd.float()
+        if w.bias is not None:
+            y = y + w.bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,123 @@
+"""Rotary position embedding applied in place to q and k from precomputed cos/sin tables.
+
+Every RoPE variant (plain, linear, NTK, Llama-3, YaRN, LongRoPE, …) differs only in its table, which the caller
+builds: `cos`, `sin` are `[max_positions, rotary_dim // 2]` (any float dtype; fp32 recommended). The first
+`rotary_dim` features of each head are rotated, the rest pass through (partial rotary). Layouts:
+`interleaved=False` (GPT-NeoX / Llama "rotate half": pairs (i, i + rotary_dim/2)) and `interleaved=True`
+(GPT-J: pairs (2i, 2i+1)). `q`, `k` are `[..., heads, head_dim]` whose leading dims flatten to one token axis of
+length `positions.numel()`; any token/head strides are fine (e.g. views into a fused QKV output) as long as the
+last dim is contiguous.
+"""
+from __future__ import annotations
+
+import torch
+
+from exl2.kernels.backend import next_pow2, tl, triton, use_triton
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_cos, HALF, QBLOCKS, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < HALF
+    c = tl.load(cos_ptr + pos * stride_cos + offs_r, mask=rmask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_cos + offs_r, mask=rmask, other=0.0).to(tl.float32)
+    if hb < QBLOCKS:
+        base = q_ptr + t * stride_qt
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = offs_h < HQ
+        hstride = stride_qh
+    else:
+        base = k_ptr + t * stride_kt
+        offs_h = (hb - QBLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = offs_h < HK
+        hstride = stride_kh
+    if INTERLEAVED:
+        i1 = 2 * offs_r
+        i2 = 2 * offs_r + 1
+    else:
+        i1 = offs_r
+        i2 = offs_r + HALF
+    p1 = base + offs_h[:, None] * hstride + i1[None, :]
+    p2 = base + offs_h[:, None] * hstride + i2[None, :]
+    m = hmask[:, None] & rmask[None, :]
+    x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=m, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * c[None, :] - x2 * s[None, :]).to(p1.dtype.element_ty), mask=m)
+    tl.store(p2, (x2 * c[None, :] + x1 * s[None, :]).to(p2.dtype.element_ty), mask=m)
+
+
+def _as_3d(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    if x.dim() < 2:
+        raise ValueError(f"expected [..., heads, head_dim], got shape {list(x.shape)}.")
+    v = x.view(tokens, x.shape[-2], x.shape[-1]) if x.dim() != 3 else x
+    if v.shape[0] != tokens:
+        raise ValueError(f"{v.shape[0]} tokens but {tokens} positions.")
+    if v.stride(-1) != 1:
+        raise ValueError("the head dimension must be contiguous.")
+    return v
+
+
+def _check(q, k, cos, sin, positions, rotary_dim):
+    rd = rotary_dim or q.shape[-1]
+    if rd % 2 or rd > q.shape[-1] or (k is not None and rd > k.shape[-1]):
+        raise ValueError(f"rotary_dim {rd} must be even and at most the head dim.")
+    if cos.shape != sin.shape or cos.shape[-1] != rd // 2:
+        raise ValueError(f"cos/sin tables must be [positions, {rd // 2}], got {list(cos.shape)}.")
+    return rd
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor, rotary_dim: int | None = None, interleaved: bool = False) -> None:
+    """Rotate q and k (in place) by the angles of `positions` (see the module docstring)."""
+    rd = _check(q, k, cos, sin, positions, rotary_dim)
+    if not use_triton(q):
+        return apply_rotary_torch(q, k, cos, sin, positions, rotary_dim, interleaved)
+    t = positions.numel()
+    if t == 0:
+        return None
+    q3 = _as_3d(q, t)
+    k3 = _as_3d(k, t) if k is not None else q3
+    hk = k3.shape[1] if k is not None else 0
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    block_h = min(16, next_pow2(max(q3.shape[1], hk, 1)))
+    qblocks = triton.cdiv(q3.shape[1], block_h)
+    grid = (t, qblocks + triton.cdiv(hk, block_h))
+    _rope_kernel[grid](q3, k3, cos, sin, positions.reshape(-1), q3.shape[1], hk, q3.stride(0), q3.stride(1),
+                       k3.stride(0), k3.stride(1), cos.stride(0), rd // 2, qblocks, INTERLEAVED=interleaved,
+                       BLOCK_H=block_h, BLOCK_R=next_pow2(rd // 2), num_warps=2)
+    return None
+
+
+def apply_rotary_torch(q, k, cos, sin, positions, rotary_dim=None, interleaved=False) -> None:
+    """The twin of `apply_rotary`."""
+    rd = _check(q, k, cos, sin, positions, rotary_dim)
+    pos = positions.reshape(-1).long()
+    c = cos.index_select(0, pos).float()[:, None, :]
+    s = sin.index_select(0, pos).float()[:, None, :]
+    for x in (q, k):
+        if x is None:
+            continue
+        x3 = _as_3d(x, pos.numel())
+        r = x3[..., :rd]
+        if interleaved:
+            x1, x2 = r[..., 0::2], r[..., 1::2]
+        else:
+            x1, x2 = r[..., : rd // 2], r[..., rd // 2:]
+        f1, f2 = x1.float(), x2.float()
+        n1, n2 = f1 * c - f2 * s, f2 * c + f1 * s
+        x1.copy_(n1.to(x.dtype))
+        x2.copy_(n2.to(x.dtype))
+
+
+def rotary_tables(inv_freq: torch.Tensor, max_positions: int, attention_scaling: float = 1.0,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[max_positions, len(inv_freq)]` (fp32) for the given inverse frequencies."""
+    inv = inv_freq.to(device=device, dtype=torch.float32)
+    ang = torch.outer(torch.arange(max_positions, device=inv.device, dtype=torch.float32), inv)
+    return (ang.cos() * attention_scaling), (ang.sin() * attention_scaling)

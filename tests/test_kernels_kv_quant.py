@@ -1,0 +1,156 @@
+"""Quantized KV cache: q4/q8 codes equal a literal transcription of spec §4, round-trip error per mode, the
+3/2-bit packing layout, and the Triton quantize/dequantize/write kernels equal the twins bit for bit."""
+import numpy as np
+import pytest
+import torch
+
+from exl2.kernels import kv_quant as kq
+from exl2.kernels.backend import INTERPRET, force_triton, triton_usable
+
+DEV = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
+needs_triton = pytest.mark.skipif(DEV is None or not triton_usable(), reason="needs CUDA or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 0/0 for all-zero blocks, by design
+
+
+def spec_quantize_block(x: np.ndarray, bits: int):
+    """Spec §4, one 64-element block, written lane by lane: returns (codes[64], scales[2])."""
+    h = np.float16
+    lanes = [[h(x[2 * t]), h(x[2 * t + 1])] for t in range(32)]  # lane t holds elements 2t, 2t+1
+    for dist in (1, 2, 4, 8, 16):
+        new = []
+        for t in range(32):
+            self_, partner = lanes[t], lanes[t ^ dist]
+            if t & dist:
+                new.append([h(partner[i] - self_[i]) for i in range(2)])
+            else:
+                new.append([h(self_[i] + partner[i]) for i in range(2)])
+        lanes = new
+    y = [lanes[j][0] if e % 2 == 0 else lanes[j][1] for e in range(64) for j in [e // 2]]
+    half = 1 << (bits - 1)
+    codes, scales = [], []
+    for g in range(2):
+        grp = y[32 * g:32 * g + 32]
+        amax = max(abs(v) for v in grp)
+        scales.append(h(amax * h(1.0 / half)))
+        for v in grp:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                q = h(v / amax)
+                t = h(q * h(half) + h(half))
+            code = 0 if np.isnan(t) else int(np.clip(np.rint(np.float32(t)), 0, 2 * half - 1))
+            codes.append(code)
+    return codes, scales
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> list[int]:
+    out = []
+    for byte in packed.tolist():
+        out += [byte & 15, byte >> 4]
+    return out
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_codes_match_spec_transcription(bits):
+    g = torch.Generator().manual_seed(bits)
+    x = (torch.randn(6, 128, generator=g) * torch.rand(6, 1, generator=g) * 8).half()
+    x[1, :64] = 0  # amax = 0: code 0, scale 0
+    x[2, 5] = 60000.0  # a wide dynamic range inside one block
+    packed, scales = kq.quantize_kv_torch(x, bits)
+    for r in range(6):
+        codes = _unpack_nibbles(packed[r]) if bits == 4 else packed[r].tolist()
+        for b in range(2):
+            want_codes, want_scales = spec_quantize_block(x[r, 64 * b:64 * b + 64].numpy(), bits)
+            assert codes[64 * b:64 * b + 64] == want_codes, (r, b)
+            got_s = scales[r, 2 * b:2 * b + 2].numpy()
+            assert np.array_equal(got_s.view(np.uint16), np.array(want_scales, dtype=np.float16).view(np.uint16))
+
+
+def test_rotation_is_symmetric_hadamard():
+    r = kq.rotation_matrix(128).double()
+    assert torch.equal(r, r.T) and torch.equal(r @ r, 32 * torch.eye(128, dtype=torch.float64))
+    x = torch.randn(3, 128).half()
+    torch.testing.assert_close(kq._rotate(x).double(), x.double() @ r, atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.parametrize("bits,bound", [(8, 0.012), (4, 0.12), (3, 0.25), (2, 0.45)])
+def test_roundtrip_error_per_mode(bits, bound):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 4, 128, generator=g) * torch.rand(64, 4, 1, generator=g) * 4).half()
+    x[..., 7] *= 20  # an outlier channel, as keys have: the rotation spreads it over the block
+    p, s = kq.quantize_kv_torch(x, bits)
+    assert p.shape == (64, 4, 128 * bits // 8) and p.dtype == torch.uint8 and s.shape == (64, 4, 4)
+    back = kq.dequantize_kv_torch(p, s, bits, 128)
+    rel = float((back.float() - x.float()).norm() / x.float().norm())
+    assert rel < bound, rel
+    # each step of precision must help: the next wider mode is clearly better
+    if bits < 8:
+        wider = {2: 3, 3: 4, 4: 8}[bits]
+        p2, s2 = kq.quantize_kv_torch(x, wider)
+        rel2 = float((kq.dequantize_kv_torch(p2, s2, wider, 128).float() - x.float()).norm() / x.float().norm())
+        assert rel2 < 0.7 * rel
+
+
+def test_low_bit_packing_layout():
+    codes = torch.randint(0, 8, (2, 64), dtype=torch.uint8)
+    p3 = kq._pack(codes, 3)
+    assert p3.shape == (2, 24)
+    for r in range(2):
+        for e in range(64):
+            g, i = divmod(e, 32)
+            lo = (int(p3[r, 12 * g + i // 4]) >> (2 * (i % 4))) & 3
+            hi = (int(p3[r, 12 * g + 8 + i // 8]) >> (i % 8)) & 1
+            assert lo | hi << 2 == int(codes[r, e])
+    c2 = codes & 3
+    p2 = kq._pack(c2, 2)
+    assert all((int(p2[r, e // 4]) >> (2 * (e % 4))) & 3 == int(c2[r, e]) for r in range(2) for e in range(64))
+    assert torch.equal(kq._unpack(p3, 3, 64), codes.int()) and torch.equal(kq._unpack(p2, 2, 64), c2.int())
+
+
+def test_head_dim_must_be_multiple_of_64():
+    with pytest.raises(ValueError, match="divisible by 64"):
+        kq.quantize_kv_torch(torch.zeros(2, 96).half(), 4)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+@pytest.mark.parametrize("d", [64, 192])
+def test_triton_quantize_dequantize_equal_twins(bits, d):
+    g = torch.Generator().manual_seed(bits + d)
+    x = (torch.randn(3, 2, d, generator=g) * 3).half().to(DEV)
+    x[0, 1] = 0
+    with force_triton():
+        p, s = kq.quantize_kv(x, bits)
+        back = kq.dequantize_kv(p, s, bits, d)
+    p0, s0 = kq.quantize_kv_torch(x, bits)
+    assert torch.equal(p, p0) and torch.equal(s.view(torch.int16), s0.view(torch.int16))
+    assert torch.equal(back, kq.dequantize_kv_torch(p0, s0, bits, d))  # (±0 may differ in sign)
+
+
+@needs_triton
+def test_write_kv_quant_into_pages():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, 128, generator=g).half().to(DEV)
+    pages = torch.zeros(4, 8, 2, 64, dtype=torch.uint8, device=DEV)
+    scales = torch.zeros(4, 8, 2, 4, dtype=torch.float16, device=DEV)
+    slots = torch.tensor([9, 0, 31, 17, 18], device=DEV)
+    with force_triton():
+        kq.write_kv_quant(x, pages, scales, slots, 4)
+    p0, s0 = kq.quantize_kv_torch(x, 4)
+    flat, fs = pages.view(-1, 2, 64), scales.view(-1, 2, 4)
+    assert torch.equal(flat[slots], p0) and torch.equal(fs[slots], s0)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert int(flat[untouched.to(DEV)].sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_kv_quant_real_sizes_gpu(bits):
+    x = torch.randn(4096, 8, 128, device="cuda").half()
+    p, s = kq.quantize_kv(x, bits)
+    p0, s0 = kq.quantize_kv_torch(x, bits)
+    mism = (p != p0).float().mean().item()
+    assert mism < 1e-4 and torch.equal(s, s0), mism  # butterfly sums of two fp16 values: rounding must agree
+    back = kq.dequantize_kv(p0, s0, bits, 128)
+    ref = kq.dequantize_kv_torch(p0, s0, bits, 128)
+    assert float((back.float() - ref.float()).abs().max()) <= 1e-3 * float(ref.float().abs().max())

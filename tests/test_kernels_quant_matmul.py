@@ -1,0 +1,192 @@
+"""EXL2/GPTQ quantized matmul: load-time repacking vs the format readers (bit exact, incl. exllamav2 golden
+files), Triton dequant / gemv / dot kernels vs the PyTorch twin."""
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from exl2.formats import exl2 as fmt
+from exl2.formats.gptq import dequantize_gptq, pack_gptq
+from exl2.kernels import qweight
+from exl2.kernels import quant_matmul as qm
+from exl2.kernels.backend import INTERPRET, force_triton, triton_usable
+from exl2.kernels.exl2_matmul import Exl2Weight, exl2_matmul
+from exl2.kernels.gptq_matmul import GptqWeight
+
+DEV = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
+needs_triton = pytest.mark.skipif(DEV is None or not triton_usable(), reason="needs CUDA or TRITON_INTERPRET=1")
+GOLDEN = Path(__file__).parent / "fixtures" / "golden"
+
+
+def rand_exl2(k_groups, n, bias=True, seed=0, device="cpu"):
+    """Random EXL2 layer via the format's own writer: codes, scale codes, act-order permutation, bias."""
+    g = torch.Generator().manual_seed(seed)
+    k = sum(r for _, r in k_groups)
+    codes = torch.cat([torch.randint(0, 1 << b, (r, n), generator=g) for b, r in k_groups]).to(torch.uint8)
+    sc = torch.randint(1, 17, (len(k_groups), n), generator=g)
+    smax = (torch.rand(len(k_groups), generator=g) * 0.05 + 0.005).half()
+    b = torch.randn(n, generator=g).half() if bias else None
+    t = fmt.pack(codes, k_groups, sc, smax, torch.randperm(k, generator=g), b)
+    return {f"L.{key}": v.to(device) for key, v in t.items()}
+
+
+MIXED = [(8, 32), (6, 32), (6, 16), (6, 16), (5, 32), (4, 64), (4, 8), (4, 24), (3, 32), (2, 48)]
+
+
+def _bits_equal(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# ---------------------------------------------------------------------------------------------- layout
+def test_repack_roundtrip_every_width():
+    torch.manual_seed(0)
+    for bits in qweight.WIDTHS:
+        codes = torch.randint(0, 1 << bits, (96, 40), dtype=torch.uint8)
+        words = qweight.encode_steps(codes, bits)
+        assert words.shape == (3 * bits, 40) and words.dtype == torch.int32
+        assert torch.equal(qweight.decode_steps(words, bits), codes.to(torch.int32))
+    # 2/4/8-bit steps are the on-disk packing itself (no repacking cost at load)
+    for bits in (2, 4, 8):
+        codes = torch.randint(0, 1 << bits, (64, 32), dtype=torch.uint8)
+        disk = fmt.pack(codes, [(bits, 64)], torch.ones(1, 32), torch.ones(1).half(), torch.arange(64))
+        assert torch.equal(qweight.encode_steps(codes, bits), disk["q_weight"])
+
+
+def test_exl2_twin_dequant_bit_exact_mixed_widths_and_odd_groups():
+    t = rand_exl2(MIXED, 64)
+    w = Exl2Weight.from_tensors(t, "L")
+    assert [c.bits for c in w.classes] == [8, 6, 5, 4, 3, 2]
+    assert (w.row_index < 0).sum() > 0  # the 16- and 8/24-row groups forced padding
+    assert _bits_equal(qweight.dequantize_torch(w), fmt.dequantize(t, "L"))
+    x = torch.randn(3, w.k, dtype=torch.float16)
+    ref = x.double() @ fmt.dequantize(t, "L").double() + t["L.bias"].double()
+    torch.testing.assert_close(exl2_matmul(x, w).double(), ref, atol=2e-2, rtol=2e-3)
+
+
+def test_exl2_prescale_and_errors():
+    t = rand_exl2([(4, 64)], 32, bias=False)
+    w = Exl2Weight.from_tensors(t, "L", prescale=0.5)
+    assert _bits_equal(qweight.dequantize_torch(w), (fmt.dequantize(t, "L").float() * 0.5).half())
+    bad = dict(t)
+    bad["L.q_invperm"] = torch.zeros_like(t["L.q_invperm"])
+    from exl2.errors import FormatError
+    with pytest.raises(FormatError, match="permutation"):
+        Exl2Weight.from_tensors(bad, "L")
+    with pytest.raises(FormatError, match="no q_scale"):
+        Exl2Weight.from_tensors({k: v for k, v in t.items() if "q_scale" != k.split(".")[-1]}, "L")
+
+
+@pytest.mark.parametrize("folder", ["b3.0_hb6", "b4.0_hb6", "b6.0_hb6"])
+def test_exl2_golden_files_reproduce_exllamav2_hashes(folder):
+    path = GOLDEN / folder
+    if not path.exists():
+        pytest.skip("golden fixtures missing")
+    tensors = load_file(path / "output.safetensors")
+    hashes = json.loads((path / "reference_dequant_sha256.json").read_text())
+    for prefix, ref in hashes.items():
+        w = Exl2Weight.from_tensors(tensors, prefix)
+        d = qweight.dequantize_torch(w)[:, : ref["shape"][1]].contiguous()
+        assert list(d.shape) == ref["shape"]
+        assert hashlib.sha256(d.numpy().tobytes()).hexdigest() == ref["sha256"], prefix
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_twin_matches_reference_dequant(bits, act_order):
+    g = torch.Generator().manual_seed(bits)
+    k, n, groups = 256, 64, 4
+    codes = torch.randint(0, 1 << bits, (k, n), generator=g)
+    zeros = torch.randint(1, 1 << bits, (groups, n), generator=g)
+    scales = (torch.rand(groups, n, generator=g) * 0.02).half()
+    g_idx = torch.randint(0, groups, (k,), generator=g) if act_order else None
+    for fmt_name in ("gptq", "gptq_v2"):
+        z = zeros if fmt_name == "gptq" else zeros - 1
+        t = {f"P.{key}": v for key, v in pack_gptq(codes, z, scales, g_idx, bits, fmt_name).items()}
+        w = GptqWeight.from_tensors(t, "P", checkpoint_format=fmt_name, bits=bits)
+        assert _bits_equal(qweight.dequantize_torch(w), dequantize_gptq(t, "P", fmt_name, bits))
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@needs_triton
+def test_triton_dequant_bit_exact():
+    t = rand_exl2(MIXED, 64, device=DEV)
+    w = Exl2Weight.from_tensors(t, "L", device=DEV)
+    with force_triton():
+        d = qm.dequantize_triton(w)
+    assert _bits_equal(d, fmt.dequantize(t, "L"))
+
+
+def _check_close(y, ref):
+    # fp32 accumulation in a different order, one fp16 rounding of the output
+    err = (y.float() - ref.float()).abs().max()
+    assert err <= 2e-3 * ref.float().abs().max() + 1e-3, float(err)
+
+
+@needs_triton
+@pytest.mark.parametrize("m,split", [(1, 1), (1, 3), (2, 2)])
+def test_gemv_matches_twin(m, split):
+    t = rand_exl2(MIXED, 96, seed=1, device=DEV)
+    w = Exl2Weight.from_tensors(t, "L", device=DEV)
+    x = torch.randn(m, w.k, dtype=torch.float16, device=DEV)
+    with force_triton():
+        y = qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=split))
+        y2 = qm.gemv(x, w, qm.MatmulConfig(bs=4, bn=64, split=1))
+    ref = qweight.matmul_torch(x, w)
+    _check_close(y, ref)
+    _check_close(y2, ref)
+
+
+@needs_triton
+def test_dot_kernel_matches_twin_with_split_and_bias():
+    t = rand_exl2(MIXED, 64, seed=2, device=DEV)
+    w = Exl2Weight.from_tensors(t, "L", device=DEV)
+    x = torch.randn(5, w.k, dtype=torch.float16, device=DEV)
+    with force_triton():
+        y = qm.dot(x, w, qm.MatmulConfig(bm=16, bs=1, bn=32, split=2))
+    _check_close(y, qweight.matmul_torch(x, w))
+
+
+@needs_triton
+def test_gptq_kernels_with_act_order():
+    g = torch.Generator().manual_seed(9)
+    k, n, groups = 128, 64, 4
+    t = pack_gptq(torch.randint(0, 16, (k, n), generator=g), torch.randint(1, 16, (groups, n), generator=g),
+                  (torch.rand(groups, n, generator=g) * 0.02).half(), torch.randint(0, groups, (k,), generator=g))
+    t = {f"P.{key}": v.to(DEV) for key, v in t.items()}
+    w = GptqWeight.from_tensors(t, "P", device=DEV)
+    x = torch.randn(2, k, dtype=torch.float16, device=DEV)
+    ref = qweight.matmul_torch(x, w)
+    with force_triton():
+        _check_close(qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=2)), ref)
+        _check_close(qm.dot(x, w, qm.MatmulConfig(bm=16, bs=1, bn=32, split=1)), ref)
+        assert _bits_equal(qm.dequantize_triton(w), dequantize_gptq({k_: v.cpu() for k_, v in t.items()}, "P"))
+
+
+@needs_triton
+def test_golden_layer_through_kernels():
+    path = GOLDEN / "b3.0_hb6" / "output.safetensors"
+    if not path.exists():
+        pytest.skip("golden fixtures missing")
+    tensors = load_file(path)
+    w = Exl2Weight.from_tensors(tensors, "model.layers.1.mlp.down_proj", device=DEV)  # 8/4/3-bit mix, K=768
+    x = torch.randn(1, w.k, dtype=torch.float16, device=DEV)
+    with force_triton():
+        y = qm.gemv(x, w, qm.MatmulConfig(bs=8, bn=128, split=2))
+    _check_close(y, qweight.matmul_torch(x, w))
+
+
+# ---------------------------------------------------------------------------------------------- GPU sizes
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
+def test_quant_matmul_real_sizes_gpu(m):
+    layout = [(6, 128)] * 2 + [(5, 128)] * 4 + [(4, 128)] * 20 + [(3, 128)] * 6
+    t = rand_exl2(layout, 4096, seed=m, device="cuda")
+    w = Exl2Weight.from_tensors(t, "L", device="cuda")
+    assert _bits_equal(qm.dequantize_triton(w), fmt.dequantize(t, "L"))
+    x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
+    for _ in range(2):  # the second call reuses the split-K counters reset by the first
+        _check_close(exl2_matmul(x, w), qweight.matmul_torch(x, w))

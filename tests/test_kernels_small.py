@@ -1,0 +1,151 @@
+"""Fused small kernels (RMSNorm/LayerNorm, rotary, gated activations): twins vs independent definitions, and
+Triton kernels vs twins (interpreter on CPU under TRITON_INTERPRET=1, CUDA on the GPU machine)."""
+import math
+
+import pytest
+import torch
+
+from exl2.kernels import activation, norm, rotary
+from exl2.kernels.backend import INTERPRET, force_triton, triton_usable
+
+DEV = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
+needs_triton = pytest.mark.skipif(DEV is None or not triton_usable(), reason="needs CUDA or TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+
+
+def _max_ulp_fp16(a: torch.Tensor, b: torch.Tensor, floor: float = 2.0 ** -14) -> float:
+    """Largest difference in units of fp16 resolution at the reference's magnitude (at least `floor`)."""
+    ulp = torch.clamp(b.float().abs(), min=floor) * 2.0 ** -10
+    return float(((a.float() - b.float()).abs() / ulp).max())
+
+
+# ---------------------------------------------------------------------------------------------- twins
+def test_rms_norm_twin_matches_definition():
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 96, dtype=torch.float16), torch.randn(96, dtype=torch.float16)
+    ref = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert _max_ulp_fp16(norm.rms_norm_torch(x, w, 1e-6), ref) <= 1.0
+    ref_g = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.double())
+    assert _max_ulp_fp16(norm.rms_norm_torch(x, w, 1e-6, gemma=True), ref_g) <= 1.0
+
+
+def test_norm_twin_residual_and_layer_norm():
+    torch.manual_seed(1)
+    x, r = torch.randn(5, 64, dtype=torch.float16), torch.randn(5, 64, dtype=torch.float32)
+    w, b = torch.randn(64, dtype=torch.float16), torch.randn(64, dtype=torch.float16)
+    r0 = r.clone()
+    y, r_out = norm.rms_norm_torch(x, w, 1e-5, residual=r)
+    assert r_out is r and torch.equal(r, x.float() + r0)
+    assert _max_ulp_fp16(y, norm.rms_norm_torch(r.to(torch.float16).float(), w, 1e-5).float()) <= 1.0
+    ln = torch.nn.functional.layer_norm(x.double(), (64,), w.double(), b.double(), 1e-5)
+    assert _max_ulp_fp16(norm.layer_norm_torch(x, w, b, 1e-5), ln) <= 1.0
+
+
+def test_rotary_twin_matches_complex_rotation():
+    torch.manual_seed(2)
+    t, h, d, rd = 4, 3, 64, 32
+    q = torch.randn(t, h, d, dtype=torch.float32)
+    inv = 1.0 / (10000 ** (torch.arange(0, rd, 2).float() / rd))
+    cos, sin = rotary.rotary_tables(inv, 50)
+    pos = torch.tensor([0, 3, 17, 49])
+    for interleaved in (False, True):
+        out = q.clone()
+        rotary.apply_rotary_torch(out, None, cos, sin, pos, rotary_dim=rd, interleaved=interleaved)
+        r = q[..., :rd]
+        pairs = (r[..., 0::2], r[..., 1::2]) if interleaved else (r[..., : rd // 2], r[..., rd // 2:])
+        z = torch.complex(pairs[0].double(), pairs[1].double()) * torch.polar(
+            torch.ones(t, rd // 2, dtype=torch.float64), pos[:, None].double() * inv.double())[:, None, :]
+        o = out[..., :rd]
+        got = (o[..., 0::2], o[..., 1::2]) if interleaved else (o[..., : rd // 2], o[..., rd // 2:])
+        torch.testing.assert_close(got[0].double(), z.real, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[1].double(), z.imag, atol=1e-5, rtol=0)
+        assert torch.equal(out[..., rd:], q[..., rd:])
+
+
+def test_glu_twin_matches_torch_functional():
+    torch.manual_seed(3)
+    g, u = torch.randn(6, 40, dtype=torch.float32), torch.randn(6, 40, dtype=torch.float32)
+    f = torch.nn.functional
+    torch.testing.assert_close(activation.glu_torch(g, u, "silu"), f.silu(g) * u)
+    torch.testing.assert_close(activation.glu_torch(g, u, "gelu_tanh"), f.gelu(g, approximate="tanh") * u)
+    torch.testing.assert_close(activation.glu_torch(torch.cat([g, u], -1), None, "gelu"), f.gelu(g) * u)
+    with pytest.raises(ValueError):
+        activation.glu_torch(g, u, "relu")
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@needs_triton
+@pytest.mark.parametrize("shape", [(5, 96), (2, 3, 256)])
+def test_norm_kernels_match_twins(shape):
+    torch.manual_seed(4)
+    x = torch.randn(*shape, dtype=torch.float16, device=DEV)
+    w = torch.randn(shape[-1], dtype=torch.float16, device=DEV)
+    b = torch.randn(shape[-1], dtype=torch.float16, device=DEV)
+    r = torch.randn(*shape, dtype=torch.float32, device=DEV)
+    with force_triton():
+        y1 = norm.rms_norm(x, w, 1e-6)
+        y2, r2 = norm.rms_norm(x, w, 1e-6, residual=r.clone(), gemma=True)
+        y3 = norm.layer_norm(x, w, b, 1e-5)
+    assert _max_ulp_fp16(y1, norm.rms_norm_torch(x, w, 1e-6)) <= 1.0
+    ry = r.clone()
+    ref2, _ = norm.rms_norm_torch(x, w, 1e-6, residual=ry, gemma=True)
+    assert torch.equal(r2, ry)
+    assert _max_ulp_fp16(y2, ref2) <= 1.0
+    assert _max_ulp_fp16(y3, norm.layer_norm_torch(x, w, b, 1e-5)) <= 1.0
+
+
+@needs_triton
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_kernel_matches_twin_on_fused_qkv_views(interleaved):
+    torch.manual_seed(5)
+    t, hq, hk, d, rd = 3, 4, 2, 64, 48
+    qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=torch.float16, device=DEV)
+    inv = 1.0 / (500000 ** (torch.arange(0, rd, 2).float() / rd))
+    cos, sin = rotary.rotary_tables(inv, 64, device=DEV)
+    pos = torch.tensor([5, 0, 63], device=DEV)
+    a, b = qkv.clone(), qkv.clone()
+    views = lambda z: (z[:, : hq * d].view(t, hq, d), z[:, hq * d:(hq + hk) * d].view(t, hk, d))  # noqa: E731
+    with force_triton():
+        rotary.apply_rotary(*views(a), cos, sin, pos, rotary_dim=rd, interleaved=interleaved)
+    rotary.apply_rotary_torch(*views(b), cos, sin, pos, rotary_dim=rd, interleaved=interleaved)
+    assert _max_ulp_fp16(a, b) <= 1.0
+    assert torch.equal(a[:, (hq + hk) * d:], qkv[:, (hq + hk) * d:])  # v untouched
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
+def test_glu_kernel_matches_twin(act):
+    torch.manual_seed(6)
+    fused = torch.randn(3, 2, 2 * 72, dtype=torch.float16, device=DEV) * 3
+    with force_triton():
+        y = activation.glu(fused, activation=act)
+        y2 = activation.glu(fused[..., :72], fused[..., 72:].contiguous(), activation=act)
+    ref = activation.glu_torch(fused, activation=act)
+    # erf's cancellation for g << 0 makes tiny outputs differ relatively; 1e-2 floors the scale there
+    floor = 1e-2 if act == "gelu" else 2.0 ** -14
+    assert _max_ulp_fp16(y, ref, floor) <= 1.0 and _max_ulp_fp16(y2, ref, floor) <= 1.0
+
+
+# ---------------------------------------------------------------------------------------------- GPU sizes
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_small_kernels_real_sizes_gpu():
+    torch.manual_seed(7)
+    x = torch.randn(2047, 4096, dtype=torch.float16, device="cuda")
+    w = torch.randn(4096, dtype=torch.float16, device="cuda")
+    r = torch.randn(2047, 4096, dtype=torch.float16, device="cuda")
+    y, r1 = norm.rms_norm(x, w, 1e-5, residual=r.clone())
+    ref, r2 = norm.rms_norm_torch(x, w, 1e-5, residual=r.clone())
+    assert torch.equal(r1, r2) and _max_ulp_fp16(y, ref) <= 1.0
+    gu = torch.randn(2047, 2 * 14336, dtype=torch.float16, device="cuda")
+    assert _max_ulp_fp16(activation.swiglu(gu), activation.glu_torch(gu)) <= 1.0
+    q = torch.randn(2047, 32, 128, dtype=torch.float16, device="cuda")
+    k = torch.randn(2047, 8, 128, dtype=torch.float16, device="cuda")
+    inv = 1.0 / (500000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    cos, sin = rotary.rotary_tables(inv, 8192, device="cuda")
+    pos = torch.arange(2047, device="cuda") + 100
+    q2, k2 = q.clone(), k.clone()
+    rotary.apply_rotary(q, k, cos, sin, pos)
+    rotary.apply_rotary_torch(q2, k2, cos, sin, pos)
+    assert _max_ulp_fp16(q, q2) <= 1.0 and _max_ulp_fp16(k, k2) <= 1.0
+    assert math.isfinite(float(q.float().abs().max()))
