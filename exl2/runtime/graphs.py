@@ -29,7 +29,7 @@ class DecodeGraphs:
                 torch.full((bs, self.max_pages), self.scratch, dtype=torch.int32, device=dev))
 
     def _forward(self, ids, pos, bt):
-        self.cache.block_table = bt
+        self.cache.bind(bt)
         return self.model(ids, self.cache, pos, last_only=True)[:, -1]
 
     def capture(self, batch_sizes=None) -> None:

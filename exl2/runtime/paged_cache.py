@@ -21,7 +21,7 @@ KV_MODES = kv_quant.KV_MODES
 
 class PagedKVCache:
     def __init__(self, spec: ModelSpec, num_pages: int, page_size: int = 256, mode: str = "fp16",
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16, decode_splits: int = 8):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16, decode_splits: int = 32):
         if mode not in KV_MODES:
             raise ValueError(f"unknown cache mode {mode}")
         self.spec, self.num_pages, self.page_size, self.mode = spec, num_pages, page_size, mode
@@ -38,6 +38,7 @@ class PagedKVCache:
         self.k, self.k_scales = zip(*[self._alloc(self.k_dim, self.k_bits) for _ in range(spec.num_layers)])
         self.v, self.v_scales = zip(*[self._alloc(self.v_dim, self.v_bits) for _ in range(spec.num_layers)])
         self.block_table: Optional[torch.Tensor] = None
+        self._meta: tuple = (None, None, None)
 
     def _alloc(self, dim: int, bits: int):
         shape = (self.num_pages, self.page_size, self.kv_heads)
@@ -55,6 +56,7 @@ class PagedKVCache:
     def bind(self, block_table: torch.Tensor) -> None:
         """Select the sequences of the next forward: row b of the batch uses pages block_table[b]."""
         self.block_table = block_table.to(device=self.device, dtype=torch.int32)
+        self._meta = (None, None, None)
 
     def slots(self, q_pos: torch.Tensor) -> torch.Tensor:
         """Flat slot index (page * page_size + offset) of every position [B, T]."""
@@ -70,12 +72,20 @@ class PagedKVCache:
         x = store[bt] if bits == 16 else kv_quant.dequantize_kv(store[bt], scales[bt], bits, dim)
         return x.reshape(bt.shape[0], pages * self.page_size, self.kv_heads, dim)[:, :length]
 
+    def _slots_and_lens(self, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of the new tokens and sequence lengths, computed once per forward (all layers share q_pos)."""
+        key, slots, lens = self._meta
+        if key is not q_pos or slots is None:
+            slots, lens = self.slots(q_pos).reshape(-1), (q_pos[:, -1] + 1).int()
+            self._meta = (q_pos, slots, lens)
+        return slots, lens
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                scale: float, window=None, chunk=None, softcap=None) -> torch.Tensor:
         b, t = q_pos.shape
+        slots, seq_lens = self._slots_and_lens(q_pos)
         write_kv(k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), self.k[layer], self.v[layer],
-                 self.slots(q_pos).reshape(-1), self.k_bits, self.v_bits, self.k_scales[layer],
-                 self.v_scales[layer])
+                 slots, self.k_bits, self.v_bits, self.k_scales[layer], self.v_scales[layer])
         if chunk is not None:  # Llama 4 chunked attention: not in the kernels, read the pages back
             length = int(q_pos[:, -1].max()) + 1
             kk, vv = self._read(layer, True, length), self._read(layer, False, length)
@@ -83,7 +93,7 @@ class PagedKVCache:
         qf = q.reshape(b * t, *q.shape[2:])
         opts = dict(scale=scale, sliding_window=window or 0, softcap=softcap or 0.0)
         if t == 1:
-            out = paged_attention(qf, self.k[layer], self.v[layer], self.block_table, q_pos[:, 0].int() + 1,
+            out = paged_attention(qf, self.k[layer], self.v[layer], self.block_table, seq_lens,
                                   k_bits=self.k_bits, v_bits=self.v_bits, k_scales=self.k_scales[layer],
                                   v_scales=self.v_scales[layer], num_splits=self.decode_splits, **opts)
         elif not bool((q_pos[:, 0] > 0).any()):  # fresh prompts: attention among the new tokens only
@@ -92,7 +102,7 @@ class PagedKVCache:
                                    **opts)
         else:  # chunked prefill after a cached prefix
             cu = torch.arange(0, b * t + 1, t, dtype=torch.int32, device=q.device)
-            out = paged_attention(qf, self.k[layer], self.v[layer], self.block_table, q_pos[:, -1].int() + 1, cu, t,
+            out = paged_attention(qf, self.k[layer], self.v[layer], self.block_table, seq_lens, cu, t,
                                   k_bits=self.k_bits, v_bits=self.v_bits, k_scales=self.k_scales[layer],
                                   v_scales=self.v_scales[layer], **opts)
         return out.view(b, t, *out.shape[1:])
