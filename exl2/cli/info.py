@@ -76,6 +76,7 @@ def _exl2_table(console, src, layers: list[str], every: bool) -> None:
     t.add_column("bpw", justify="right")
     total_bits = total_w = 0.0
     head_bits = head_w = 0.0
+    weights_per_width: dict[int, float] = {}
     for prefix in layers:
         mix = bit_mix(src, prefix)
         k = sum(mix.values())
@@ -86,11 +87,15 @@ def _exl2_table(console, src, layers: list[str], every: bool) -> None:
         else:
             total_bits += bpw * k * n
             total_w += k * n
+            for b, rows in mix.items():
+                weights_per_width[b] = weights_per_width.get(b, 0) + rows * n
         if every or prefix.endswith("lm_head"):
             share = ", ".join(f"{b}b {r / k:.0%}" for b, r in sorted(mix.items(), reverse=True))
             t.add_row(prefix, f"{k}×{n}", share, f"{bpw:.3f}")
-    if not every:
-        t.add_row("(decoder layers: use --layers for the full list)", "", "", "")
+    if not every and total_w:
+        share = ", ".join(f"{b}b {w / total_w:.0%}" for b, w in sorted(weights_per_width.items(), reverse=True))
+        t.add_row(f"decoder layers ({len(layers) - (1 if head_w else 0)}; --layers lists each)", "", share,
+                  f"{total_bits / total_w:.3f}")
     console.print(t)
     if total_w:
         console.print(f"effective bits per weight, decoder layers: [bold]{total_bits / total_w:.3f}[/bold]"
