@@ -19,7 +19,8 @@ class Engine:
         self.model = load_model(config.model_dir, config.device)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
-        self.generator = Generator(self.model, self.tokenizer, min(config.max_seq_len, self.model.spec.max_position))
+        self.generator = Generator(self.model, self.tokenizer, min(config.max_seq_len, self.model.spec.max_position),
+                                   config.kv_cache_mode)
 
     def generate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = ()) -> GenerationResult:

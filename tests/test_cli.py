@@ -95,3 +95,16 @@ def test_chat_piped(tmp_path):
     assert r.returncode == 0, r.stderr
     replies = [b for b in r.stdout.split("\n\n") if b.strip()]
     assert len(replies) == 2
+
+
+def test_quantized_cache_needs_head_dim_64():
+    # the golden model has head_dim 64: q4 works; a model with head_dim 16 gets one clear sentence
+    assert exl2("generate", "-m", str(SRC), "-p", "x", "-n", "2", "-cm", "q4", "--device", "cpu").returncode == 0
+
+
+def test_quantized_cache_rejects_small_heads(tmp_path):
+    from tiny_models import build_tiny
+    d = build_tiny("llama", tmp_path / "m")
+    shutil.copy(SRC / "tokenizer.json", d)
+    shutil.copy(SRC / "tokenizer_config.json", d)
+    assert_user_error(exl2("generate", "-m", str(d), "-p", "x", "-cm", "q4", "--device", "cpu"), "divisible by 64")

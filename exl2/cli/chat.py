@@ -31,7 +31,7 @@ def run(args) -> int:
     model = load_model(model_dir, args.device)
     tok = Tokenizer.from_dir(model_dir)
     template = ChatTemplate.from_tokenizer(tok)
-    gen = Generator(model, tok, min(args.max_seq_len, model.spec.max_position))
+    gen = Generator(model, tok, min(args.max_seq_len, model.spec.max_position), args.cache_mode)
     interactive = sys.stdin.isatty()
     history: list[dict] = []
     if interactive:

@@ -14,6 +14,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
     p.add_argument("-l", "--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=4096,
                    help="context length to allocate (default 4096, capped by the model)")
+    p.add_argument("-cm", "--cache-mode", "--cache_mode", dest="cache_mode", default="fp16",
+                   choices=["fp16", "q8", "q6", "q4", "q3", "q2"],
+                   help="KV cache storage: fp16 or quantized (q8, q6 = 8-bit keys/4-bit values, q4, q3, q2)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> None:

@@ -27,7 +27,7 @@ def run(args) -> int:
     model_dir = resolve_model_dir(args.model_dir)
     model = load_model(model_dir, args.device)
     tok = Tokenizer.from_dir(model_dir)
-    gen = Generator(model, tok, min(args.max_seq_len, model.spec.max_position))
+    gen = Generator(model, tok, min(args.max_seq_len, model.spec.max_position), args.cache_mode)
     for text, _ in gen.stream(args.prompt, settings, args.max_new_tokens, args.stop):
         if text:
             sys.stdout.write(text)

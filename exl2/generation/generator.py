@@ -11,6 +11,7 @@ from exl2.errors import ContextLengthError
 from exl2.generation.sampler import make_generator, sample
 from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import DecoderModel
+from exl2.runtime.session import Session
 
 
 @dataclass
@@ -52,12 +53,21 @@ class StopMatcher:
 
 
 class Generator:
-    """Single-sequence generator over the contiguous KV cache (the dynamic batching generator builds on the
-    paged cache)."""
+    """Single-sequence generator over a paged KV cache (fp16 or quantized), CUDA graphs on the GPU."""
 
-    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: Optional[int] = None):
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: Optional[int] = None,
+                 cache_mode: str = "fp16"):
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = max_seq_len or min(model.spec.max_position, 4096)
+        self.cache_mode = cache_mode
+        self._session: Optional[Session] = None
+
+    def _new_session(self) -> Session:
+        """Reuse the cache (and captured graphs) across requests; only the sequence length is reset."""
+        if self._session is None:
+            self._session = Session(self.model, self.max_seq_len, self.cache_mode)
+        self._session.length = 0
+        return self._session
 
     def stream(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
@@ -72,20 +82,17 @@ class Generator:
                 f"The prompt is {len(ids)} tokens long but the context holds {self.max_seq_len} tokens.")
         max_new = min(max_new_tokens, self.max_seq_len - len(ids))
         stops = set(self.tokenizer.eos_ids) | set(stop_token_ids)
-        m = self.model
-        dev = m.device
+        dev = self.model.device
         gen = make_generator(settings.seed, dev)
-        cache = m.new_cache(1, len(ids) + max_new)
+        session = self._new_session()
         seq = torch.tensor([ids], dtype=torch.long, device=dev)
         decoder = self.tokenizer.stream_decoder()
         matcher = StopMatcher(stop_strings)
         out_ids: list[int] = []
         reason, hit = "length", False
-        pos, step_in = 0, seq
         with torch.inference_mode():
-            for _ in range(max_new):
-                logits = m.forward(step_in, cache, pos, last_only=True)[:, -1]
-                pos += step_in.shape[1]
+            logits = session.prefill(ids)
+            for i in range(max_new):
                 tok = sample(logits, settings, gen, seq)
                 t = int(tok[0])
                 if t in stops:
@@ -99,7 +106,8 @@ class Generator:
                 if hit:
                     reason = "stop"
                     break
-                step_in = tok.view(1, 1)
+                if i + 1 < max_new:
+                    logits = session.step(tok)
         if not hit:
             tail, _ = matcher.push(decoder.flush())
             tail += matcher.flush()

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from exl2.errors import ConfigError
 from exl2.kernels import kv_quant
 from exl2.kernels.attention import paged_attention, varlen_attention, write_kv
 from exl2.models.layers import attention
@@ -33,8 +34,9 @@ class PagedKVCache:
             self.kv_heads, self.k_dim, self.v_dim = spec.num_kv_heads, spec.head_dim, spec.head_dim
         self.k_bits, self.v_bits = KV_MODES[mode]
         for bits, dim in ((self.k_bits, self.k_dim), (self.v_bits, self.v_dim)):
-            if bits != 16:
-                kv_quant.check_head_dim(dim, bits)
+            if bits != 16 and dim % 64:
+                raise ConfigError(f"The {mode} cache needs head dimensions divisible by 64, but this model's are "
+                                  f"{dim}; use the fp16 cache.")
         self.k, self.k_scales = zip(*[self._alloc(self.k_dim, self.k_bits) for _ in range(spec.num_layers)])
         self.v, self.v_scales = zip(*[self._alloc(self.v_dim, self.v_bits) for _ in range(spec.num_layers)])
         self.block_table: Optional[torch.Tensor] = None
