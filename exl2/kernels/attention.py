@@ -24,17 +24,14 @@ linear in the values, the merge kernel un-rotates the merged output row once.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from exl2.kernels import kv_quant
 from exl2.kernels.backend import next_pow2, sm_count, tl, triton, use_triton
 from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 
-_LOG2E = 1.4426950408889634
 # (key block, warps) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md)
-TUNING = {("decode", "fp16"): (64, 4), ("decode", "quant"): (32, 4),
+TUNING = {("decode", "fp16"): (64, 8), ("decode", "quant"): (64, 4),
           ("prefill", "fp16"): (32, 4), ("prefill", "quant"): (32, 4)}
 
 

@@ -144,16 +144,6 @@ def rotation_matrix(head_dim: int, device: torch.device | str = "cpu", dtype=tor
     return torch.where(same_blk & same_par, 1 - 2 * parity, 0).to(dtype)
 
 
-_ROT: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def rotation_matrix_cached(head_dim: int, device: torch.device) -> torch.Tensor:
-    key = (head_dim, torch.device(device))
-    if key not in _ROT:
-        _ROT[key] = rotation_matrix(head_dim, device)
-    return _ROT[key]
-
-
 # --------------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _butterfly_tl(y, RT: tl.constexpr):

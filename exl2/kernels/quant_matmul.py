@@ -267,12 +267,15 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def _class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
-    args, flags = [], {}
-    for bits in WIDTHS:
-        c = w.class_of(bits)
-        args += [c.first_step, c.n_steps, c.first_word] if c else [0, 0, 0]
-        flags[f"HAS{bits}"] = c is not None
-    return args, flags
+    cached = w._cache.get("class_args")
+    if cached is None:
+        args, flags = [], {}
+        for bits in WIDTHS:
+            c = w.class_of(bits)
+            args += [c.first_step, c.n_steps, c.first_word] if c else [0, 0, 0]
+            flags[f"HAS{bits}"] = c is not None
+        cached = w._cache["class_args"] = (args, flags)
+    return cached
 
 
 def _launch(kernel, x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Tensor:
@@ -332,26 +335,27 @@ DOT_MAX_M = 64
 
 
 def _auto_split(w: QuantWeight, tiles: int, device: torch.device, min_steps: int) -> int:
-    target = 2 * sm_count(device)
-    split = max(1, min(16, target // max(1, tiles)))
-    while split > 1 and w.n_steps // split < min_steps:
-        split //= 2
+    """Split K until about 8 programs per SM (the H200 run showed gemv starved at ~2 per SM), each keeping at
+    least `min_steps` 32-row steps."""
+    target = 8 * sm_count(device)
+    split = 1
+    while split < 32 and tiles * split * 2 <= target and w.n_steps // (split * 2) >= min_steps:
+        split *= 2
     return split
 
 
 def choose_config(m: int, w: QuantWeight) -> tuple[str, MatmulConfig | None]:
-    """Pick the path and launch parameters for an [m, K] input (heuristics tuned on an H200, see RESULTS.md)."""
+    """Pick the path and launch parameters for an [m, K] input (from H200 measurements, benchmarks/RESULTS.md)."""
     if m <= GEMV_MAX_M:
-        bn = 128 if w.n >= 4096 else 64
-        tiles = triton.cdiv(w.n, bn)
-        return "gemv", MatmulConfig(bm=1, bs=8, bn=bn,
-                                    split=_auto_split(w, tiles, w.device, 8), num_warps=4, num_stages=2)
+        tiles = triton.cdiv(w.n, 128)
+        return "gemv", MatmulConfig(bm=1, bs=4, bn=128, split=_auto_split(w, tiles, w.device, 4), num_warps=4,
+                                    num_stages=2)
     if m <= DOT_MAX_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn = 64
+        bn = 128 if bm == 16 else 64
         tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bm)
-        return "dot", MatmulConfig(bm=bm, bs=2, bn=bn, split=_auto_split(w, tiles, w.device, 4), num_warps=4,
-                                   num_stages=2)
+        return "dot", MatmulConfig(bm=bm, bs=4 if bm == 16 else 2, bn=bn,
+                                   split=_auto_split(w, tiles, w.device, 4), num_warps=4, num_stages=2)
     return "dequant", None
 
 

@@ -1,0 +1,295 @@
+"""Kernel benchmarks on Llama-3-8B shapes: EXL2 matmul (gemv / dot / dequant+cuBLAS) vs cuBLAS fp16, and paged
+decode attention with an fp16 vs a Q4 cache. Prints markdown tables (time, GB/s, % of the measured copy
+bandwidth, ratio to cuBLAS) and, with --sweep, searches the launch parameters behind the dispatcher's defaults.
+
+    python benchmarks/kernels.py [--sweep] [--json FILE] [--budget SECONDS]
+
+Timing (decode-sized work, as the runtime runs it): R calls captured in one CUDA graph, cycling over enough
+copies of the weights (or KV caches) to exceed the L2 cache several times, replayed; time per call = replay
+time / R (median of 5 replays). Large-M work: triton.testing.do_bench (median). Every timed path is first
+checked against the PyTorch twin (relative error column).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+
+from exl2.kernels import attention as at  # noqa: E402
+from exl2.kernels import kv_quant as kq  # noqa: E402
+from exl2.kernels import quant_matmul as qm  # noqa: E402
+from exl2.kernels import qweight  # noqa: E402
+
+SHAPES = [("gate/up 4096→14336", 4096, 14336, 4), ("head 4096→128256", 4096, 128256, 6), ("q/o 4096→4096", 4096, 4096, 4),
+          ("down 14336→4096", 14336, 4096, 4), ("k/v 4096→1024", 4096, 1024, 4)]
+COLD_BYTES = 256 << 20  # cycle through this much data so weights come from HBM, not L2 (60 MB)
+ROWS: list[dict] = []
+T0 = time.time()
+BUDGET = 1e9
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def over_budget() -> bool:
+    return time.time() - T0 > BUDGET
+
+
+def graph_us(calls, reps: int = 40) -> float:
+    """Median time per call of `calls` (cycled) captured `reps` times in one CUDA graph."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            calls[i % len(calls)]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    del g
+    return sorted(times)[2]
+
+
+def bench_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = bench_us(lambda: b.copy_(a))
+    del a, b
+    return 2 * (2 << 30) / us / 1e6  # TB/s, read + write
+
+
+def make_weight(k: int, n: int, bits: int, mixed: bool = False) -> qweight.QuantWeight:
+    """Random layer like the converter's: act-order permutation, groups of 128 (mixed: 8/5/4/3-bit classes)."""
+    if mixed:
+        groups = [(8, 128)] * 2 + [(5, 128)] * 4 + [(4, 128)] * (k // 128 - 12) + [(3, 128)] * 6
+    else:
+        groups = [(bits, 128)] * (k // 128)
+    codes = torch.cat([torch.randint(0, 1 << b, (r, n), dtype=torch.uint8, device="cuda") for b, r in groups])
+    scales = (torch.rand(len(groups), n, device="cuda") * 0.01 + 0.001).half()
+    return qweight.build(codes, groups, scales, None, torch.randperm(k, device="cuda"))
+
+
+def clone_weight(w: qweight.QuantWeight) -> qweight.QuantWeight:
+    return qweight.QuantWeight(w.qweight.clone(), w.scales.clone(), None, w.step_group.clone(), w.row_index.clone(),
+                               w.classes, w.k, w.n)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+def record(**kw):
+    ROWS.append(kw)
+    log("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()))
+
+
+def row(shape, m, path, us, nbytes, bw, t_ref=None, err=0.0, cfg=""):
+    record(shape=shape, m=m, path=path, us=us, gbs=nbytes / us / 1e3, pct_bw=nbytes / us / 1e6 / bw * 100,
+           vs_cublas=(t_ref / us) if t_ref else 0.0, err=err, cfg=cfg)
+
+
+def sweep(copies, x, fn, cfgs, ref, label):
+    """Best (us, cfg, err) of fn(x, w, cfg) over cfgs, graph-timed over the weight copies."""
+    best = None
+    for cfg in cfgs:
+        if over_budget():
+            log(f"  ({label}: time budget reached, sweep cut short)")
+            break
+        try:
+            err = rel_err(fn(x, copies[0], cfg), ref)
+            us = graph_us([lambda w=w: fn(x, w, cfg) for w in copies])
+        except Exception as e:  # noqa: BLE001 - report and go on with the other configs
+            log(f"  {label} {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        log(f"    {label} {cfg}: {us:.2f} us  err {err:.1e}")
+        if err > 5e-3:
+            log(f"  {label} {cfg}: WRONG RESULT (rel err {err:.2e})")
+            continue
+        if best is None or us < best[0]:
+            best = (us, cfg, err)
+    return best
+
+
+def matmul_section(bw: float, sweep_on: bool) -> None:
+    C = qm.MatmulConfig
+    gemv_cfgs = [C(bs=bs, bn=bn, split=sp, num_warps=nw) for bn, bs, nw in
+                 [(128, 4, 4), (128, 8, 4), (256, 4, 8), (64, 4, 4), (128, 2, 4)]
+                 for sp in (1, 4, 8, 16, 32)] if sweep_on else []
+    gemv_cfgs += [C(bs=4, bn=128, split=sp, num_warps=4, num_stages=st) for st in (1, 3) for sp in (4, 8)] \
+        if sweep_on else []
+    dot1_cfgs = [C(bm=16, bs=2, bn=bn, split=sp, num_warps=4) for bn in (64, 128) for sp in (4, 8)] if sweep_on else []
+    dot16_cfgs = [C(bm=16, bs=bs, bn=bn, split=sp, num_warps=4) for bn, bs in ((64, 2), (128, 2), (128, 4))
+                  for sp in (1, 4, 8)] if sweep_on else []
+    for name, k, n, bits in SHAPES:
+        if over_budget():
+            break
+        w = make_weight(k, n, bits)
+        wbytes = w.weight_bytes()
+        copies = [w] + [clone_weight(w) for _ in range(max(0, -(-COLD_BYTES // wbytes) - 1))]
+        fp16 = [torch.randn(k, n, device="cuda").half() for _ in range(max(1, -(-COLD_BYTES // (k * n * 2))))]
+        log(f"== {name}: {bits}-bit, {wbytes / 1e6:.1f} MB quantized ({len(copies)} copies), {k * n * 2 / 1e6:.1f} MB fp16")
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda").half()
+            ref = qweight.matmul_torch(x, w)
+            t_cub = graph_us([lambda wd=wd: torch.matmul(x, wd) for wd in fp16])
+            row(name, m, "cuBLAS fp16", t_cub, k * n * 2, bw, t_cub)
+            path, cfg = qm.choose_config(m, w)
+            t = graph_us([lambda w_=w_: qm.quant_matmul(x, w_) for w_ in copies])
+            row(name, m, f"exl2 default ({path})", t, wbytes, bw, t_cub, rel_err(qm.quant_matmul(x, w), ref), str(cfg))
+            cands = [("gemv", qm.gemv, gemv_cfgs), ("dot", qm.dot, dot1_cfgs)] if m == 1 else \
+                [("dot", qm.dot, dot16_cfgs)]
+            for label, fn, cfgs in cands:
+                best = sweep(copies, x, fn, cfgs, ref, f"{name} M={m} {label}")
+                if best:
+                    row(name, m, f"exl2 {label} best", best[0], wbytes, bw, t_cub, best[2], str(best[1]))
+        if not over_budget():
+            x = torch.randn(2047, k, device="cuda").half()
+            t_cub = bench_us(lambda: torch.matmul(x, fp16[0]))
+            row(name, 2047, "cuBLAS fp16", t_cub, k * n * 2, bw, t_cub)
+            err = rel_err(qm.dequant_matmul(x, w), qweight.matmul_torch(x, w))
+            t = bench_us(lambda: qm.dequant_matmul(x, w))
+            row(name, 2047, "exl2 dequant+cuBLAS", t, wbytes, bw, t_cub, err)
+            for bs, bn in ((4, 128), (8, 256)) if sweep_on else ():
+                try:
+                    t = bench_us(lambda: qm.dequantize_triton(w, bs=bs, bn=bn))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  dequant bs={bs} bn={bn} failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                row(name, 2047, "dequant kernel alone", t, wbytes + k * n * 2, bw, None, 0.0, f"bs={bs} bn={bn}")
+        del w, copies, fp16
+        torch.cuda.empty_cache()
+    if over_budget():
+        return
+    w = make_weight(4096, 14336, 4, mixed=True)  # mixed widths inside one matrix
+    copies = [w] + [clone_weight(w) for _ in range(8)]
+    x = torch.randn(1, 4096, device="cuda").half()
+    ref = qweight.matmul_torch(x, w)
+    wbytes = w.weight_bytes()
+    t = graph_us([lambda w_=w_: qm.quant_matmul(x, w_) for w_ in copies])
+    row("gate/up mixed 8/5/4/3", 1, "exl2 default", t, wbytes, bw, None, rel_err(qm.quant_matmul(x, w), ref),
+        str(qm.choose_config(1, w)[1]))
+    best = sweep(copies, x, qm.gemv, [c for c in gemv_cfgs if c.bn == 128 and c.num_stages == 2], ref, "mixed gemv")
+    if best:
+        row("gate/up mixed 8/5/4/3", 1, "exl2 gemv best", best[0], wbytes, bw, None, best[2], str(best[1]))
+
+
+def attention_section(bw: float, sweep_on: bool) -> None:
+    hq, hkv, d, page = 32, 8, 128, 256
+    for batch, ctx in ((1, 2048), (16, 2048), (1, 128)) if sweep_on else ((1, 2048), (16, 2048)):
+        if over_budget():
+            break
+        pages_per = -(-ctx // page)
+        n_pages = batch * pages_per
+        bt = torch.randperm(n_pages, device="cuda", dtype=torch.int32).view(batch, pages_per)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, hq, d, device="cuda").half()
+        k = torch.randn(n_pages, page, hkv, d, device="cuda").half()
+        v = torch.randn(n_pages, page, hkv, d, device="cuda").half()
+        kc, ks = kq.quantize_kv(k, 4)
+        vc, vs = kq.quantize_kv(v, 4)
+        modes = {"fp16": ((k, v, None, None), 16), "q4": ((kc, vc, ks, vs), 4)}
+        best_t = {}
+        for mode, (tensors, bits) in modes.items():
+            nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            n_cp = max(1, -(-COLD_BYTES // nbytes))
+            caches = [tensors] + [tuple(None if t is None else t.clone() for t in tensors) for _ in range(n_cp - 1)]
+            ref = at.paged_attention_torch(q, tensors[0], tensors[1], bt, lens, k_bits=bits, v_bits=bits,
+                                           k_scales=tensors[2], v_scales=tensors[3])
+            key = ("decode", "quant" if bits != 16 else "fp16")
+            default = at.TUNING[key]
+            grid = [(bn, nw) for bn in (16, 32, 64) for nw in (4, 8)] if sweep_on else [default]
+            best = None
+            for bn, nw in grid:
+                at.TUNING[key] = (bn, nw)
+                for splits in ((None, 4, 8, 16, 32) if sweep_on else (None,)):
+                    if over_budget():
+                        break
+                    def call(c, splits=splits):
+                        return at.paged_attention(q, c[0], c[1], bt, lens, k_bits=bits, v_bits=bits, k_scales=c[2],
+                                                  v_scales=c[3], num_splits=splits)
+                    try:
+                        err = rel_err(call(caches[0]), ref)
+                        us = graph_us([lambda c=c: call(c) for c in caches])
+                    except Exception as e:  # noqa: BLE001
+                        log(f"  attention {mode} {bn}/{nw}/{splits} failed: {type(e).__name__}: {str(e)[:300]}")
+                        continue
+                    log(f"    attn B={batch} ctx={ctx} {mode} bn={bn} warps={nw} splits={splits}: {us:.2f} us")
+                    if (bn, nw) == default and splits is None:
+                        row(f"attn B={batch} ctx={ctx}", batch, f"paged {mode} default", us, nbytes, bw, None, err,
+                            f"bn={bn} warps={nw} splits=auto")
+                    if best is None or us < best[0]:
+                        best = (us, f"bn={bn} warps={nw} splits={splits}", err)
+            at.TUNING[key] = default
+            if best:
+                best_t[mode] = best[0]
+                row(f"attn B={batch} ctx={ctx}", batch, f"paged {mode} best", best[0], nbytes, bw, None, best[2],
+                    best[1])
+            del caches
+        if len(best_t) == 2:
+            log(f"  q4 / fp16 time (best configs), B={batch} ctx={ctx}: {best_t['q4'] / best_t['fp16']:.3f}")
+        new_k = torch.randn(batch, hkv, d, device="cuda").half()
+        slots = torch.arange(batch, device="cuda") * page
+        us = graph_us([lambda: kq.write_kv_quant(new_k, kc, ks, slots, 4)])
+        row(f"attn B={batch}", batch, "write_kv_quant q4 (keys)", us, 0, bw)
+
+
+def table(rows) -> str:
+    out = ["| shape | M | path | µs | GB/s | % copy BW | cuBLAS time / this | rel err | config |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r['m']} | {r['path']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_bw']:.0f} | "
+                   f"{r['vs_cublas']:.2f} | {r['err']:.1e} | {r['cfg']} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    global BUDGET
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
+    ap.add_argument("--json", default=None, help="write all rows as JSON here")
+    ap.add_argument("--only", choices=("matmul", "attention"), default=None)
+    ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU.")
+    BUDGET = args.budget
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    log(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+        f"commit {os.environ.get('EXL2_COMMIT', '?')} | copy bandwidth {bw:.2f} TB/s")
+    try:
+        if args.only in (None, "attention"):
+            attention_section(bw, args.sweep)
+        if args.only in (None, "matmul"):
+            matmul_section(bw, args.sweep)
+    finally:
+        log(f"\n(total {time.time() - T0:.0f} s)\n")
+        log(table(ROWS))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"bw_tbs": bw, "rows": ROWS}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
