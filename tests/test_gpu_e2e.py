@@ -66,3 +66,22 @@ def test_batched_graph_decode_matches_eager():
     with torch.inference_mode():
         b = gpu(ids, cache, pos, last_only=True)[:, -1].float()
     assert torch.allclose(a, b, atol=1e-2, rtol=0)
+
+
+def test_fast_4bit_gemv_is_used_and_matches_twin():
+    """The packed-fp16 4-bit decoder passes its self-check and matches the twin at a real shape (fp16 partial
+    sums: tolerance 0.5 % of the output range)."""
+    from exl2.kernels.quant_matmul import MatmulConfig, fast4_available, gemv
+    from exl2.kernels.qweight import build, matmul_torch
+
+    dev = torch.device("cuda")
+    assert fast4_available(dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    k, n = 4096, 14336
+    codes = torch.randint(0, 16, (k, n), device=dev, dtype=torch.uint8, generator=g)
+    scales = (torch.rand(k // 128, n, device=dev, generator=g) * 0.01 + 0.001).half()
+    w = build(codes, [(4, 128)] * (k // 128), scales, None, torch.randperm(k, device=dev, generator=g))
+    x = torch.randn(1, k, device=dev, dtype=torch.float16, generator=g)
+    ref = matmul_torch(x, w).float()
+    got = gemv(x, w, MatmulConfig(bs=8, bn=128, split=4), fast4=True).float()
+    assert (got - ref).abs().max().item() <= 5e-3 * (ref.max() - ref.min()).item()
