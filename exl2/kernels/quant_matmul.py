@@ -101,33 +101,7 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_step, n_
 # Two 4-bit codes per instruction: lop3 puts codes (u, u+4) of a word under the fp16 exponent of 1024, one packed
 # subtraction removes 1024 + zero point (8), and packed FMAs multiply by the matching pair of inputs. Four pairs
 # cover the word's 8 codes; the two fp16 lanes are summed in fp32. ~2 instructions per weight instead of ~5.
-_DOT8_ASM = """
-{
-.reg .b32 t0, t1, t2, t3, s, z, acc;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 z, 0x64086408;
-lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
-shr.u32 s, $1, 4;
-lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
-shr.u32 s, $1, 8;
-lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
-shr.u32 s, $1, 12;
-lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t0, t0, z;
-sub.f16x2 t1, t1, z;
-sub.f16x2 t2, t2, z;
-sub.f16x2 t3, t3, z;
-mul.rn.f16x2 acc, t0, $2;
-fma.rn.f16x2 acc, t1, $3, acc;
-fma.rn.f16x2 acc, t2, $4, acc;
-fma.rn.f16x2 acc, t3, $5, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}
-"""
+
 
 
 @triton.jit
@@ -159,7 +133,33 @@ def _gemv_class4_fast(x_ptr, qw_ptr, sc_ptr, sg_ptr, ri_ptr, N, first_step, n_st
         x1 = _xpair(x_ptr, ri_ptr, offs_s, mask_s, jj, 1)[:, :, None]
         x2 = _xpair(x_ptr, ri_ptr, offs_s, mask_s, jj, 2)[:, :, None]
         x3 = _xpair(x_ptr, ri_ptr, offs_s, mask_s, jj, 3)[:, :, None]
-        part = tl.inline_asm_elementwise(_DOT8_ASM, "=f,r,r,r,r,r", [w, x0, x1, x2, x3], dtype=tl.float32,
+        part = tl.inline_asm_elementwise("""
+            {
+            .reg .b32 t0, t1, t2, t3, s, z, acc;
+            .reg .b16 lo, hi;
+            .reg .f32 flo, fhi;
+            mov.b32 z, 0x64086408;
+            lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 s, $1, 4;
+            lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 s, $1, 8;
+            lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 s, $1, 12;
+            lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
+            sub.f16x2 t0, t0, z;
+            sub.f16x2 t1, t1, z;
+            sub.f16x2 t2, t2, z;
+            sub.f16x2 t3, t3, z;
+            mul.rn.f16x2 acc, t0, $2;
+            fma.rn.f16x2 acc, t1, $3, acc;
+            fma.rn.f16x2 acc, t2, $4, acc;
+            fma.rn.f16x2 acc, t3, $5, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 flo, lo;
+            cvt.f32.f16 fhi, hi;
+            add.f32 $0, flo, fhi;
+            }
+            """, "=f,r,r,r,r,r", [w, x0, x1, x2, x3], dtype=tl.float32,
                                          is_pure=True, pack=1)
         grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
         sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :],
