@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from exl2.cli.common import add_model_args, add_sampling_args, resolve_model_dir, sampling_from_args
+from exl2.cli.common import add_model_args, add_sampling_args, load_generator, sampling_from_args
 
 HELP = "Commands: /clear forgets the conversation, /exit quits (Ctrl-D too)."
 
@@ -22,20 +22,14 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from exl2.generation.chat import ChatTemplate
-    from exl2.generation.generator import Generator
-    from exl2.generation.tokenizer import Tokenizer
-    from exl2.runtime.loader import load_model
 
     settings = sampling_from_args(args)
-    model_dir = resolve_model_dir(args.model_dir)
-    model = load_model(model_dir, args.device)
-    tok = Tokenizer.from_dir(model_dir)
+    model_dir, tok, gen = load_generator(args)
     template = ChatTemplate.from_tokenizer(tok)
-    gen = Generator(model, tok, min(args.max_seq_len, model.spec.max_position), args.cache_mode)
     interactive = sys.stdin.isatty()
     history: list[dict] = []
     if interactive:
-        print(f"exl2 chat: {model_dir.name} ({model.spec.arch}). {HELP}", file=sys.stderr)
+        print(f"exl2 chat: {model_dir.name} ({gen.model.spec.arch}). {HELP}", file=sys.stderr)
     while True:
         try:
             line = input("You> " if interactive else "")

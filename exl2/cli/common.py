@@ -47,3 +47,15 @@ def resolve_model_dir(model_dir: str | None) -> Path:
         return Path(model_dir)
     from exl2.models.default_model import default_model_dir
     return default_model_dir()
+
+
+def load_generator(args):
+    """(model_dir, tokenizer, generator) for the model flags of generate/chat."""
+    from exl2.generation.generator import Generator
+    from exl2.generation.tokenizer import Tokenizer
+    from exl2.runtime.loader import load_model
+
+    model_dir = resolve_model_dir(args.model_dir)
+    model = load_model(model_dir, args.device)
+    tok = Tokenizer.from_dir(model_dir)
+    return model_dir, tok, Generator(model, tok, min(args.max_seq_len, model.spec.max_position), args.cache_mode)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from exl2.cli.common import add_model_args, add_sampling_args, resolve_model_dir, sampling_from_args
+from exl2.cli.common import add_model_args, add_sampling_args, load_generator, sampling_from_args
 
 
 def register(sub) -> None:
@@ -19,15 +19,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from exl2.generation.generator import Generator
-    from exl2.generation.tokenizer import Tokenizer
-    from exl2.runtime.loader import load_model
-
     settings = sampling_from_args(args)
-    model_dir = resolve_model_dir(args.model_dir)
-    model = load_model(model_dir, args.device)
-    tok = Tokenizer.from_dir(model_dir)
-    gen = Generator(model, tok, min(args.max_seq_len, model.spec.max_position), args.cache_mode)
+    _, _, gen = load_generator(args)
     for text, _ in gen.stream(args.prompt, settings, args.max_new_tokens, args.stop):
         if text:
             sys.stdout.write(text)

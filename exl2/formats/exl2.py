@@ -144,13 +144,15 @@ def unpack_scale_codes(q_scale: torch.Tensor, n: int) -> torch.Tensor:
     return (nib + 1).to(torch.uint8).view(q_scale.shape[0], n)
 
 
-def unpack_scales(q_scale: torch.Tensor, q_scale_max: torch.Tensor, n: int) -> torch.Tensor:
-    """Effective fp16 scales `[G, N]`: `S = fp16((nib+1)² · fp16(M/256))`, bit exact with exllamav2 (prescale 1)."""
+def unpack_scales(q_scale: torch.Tensor, q_scale_max: torch.Tensor, n: int, prescale: float = 1.0) -> torch.Tensor:
+    """Effective fp16 scales `[G, N]`: `S = fp16((nib+1)² · fp16(M·prescale/256))`, bit exact with exllamav2.
+
+    `prescale` is the model-level factor exllamav2 folds in at load (spec §1.5); a file reader uses 1."""
     codes = unpack_scale_codes(q_scale, n)
     if q_scale_max.shape != (q_scale.shape[0],):
         raise FormatError(f"q_scale_max has shape {list(q_scale_max.shape)}, expected [{q_scale.shape[0]}].")
     # Both products are exact in fp32 (scaling by 2^-8; 9-bit × 11-bit mantissas), so one fp16 rounding each.
-    m = (q_scale_max.to(torch.float32) / 256).to(torch.float16)
+    m = (q_scale_max.to(torch.float32) * prescale / 256).to(torch.float16)
     sq = codes.to(torch.float32).square()
     return (sq * m.to(torch.float32).unsqueeze(1)).to(torch.float16)
 
@@ -162,8 +164,8 @@ def _get(tensors: Mapping[str, torch.Tensor] | Any, prefix: str, key: str) -> to
     return tensors[name]
 
 
-def _read_layer(tensors: Mapping[str, torch.Tensor] | Any, prefix: str):
-    """Load and cross-check the five tensors of a layer; returns (q_weight, groups, S, q_invperm)."""
+def read_layer(tensors: Mapping[str, torch.Tensor] | Any, prefix: str, prescale: float = 1.0):
+    """Load and cross-check the five tensors of a layer; returns (q_weight, groups, S [G, N] fp16, q_invperm)."""
     q_weight, q_scale, q_scale_max, q_groups, q_invperm = (_get(tensors, prefix, k) for k in LAYER_KEYS)
     if q_weight.dim() != 2 or q_weight.dtype not in (torch.int32, torch.uint32):
         raise FormatError(f"EXL2 layer {prefix}: q_weight must be a 2-D int32 tensor, got {q_weight.dtype} "
@@ -183,7 +185,7 @@ def _read_layer(tensors: Mapping[str, torch.Tensor] | Any, prefix: str):
     inv = q_invperm.to(torch.int64)
     if k and (inv.min() < 0 or inv.max() >= k or torch.bincount(inv, minlength=k).ne(1).any()):
         raise FormatError(f"EXL2 layer {prefix}: q_invperm is not a permutation of 0..{k - 1}.")
-    scales = unpack_scales(q_scale, q_scale_max, n)
+    scales = unpack_scales(q_scale, q_scale_max, n, prescale)
     return q_weight, groups, scales, inv
 
 
@@ -202,7 +204,7 @@ def _dequant_stored(q_weight: torch.Tensor, groups: list[Exl2Group], scales: tor
 
 def dequantize_stored(tensors: Mapping[str, torch.Tensor] | Any, prefix: str) -> torch.Tensor:
     """fp16 `[K, N]` weight in stored (act-order permuted) row order."""
-    q_weight, groups, scales, _ = _read_layer(tensors, prefix)
+    q_weight, groups, scales, _ = read_layer(tensors, prefix)
     return _dequant_stored(q_weight, groups, scales)
 
 
@@ -211,7 +213,7 @@ def dequantize(tensors: Mapping[str, torch.Tensor] | Any, prefix: str) -> torch.
 
     N is the stored (32-padded) width; slice columns for the true output width.
     """
-    q_weight, groups, scales, inv = _read_layer(tensors, prefix)
+    q_weight, groups, scales, inv = read_layer(tensors, prefix)
     w = _dequant_stored(q_weight, groups, scales)
     return w.index_select(0, inv.to(w.device))
 

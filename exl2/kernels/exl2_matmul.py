@@ -30,35 +30,9 @@ class Exl2Weight(QuantWeight):
         residual multiplier for o_proj/down_proj; spec §1.5). `out_features` records the true width when N was
         padded to 32 (outputs keep the padded width N).
         """
-        def get(key: str) -> torch.Tensor:
-            name = f"{prefix}.{key}"
-            if name not in tensors:
-                raise FormatError(f"EXL2 layer {prefix} has no {key} tensor.")
-            return tensors[name].to(device)
-
-        q_weight = get("q_weight")
-        if q_weight.dim() != 2 or q_weight.dtype not in (torch.int32, torch.uint32):
-            raise FormatError(f"EXL2 layer {prefix}: q_weight must be a 2-D int32 tensor, got {q_weight.dtype} "
-                              f"{list(q_weight.shape)}.")
-        groups = fmt.parse_groups(get("q_groups"), q_weight.shape[0], prefix)
+        q_weight, groups, scales, inv = fmt.read_layer(tensors, prefix, prescale)
+        q_weight, scales, inv = q_weight.to(device), scales.to(device), inv.to(device)
         n = q_weight.shape[1]
-        k = sum(g.rows for g in groups)
-        q_scale, q_scale_max, q_invperm = get("q_scale"), get("q_scale_max"), get("q_invperm")
-        if tuple(q_scale.shape) != (len(groups), n // 8) or n % 8:
-            raise FormatError(f"EXL2 layer {prefix}: q_scale has shape {list(q_scale.shape)}, expected "
-                              f"[{len(groups)}, {n // 8}].")
-        if tuple(q_scale_max.shape) != (len(groups),):
-            raise FormatError(f"EXL2 layer {prefix}: q_scale_max has shape {list(q_scale_max.shape)}, expected "
-                              f"[{len(groups)}].")
-        if tuple(q_invperm.shape) != (k,):
-            raise FormatError(f"EXL2 layer {prefix}: q_invperm has {q_invperm.numel()} entries for {k} rows.")
-        inv = q_invperm.to(torch.int64)
-        if k and (int(inv.min()) < 0 or int(inv.max()) >= k or bool(torch.bincount(inv, minlength=k).ne(1).any())):
-            raise FormatError(f"EXL2 layer {prefix}: q_invperm is not a permutation of 0..{k - 1}.")
-        # S = fp16((nib+1)^2 · fp16(M·prescale/256)): both products exact in fp32, one fp16 rounding each.
-        m_g = (q_scale_max.to(torch.float32) * prescale / 256).to(torch.float16)
-        sq = fmt.unpack_scale_codes(q_scale, n).to(torch.float32).square()
-        scales = (sq * m_g.to(torch.float32).unsqueeze(1)).to(torch.float16)
         codes = fmt.unpack_codes(q_weight, groups)
         name = f"{prefix}.bias"
         bias = tensors[name].to(device) if name in tensors else None
