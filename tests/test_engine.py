@@ -1,0 +1,41 @@
+"""The Python API: Engine from an EngineConfig, sync and async generation, chat through the template."""
+import asyncio
+
+from exl2.config import EngineConfig, SamplingSettings
+from exl2.engine import Engine
+from exl2.generation.tokenizer import Tokenizer
+
+from test_cli import SRC
+
+
+def test_engine_generate_stream_and_async_agree():
+    engine = Engine(EngineConfig(model_dir=SRC, max_seq_len=512, device="cpu", kv_cache_mode="q8"))
+    greedy = SamplingSettings(temperature=0)
+    full = engine.generate("The quick brown fox", greedy, max_new_tokens=12)
+    assert len(full.token_ids) == 12 and full.finish_reason == "length"
+    assert "".join(engine.stream("The quick brown fox", greedy, max_new_tokens=12)) == full.text
+
+    async def collect():
+        parts = [p async for p in engine.astream("The quick brown fox", greedy, max_new_tokens=12)]
+        return parts, await engine.agenerate("The quick brown fox", greedy, max_new_tokens=12)
+
+    parts, again = asyncio.run(collect())
+    assert "".join(parts) == full.text and again.token_ids == full.token_ids
+
+
+def test_engine_stop_strings_and_seeded_sampling():
+    engine = Engine(EngineConfig(model_dir=SRC, max_seq_len=512, device="cpu"))
+    hot = SamplingSettings(temperature=1.0, top_p=0.9, seed=7)
+    a = engine.generate("Once", hot, max_new_tokens=10)
+    b = engine.generate("Once", hot, max_new_tokens=10)
+    assert a.token_ids == b.token_ids
+    stop = Tokenizer.from_dir(SRC).decode(a.token_ids[3:5])
+    cut = engine.generate("Once", hot, max_new_tokens=10, stop_strings=[stop])
+    assert stop not in cut.text and cut.finish_reason == "stop" and a.text.startswith(cut.text)
+
+
+def test_engine_chat_uses_template():
+    engine = Engine(EngineConfig(model_dir=SRC, max_seq_len=512, device="cpu"))
+    prompt = engine.chat_prompt([{"role": "user", "content": "hi"}])
+    assert "hi" in prompt and prompt != "hi"
+    assert engine.chat([{"role": "user", "content": "hi"}], SamplingSettings(temperature=0), 4).token_ids
