@@ -65,14 +65,6 @@ class RopeSpec:
         ang = torch.outer(torch.arange(length, dtype=torch.float32), inv)
         return (ang.cos() * scale).to(device), (ang.sin() * scale).to(device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [*positions.shape, dim] in the rotate-half layout (frequencies repeated twice)."""
-        seq_len = int(positions.max().item()) + 1 if positions.numel() else 1
-        inv, scale = self.inv_freq(seq_len)
-        freqs = positions.to(torch.float32)[..., None] * inv.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
 
 def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
     factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
