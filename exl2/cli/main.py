@@ -7,7 +7,7 @@ import sys
 
 from exl2.errors import Exl2Error
 
-COMMANDS = ("generate", "chat", "info", "import_gguf", "bench")
+COMMANDS = ("generate", "chat", "info", "import_gguf", "bench", "convert", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,41 @@
+"""Progress bars (rich) with time left per stage, and one-line messages; silent when `quiet`."""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+
+class Reporter:
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self._console = None
+        if not quiet:
+            from rich.console import Console
+
+            self._console = Console(stderr=True)
+
+    def info(self, msg: str) -> None:
+        if self._console is not None:
+            self._console.print(f" -- {msg}", highlight=False)
+
+    def warn(self, msg: str) -> None:
+        if self._console is not None:
+            self._console.print(f" !! warning: {msg}", style="yellow", highlight=False)
+        elif not self.quiet:
+            print(f"warning: {msg}", file=sys.stderr)
+
+    @contextmanager
+    def stage(self, description: str, total: int, done: int = 0) -> Iterator[Callable[[int], None]]:
+        """A bar for one stage; yields `tick(n=1)`."""
+        if self._console is None:
+            yield lambda n=1: None
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
+                   TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn())
+        with Progress(*columns, console=self._console) as bar:
+            task = bar.add_task(description, total=total, completed=done)
+            yield lambda n=1: bar.advance(task, n)
