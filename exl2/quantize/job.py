@@ -25,8 +25,8 @@ SENS_FILE = "sensitivity.st"
 MEASUREMENT_FILE = "measurement.json"
 JOB_FORMAT = "exl2-convert-job"
 JOB_VERSION = 1
-STAGES = ("begin", "initial_embeddings", "sensitivity", "measure_quant", "write_measurement", "optimize", "tokens_cal",
-          "embeddings", "quant", "compile", "finished")
+STAGES = ("begin", "initial_embeddings", "sensitivity", "measure_quant", "optimize", "tokens_cal", "embeddings",
+          "quant", "compile", "finished")
 _OWN_FILES = (JOB_FILE, CAL_FILE, STATES_FILE, SENS_FILE, MEASUREMENT_FILE)
 
 

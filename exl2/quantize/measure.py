@@ -8,7 +8,12 @@ Scores per option:
 * `kl` — when output gradients of a sampled-label log-likelihood are available for this block (see
   `sensitivity.py`), the predicted contribution to the model's mean KL divergence, ½·E[(g·ΔY)²] per token: the
   second-order (Fisher) expansion of the KL in the block's output. Summed over blocks it estimates the whole
-  model's KL, which is what the optimizer minimizes.
+  model's KL, which is what the optimizer minimizes;
+* `kl_iso` (the same with the gradient's direction averaged out) and `mse` (mean squared output error), kept for
+  comparison.
+
+The extra keys sit beside exllamav2's in each option dict; exllamav2 reads only `accuracy`, `total_bits` and the
+projection dicts, so the file stays usable by it.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ def proj_shape(p: Proj) -> tuple[int, int, int]:
 
 
 def option_entry(projs: list[Proj], kind: str, row: tuple[QParams, ...]) -> dict:
-    """measurement.json option dict (without accuracy): total bits and one QParams dict per projection name."""
+    """measurement.json option dict (scores filled in later): total bits and one QParams dict per projection name."""
     idx = {r: i for i, r in enumerate(roles(kind))}
     entry: dict = {"accuracy": 0.0, "total_bits": 0}
     total = 0

@@ -1,7 +1,7 @@
 """`exl2 convert`: the whole conversion as resumable stages (spec EXL2.md §3.1).
 
-begin → initial_embeddings → sensitivity → measure_quant (→ write_measurement with -om) → optimize → tokens_cal →
-embeddings → quant → compile → finished. The job file records the stage; within the long stages the hidden states are
+begin → initial_embeddings → sensitivity → measure_quant → optimize → tokens_cal → embeddings → quant → compile →
+finished (with -om: the measurement is written and the job stops before optimize). The job file records the stage; within the long stages the hidden states are
 saved together with the results so far, so an interrupted run continues from the last saved block. A finished -om
 job continues with the quantization when run again without -om.
 """
@@ -200,7 +200,7 @@ class Converter:
         stage = J.STAGES.index(job.progress)
         measured = "measurement" in job.data
         if measured and self.s.output_measurement:
-            job.data["progress"] = "write_measurement"
+            pass                                       # run() only writes the file; the job stays where it is
         elif measured and job.progress == "finished" and "strategy" not in job.data:
             job.data["progress"] = "optimize"          # an -om job, now asked for the whole conversion
         elif any(k in _QUANT_KEYS for k in changed) and stage > J.STAGES.index("optimize"):
@@ -264,6 +264,11 @@ class Converter:
         # The PyTorch twins of the kernels, even on CUDA: fp32 everywhere and autograd for the sensitivity pass.
         with force_torch():
             while job.progress != "finished":
+                if self.s.output_measurement and "measurement" in job.data:
+                    self._write_measurement(job.data["measurement"])
+                    if job.progress == "optimize":     # a measure-only job ends here; run again without -om
+                        job.advance("finished")        # to continue with the quantization
+                    break
                 getattr(self, "_stage_" + job.progress)(job, summary)
         summary["seconds"] = time.monotonic() - t0
         summary["strategy_summary"] = job.data.get("strategy_summary")
@@ -322,15 +327,14 @@ class Converter:
                 last = slot.index == len(self.slots) - 1
                 self._save_states(states, "measure", slot.index + 1, results, force=last)
         atomic_write_text(self.work / J.MEASUREMENT_FILE, json.dumps(measurement_json(results, self.slots), indent=4))
-        job.advance("write_measurement" if self.s.output_measurement else "optimize", measurement=results)
+        job.advance("optimize", measurement=results)
 
-    def _stage_write_measurement(self, job: J.Job, summary: dict) -> None:
-        """-om: copy the measurement where asked and stop."""
+    def _write_measurement(self, measurement: dict) -> None:
+        """-om: copy the measurement where asked (a file, or measurement.json inside a directory)."""
         target = Path(self.s.output_measurement)
         path = target / J.MEASUREMENT_FILE if target.is_dir() else target
-        atomic_write_text(path, json.dumps(measurement_json(job.data["measurement"], self.slots), indent=4))
+        atomic_write_text(path, json.dumps(measurement_json(measurement, self.slots), indent=4))
         self.ui.info(f"measurement written to {path}")
-        job.advance("finished")
 
     def _stage_optimize(self, job: J.Job, summary: dict) -> None:
         numel = decoder_numel(self.model, self.slots)

@@ -20,7 +20,7 @@ from exl2.quantize.blocks import Slot, SourceModel, run_block
 GRAD_DTYPE = torch.bfloat16
 
 
-MAX_ROWS = 8            # 8 × 2048 positions already pin the estimates down well
+MAX_TOKENS = 16384      # positions with gradients; enough to pin the per-option estimates down
 
 
 def _ram_bytes() -> float:
@@ -31,11 +31,11 @@ def _ram_bytes() -> float:
 
 
 def rows_for(rows: int, length: int, hidden: int, num_slots: int, budget_bytes: float | None = None) -> int:
-    """How many measurement rows get gradients: up to MAX_ROWS, as many as fit a quarter of the RAM (≤ 16 GB) with
-    every block's input and output gradient stored (bf16)."""
+    """How many measurement rows get gradients: up to MAX_TOKENS positions, as many rows as fit a quarter of the RAM
+    (≤ 16 GB) with every block's input and output gradient stored (bf16)."""
     budget = budget_bytes if budget_bytes is not None else min(16e9, 0.25 * _ram_bytes())
     per_row = length * hidden * num_slots * 4
-    return max(1, min(rows, MAX_ROWS, int(budget // max(1, per_row))))
+    return max(1, min(rows, MAX_TOKENS // length, int(budget // max(1, per_row))))
 
 
 def sensitivity_pass(model: SourceModel, slots: list[Slot], x0: torch.Tensor, device: torch.device, seed: int,
