@@ -29,8 +29,8 @@ from exl2.kernels import kv_quant as kq  # noqa: E402
 from exl2.kernels import quant_matmul as qm  # noqa: E402
 from exl2.kernels import qweight  # noqa: E402
 
-SHAPES = [("gate/up 4096→14336", 4096, 14336, 4), ("head 4096→128256", 4096, 128256, 6), ("q/o 4096→4096", 4096, 4096, 4),
-          ("down 14336→4096", 14336, 4096, 4), ("k/v 4096→1024", 4096, 1024, 4)]
+SHAPES = [("gate/up 4096→14336", 4096, 14336, 4), ("q/o 4096→4096", 4096, 4096, 4), ("down 14336→4096", 14336, 4096, 4),
+          ("k/v 4096→1024", 4096, 1024, 4), ("head 4096→128256", 4096, 128256, 6)]
 COLD_BYTES = 256 << 20  # cycle through this much data so weights come from HBM, not L2 (60 MB)
 ROWS: list[dict] = []
 T0 = time.time()
@@ -93,7 +93,7 @@ def make_weight(k: int, n: int, bits: int, mixed: bool = False) -> qweight.Quant
 
 def clone_weight(w: qweight.QuantWeight) -> qweight.QuantWeight:
     return qweight.QuantWeight(w.qweight.clone(), w.scales.clone(), None, w.step_group.clone(), w.row_index.clone(),
-                               w.classes, w.k, w.n)
+                               w.classes, w.k, w.n, x_index=w.x_index.clone())
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -133,15 +133,13 @@ def sweep(copies, x, fn, cfgs, ref, label):
 
 
 def matmul_section(bw: float, sweep_on: bool) -> None:
+    """Per shape: cuBLAS fp16 and the dispatcher's default at M = 1, 2, 4, 8, 16 (including the input gather),
+    the gemv/dot kernels alone on a pre-gathered input, and (--sweep) the best launch parameters."""
     C = qm.MatmulConfig
-    gemv_cfgs = [C(bs=bs, bn=bn, split=sp, num_warps=nw) for bn, bs, nw in
-                 [(128, 4, 4), (128, 8, 4), (256, 4, 8), (64, 4, 4), (128, 2, 4)]
-                 for sp in (1, 4, 8, 16, 32)] if sweep_on else []
-    gemv_cfgs += [C(bs=4, bn=128, split=sp, num_warps=4, num_stages=st) for st in (1, 3) for sp in (4, 8)] \
-        if sweep_on else []
-    dot1_cfgs = [C(bm=16, bs=2, bn=bn, split=sp, num_warps=4) for bn in (64, 128) for sp in (4, 8)] if sweep_on else []
-    dot16_cfgs = [C(bm=16, bs=bs, bn=bn, split=sp, num_warps=4) for bn, bs in ((64, 2), (128, 2), (128, 4))
-                  for sp in (1, 4, 8)] if sweep_on else []
+    gemv_cfgs = [C(bs=bs, bn=bn, split=sp, num_warps=nw) for bs, bn, nw in ((4, 128, 4), (8, 128, 4), (8, 256, 8))
+                 for sp in (1, 2, 4, 8, 16, 32)] if sweep_on else []
+    dot_cfgs = [C(bm=16, bs=4, bn=bn, split=sp, num_warps=nw) for bn in (128, 256) for nw in (4, 8)
+                for sp in (1, 2, 4, 8)] if sweep_on else []
     for name, k, n, bits in SHAPES:
         if over_budget():
             break
@@ -150,18 +148,27 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
         copies = [w] + [clone_weight(w) for _ in range(max(0, -(-COLD_BYTES // wbytes) - 1))]
         fp16 = [torch.randn(k, n, device="cuda").half() for _ in range(max(1, -(-COLD_BYTES // (k * n * 2))))]
         log(f"== {name}: {bits}-bit, {wbytes / 1e6:.1f} MB quantized ({len(copies)} copies), {k * n * 2 / 1e6:.1f} MB fp16")
-        for m in (1, 16):
+        for m in (1, 4, 16):
             x = torch.randn(m, k, device="cuda").half()
+            xp = qm.gather_input(x, [w])[0]
             ref = qweight.matmul_torch(x, w)
             t_cub = graph_us([lambda wd=wd: torch.matmul(x, wd) for wd in fp16])
             row(name, m, "cuBLAS fp16", t_cub, k * n * 2, bw, t_cub)
             path, cfg = qm.choose_config(m, w)
             t = graph_us([lambda w_=w_: qm.quant_matmul(x, w_) for w_ in copies])
-            row(name, m, f"exl2 default ({path})", t, wbytes, bw, t_cub, rel_err(qm.quant_matmul(x, w), ref), str(cfg))
-            cands = [("gemv", qm.gemv, gemv_cfgs), ("dot", qm.dot, dot1_cfgs)] if m == 1 else \
-                [("dot", qm.dot, dot16_cfgs)]
+            row(name, m, f"exl2 default ({path}, with gather)", t, wbytes, bw, t_cub,
+                rel_err(qm.quant_matmul(x, w), ref), str(cfg))
+            kern = qm.gemv if path == "gemv" else qm.dot
+            t = graph_us([lambda w_=w_: kern(x, w_, cfg, xp=xp) for w_ in copies])
+            row(name, m, f"exl2 {path} kernel alone", t, wbytes, bw, t_cub, rel_err(kern(x, w, cfg, xp=xp), ref),
+                str(cfg))
+            if m == 1:
+                t = graph_us([lambda: qm.gather_input(x, [w])])
+                row(name, m, "gather alone", t, 0, bw)
+            cands = ([("gemv", qm.gemv, gemv_cfgs)] if m <= 4 else []) + [("dot", qm.dot, dot_cfgs)]
             for label, fn, cfgs in cands:
-                best = sweep(copies, x, fn, cfgs, ref, f"{name} M={m} {label}")
+                best = sweep(copies, x, lambda x_, w_, c, fn=fn, xp=xp: fn(x_, w_, c, xp=xp), cfgs, ref,
+                             f"{name} M={m} {label}")
                 if best:
                     row(name, m, f"exl2 {label} best", best[0], wbytes, bw, t_cub, best[2], str(best[1]))
         if not over_budget():
@@ -171,28 +178,19 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
             err = rel_err(qm.dequant_matmul(x, w), qweight.matmul_torch(x, w))
             t = bench_us(lambda: qm.dequant_matmul(x, w))
             row(name, 2047, "exl2 dequant+cuBLAS", t, wbytes, bw, t_cub, err)
-            for bs, bn in ((4, 128), (8, 256)) if sweep_on else ():
-                try:
-                    t = bench_us(lambda: qm.dequantize_triton(w, bs=bs, bn=bn))
-                except Exception as e:  # noqa: BLE001
-                    log(f"  dequant bs={bs} bn={bn} failed: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                row(name, 2047, "dequant kernel alone", t, wbytes + k * n * 2, bw, None, 0.0, f"bs={bs} bn={bn}")
         del w, copies, fp16
         torch.cuda.empty_cache()
     if over_budget():
         return
     w = make_weight(4096, 14336, 4, mixed=True)  # mixed widths inside one matrix
     copies = [w] + [clone_weight(w) for _ in range(8)]
-    x = torch.randn(1, 4096, device="cuda").half()
-    ref = qweight.matmul_torch(x, w)
     wbytes = w.weight_bytes()
-    t = graph_us([lambda w_=w_: qm.quant_matmul(x, w_) for w_ in copies])
-    row("gate/up mixed 8/5/4/3", 1, "exl2 default", t, wbytes, bw, None, rel_err(qm.quant_matmul(x, w), ref),
-        str(qm.choose_config(1, w)[1]))
-    best = sweep(copies, x, qm.gemv, [c for c in gemv_cfgs if c.bn == 128 and c.num_stages == 2], ref, "mixed gemv")
-    if best:
-        row("gate/up mixed 8/5/4/3", 1, "exl2 gemv best", best[0], wbytes, bw, None, best[2], str(best[1]))
+    for m in (1, 16):
+        x = torch.randn(m, 4096, device="cuda").half()
+        ref = qweight.matmul_torch(x, w)
+        t = graph_us([lambda w_=w_: qm.quant_matmul(x, w_) for w_ in copies])
+        row("gate/up mixed 8/5/4/3", m, "exl2 default", t, wbytes, bw, None, rel_err(qm.quant_matmul(x, w), ref),
+            str(qm.choose_config(m, w)[1]))
 
 
 def attention_section(bw: float, sweep_on: bool) -> None:

@@ -190,3 +190,48 @@ def test_quant_matmul_real_sizes_gpu(m):
     x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
     for _ in range(2):  # the second call reuses the split-K counters reset by the first
         _check_close(exl2_matmul(x, w), qweight.matmul_torch(x, w))
+
+
+# ---------------------------------------------------------------------------------------------- permuted input
+def test_input_order_pairs_rows_of_4bit_words():
+    """x_index puts rows (u, u+4) of each 4-bit word side by side and leaves other widths in stored order."""
+    w = Exl2Weight.from_tensors(rand_exl2(MIXED, 32), "L")
+    for c in w.classes:
+        lo, hi = c.first_step * 32, (c.first_step + c.n_steps) * 32
+        ri, xi = w.row_index[lo:hi].view(-1, 32), w.x_index[lo:hi].view(-1, 32)
+        if c.bits == 4:
+            for p in range(32):
+                j, i, h = p // 8, (p % 8) // 2, p % 2
+                assert torch.equal(xi[:, p], ri[:, 8 * j + i + 4 * h])
+        else:
+            assert torch.equal(xi, ri)
+
+
+@needs_triton
+def test_gather_input_matches_twin_for_several_weights():
+    ws = [Exl2Weight.from_tensors(rand_exl2(MIXED, 32, seed=s), "L", device=DEV) for s in range(3)]
+    x = torch.randn(3, ws[0].k, device=DEV).half()
+    with force_triton():
+        got = qm.gather_input(x, ws)
+    for g, w in zip(got, ws):
+        ref = qweight.gather_torch(x, w)
+        assert torch.equal(g, ref)
+        assert (ref[:, w.x_index < 0] == 0).all()
+        # and the kernels fed with it agree with feeding them x
+        with force_triton():
+            _check_close(qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=2), xp=g), qweight.matmul_torch(x, w))
+
+
+@needs_triton
+def test_project_shares_one_gather_and_equals_separate_calls():
+    from exl2.runtime.linear import Linear, project
+
+    ws = [Exl2Weight.from_tensors(rand_exl2(MIXED, 32, seed=s), "L", device=DEV) for s in range(3)]
+    lin = [Linear(w.k, w.n, kernel=w) for w in ws]
+    x = torch.randn(1, 2, ws[0].k, device=DEV).half()
+    with force_triton():
+        together = project(x, lin)
+        apart = [m(x) for m in lin]
+    for a, b in zip(together, apart):
+        assert a.shape == (1, 2, 32)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

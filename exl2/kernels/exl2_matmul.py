@@ -39,7 +39,7 @@ class Exl2Weight(QuantWeight):
         if bias is not None and tuple(bias.shape) != (n,):
             raise FormatError(f"EXL2 layer {prefix}: bias has shape {list(bias.shape)}, expected [{n}].")
         qw = build(codes, [(g.bits, g.rows) for g in groups], scales, None, torch.argsort(inv), bias, out_features)
-        return cls(**{f: getattr(qw, f) for f in ("qweight", "scales", "zeros", "step_group", "row_index",
+        return cls(**{f: getattr(qw, f) for f in ("qweight", "scales", "zeros", "step_group", "row_index", "x_index",
                                                   "classes", "k", "n", "bias", "out_features")})
 
 

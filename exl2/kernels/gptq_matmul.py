@@ -98,7 +98,7 @@ class GptqWeight(QuantWeight):
             bias = None
         qw = build(stored.to(torch.uint8), [(bits, counts[i]) for i in keep], sc,
                    zeros.to(torch.float16).index_select(0, keep_t), perm, bias)
-        return cls(**{f: getattr(qw, f) for f in ("qweight", "scales", "zeros", "step_group", "row_index",
+        return cls(**{f: getattr(qw, f) for f in ("qweight", "scales", "zeros", "step_group", "row_index", "x_index",
                                                   "classes", "k", "n", "bias", "out_features")})
 
 

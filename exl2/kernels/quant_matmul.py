@@ -17,17 +17,20 @@ call is one launch (CUDA-graph friendly). Counters are shared per device: calls 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from exl2.kernels.backend import sm_count, tl, triton, use_triton
-from exl2.kernels.qweight import WIDTHS, QuantWeight, matmul_torch, split_bits
+from exl2.kernels.backend import next_pow2, sm_count, tl, triton, use_triton
+from exl2.kernels.qweight import WIDTHS, QuantWeight, gather_torch, matmul_torch, split_bits
 
 
 # --------------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _store_out(res, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr, tile_id, pid_k, SPLIT,
-               HAS_BIAS: tl.constexpr, SPLIT_ON: tl.constexpr):
+               HAS_BIAS: tl.constexpr, SPLIT_ON: tl.constexpr, RED: tl.constexpr):
+    """Write the tile, or (split K) its partial; the last program of the tile sums the partials, RED at a time
+    (independent loads, so the sum costs one memory latency per RED partials, not one per partial)."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     if not SPLIT_ON:
@@ -41,8 +44,13 @@ def _store_out(res, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr,
         count = tl.atomic_add(cnt_ptr + tile_id, 1)
         if count == SPLIT - 1:
             tot = tl.zeros_like(res)
-            for i in range(SPLIT):
-                tot += tl.load(part_ptr + i * M * N + p_off, mask=mask, other=0.0, cache_modifier=".cg")
+            offs_r = tl.arange(0, RED)
+            for i in range(0, SPLIT, RED):
+                kk = i + offs_r
+                ptrs = part_ptr + (kk.to(tl.int64) * M * N)[:, None, None] + p_off[None, :, :]
+                chunk = tl.load(ptrs, mask=(kk < SPLIT)[:, None, None] & mask[None, :, :], other=0.0,
+                                cache_modifier=".cg")
+                tot += tl.sum(chunk, axis=0)
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
@@ -50,18 +58,50 @@ def _store_out(res, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr,
 
 
 @triton.jit
-def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+def _gather_one(x_row, idx_ptr, out_row, n, offs):
+    m = offs < n
+    idx = tl.load(idx_ptr + offs, mask=m, other=-1)
+    v = tl.load(x_row + idx, mask=idx >= 0, other=0.0)
+    tl.store(out_row + offs, v.to(out_row.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, i0, o0, n0, i1, o1, n1, i2, o2, n2, i3, o3, n3,
+                   BLOCK: tl.constexpr):
+    """out[m, o_w + p] = x[m, idx_w[p]] (0 where idx_w[p] < 0) for up to four weights w (grid axis 2)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(1).to(tl.int64)
+    which = tl.program_id(2)
+    x_row = x_ptr + row * stride_xm
+    out_row = out_ptr + row * stride_om
+    if which == 0:
+        _gather_one(x_row, i0, out_row + o0, n0, offs)
+    elif which == 1:
+        _gather_one(x_row, i1, out_row + o1, n1, offs)
+    elif which == 2:
+        _gather_one(x_row, i2, out_row + o2, n2, offs)
+    else:
+        _gather_one(x_row, i3, out_row + o3, n3, offs)
+
+
+@triton.jit
+def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                 offs_n, mask_n, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
                 BS: tl.constexpr, BN: tl.constexpr):
     """Partial x·W over this program's share of one width class's steps, for BN columns ([BN] fp32).
 
-    Tiles are [steps, low word j, row-in-word u, columns]; stored row of (s, j, u) is 32·s + PER·j + u."""
+    x is the permuted input (`gather_input`). Tiles are [steps, low word j, row-in-word u, columns]; stored row
+    of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`."""
     PER: tl.constexpr = 32 // LB
     HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     MAGIC: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
     jj = tl.arange(0, LB)
     uu = tl.arange(0, PER)
     row = jj[:, None] * PER + uu[None, :]  # [LB, PER]
+    if BITS == 4:
+        pos = jj[:, None] * 8 + (uu % 4)[None, :] * 2 + (uu // 4)[None, :]
+    else:
+        pos = row
     lo_sh = (uu * LB)[None, None, :, None]
     hi_sh = (HB * (row % HPER))[None, :, :, None]
     s_lo = first_step + (n_steps * pid_k) // SPLIT
@@ -79,8 +119,8 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_step, n_
             hrow = wrow[:, None] + LB + (jj * PER // HPER)[None, :]
             h = tl.load(qw_ptr + hrow[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)
             code = code | (((h[:, :, None, :] >> hi_sh) & ((1 << HB) - 1)) << LB)
-        ridx = tl.load(ri_ptr + offs_s[:, None, None] * 32 + row[None, :, :], mask=mask_s[:, None, None], other=-1)
-        xv = tl.load(x_ptr + ridx, mask=ridx >= 0, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + offs_s[:, None, None] * 32 + pos[None, :, :], mask=mask_s[:, None, None],
+                     other=0.0).to(tl.float32)
         if HAS_ZEROS:
             cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         else:
@@ -97,42 +137,46 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_step, n_
     return tl.sum(tl.sum(acc, axis=1), axis=0)
 
 
-
 # Two 4-bit codes per instruction: lop3 puts codes (u, u+4) of a word under the fp16 exponent of 1024, one packed
-# subtraction removes 1024 + zero point (8), and packed FMAs multiply by the matching pair of inputs. Four pairs
-# cover the word's 8 codes; the two fp16 lanes are summed in fp32. ~2 instructions per weight instead of ~5.
-
+# subtraction removes 1024 + zero point (8), and packed FMAs multiply by the matching pair of inputs, which the
+# permuted input holds side by side (PAIR_ORDER). Four pairs cover the word's 8 codes; the two fp16 lanes are
+# summed in fp32. ~2 instructions per weight instead of ~5.
+@triton.jit
+def _load4(qw_ptr, sc_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n, mask_n, BS: tl.constexpr):
+    """Codes [BS, 4, BN] and scales [BS, 4, BN] (repeated over the word axis, so they arrive in the codes'
+    layout) of BS steps from s0; zeros past s_hi."""
+    offs_s = s0 + tl.arange(0, BS)
+    mask_s = offs_s < s_hi
+    m3 = mask_s[:, None, None] & mask_n[None, None, :]
+    wrow = first_word + (offs_s - first_step) * 4
+    w = tl.load(qw_ptr + (wrow[:, None] + jj[None, :])[:, :, None].to(tl.int64) * N + offs_n[None, None, :],
+                mask=m3, other=0)
+    grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
+    g_off = grp[:, None, None].to(tl.int64) * N + (jj * 0)[None, :, None] + offs_n[None, None, :]
+    sc = tl.load(sc_ptr + g_off, mask=m3, other=0.0)
+    return w, sc
 
 
 @triton.jit
-def _xpair(x_ptr, ri_ptr, offs_s, mask_s, jj, u):
-    """Inputs of stored rows (8j+u, 8j+u+4) of each step, packed as fp16x2 in an int32 [BS, 4]."""
-    r_lo = tl.load(ri_ptr + offs_s[:, None] * 32 + jj[None, :] * 8 + u, mask=mask_s[:, None], other=-1)
-    r_hi = tl.load(ri_ptr + offs_s[:, None] * 32 + jj[None, :] * 8 + u + 4, mask=mask_s[:, None], other=-1)
-    x_lo = tl.load(x_ptr + r_lo, mask=r_lo >= 0, other=0.0).to(tl.float16).to(tl.int16, bitcast=True)
-    x_hi = tl.load(x_ptr + r_hi, mask=r_hi >= 0, other=0.0).to(tl.float16).to(tl.int16, bitcast=True)
-    return (x_lo.to(tl.int32) & 0xFFFF) | (x_hi.to(tl.int32) << 16)
-
-
-@triton.jit
-def _gemv_class4_fast(x_ptr, qw_ptr, sc_ptr, sg_ptr, ri_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+def _gemv_class4_fast(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                       offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr):
-    """`_gemv_class` for a 4-bit class without zero tensors (EXL2), with packed fp16x2 arithmetic."""
+    """`_gemv_class` for a 4-bit class without zero tensors (EXL2), with packed fp16x2 arithmetic; x32 is the
+    permuted fp16 input read as int32 pairs. The next tile's loads are issued before this tile's arithmetic."""
     jj = tl.arange(0, 4)
+    kk = tl.arange(0, 4)
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
-    acc = tl.zeros([BS, BN], dtype=tl.float32)
+    acc = tl.zeros([BS, 4, BN], dtype=tl.float32)
+    w_n, sc_n = _load4(qw_ptr, sc_ptr, sg_ptr, N, s_lo, s_hi, first_step, first_word, jj, offs_n, mask_n, BS)
     for s0 in range(s_lo, s_hi, BS):
+        w, sc = w_n, sc_n
+        w_n, sc_n = _load4(qw_ptr, sc_ptr, sg_ptr, N, s0 + BS, s_hi, first_step, first_word, jj, offs_n, mask_n, BS)
         offs_s = s0 + tl.arange(0, BS)
-        mask_s = offs_s < s_hi
-        m3 = mask_s[:, None, None] & mask_n[None, None, :]
-        wrow = first_word + (offs_s - first_step) * 4
-        w = tl.load(qw_ptr + (wrow[:, None] + jj[None, :])[:, :, None].to(tl.int64) * N + offs_n[None, None, :],
-                    mask=m3, other=0)
-        x0 = _xpair(x_ptr, ri_ptr, offs_s, mask_s, jj, 0)[:, :, None]
-        x1 = _xpair(x_ptr, ri_ptr, offs_s, mask_s, jj, 1)[:, :, None]
-        x2 = _xpair(x_ptr, ri_ptr, offs_s, mask_s, jj, 2)[:, :, None]
-        x3 = _xpair(x_ptr, ri_ptr, offs_s, mask_s, jj, 3)[:, :, None]
+        xw = tl.load(x32_ptr + offs_s[:, None, None] * 16 + jj[None, :, None] * 4 + kk[None, None, :],
+                     mask=(offs_s < s_hi)[:, None, None], other=0)
+        x_even, x_odd = tl.split(tl.reshape(xw, [BS, 4, 2, 2]))
+        x0, x2 = tl.split(x_even)
+        x1, x3 = tl.split(x_odd)
         part = tl.inline_asm_elementwise("""
             {
             .reg .b32 t0, t1, t2, t3, s, z, acc;
@@ -159,24 +203,22 @@ def _gemv_class4_fast(x_ptr, qw_ptr, sc_ptr, sg_ptr, ri_ptr, N, first_step, n_st
             cvt.f32.f16 fhi, hi;
             add.f32 $0, flo, fhi;
             }
-            """, "=f,r,r,r,r,r", [w, x0, x1, x2, x3], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
-        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :],
-                     mask=mask_s[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(part, axis=1) * sc
-    return tl.sum(acc, axis=0)
+            """, "=f,r,r,r,r,r", [w, x0[:, :, None], x1[:, :, None], x2[:, :, None], x3[:, :, None]],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+        acc += part * sc.to(tl.float32)
+    return tl.sum(tl.sum(acc, axis=1), axis=0)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr,
+def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                  M, N, stride_xm, stride_om, SPLIT,
                  fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2,
                  HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
                  HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                 FAST4: tl.constexpr = False):
-    """One input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from L2."""
+                 RED: tl.constexpr, FAST4: tl.constexpr = False):
+    """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
+    L2."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -185,30 +227,30 @@ def _gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr
     xr = x_ptr + pid_m.to(tl.int64) * stride_xm
     res = tl.zeros([BN], dtype=tl.float32)
     if HAS8:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n,
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n,
                            mask_n, 8, 8, 0, HAS_ZEROS, BS, BN)
     if HAS6:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n,
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n,
                            mask_n, 6, 4, 2, HAS_ZEROS, BS, BN)
     if HAS5:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n,
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n,
                            mask_n, 5, 4, 1, HAS_ZEROS, BS, BN)
     if HAS4:
         if FAST4 and not HAS_ZEROS:
-            res += _gemv_class4_fast(xr, qw_ptr, sc_ptr, sg_ptr, ri_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n,
-                                     mask_n, BS, BN)
+            res += _gemv_class4_fast(x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2), qw_ptr, sc_ptr, sg_ptr, N,
+                                     fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n, BS, BN)
         else:
-            res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n,
+            res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n,
                                mask_n, 4, 4, 0, HAS_ZEROS, BS, BN)
     if HAS3:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n,
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n,
                            mask_n, 3, 2, 1, HAS_ZEROS, BS, BN)
     if HAS2:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n,
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n,
                            mask_n, 2, 2, 0, HAS_ZEROS, BS, BN)
     offs_m = pid_m + tl.arange(0, 1)
     _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
-               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON)
+               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
 
 
 @triton.jit
@@ -247,33 +289,79 @@ def _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, fir
 
 
 @triton.jit
-def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_step, n_steps,
+def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl.constexpr, BSC: tl.constexpr):
+    """Input tile [BM, BSC·LB, PER] of BSC steps from s0 in position order (one contiguous run of PER per word)."""
+    offs = s0 * 32 + tl.arange(0, BSC * 32)
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + offs[None, :]
+    t = tl.load(ptrs, mask=mask_m[:, None] & (offs < s_hi * 32)[None, :], other=0.0).to(tl.float16)
+    return tl.reshape(t, [offs_m.shape[0], BSC * LB, PER])
+
+
+@triton.jit
+def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
                first_word, pid_k, offs_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr,
                LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
                BN: tl.constexpr):
+    """acc + x·W over this program's share of one width class's steps.
+
+    The codes are decoded one row-in-word u at a time: the rows (s, j, u) of all steps s and low words j form a
+    [BS·LB, BN] tile in the words' own register layout (no reshuffling of the decoded tile), which feeds one
+    tensor-core dot against the matching input columns. Those are picked out of the input tile, loaded once per
+    iteration (and one iteration ahead) with one-hot sums over its last axis."""
+    PER: tl.constexpr = 32 // LB
+    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
+    BSC: tl.constexpr = BS if BS * LB >= 16 else 16 // LB
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     mask_m = offs_m < M
-    for s0 in range(s_lo, s_hi, BS):
-        offs_s = s0 + tl.arange(0, BS)
+    jj = tl.arange(0, LB)
+    pp = tl.arange(0, PER)
+    xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s_lo, s_hi, LB, PER, BSC)
+    for s0 in range(s_lo, s_hi, BSC):
+        xt = xt_n
+        xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0 + BSC, s_hi, LB, PER, BSC)
+        offs_s = s0 + tl.arange(0, BSC)
         mask_s = offs_s < s_hi
-        deq = _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, first_word, offs_n, mask_n,
-                           N, BITS, LB, HB, HAS_ZEROS, BS, BN)
-        ridx = tl.load(ri_ptr + offs_s[:, None] * 32 + tl.arange(0, 32)[None, :], mask=mask_s[:, None], other=-1)
-        ridx = tl.reshape(ridx, [BS * 32])
-        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + ridx[None, :],
-                     mask=mask_m[:, None] & (ridx[None, :] >= 0), other=0.0).to(tl.float16)
-        acc = tl.dot(xt, tl.reshape(deq, [BS * 32, BN]), acc)
+        m3 = mask_s[:, None, None] & mask_n[None, None, :]
+        wrow = first_word + (offs_s - first_step) * BITS
+        w = tl.load(qw_ptr + (wrow[:, None] + jj[None, :])[:, :, None].to(tl.int64) * N + offs_n[None, None, :],
+                    mask=m3, other=0)
+        if HB > 0:
+            hrow = wrow[:, None] + LB + (jj * PER // HPER)[None, :]
+            h = tl.load(qw_ptr + hrow[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)
+        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
+        g_off = grp[:, None, None].to(tl.int64) * N + (jj * 0)[None, :, None] + offs_n[None, None, :]
+        sc = tl.load(sc_ptr + g_off, mask=m3, other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(zr_ptr + g_off, mask=m3, other=0.0) + 1024.0
+        for u in tl.static_range(PER):
+            code = (w >> (u * LB)) & ((1 << LB) - 1)
+            if HB > 0:
+                hs = (HB * ((jj * PER + u) % HPER))[None, :, None]
+                code = code | (((h >> hs) & ((1 << HB) - 1)) << LB)
+            # 0x6400 | code is the fp16 number 1024 + code: exact, so one rounding as in the reference dequantizer.
+            cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            if HAS_ZEROS:
+                deq = (cf - z) * sc
+            else:
+                deq = (cf - (1024.0 + (1 << (BITS - 1)))) * sc
+            if BITS == 4:
+                sel = pp == (u % 4) * 2 + u // 4
+            else:
+                sel = pp == u
+            xu = tl.sum(tl.where(sel[None, None, :], xt, 0.0), axis=2)
+            acc = tl.dot(xu, tl.reshape(deq, [BSC * LB, BN]), acc)
     return acc
 
 
 @triton.jit
-def _dot_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr,
+def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                 M, N, stride_xm, stride_om, SPLIT,
                 fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2,
                 HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
                 HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
+                SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                RED: tl.constexpr, FAST4: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -282,25 +370,25 @@ def _dot_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_
     mask_n = offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if HAS8:
-        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs8, ns8, fw8,
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8,
                          pid_k, offs_m, offs_n, mask_n, SPLIT, 8, 8, 0, HAS_ZEROS, BM, BS, BN)
     if HAS6:
-        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs6, ns6, fw6,
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6,
                          pid_k, offs_m, offs_n, mask_n, SPLIT, 6, 4, 2, HAS_ZEROS, BM, BS, BN)
     if HAS5:
-        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs5, ns5, fw5,
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5,
                          pid_k, offs_m, offs_n, mask_n, SPLIT, 5, 4, 1, HAS_ZEROS, BM, BS, BN)
     if HAS4:
-        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs4, ns4, fw4,
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4,
                          pid_k, offs_m, offs_n, mask_n, SPLIT, 4, 4, 0, HAS_ZEROS, BM, BS, BN)
     if HAS3:
-        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs3, ns3, fw3,
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3,
                          pid_k, offs_m, offs_n, mask_n, SPLIT, 3, 2, 1, HAS_ZEROS, BM, BS, BN)
     if HAS2:
-        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, fs2, ns2, fw2,
+        acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2,
                          pid_k, offs_m, offs_n, mask_n, SPLIT, 2, 2, 0, HAS_ZEROS, BM, BS, BN)
     _store_out(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
-               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON)
+               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
 
 
 @triton.jit
@@ -354,31 +442,69 @@ def _class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
     return cached
 
 
-def _launch(kernel, x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra) -> torch.Tensor:
+def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
+    """Each weight's permuted input (`QuantWeight.x_index` order) for x `[M, K]`, from one launch for up to four
+    weights that share x (q/k/v, gate/up): the small-batch kernels then read plain contiguous rows."""
+    if not ws:
+        return []
+    if not use_triton(x):
+        return [gather_torch(x, w).contiguous() for w in ws]
+    if len(ws) > 4:
+        return gather_input(x, ws[:4]) + gather_input(x, ws[4:])
+    sizes = [w.x_index.numel() for w in ws]
+    offs = [sum(sizes[:i]) for i in range(len(ws))]
     m = x.shape[0]
-    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, sum(sizes)), dtype=x.dtype, device=x.device)
+    if m:
+        args = []
+        for i in range(4):
+            j = min(i, len(ws) - 1)
+            args += [ws[j].x_index, offs[j], sizes[j]]
+        block = 1024
+        _gather_kernel[(triton.cdiv(max(sizes), block), m, len(ws))](x, x.stride(0), out, out.stride(0), *args,
+                                                                     BLOCK=block, num_warps=4)
+    return [out[:, o:o + n] for o, n in zip(offs, sizes)]
+
+
+def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra) -> torch.Tensor:
+    """Run a gemv/dot kernel on the permuted input xp `[M, S·32]` (last dim contiguous)."""
+    m = xp.shape[0]
+    out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
     if m == 0:
         return out
     grid_n, grid_m = triton.cdiv(w.n, cfg.bn), triton.cdiv(m, cfg.bm if kernel is _dot_kernel else 1)
     split = cfg.split if grid_n * grid_m <= _COUNTER_POOL else 1
-    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else out
+    part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device) if split > 1 else out
     cls, flags = _class_args(w)
     zeros = w.zeros if w.zeros is not None else w.scales
     bias = w.bias if w.bias is not None else w.scales
+    fast4 = extra.pop("FAST4", False) and xp.dtype == torch.float16 and xp.stride(0) % 2 == 0
+    x32 = xp.view(torch.int32) if fast4 else xp
     kernel[(grid_n, split, grid_m)](
-        x, out, part, _counters(x.device), bias, w.qweight, w.scales, zeros, w.step_group, w.row_index,
-        m, w.n, x.stride(0), out.stride(0), split, *cls, **flags, HAS_ZEROS=w.zeros is not None,
-        HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BM=cfg.bm, BS=cfg.bs, BN=cfg.bn, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **extra)
+        xp, x32, out, part, _counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
+        m, w.n, xp.stride(0), out.stride(0), split, *cls, **flags, HAS_ZEROS=w.zeros is not None,
+        HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BM=cfg.bm, BS=cfg.bs, BN=cfg.bn, FAST4=fast4,
+        RED=min(next_pow2(split), max(1, 8192 // (cfg.bm * cfg.bn))),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     return out
 
 
-def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None) -> torch.Tensor:
-    """CUDA-core path (small M); x `[M, K]` with a contiguous last dim. `fast4` selects the packed-fp16 4-bit
-    decoder (inline PTX; None: use it where the one-time self-check passed)."""
+def _permuted(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None) -> torch.Tensor:
+    if xp is None:
+        return gather_input(x, [w])[0]
+    if xp.shape != (x.shape[0], w.x_index.numel()) or xp.stride(-1) != 1:
+        raise ValueError("the permuted input does not match this weight (use gather_input).")
+    return xp
+
+
+def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
+         xp: torch.Tensor | None = None) -> torch.Tensor:
+    """CUDA-core path (small M); x `[M, K]` with a contiguous last dim (or its permuted form `xp` from
+    `gather_input`). `fast4` selects the packed-fp16 4-bit decoder (inline PTX; None: use it where the one-time
+    self-check passed)."""
     if fast4 is None:
         fast4 = fast4_available(x.device)
-    return _launch(_gemv_kernel, x, w, cfg, FAST4=fast4)
+    return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4)
 
 
 _FAST4: dict[torch.device, bool] = {}
@@ -402,7 +528,8 @@ def fast4_available(device: torch.device) -> bool:
             w = build(codes, [(4, 128)] * (k // 128), scales, None, perm)
             x = torch.randn(1, k, device=device, dtype=torch.float16, generator=g)
             ref = matmul_torch(x, w).float()
-            got = _launch(_gemv_kernel, x, w, MatmulConfig(bs=4, bn=128, split=2), FAST4=True).float()
+            got = _launch(_gemv_kernel, gather_input(x, [w])[0], w, MatmulConfig(bs=4, bn=128, split=2),
+                          FAST4=True).float()
             ok = bool(torch.allclose(got, ref, atol=2e-3 * ref.abs().max().item() + 1e-4, rtol=0))
         except Exception:  # noqa: BLE001 - any compile/launch failure means "use the portable path"
             ok = False
@@ -410,9 +537,9 @@ def fast4_available(device: torch.device) -> bool:
     return ok
 
 
-def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Tensor:
+def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | None = None) -> torch.Tensor:
     """Tensor-core path with in-register dequantization; cfg.bm ≥ 16 and cfg.bs ≥ 1."""
-    return _launch(_dot_kernel, x, w, cfg)
+    return _launch(_dot_kernel, _permuted(x, w, xp), w, cfg)
 
 
 def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
@@ -467,10 +594,16 @@ def choose_config(m: int, w: QuantWeight) -> tuple[str, MatmulConfig | None]:
     return "dequant", None
 
 
-def quant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+def uses_permuted_input(m: int, x: torch.Tensor) -> bool:
+    """Whether `quant_matmul` on `m` rows would read a permuted input (so callers may share one `gather_input`)."""
+    return use_triton(x) and 0 < m <= DOT_MAX_M
+
+
+def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None) -> torch.Tensor:
     """`x · W + bias` for x `[..., K]` (fp16; bf16/fp32 accepted): output `[..., N]` in x's dtype.
 
-    N is the stored width (EXL2 pads to a multiple of 32); slice to `w.out_features` if needed.
+    N is the stored width (EXL2 pads to a multiple of 32); slice to `w.out_features` if needed. `xp`, optional,
+    is x already permuted for this weight by `gather_input` (small batches only).
     """
     if x.shape[-1] != w.k:
         raise ValueError(f"input has {x.shape[-1]} features but the weight expects {w.k}.")
@@ -481,9 +614,9 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         x2 = x2.contiguous()
     path, cfg = choose_config(x2.shape[0], w)
     if path == "gemv":
-        y = gemv(x2, w, cfg)
+        y = gemv(x2, w, cfg, xp=xp)
     elif path == "dot":
-        y = dot(x2, w, cfg)
+        y = dot(x2, w, cfg, xp=xp)
     else:
         y = dequant_matmul(x2, w)
     return y.view(*x.shape[:-1], w.n)

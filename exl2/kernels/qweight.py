@@ -18,6 +18,9 @@ For 2-, 4- and 8-bit classes this is exactly the on-disk EXL2/GPTQ packing. Tens
 * `step_group` int32 `[S]`: the group of each step. `row_index` int32 `[S·32]`: the input feature (column of x,
   row of the natural-order weight) of each stored row, −1 for padding rows. The kernels gather x through it, so
   act-order needs no separate permutation pass.
+* `x_index` int32 `[S·32]`: the same map in the order the small-batch kernels read their permuted input
+  (`gather_input`): stored order, except that inside each 8-row block of a 4-bit class the rows come as
+  (0, 4, 1, 5, 2, 6, 3, 7), so one 32-bit load yields the input pair that one packed-fp16 instruction needs.
 
 Dequantization of stored row `k'`, column `n`: `fp16((code − zero) · scale)`, one fp16 rounding, exactly as
 exllamav2's reconstruct kernel (spec §1.6).
@@ -61,7 +64,12 @@ class QuantWeight:
     n: int
     bias: torch.Tensor | None = None
     out_features: int | None = None
+    x_index: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.x_index is None:
+            self.x_index = input_order(self.row_index, self.classes)
 
     @property
     def device(self) -> torch.device:
@@ -76,14 +84,37 @@ class QuantWeight:
 
     def weight_bytes(self) -> int:
         """Bytes the matmul kernels must read for the weight: packed codes, scales, zeros, maps, bias."""
-        t = [self.qweight, self.scales, self.step_group, self.row_index]
+        t = [self.qweight, self.scales, self.step_group, self.x_index]
         t += [x for x in (self.zeros, self.bias) if x is not None]
         return sum(x.numel() * x.element_size() for x in t)
 
     def to(self, device: torch.device | str) -> "QuantWeight":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QuantWeight(mv(self.qweight), mv(self.scales), mv(self.zeros), mv(self.step_group),
-                           mv(self.row_index), self.classes, self.k, self.n, mv(self.bias), self.out_features)
+                           mv(self.row_index), self.classes, self.k, self.n, mv(self.bias), self.out_features,
+                           mv(self.x_index))
+
+
+# Position p = 8j + 2i + h inside a step of a 4-bit class holds stored row 8j + i + 4h.
+PAIR_ORDER = tuple(8 * (p // 8) + (p % 8) // 2 + 4 * (p % 2) for p in range(32))
+
+
+def input_order(row_index: torch.Tensor, classes: tuple[WidthClass, ...]) -> torch.Tensor:
+    """`x_index` from `row_index` (see the module docstring)."""
+    out = row_index.clone()
+    order = torch.tensor(PAIR_ORDER, device=row_index.device)
+    for c in classes:
+        if c.bits == 4:
+            lo, hi = c.first_step * 32, (c.first_step + c.n_steps) * 32
+            out[lo:hi] = row_index[lo:hi].view(-1, 32)[:, order].reshape(-1)
+    return out
+
+
+def gather_torch(x: torch.Tensor, w: "QuantWeight") -> torch.Tensor:
+    """The twin of `gather_input`: `x [M, K]` → `[M, S·32]` in the kernels' input order, 0 for padding rows."""
+    idx = w.x_index.long()
+    xp = x.index_select(-1, idx.clamp(min=0))
+    return xp.masked_fill(idx < 0, 0)
 
 
 def encode_steps(codes: torch.Tensor, bits: int) -> torch.Tensor:

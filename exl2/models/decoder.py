@@ -13,6 +13,7 @@ from torch import nn
 from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, softcap, temperature_scale
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.spec import LayerSpec, ModelSpec
+from exl2.runtime.linear import project
 
 
 class WeightProvider(Protocol):
@@ -72,9 +73,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None) -> torch.Tensor:
         b, t, _ = x.shape
         s, layer = self.spec, self.layer
-        q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(b, t, s.num_heads, s.head_dim)
+        k = k.view(b, t, s.num_kv_heads, s.head_dim)
+        v = v.view(b, t, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:

@@ -7,6 +7,7 @@ from torch import nn
 
 from exl2.kernels.activation import glu
 from exl2.kernels.norm import rms_norm
+from exl2.runtime.linear import project
 
 
 class RMSNorm(nn.Module):
@@ -65,7 +66,8 @@ class GatedMLP(nn.Module):
         self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.act_name))
+        gate, up = project(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(glu(gate, up, self.act_name))
 
 
 class MoE(nn.Module):

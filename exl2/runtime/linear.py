@@ -1,13 +1,13 @@
 """Linear layers whatever the weight format: dense, EXL2 or GPTQ, on CPU (PyTorch) or GPU (Triton kernels)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exl2.kernels.quant_matmul import quant_matmul
+from exl2.kernels.quant_matmul import gather_input, quant_matmul, uses_permuted_input
 
 
 class Linear(nn.Module):
@@ -27,11 +27,26 @@ class Linear(nn.Module):
         self.kernel = kernel
         self.info = info or {"format": "dense"}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xp: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`xp`: x already permuted for this layer's kernel (see `project`)."""
         if self.kernel is not None:
-            y = quant_matmul(x, self.kernel)
+            y = quant_matmul(x, self.kernel, xp)
             return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={self.info.get('format')}"
+
+
+def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Apply several linears to the same input (q/k/v, gate/up). On the small-batch GPU path the quantized ones
+    read x permuted into their own row order; one launch prepares all of those copies."""
+    quant = [m for m in linears if isinstance(m, Linear) and m.kernel is not None]
+    rows = x.numel() // max(1, x.shape[-1])
+    if len(quant) < 2 or not uses_permuted_input(rows, x):
+        return [m(x) for m in linears]
+    x2 = x.reshape(rows, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    xps = dict(zip(map(id, quant), gather_input(x2, [m.kernel for m in quant])))
+    return [m(x, xps[id(m)]) if id(m) in xps else m(x) for m in linears]

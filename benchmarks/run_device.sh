@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One device-machine session: GPU tests, the end-to-end benchmark, then the kernel sweep, each under its own time
+# limit, all output under $OUT. Usage (device machine, repo root): bash benchmarks/run_device.sh [SWEEP_SECONDS]
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+timeout 200 python3 -m pytest -m gpu tests/ -q -x -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+echo "gpu tests rc=$?" | tee -a "$OUT/gpu_tests.txt"; tail -3 "$OUT/gpu_tests.txt"
+timeout 200 python3 -m exl2.cli.main bench --breakdown > "$OUT/bench.txt" 2>&1
+echo "bench rc=$?"; cat "$OUT/bench.txt" | tail -40
+timeout "${1:-150}" python3 benchmarks/kernels.py --only matmul --sweep --budget "$(( ${1:-150} - 20 ))" \
+    --json "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
+echo "kernels rc=$?"; grep -v "^    " "$OUT/kernels.txt" | tail -80
