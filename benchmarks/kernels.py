@@ -136,9 +136,9 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
     """Per shape: cuBLAS fp16 and the dispatcher's default at M = 1, 2, 4, 8, 16 (including the input gather),
     the gemv/dot kernels alone on a pre-gathered input, and (--sweep) the best launch parameters."""
     C = qm.MatmulConfig
-    gemv_cfgs = [C(bs=bs, bn=bn, split=sp, num_warps=nw) for bs, bn, nw in ((4, 128, 4), (8, 128, 4), (8, 256, 8))
+    gemv_cfgs = [C(bs=bs, bn=bn, split=sp, num_warps=nw) for bs, bn, nw in ((8, 128, 4), (16, 128, 8), (8, 128, 8))
                  for sp in (1, 2, 4, 8, 16, 32)] if sweep_on else []
-    dot_cfgs = [C(bm=16, bs=4, bn=bn, split=sp, num_warps=nw) for bn in (128, 256) for nw in (4, 8)
+    dot_cfgs = [C(bm=16, bs=bs, bn=128, split=sp, num_warps=4, num_stages=st) for bs, st in ((4, 2), (4, 3), (8, 2))
                 for sp in (1, 2, 4, 8)] if sweep_on else []
     for name, k, n, bits in SHAPES:
         if over_budget():

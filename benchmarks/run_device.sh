@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, the end-to-end benchmark, then the kernel sweep, each under its own time
-# limit, all output under $OUT. Usage (device machine, repo root): bash benchmarks/run_device.sh [SWEEP_SECONDS]
+# limit, all output under $OUT. Usage (device machine, repo root): [CONVERT_LAYERS=N CONVERT_ARGS=...]
+# bash benchmarks/run_device.sh [SWEEP_SECONDS]
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -10,6 +11,11 @@ timeout 200 python3 -m pytest -m gpu tests/ -q -x -p no:cacheprovider > "$OUT/gp
 echo "gpu tests rc=$?" | tee -a "$OUT/gpu_tests.txt"; tail -3 "$OUT/gpu_tests.txt"
 timeout 200 python3 -m exl2.cli.main bench --breakdown > "$OUT/bench.txt" 2>&1
 echo "bench rc=$?"; cat "$OUT/bench.txt" | tail -40
+if [ -n "${CONVERT_LAYERS:-}" ]; then
+  timeout "${CONVERT_TIMEOUT:-200}" python3 benchmarks/convert_8b.py --layers "$CONVERT_LAYERS" ${CONVERT_ARGS:-} \
+      --json "$OUT/convert.json" > "$OUT/convert.txt" 2>&1
+  echo "convert rc=$?"; tail -30 "$OUT/convert.txt"
+fi
 timeout "${1:-150}" python3 benchmarks/kernels.py --only matmul --sweep --budget "$(( ${1:-150} - 20 ))" \
     --json "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
 echo "kernels rc=$?"; grep -v "^    " "$OUT/kernels.txt" | tail -80

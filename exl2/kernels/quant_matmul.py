@@ -569,28 +569,30 @@ GEMV_MAX_M = 4
 DOT_MAX_M = 64
 
 
-def _auto_split(w: QuantWeight, tiles: int, device: torch.device, min_steps: int) -> int:
-    """Split K until about 8 programs per SM (the H200 run showed gemv starved at ~2 per SM), each keeping at
-    least `min_steps` 32-row steps."""
-    target = 8 * sm_count(device)
+def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int) -> int:
+    """Largest power-of-two split of K with at most ~2 programs per SM and at least `min_steps` 32-row steps per
+    program: the H200 sweeps (benchmarks/RESULTS.md) found every shape fastest there, since more splits add
+    partial sums and short-lived programs, fewer leave SMs idle."""
+    target = 2 * sm_count(device)
     split = 1
-    while split < 32 and tiles * split * 2 <= target and w.n_steps // (split * 2) >= min_steps:
+    while split < 32 and programs * split * 2 <= target and w.n_steps // (split * 2) >= min_steps:
         split *= 2
     return split
 
 
 def choose_config(m: int, w: QuantWeight) -> tuple[str, MatmulConfig | None]:
-    """Pick the path and launch parameters for an [m, K] input (from H200 measurements, benchmarks/RESULTS.md)."""
+    """Pick the path and launch parameters for an [m, K] input (from H200 measurements, benchmarks/RESULTS.md):
+    the gemv up to 4 rows (one program per row), the tensor-core kernel up to 64, dequantize + cuBLAS beyond."""
     if m <= GEMV_MAX_M:
-        tiles = triton.cdiv(w.n, 128)
-        return "gemv", MatmulConfig(bm=1, bs=4, bn=128, split=_auto_split(w, tiles, w.device, 4), num_warps=4,
+        programs = triton.cdiv(w.n, 128) * m
+        return "gemv", MatmulConfig(bm=1, bs=8, bn=128, split=_auto_split(w, programs, w.device, 8), num_warps=4,
                                     num_stages=2)
     if m <= DOT_MAX_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 128 if bm == 16 else 64
-        tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bm)
+        programs = triton.cdiv(w.n, bn) * triton.cdiv(m, bm)
         return "dot", MatmulConfig(bm=bm, bs=4 if bm == 16 else 2, bn=bn,
-                                   split=_auto_split(w, tiles, w.device, 4), num_warps=4, num_stages=2)
+                                   split=_auto_split(w, programs, w.device, 16), num_warps=4, num_stages=2)
     return "dequant", None
 
 
