@@ -193,6 +193,39 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
             str(qm.choose_config(m, w)[1]))
 
 
+def group_section(bw: float) -> None:
+    """q/k/v and gate/up at M = 1 and 4: one gather + separate gemv launches (today's default) against one gather +
+    one grouped launch (`qm.grouped_matmul`, behind `qm.FUSE_SHARED_INPUT`)."""
+    for name, k, ns in (("q/k/v 4096→4096+1024+1024", 4096, (4096, 1024, 1024)),
+                        ("gate/up 4096→2×14336", 4096, (14336, 14336))):
+        if over_budget():
+            break
+        ws = [make_weight(k, n, 4) for n in ns]
+        wbytes = sum(w.weight_bytes() for w in ws)
+        n_cp = max(1, -(-COLD_BYTES // wbytes))
+        sets = [ws] + [[clone_weight(w) for w in ws] for _ in range(n_cp - 1)]
+        for m in (1, 4):
+            x = torch.randn(m, k, device="cuda").half()
+            refs = [qweight.matmul_torch(x, w) for w in ws]
+
+            def separate(s):
+                xps = qm.gather_input(x, s)
+                return [qm.quant_matmul(x, w, xp) for w, xp in zip(s, xps)]
+
+            def grouped(s):
+                return qm.GemvGroup(s)(qm.gather_input(x, s, whole=True))
+
+            groups = [qm.GemvGroup(s) for s in sets]
+            t_sep = graph_us([lambda s=s: separate(s) for s in sets])
+            err = max(rel_err(y, r) for y, r in zip(separate(ws), refs))
+            row(name, m, "gather + separate gemvs", t_sep, wbytes, bw, None, err)
+            t_grp = graph_us([lambda s=s, g=g: g(qm.gather_input(x, s, whole=True)) for s, g in zip(sets, groups)])
+            err = max(rel_err(y, r) for y, r in zip(grouped(ws), refs))
+            row(name, m, "gather + one grouped gemv", t_grp, wbytes, bw, t_sep, err, "vs_cublas column = separate / grouped")
+        del ws, sets
+        torch.cuda.empty_cache()
+
+
 def attention_section(bw: float, sweep_on: bool) -> None:
     hq, hkv, d, page = 32, 8, 128, 256
     for batch, ctx in ((1, 2048), (16, 2048), (1, 128)) if sweep_on else ((1, 2048), (16, 2048)):
@@ -267,7 +300,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--only", choices=("matmul", "attention"), default=None)
+    ap.add_argument("--only", choices=("matmul", "attention", "group"), default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -280,6 +313,11 @@ def main() -> None:
     try:
         if args.only in (None, "attention"):
             attention_section(bw, args.sweep)
+        if args.only in (None, "matmul", "group"):
+            try:
+                group_section(bw)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other sections
+                log(f"group section failed: {type(e).__name__}: {str(e)[:500]}")
         if args.only in (None, "matmul"):
             matmul_section(bw, args.sweep)
     finally:

@@ -235,3 +235,40 @@ def test_project_shares_one_gather_and_equals_separate_calls():
     for a, b in zip(together, apart):
         assert a.shape == (1, 2, 32)
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemv_group_equals_separate_gemvs(split, monkeypatch):
+    """One launch for 2-3 weights (different widths, sizes, bias or not) equals the twin of each."""
+    monkeypatch.setattr(qm, "_auto_split", lambda w, programs, device, min_steps: split)
+    mixes = [MIXED, [(4, 128), (4, 128), (2, 48)], [(8, 32), (6, 64), (4, 128), (2, 80)]]
+    ns = [64, 32, 96]
+    ws = [Exl2Weight.from_tensors(rand_exl2(mix, n, bias=i != 1, seed=i), "L", device=DEV)
+          for i, (mix, n) in enumerate(zip(mixes, ns))]
+    for g in (2, 3):
+        x = torch.randn(2, ws[0].k, device=DEV).half()
+        with force_triton():
+            buf = qm.gather_input(x, ws[:g], whole=True)
+            outs = qm.GemvGroup(ws[:g])(buf, fast4=False)
+        for w, y in zip(ws[:g], outs):
+            assert y.shape == (2, w.n)
+            _check_close(y, qweight.matmul_torch(x, w))
+
+
+@needs_triton
+def test_project_uses_the_grouped_gemv_when_enabled(monkeypatch):
+    from exl2.runtime.linear import Linear, project
+
+    monkeypatch.setattr(qm, "FUSE_SHARED_INPUT", True)
+    calls = []
+    real = qm.GemvGroup.__call__
+    monkeypatch.setattr(qm.GemvGroup, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    ws = [Exl2Weight.from_tensors(rand_exl2(MIXED, 32, seed=s), "L", device=DEV) for s in range(3)]
+    lin = [Linear(w.k, w.n, kernel=w) for w in ws]
+    x = torch.randn(1, 1, ws[0].k, device=DEV).half()
+    with force_triton():
+        together = project(x, lin)
+    assert calls == [1]
+    for y, w in zip(together, ws):
+        _check_close(y.view(1, -1), qweight.matmul_torch(x.view(1, -1), w))

@@ -254,6 +254,78 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
 
 
 @triton.jit
+def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pid_m, out_ptr, bias_ptr, qw_ptr,
+                  sc_ptr, zr_ptr, sg_ptr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BS: tl.constexpr,
+                  BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr):
+    """One program of `_gemv_group_kernel` for the matrix whose metadata row is `meta` (see `GemvGroup`): width
+    classes are runtime branches, so one compiled kernel serves every mix of widths."""
+    N = tl.multiple_of(tl.load(meta + 18), 16)  # GemvGroup only takes N % 16 == 0: keeps loads vectorized
+    tiles = tl.load(meta + 19)
+    split = tl.load(meta + 20)
+    local = pid - tl.load(meta + 21)
+    pid_n = local % tiles
+    pid_k = local // tiles
+    xoff = tl.multiple_of(tl.load(meta + 23), 32)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    xr = x_ptr + pid_m.to(tl.int64) * stride_xm + xoff
+    res = tl.zeros([BN], dtype=tl.float32)
+    if tl.load(meta + 1) > 0:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 0), tl.load(meta + 1),
+                           tl.load(meta + 2), pid_k, split, offs_n, mask_n, 8, 8, 0, HAS_ZEROS, BS, BN)
+    if tl.load(meta + 4) > 0:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 3), tl.load(meta + 4),
+                           tl.load(meta + 5), pid_k, split, offs_n, mask_n, 6, 4, 2, HAS_ZEROS, BS, BN)
+    if tl.load(meta + 7) > 0:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 6), tl.load(meta + 7),
+                           tl.load(meta + 8), pid_k, split, offs_n, mask_n, 5, 4, 1, HAS_ZEROS, BS, BN)
+    if tl.load(meta + 10) > 0:
+        if FAST4 and not HAS_ZEROS:
+            x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2) + xoff // 2
+            res += _gemv_class4_fast(x32r, qw_ptr, sc_ptr, sg_ptr, N, tl.load(meta + 9), tl.load(meta + 10),
+                                     tl.load(meta + 11), pid_k, split, offs_n, mask_n, BS, BN)
+        else:
+            res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 9), tl.load(meta + 10),
+                               tl.load(meta + 11), pid_k, split, offs_n, mask_n, 4, 4, 0, HAS_ZEROS, BS, BN)
+    if tl.load(meta + 13) > 0:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 12), tl.load(meta + 13),
+                           tl.load(meta + 14), pid_k, split, offs_n, mask_n, 3, 2, 1, HAS_ZEROS, BS, BN)
+    if tl.load(meta + 16) > 0:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 15), tl.load(meta + 16),
+                           tl.load(meta + 17), pid_k, split, offs_n, mask_n, 2, 2, 0, HAS_ZEROS, BS, BN)
+    offs_m = pid_m + tl.arange(0, 1)
+    tile = tl.load(meta + 22) + pid_m * tiles + pid_n
+    part = part_ptr + tl.multiple_of(tl.load(meta + 24), 16).to(tl.int64)
+    if split > 1:
+        _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, N, part, cnt_ptr, bias_ptr, tile, pid_k, split,
+                   HAS_BIAS, True, RED)
+    else:
+        _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, N, part, cnt_ptr, bias_ptr, tile, pid_k, split,
+                   HAS_BIAS, False, RED)
+
+
+@triton.jit
+def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M,
+                       out0, bias0, qw0, sc0, zr0, sg0, out1, bias1, qw1, sc1, zr1, sg1,
+                       out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                       B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                       RED: tl.constexpr, FAST4: tl.constexpr):
+    """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
+    over every (matrix, column tile, K split) program, axis 2 over the input rows."""
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(2)
+    if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
+        _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 25, part_ptr, cnt_ptr, M, pid, pid_m, out2, bias2,
+                      qw2, sc2, zr2, sg2, HAS_ZEROS, B2, BS, BN, RED, FAST4)
+    elif G > 1 and pid >= tl.load(meta_ptr + 25 + 21):
+        _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 25, part_ptr, cnt_ptr, M, pid, pid_m, out1, bias1,
+                      qw1, sc1, zr1, sg1, HAS_ZEROS, B1, BS, BN, RED, FAST4)
+    else:
+        _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
+                      qw0, sc0, zr0, sg0, HAS_ZEROS, B0, BS, BN, RED, FAST4)
+
+
+@triton.jit
 def _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, first_word, offs_n, mask_n, N,
                  BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
                  BS: tl.constexpr, BN: tl.constexpr):
@@ -442,14 +514,18 @@ def _class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
     return cached
 
 
-def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
+def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight], whole: bool = False):
     """Each weight's permuted input (`QuantWeight.x_index` order) for x `[M, K]`, from one launch for up to four
-    weights that share x (q/k/v, gate/up): the small-batch kernels then read plain contiguous rows."""
+    weights that share x (q/k/v, gate/up): the small-batch kernels then read plain contiguous rows. `whole=True`
+    returns the one `[M, Σ S_i·32]` buffer instead of the per-weight views."""
     if not ws:
         return []
     if not use_triton(x):
-        return [gather_torch(x, w).contiguous() for w in ws]
+        parts = [gather_torch(x, w) for w in ws]
+        return torch.cat(parts, dim=1) if whole else [p.contiguous() for p in parts]
     if len(ws) > 4:
+        if whole:
+            raise ValueError("one gather buffer holds at most four weights' inputs.")
         return gather_input(x, ws[:4]) + gather_input(x, ws[4:])
     sizes = [w.x_index.numel() for w in ws]
     offs = [sum(sizes[:i]) for i in range(len(ws))]
@@ -463,7 +539,7 @@ def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tenso
         block = 1024
         _gather_kernel[(triton.cdiv(max(sizes), block), m, len(ws))](x, x.stride(0), out, out.stride(0), *args,
                                                                      BLOCK=block, num_warps=4)
-    return [out[:, o:o + n] for o, n in zip(offs, sizes)]
+    return out if whole else [out[:, o:o + n] for o, n in zip(offs, sizes)]
 
 
 def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra) -> torch.Tensor:
@@ -505,6 +581,88 @@ def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None 
     if fast4 is None:
         fast4 = fast4_available(x.device)
     return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4)
+
+
+class GemvGroup:
+    """Launch plan of `_gemv_group_kernel` for 2–3 weights sharing an input: per matrix a 25-int metadata row —
+    (first step, steps, first word) of the 8/6/5/4/3/2-bit classes, N, column tiles, K split, first program,
+    first counter tile, offset of its permuted input, offset of its split-K partials (per input row count M)."""
+
+    MAX = 3
+    BN = 128
+    BS = 8
+
+    def __init__(self, ws: Sequence[QuantWeight]):
+        if not self.accepts(ws):
+            raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
+                             "outputs a multiple of 16 wide.")
+        self.ws = list(ws)
+        self._plans: dict[int, tuple] = {}
+
+    @classmethod
+    def accepts(cls, ws: Sequence[QuantWeight]) -> bool:
+        return (1 < len(ws) <= cls.MAX and len({w.k for w in ws}) == 1 and len({w.zeros is None for w in ws}) == 1
+                and all(w.n % 16 == 0 for w in ws))
+
+    def plan(self, m: int, device: torch.device) -> tuple[torch.Tensor, int, int, int]:
+        """(metadata, programs, partial floats, RED) for m input rows, cached per m."""
+        cached = self._plans.get(m)
+        if cached is not None:
+            return cached
+        tiles = [triton.cdiv(w.n, self.BN) for w in self.ws]
+        total = sum(tiles) * m
+        rows, start, tile_base, xoff, part = [], 0, 0, 0, 0
+        max_split = 1
+        for w, t in zip(self.ws, tiles):
+            split = _auto_split(w, total, w.device, 8)
+            cls, _ = _class_args(w)
+            rows.append(cls + [w.n, t, split, start, tile_base, xoff, part])
+            start += t * split
+            tile_base += t * m
+            xoff += w.x_index.numel()
+            part += split * m * w.n if split > 1 else 0
+            max_split = max(max_split, split)
+        meta = torch.tensor(rows, dtype=torch.int32, device=device).contiguous()
+        red = min(next_pow2(max_split), max(1, 8192 // self.BN))
+        self._plans[m] = (meta, start, part, red)
+        return self._plans[m]
+
+    def __call__(self, xp: torch.Tensor, fast4: bool | None = None) -> list[torch.Tensor]:
+        """Outputs `[M, N_i]` for the permuted inputs `xp` `[M, Σ S_i·32]` (the buffer `gather_input` returns
+        its views of)."""
+        m = xp.shape[0]
+        outs = [torch.empty((m, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
+        if m == 0:
+            return outs
+        meta, programs, part_n, red = self.plan(m, xp.device)
+        if fast4 is None:
+            fast4 = fast4_available(xp.device)
+        fast4 = fast4 and xp.dtype == torch.float16 and xp.stride(0) % 2 == 0
+        part = torch.empty(max(1, part_n), dtype=torch.float32, device=xp.device)
+        args = []
+        for i in range(self.MAX):
+            w = self.ws[min(i, len(self.ws) - 1)]
+            out = outs[min(i, len(self.ws) - 1)]
+            args += [out, w.bias if w.bias is not None else w.scales, w.qweight, w.scales,
+                     w.zeros if w.zeros is not None else w.scales, w.step_group]
+        has_bias = [w.bias is not None for w in self.ws] + [False] * (self.MAX - len(self.ws))
+        _gemv_group_kernel[(programs, 1, m)](
+            xp, xp.view(torch.int32) if fast4 else xp, xp.stride(0), meta, part, _counters(xp.device), m, *args,
+            G=len(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0], B1=has_bias[1],
+            B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, num_warps=4, num_stages=2)
+        return outs
+
+
+def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor] | None:
+    """`[x · W_i + bias_i]` for 2–3 weights sharing x `[M, K]` in one gather and one gemv launch (small M on the
+    GPU), or None where that path does not apply (the caller then runs them one by one)."""
+    if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= GEMV_MAX_M and GemvGroup.accepts(ws)):
+        return None
+    group = ws[0]._cache.get(("group", tuple(map(id, ws))))
+    if group is None:
+        group = ws[0]._cache[("group", tuple(map(id, ws)))] = GemvGroup(ws)
+    buf = gather_input(x, ws, whole=True)
+    return group(buf)
 
 
 _FAST4: dict[torch.device, bool] = {}
@@ -567,6 +725,9 @@ def dequant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------- dispatch
 GEMV_MAX_M = 4
 DOT_MAX_M = 64
+# One launch for the gemvs of q/k/v and of gate/up (`grouped_matmul`). Off until measured on the GPU against
+# separate launches (benchmarks/kernels.py reports both); correct either way (tests compare with the twin).
+FUSE_SHARED_INPUT = False
 
 
 def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int) -> int:

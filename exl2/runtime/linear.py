@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exl2.kernels.quant_matmul import gather_input, quant_matmul, uses_permuted_input
+from exl2.kernels.quant_matmul import gather_input, grouped_matmul, quant_matmul, uses_permuted_input
 
 
 class Linear(nn.Module):
@@ -48,5 +48,9 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if len(quant) == len(linears):
+        outs = grouped_matmul(x2, [m.kernel for m in quant])
+        if outs is not None:
+            return [y.view(*x.shape[:-1], y.shape[-1])[..., :m.out_features] for m, y in zip(linears, outs)]
     xps = dict(zip(map(id, quant), gather_input(x2, [m.kernel for m in quant])))
     return [m(x, xps[id(m)]) if id(m) in xps else m(x) for m in linears]
