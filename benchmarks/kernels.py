@@ -136,8 +136,11 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
     """Per shape: cuBLAS fp16 and the dispatcher's default at M = 1, 2, 4, 8, 16 (including the input gather),
     the gemv/dot kernels alone on a pre-gathered input, and (--sweep) the best launch parameters."""
     C = qm.MatmulConfig
-    gemv_cfgs = [C(bs=bs, bn=bn, split=sp, num_warps=nw) for bs, bn, nw in ((8, 128, 4), (16, 128, 8), (8, 128, 8))
+    gemv_cfgs = [C(bs=bs, bn=128, split=sp, num_warps=nw, depth=d) for bs, nw, d in ((8, 4, 1), (8, 4, 2), (4, 4, 2),
+                                                                                 (16, 8, 1))
                  for sp in (1, 2, 4, 8, 16, 32)] if sweep_on else []
+    big_cfgs = [C(bm=bm, bs=4, bn=128, split=1, num_warps=nw, num_stages=st) for bm, nw, st in
+                ((64, 4, 2), (64, 8, 3), (128, 8, 2), (128, 8, 3))] if sweep_on else []
     dot_cfgs = [C(bm=16, bs=bs, bn=128, split=sp, num_warps=4, num_stages=st) for bs, st in ((4, 2), (4, 3), (8, 2))
                 for sp in (1, 2, 4, 8)] if sweep_on else []
     for name, k, n, bits in SHAPES:
@@ -175,9 +178,21 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
             x = torch.randn(2047, k, device="cuda").half()
             t_cub = bench_us(lambda: torch.matmul(x, fp16[0]))
             row(name, 2047, "cuBLAS fp16", t_cub, k * n * 2, bw, t_cub)
-            err = rel_err(qm.dequant_matmul(x, w), qweight.matmul_torch(x, w))
+            ref = qweight.matmul_torch(x, w)
+            err = rel_err(qm.dequant_matmul(x, w), ref)
             t = bench_us(lambda: qm.dequant_matmul(x, w))
             row(name, 2047, "exl2 dequant+cuBLAS", t, wbytes, bw, t_cub, err)
+            xp = qm.gather_input(x, [w])[0]
+            for cfg in big_cfgs:  # the tensor-core kernel as a fused dequant-GEMM for prefill
+                if over_budget():
+                    break
+                try:
+                    err = rel_err(qm.dot(x, w, cfg, xp=xp), ref)
+                    t = bench_us(lambda: qm.dot(x, w, cfg, xp=xp))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  dot M=2047 {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                row(name, 2047, "exl2 dot (fused dequant-GEMM)", t, wbytes, bw, t_cub, err, str(cfg))
         del w, copies, fp16
         torch.cuda.empty_cache()
     if over_budget():

@@ -272,3 +272,13 @@ def test_project_uses_the_grouped_gemv_when_enabled(monkeypatch):
     assert calls == [1]
     for y, w in zip(together, ws):
         _check_close(y.view(1, -1), qweight.matmul_torch(x.view(1, -1), w))
+
+
+@needs_triton
+def test_dot_with_large_row_tiles_matches_twin():
+    """The tensor-core kernel with 64-row tiles over several row blocks (the candidate prefill path)."""
+    w = Exl2Weight.from_tensors(rand_exl2(MIXED, 64, seed=5), "L", device=DEV)
+    x = torch.randn(70, w.k, device=DEV).half()
+    with force_triton():
+        y = qm.dot(x, w, qm.MatmulConfig(bm=64, bs=1, bn=32, split=2))
+    _check_close(y, qweight.matmul_torch(x, w))

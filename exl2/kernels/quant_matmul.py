@@ -159,18 +159,28 @@ def _load4(qw_ptr, sc_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs
 
 @triton.jit
 def _gemv_class4_fast(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                      offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr):
+                      offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr = 1):
     """`_gemv_class` for a 4-bit class without zero tensors (EXL2), with packed fp16x2 arithmetic; x32 is the
-    permuted fp16 input read as int32 pairs. The next tile's loads are issued before this tile's arithmetic."""
+    permuted fp16 input read as int32 pairs. The loads of the next DEPTH (1 or 2) tiles are issued before this
+    tile's arithmetic."""
     jj = tl.arange(0, 4)
     kk = tl.arange(0, 4)
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     acc = tl.zeros([BS, 4, BN], dtype=tl.float32)
     w_n, sc_n = _load4(qw_ptr, sc_ptr, sg_ptr, N, s_lo, s_hi, first_step, first_word, jj, offs_n, mask_n, BS)
+    if DEPTH == 2:
+        w_n2, sc_n2 = _load4(qw_ptr, sc_ptr, sg_ptr, N, s_lo + BS, s_hi, first_step, first_word, jj, offs_n, mask_n,
+                             BS)
     for s0 in range(s_lo, s_hi, BS):
         w, sc = w_n, sc_n
-        w_n, sc_n = _load4(qw_ptr, sc_ptr, sg_ptr, N, s0 + BS, s_hi, first_step, first_word, jj, offs_n, mask_n, BS)
+        if DEPTH == 2:
+            w_n, sc_n = w_n2, sc_n2
+            w_n2, sc_n2 = _load4(qw_ptr, sc_ptr, sg_ptr, N, s0 + 2 * BS, s_hi, first_step, first_word, jj, offs_n,
+                                 mask_n, BS)
+        else:
+            w_n, sc_n = _load4(qw_ptr, sc_ptr, sg_ptr, N, s0 + BS, s_hi, first_step, first_word, jj, offs_n,
+                               mask_n, BS)
         offs_s = s0 + tl.arange(0, BS)
         xw = tl.load(x32_ptr + offs_s[:, None, None] * 16 + jj[None, :, None] * 4 + kk[None, None, :],
                      mask=(offs_s < s_hi)[:, None, None], other=0)
@@ -216,7 +226,7 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
                  HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
                  HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                 RED: tl.constexpr, FAST4: tl.constexpr = False):
+                 RED: tl.constexpr, FAST4: tl.constexpr = False, DEPTH: tl.constexpr = 1):
     """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
     L2."""
     pid_n = tl.program_id(0)
@@ -238,7 +248,7 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
     if HAS4:
         if FAST4 and not HAS_ZEROS:
             res += _gemv_class4_fast(x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2), qw_ptr, sc_ptr, sg_ptr, N,
-                                     fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n, BS, BN)
+                                     fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n, BS, BN, DEPTH)
         else:
             res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n,
                                mask_n, 4, 4, 0, HAS_ZEROS, BS, BN)
@@ -489,6 +499,7 @@ class MatmulConfig:
     split: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    depth: int = 1  # gemv, 4-bit packed path: tiles loaded ahead (1 or 2)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -580,7 +591,7 @@ def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None 
     self-check passed)."""
     if fast4 is None:
         fast4 = fast4_available(x.device)
-    return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4)
+    return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4, DEPTH=cfg.depth)
 
 
 class GemvGroup:
