@@ -14,10 +14,12 @@ what `exl2.formats.exl2.dequantize` reads back from the packed tensors.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from exl2.quantize.gptq_group import group_loop
 from exl2.quantize.qparams import QParams
 
 PERCDAMP = 0.02     # exllamav2 uses 0.12; lighter damping fits the calibration data more closely
@@ -91,6 +93,13 @@ def _sq_err(w: torch.Tensor, s: torch.Tensor, z: int, dim: int) -> torch.Tensor:
     return torch.round(w * s.reciprocal()).clamp_(-z, z - 1).mul_(s).sub_(w).square_().sum(dim=dim)
 
 
+@functools.lru_cache(maxsize=8)
+def _constants(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The search grids as tensors on `dev`, made once: a host-to-GPU copy per group would stall the host."""
+    return tuple(torch.tensor(v, dtype=torch.float32, device=dev) for v in (COARSE_FACTORS, FINE_OFFSETS,
+                                                                              MAX_CANDIDATES))
+
+
 def find_params(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale maximum `M` (fp32 holding an fp16 value) and per-column scale codes `qs` (1..16) for one group `w`.
 
@@ -102,22 +111,22 @@ def find_params(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]
     z = 1 << (bits - 1)
     dev = w.device
     base = (w.abs().amax(dim=0) + 1e-12) / ((2 * z - 1) / 2)
-    coarse = torch.tensor(COARSE_FACTORS, dtype=torch.float32, device=dev)
+    coarse, offsets, max_cands = _constants(dev)
     err = _sq_err(w[None], (coarse[:, None] * base[None, :])[:, None, :], z, 1)            # [C, N]
     best_f = coarse[err.argmin(dim=0)]
-    fine = best_f[None, :] + torch.tensor(FINE_OFFSETS, dtype=torch.float32, device=dev)[:, None]   # [F, N]
+    fine = best_f[None, :] + offsets[:, None]                                           # [F, N]
     fine = torch.cat([best_f[None, :], fine.clamp_(min=0.3)])
     err = _sq_err(w[None], (fine * base[None, :])[:, None, :], z, 1)
     target = fine.gather(0, err.argmin(dim=0)[None]).squeeze(0) * base
-    smax = _fp16(torch.tensor(MAX_CANDIDATES, device=dev) * float(target.max())).clamp_(min=6e-8)
+    smax = _fp16(max_cands * target.max()).clamp_(min=6e-8)
     ideal = 16 * torch.sqrt(target[None, :] / smax[:, None])                        # [M, N]
     cands = torch.stack([torch.floor(ideal), torch.ceil(ideal)]).clamp_(1, 16)      # [2, M, N]
     s = effective_scales(cands, smax[None, :, None])[:, :, None, :]                  # [2, M, 1, N]
     err = (_fp16(torch.round(w / s).clamp_(-z, z - 1).mul_(s)) - w).square_().sum(dim=2)   # [2, M, N]
     e, pick = err.min(dim=0)
-    mi = int(torch.argmin(e.sum(dim=1)))
-    qs = cands[:, mi].gather(0, pick[mi][None]).squeeze(0)
-    return smax[mi], qs.to(torch.uint8)
+    mi = torch.argmin(e.sum(dim=1)).view(1)     # stays a tensor: no host sync per group on a GPU
+    qs = cands.index_select(1, mi).squeeze(1).gather(0, pick.index_select(0, mi)).squeeze(0)
+    return smax.index_select(0, mi).squeeze(0), qs.to(torch.uint8)
 
 
 def gptq_quantize(weight: torch.Tensor, hp: PreparedHessian, qparams: QParams, rtn: bool = False) -> QuantizedMatrix:
@@ -142,16 +151,7 @@ def gptq_quantize(weight: torch.Tensor, hp: PreparedHessian, qparams: QParams, r
         if rtn:
             levels = torch.round(w[a:b] / scale).clamp_(-z, z - 1)
         else:
-            wg = w[a:b]
-            levels = torch.empty((rows, n), dtype=torch.float32, device=dev)
-            err = torch.empty((rows, n), dtype=torch.float32, device=dev)
-            ug = u[a:b, a:b]
-            for j in range(rows):
-                q = torch.round(wg[j] / scale, out=levels[j]).clamp_(-z, z - 1)
-                # Error feedback uses q·S before its fp16 rounding (< 2^-11 relative); the stored values are exact.
-                torch.mul(wg[j] - q * scale, rdiag[a + j], out=err[j])
-                if j + 1 < rows:
-                    wg[j + 1:].addr_(ug[j, j + 1:], err[j], alpha=-1.0)
+            levels, err = group_loop(w[a:b], u[a:b, a:b], rdiag[a:b], scale, z)
             if b < k:
                 w[b:].addmm_(u[a:b, b:].t(), err, alpha=-1.0)
         codes[a:b] = (levels + z).to(torch.uint8)

@@ -47,38 +47,56 @@ def option_entry(projs: list[Proj], kind: str, row: tuple[QParams, ...]) -> dict
 
 
 def block_scores(model: SourceModel, layer, slot: Slot, states: torch.Tensor, y_ref: torch.Tensor,
-                 device: torch.device, tokens_per_batch: int, grads: Optional[torch.Tensor] = None) -> dict:
-    """Scores of the block's current (quantized) weights against the reference outputs.
+                 device: torch.device, tokens_per_batch: int, grads: Optional[torch.Tensor] = None
+                 ) -> dict[str, torch.Tensor]:
+    """Scores of the block's current (quantized) weights against the reference outputs, as 0-d tensors on the
+    device (reading them would stall a GPU once per option; `scores_to_floats` reads them all at once).
 
     rfn: mean over rows of the relative Frobenius error; mse: mean squared error per position; with gradients for
     the first rows, kl: ½·mean (g·ΔY)² (the Fisher estimate of the KL increase) and kl_iso: the same with the
     gradient's direction averaged out, ½·mean ‖g‖²‖ΔY‖²/H.
     """
-    rel: list[float] = []
-    sums = {"mse": 0.0, "kl": 0.0, "kl_iso": 0.0}
+    rel: list[torch.Tensor] = []
+    sums: dict[str, torch.Tensor] = {}
     tokens = {"mse": 0, "kl": 0}
+
+    def add(key: str, value: torch.Tensor) -> None:
+        sums[key] = sums[key] + value if key in sums else value
 
     def each(sl, x, y):
         ref = y_ref[sl].to(device, torch.float32)
         d = y.to(torch.float32) - ref
         num = d.flatten(1).norm(dim=1)
         den = ref.flatten(1).norm(dim=1).clamp_min(1e-20)
-        rel.extend((num / den).tolist())
-        sums["mse"] += float(d.square().sum())
+        rel.append(num / den)
+        add("mse", d.square().sum().double())
         tokens["mse"] += d.shape[0] * d.shape[1]
         if grads is not None and sl.start < grads.shape[0]:
             stop = min(sl.stop, grads.shape[0])
             g = grads[sl.start:stop].to(device, torch.float32)
             dd = d[: stop - sl.start]
-            sums["kl"] += float((g * dd).sum(-1).square().sum()) / 2
-            sums["kl_iso"] += float((g.square().sum(-1) * dd.square().sum(-1)).sum()) / (2 * g.shape[-1])
+            add("kl", (g * dd).sum(-1).square().sum().double() / 2)
+            add("kl_iso", (g.square().sum(-1) * dd.square().sum(-1)).sum().double() / (2 * g.shape[-1]))
             tokens["kl"] += g.shape[0] * g.shape[1]
 
     map_rows(lambda x: run_block(model, layer, slot, x), states, device, tokens_per_batch, each=each)
-    out = {"rfn": sum(rel) / max(1, len(rel)), "mse": sums["mse"] / max(1, tokens["mse"])}
+    out = {"rfn": torch.cat(rel).double().mean(), "mse": sums["mse"] / max(1, tokens["mse"])}
     if tokens["kl"]:
         out["kl"] = sums["kl"] / tokens["kl"]
         out["kl_iso"] = sums["kl_iso"] / tokens["kl"]
+    return out
+
+
+def scores_to_floats(scores: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Read many options' score tensors with one device-to-host copy."""
+    if not scores:
+        return []
+    keys = [list(s) for s in scores]
+    flat = torch.stack([s[k].reshape(()) for s, ks in zip(scores, keys) for k in ks]).tolist()
+    out, i = [], 0
+    for ks in keys:
+        out.append(dict(zip(ks, flat[i:i + len(ks)])))
+        i += len(ks)
     return out
 
 
@@ -103,12 +121,20 @@ class ProjQuantizer:
 
 
 def reference_pass(model: SourceModel, layer, slot: Slot, states: torch.Tensor, device: torch.device,
-                   tokens_per_batch: int, projs: list[Proj], out: Optional[torch.Tensor] = None) -> HessianCollector:
-    """Run the unquantized block over all rows: fills `out` with its outputs and returns the Hessians."""
+                   tokens_per_batch: int, projs: list[Proj], out: Optional[torch.Tensor] = None,
+                   each: Optional[Callable] = None) -> HessianCollector:
+    """Run the unquantized block over all rows: fills `out` with its outputs (and passes each batch to `each`, as
+    `map_rows` does) and returns the Hessians."""
     collector = HessianCollector(projs)
+
+    def batch_done(sl, x, y):
+        collector.end_batch()
+        if each is not None:
+            each(sl, x, y)
+
     with collector:
         map_rows(lambda x: run_block(model, layer, slot, x), states, device, tokens_per_batch, out=out,
-                 each=lambda *_: collector.end_batch())
+                 each=batch_done)
     return collector
 
 
@@ -131,9 +157,9 @@ def measure_slot(model: SourceModel, layer, slot: Slot, states: torch.Tensor, de
     cache: dict = {}
     scored: dict = {}
     results = []
+    sigs = []
     try:
         for r, row in enumerate(rows):
-            entry = option_entry(projs, slot.kind, row)
             sig = tuple(layouts[r])
             if sig not in scored:
                 for p, item in zip(projs, layouts[r]):
@@ -142,10 +168,7 @@ def measure_slot(model: SourceModel, layer, slot: Slot, states: torch.Tensor, de
                         cache[item] = qm.weight.t().to(originals[p.key].dtype).contiguous()
                     p.module.weight.data = cache[item]
                 scored[sig] = block_scores(model, layer, slot, states, y_ref, device, tokens_per_batch, grads)
-            scores = scored[sig]
-            entry["accuracy"] = max(1e-6, 1.0 - scores["rfn"])
-            entry.update({k: v for k, v in scores.items() if k != "rfn"})
-            results.append(entry)
+            sigs.append(sig)
             for item in list(cache):
                 if last_use[item] <= r:
                     del cache[item]
@@ -154,4 +177,11 @@ def measure_slot(model: SourceModel, layer, slot: Slot, states: torch.Tensor, de
     finally:
         for p in projs:
             p.module.weight.data = originals[p.key]
+    values = dict(zip(scored, scores_to_floats(list(scored.values()))))
+    for row, sig in zip(rows, sigs):
+        entry = option_entry(projs, slot.kind, row)
+        scores = values[sig]
+        entry["accuracy"] = max(1e-6, 1.0 - scores["rfn"])
+        entry.update({k: v for k, v in scores.items() if k != "rfn"})
+        results.append(entry)
     return results, y_ref

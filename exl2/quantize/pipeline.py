@@ -243,7 +243,16 @@ class Converter:
         tensors, meta = J.load_tensors(path)
         if meta.get("stage") != stage:
             raise ConfigError(f"{path} does not belong to stage {stage}; pass -nr to start over.")
-        return tensors["states"].clone(), int(meta["next"]), meta.get("results", {})
+        return self._placed(tensors["states"].clone()), int(meta["next"]), meta.get("results", {})
+
+    def _placed(self, states: torch.Tensor) -> torch.Tensor:
+        """The hidden states on the GPU when three copies fit in a third of its free memory: every block runs over
+        all of them several times (once per measured option), and copying them from host memory each time costs
+        more than the block itself."""
+        if self.device.type != "cuda":
+            return states
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return states.to(self.device) if 9 * states.numel() * states.element_size() < free else states
 
     def _embed_all(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -260,7 +269,7 @@ class Converter:
 
         t0 = time.monotonic()
         job = self._open_job()
-        summary: dict = {}
+        summary: dict = {"stage_seconds": {}}
         # The PyTorch twins of the kernels, even on CUDA: fp32 everywhere and autograd for the sensitivity pass.
         with force_torch():
             while job.progress != "finished":
@@ -269,7 +278,12 @@ class Converter:
                     if job.progress == "optimize":     # a measure-only job ends here; run again without -om
                         job.advance("finished")        # to continue with the quantization
                     break
-                getattr(self, "_stage_" + job.progress)(job, summary)
+                stage, t = job.progress, time.monotonic()
+                getattr(self, "_stage_" + stage)(job, summary)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                times = summary["stage_seconds"]       # this run's time per stage (a resumed stage: its rest)
+                times[stage] = times.get(stage, 0.0) + time.monotonic() - t
         summary["seconds"] = time.monotonic() - t0
         summary["strategy_summary"] = job.data.get("strategy_summary")
         return summary
@@ -320,7 +334,7 @@ class Converter:
                     layer = self.model.layer(slot.layer)
                 grads = None
                 if sens.is_file():
-                    grads = J.load_tensors(sens, [f"g.{slot.index}"])[0][f"g.{slot.index}"]
+                    grads = self._placed(J.load_tensors(sens, [f"g.{slot.index}"])[0][f"g.{slot.index}"])
                 options, states = measure_slot(self.model, layer, slot, states, self.device, self.tpb, grads,
                                                lambda: tick(1))
                 results[slot.key] = options

@@ -58,10 +58,15 @@ def quantize_slot(model: SourceModel, layer, slot: Slot, option: dict, states: t
             raise RuntimeError(f"the strategy for {slot.key} has no option for {p.name}")
     keep = min(RFN_ROWS, states.shape[0])
     ref = torch.empty_like(states[:keep])
-    map_rows(lambda x: run_block(model, layer, slot, x), states[:keep], device, tokens_per_batch, out=ref)
+
+    def keep_ref(sl, x, y):        # the unquantized outputs of the first rows, kept from the Hessian pass
+        if sl.start < keep:
+            stop = min(sl.stop, keep)
+            ref[sl.start:stop] = y[: stop - sl.start].to(ref.device, ref.dtype)
+
     # All Hessians come from the unquantized block (as in exllamav2): quantizing q/k/v or gate/up first and
     # re-collecting o_proj/down_proj Hessians ("true sequential") gave a higher KL on the golden model.
-    collector = reference_pass(model, layer, slot, states, device, tokens_per_batch, projs)
+    collector = reference_pass(model, layer, slot, states, device, tokens_per_batch, projs, each=keep_ref)
     quantizer = ProjQuantizer(collector, device)
     for p in projs:
         quantize_proj(quantizer, p, QParams.from_dict(option[p.name]), out_dir)

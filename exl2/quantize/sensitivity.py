@@ -61,9 +61,9 @@ def sensitivity_pass(model: SourceModel, slots: list[Slot], x0: torch.Tensor, de
         with torch.enable_grad():
             logits = model.logits(norm, head, xr)[0]
             logp = torch.log_softmax(logits, dim=-1)
-            cdf = logp.detach().exp().cumsum(-1).cpu()       # inverse-CDF sampling (multinomial is slow on CPU)
-            u = torch.rand((cdf.shape[0], 1), generator=gen) * cdf[:, -1:]
-            labels = torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1).to(device)
+            cdf = logp.detach().exp().cumsum(-1)             # inverse-CDF sampling (multinomial is slow on CPU)
+            u = torch.rand((cdf.shape[0], 1), generator=gen).to(cdf.device) * cdf[:, -1:]   # seeded on the host
+            labels = torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1)
             loss = logp.gather(1, labels).sum()
             (gr,) = torch.autograd.grad(loss, xr)
         g[r] = gr[0].cpu()
