@@ -278,7 +278,8 @@ def test_import_errors(tmp_path, trained_tok):
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """The default model imported once per test session into a private cache folder."""
+    """The default model's fp16 import, made once per test session in a private cache folder (not its EXL2 build,
+    which takes minutes; tests/test_default_model.py covers that)."""
     from exl2.models import default_model
 
     try:
@@ -288,10 +289,10 @@ def smollm2_dir(tmp_path_factory):
     cache = tmp_path_factory.mktemp("xdg_cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(cache))
-        path = default_model.default_model_dir()
+        path = default_model.default_source_dir()
         assert path == cache / "exl2" / "models" / "SmolLM2-135M-Instruct-fp16"
         stamp = (path / "model.safetensors").stat().st_mtime_ns
-        assert default_model.default_model_dir() == path  # second call: cached, not imported again
+        assert default_model.default_source_dir() == path  # second call: cached, not imported again
         assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     return path
 

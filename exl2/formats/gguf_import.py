@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from exl2.errors import ConfigError, FormatError, ModelLoadError
+from exl2.formats.writer import replace_dir
 
 # Bump when the output of the importer changes, so cached imports (see models/default_model.py) are redone.
 IMPORTER_VERSION = 1
@@ -436,24 +437,8 @@ def import_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype =
         _write_json(tmp / MARKER_FILE, {"source": gguf_path.name, "importer_version": IMPORTER_VERSION})
         for f in tmp.iterdir():
             f.chmod(0o644)  # safetensors writes 0600; the import is as readable as any other download
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _replace_dir(tmp: Path, out_dir: Path) -> None:
-    """Move the finished import into place; an existing directory is only removed once the new one is complete."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except OSError:
-        if old is not None:
-            os.rename(old, out_dir)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

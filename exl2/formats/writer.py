@@ -77,6 +77,22 @@ def atomic_write_text(path: Path | str, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Move a finished temporary directory into place; an existing one is only removed once the new one is there."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        if old is not None:
+            os.rename(old, out_dir)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _standalone(t: torch.Tensor) -> torch.Tensor:
     """CPU, contiguous and owning its storage: safetensors refuses views that share memory."""
     t = t.detach().to("cpu").contiguous()

