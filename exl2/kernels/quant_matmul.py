@@ -514,13 +514,18 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def _class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
+    """(first step, steps, first word) per width and the kernels' HAS flags. A matrix of one width gets a kernel
+    for that width alone; every mixed matrix shares the one kernel with all widths (an absent width has 0 steps,
+    so its loop is empty): real EXL2 models mix widths in many combinations, and compiling a kernel per
+    combination took minutes on first use."""
     cached = w._cache.get("class_args")
     if cached is None:
         args, flags = [], {}
+        mixed = len(w.classes) > 1
         for bits in WIDTHS:
             c = w.class_of(bits)
             args += [c.first_step, c.n_steps, c.first_word] if c else [0, 0, 0]
-            flags[f"HAS{bits}"] = c is not None
+            flags[f"HAS{bits}"] = mixed or c is not None
         cached = w._cache["class_args"] = (args, flags)
     return cached
 
