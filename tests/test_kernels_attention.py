@@ -172,3 +172,22 @@ def test_prefill_backends_real_sizes_gpu():
     ref_w = at.varlen_attention_torch(q, k, v, [0, 1000, 2047], sliding_window=256, softcap=50.0)
     out_w = at.varlen_attention(q, k, v, [0, 1000, 2047], sliding_window=256, softcap=50.0)
     torch.testing.assert_close(out_w.float(), ref_w.float(), atol=2e-3, rtol=0)
+
+
+@needs_triton
+def test_fp16_write_kv_one_launch_matches_index_copy():
+    """Keys and values of different widths (MLA-style) into scattered page rows, from strided views."""
+    torch.manual_seed(3)
+    t, hkv, dk, dv, pages, ps = 5, 2, 24, 16, 3, 4
+    qkv = torch.randn(t, hkv * (dk + dv) + 8, device=DEV).half()
+    k = qkv[:, :hkv * dk].view(t, hkv, dk)
+    v = qkv[:, hkv * dk:hkv * (dk + dv)].view(t, hkv, dv)
+    slots = torch.tensor([7, 0, 11, 3, 4], device=DEV)
+    kc = torch.zeros(pages, ps, hkv, dk, device=DEV).half()
+    vc = torch.zeros(pages, ps, hkv, dv, device=DEV).half()
+    kr, vr = kc.clone(), vc.clone()
+    with force_triton():
+        at.write_kv(k, v, kc, vc, slots)
+    kr.view(-1, hkv, dk).index_copy_(0, slots, k)
+    vr.view(-1, hkv, dv).index_copy_(0, slots, v)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)

@@ -217,10 +217,44 @@ def slot_mapping(block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q
     return page * page_size + pos % page_size
 
 
+@triton.jit
+def _write_rows_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, KW, VW, BLOCK: tl.constexpr):
+    """Row t of k (axis 1 = 0) or v (axis 1 = 1) into cache row slots[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    if tl.program_id(1) == 0:
+        for o in range(0, KW, BLOCK):
+            m = o + offs < KW
+            x = tl.load(k_ptr + t * stride_k + o + offs, mask=m)
+            tl.store(kc_ptr + slot * KW + o + offs, x.to(kc_ptr.dtype.element_ty), mask=m)
+    else:
+        for o in range(0, VW, BLOCK):
+            m = o + offs < VW
+            x = tl.load(v_ptr + t * stride_v + o + offs, mask=m)
+            tl.store(vc_ptr + slot * VW + o + offs, x.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+def _rows2d(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(x.shape[0], -1)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
              k_bits: int = 16, v_bits: int = 16, k_scales: torch.Tensor | None = None,
              v_scales: torch.Tensor | None = None) -> None:
-    """Store new keys/values `[T, Hkv, D]` into the cache rows `slots` (quantizing for a quantized cache)."""
+    """Store new keys/values `[T, Hkv, D]` into the cache rows `slots` (quantizing for a quantized cache). An
+    fp16 cache takes both in one launch."""
+    if k_bits == 16 and v_bits == 16 and use_triton(k) and k.shape[0]:
+        k2, v2 = _rows2d(k), _rows2d(v)
+        kc, vc = _cache_rows(k_cache), _cache_rows(v_cache)
+        kw, vw = k2.shape[1], v2.shape[1]
+        if kc.shape[1] * kc.shape[2] != kw or vc.shape[1] * vc.shape[2] != vw:
+            raise ValueError("new keys/values do not match the cache's row width.")
+        block = min(1024, next_pow2(max(kw, vw)))
+        _write_rows_kernel[(k2.shape[0], 2)](k2, v2, kc, vc, slots.reshape(-1), k2.stride(0), v2.stride(0), kw, vw,
+                                            BLOCK=block, num_warps=4)
+        return
     for x, cache, bits, sc in ((k, k_cache, k_bits, k_scales), (v, v_cache, v_bits, v_scales)):
         if bits == 16:
             _cache_rows(cache).index_copy_(0, slots.reshape(-1).long(), x.to(cache.dtype))
@@ -247,8 +281,21 @@ def _attend_torch(q, k, v, qpos, scale, causal, window, softcap):
     return torch.einsum("hqk,khd->qhd", p, vf)
 
 
+_DECODE_CU: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def _decode_cu(cu_seqlens_q, b, device):
-    return torch.arange(b + 1, dtype=torch.int32, device=device) if cu_seqlens_q is None else cu_seqlens_q
+    """Query offsets of b one-token sequences; made once per (b, device), not once per layer and step."""
+    if cu_seqlens_q is not None:
+        return cu_seqlens_q
+    key = (b, torch.device(device))
+    cu = _DECODE_CU.get(key)
+    if cu is None:
+        cu = torch.arange(b + 1, dtype=torch.int32, device=device)
+        # A tensor made while a CUDA graph is being captured holds its values only once the graph runs.
+        if not (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _DECODE_CU[key] = cu
+    return cu
 
 
 # --------------------------------------------------------------------------------------------------- paged
