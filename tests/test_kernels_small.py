@@ -149,3 +149,31 @@ def test_small_kernels_real_sizes_gpu():
     rotary.apply_rotary_torch(q2, k2, cos, sin, pos)
     assert _max_ulp_fp16(q, q2) <= 1.0 and _max_ulp_fp16(k, k2) <= 1.0
     assert math.isfinite(float(q.float().abs().max()))
+
+
+@needs_triton
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gather_matches_twin(with_residual):
+    """Norm + residual update + up to three permuted copies (with -1 padding) from one kernel = the twin."""
+    from exl2.kernels.norm import rms_norm_gather
+
+    torch.manual_seed(4)
+    d = 96
+    x = torch.randn(3, d, device=DEV).half()
+    w = torch.rand(d, device=DEV).half() + 0.5
+    res = torch.randn(3, d, device=DEV).half() if with_residual else None
+    padded = torch.cat([torch.randperm(d, device=DEV), torch.full((32,), -1, device=DEV)]).int()
+    idx = [torch.randperm(d, device=DEV).int(), padded, torch.arange(d, device=DEV).int()]
+    for g in (1, 3):
+        r1 = res.clone() if res is not None else None
+        r2 = res.clone() if res is not None else None
+        with force_triton():
+            out, xp = rms_norm_gather(x, w, 1e-5, idx[:g], residual=r1)
+        ref_out, ref_xp = rms_norm_gather(x, w, 1e-5, idx[:g], residual=r2)  # CPU twin outside force_triton
+        assert xp.shape == (3, sum(i.numel() for i in idx[:g]))
+        torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
+        torch.testing.assert_close(xp, ref_xp, atol=2e-3, rtol=0)
+        if res is not None:
+            torch.testing.assert_close(r1, r2, atol=0, rtol=0)
+        if g > 1:
+            assert (xp[:, 2 * d:2 * d + 32] == 0).all()  # the second index's padding positions

@@ -12,9 +12,21 @@ from exl2.kernels.backend import next_pow2, tl, triton, use_triton
 
 
 @triton.jit
+def _gather_row(o_row, idx_ptr, xp_row, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        p = start + offs
+        m = p < n
+        i = tl.load(idx_ptr + p, mask=m, other=-1)
+        v = tl.load(o_row + i, mask=i >= 0, other=0.0)
+        tl.store(xp_row + p, v, mask=m)
+
+
+@triton.jit
 def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, stride_o, eps,
                  HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GEMMA: tl.constexpr,
-                 LAYER: tl.constexpr, BLOCK: tl.constexpr):
+                 LAYER: tl.constexpr, BLOCK: tl.constexpr, xp_ptr=None, stride_xp=0, i0=None, o0=0, n0=0, i1=None,
+                 o1=0, n1=0, i2=None, o2=0, n2=0, G: tl.constexpr = 0):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -37,6 +49,57 @@ def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, s
     if HAS_B:
         y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if G > 0:
+        # The consumers' permuted copies of the row just written (`quant_matmul.gather_input` order); the
+        # barrier makes this program's stores visible to all its threads.
+        tl.debug_barrier()
+        o_row = out_ptr + row * stride_o
+        xp_row = xp_ptr + row * stride_xp
+        _gather_row(o_row, i0, xp_row + o0, n0, BLOCK)
+        if G > 1:
+            _gather_row(o_row, i1, xp_row + o1, n1, BLOCK)
+        if G > 2:
+            _gather_row(o_row, i2, xp_row + o2, n2, BLOCK)
+
+
+def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, indices, residual=None,
+                    gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` (with the residual update if `residual` is given) that also returns the normed rows gathered by
+    each of 1–3 index vectors (`QuantWeight.x_index`: -1 gives 0) side by side, `[rows, Σ len(index)]` — the
+    permuted inputs of the quantized projections that read this norm, without a separate gather launch."""
+    _check(x, residual)
+    if not 0 < len(indices) <= 3:
+        raise ValueError("rms_norm_gather takes one to three index vectors.")
+    if not use_triton(x):
+        out = _norm_torch(x, weight, None, eps, residual, gemma, False)
+        normed = out[0] if residual is not None else out
+        rows = normed.reshape(-1, normed.shape[-1])
+        parts = []
+        for idx in indices:
+            i = idx.long()
+            parts.append(rows.index_select(-1, i.clamp(min=0)).masked_fill(i < 0, 0))
+        return normed, torch.cat(parts, dim=1)
+    d = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    sizes = [int(i.numel()) for i in indices]
+    offs = [sum(sizes[:k]) for k in range(len(sizes))]
+    xp = torch.empty((x2.shape[0], sum(sizes)), dtype=x.dtype, device=x.device)
+    r2 = residual.view(-1, d) if residual is not None else None
+    if x2.shape[0]:
+        block = next_pow2(d)
+        g = []
+        for k in range(3):
+            j = min(k, len(indices) - 1)
+            g += [indices[j], offs[j], sizes[j]]
+        i0, o0, n0, i1, o1, n1, i2, o2, n2 = g
+        _norm_kernel[(x2.shape[0],)](
+            x2, r2 if r2 is not None else x2, weight if weight is not None else x2, x2, out, d, x2.stride(0),
+            r2.stride(0) if r2 is not None else 0, out.stride(0), float(eps), HAS_RES=r2 is not None,
+            HAS_W=weight is not None, HAS_B=False, GEMMA=gemma, LAYER=False, BLOCK=block, xp_ptr=xp,
+            stride_xp=xp.stride(0), i0=i0, o0=o0, n0=n0, i1=i1, o1=o1, n1=n1, i2=i2, o2=o2, n2=n2,
+            G=len(indices), num_warps=min(16, max(1, block // 256)))
+    return out.view(x.shape), xp
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

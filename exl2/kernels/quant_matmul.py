@@ -669,16 +669,17 @@ class GemvGroup:
         return outs
 
 
-def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor] | None:
+def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None = None
+                   ) -> list[torch.Tensor] | None:
     """`[x · W_i + bias_i]` for 2–3 weights sharing x `[M, K]` in one gather and one gemv launch (small M on the
-    GPU), or None where that path does not apply (the caller then runs them one by one)."""
+    GPU), or None where that path does not apply (the caller then runs them one by one). `xp`: the permuted
+    inputs already gathered into one buffer."""
     if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= GEMV_MAX_M and GemvGroup.accepts(ws)):
         return None
     group = ws[0]._cache.get(("group", tuple(map(id, ws))))
     if group is None:
         group = ws[0]._cache[("group", tuple(map(id, ws)))] = GemvGroup(ws)
-    buf = gather_input(x, ws, whole=True)
-    return group(buf)
+    return group(gather_input(x, ws, whole=True) if xp is None else xp)
 
 
 _FAST4: dict[torch.device, bool] = {}

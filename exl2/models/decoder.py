@@ -13,7 +13,8 @@ from torch import nn
 from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, softcap, temperature_scale
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.spec import LayerSpec, ModelSpec
-from exl2.runtime.linear import project
+from exl2.kernels.quant_matmul import uses_permuted_input
+from exl2.runtime.linear import permuted_indices, project
 
 
 class WeightProvider(Protocol):
@@ -70,10 +71,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(w.tensor(f"{prefix}.k_norm.weight"), spec.norm_eps, spec.norm_offset)
         self.scale = spec.attn_scale if spec.attn_scale is not None else d ** -0.5
 
-    def forward(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None) -> torch.Tensor:
+    def permuted_indices(self):
+        """Input orders of q/k/v for a norm that writes their permuted inputs (None: not quantized)."""
+        return permuted_indices((self.q_proj, self.k_proj, self.v_proj))
+
+    def forward(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None,
+                xp: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, t, _ = x.shape
         s, layer = self.spec, self.layer
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), xp)
         q = q.view(b, t, s.num_heads, s.head_dim)
         k = k.view(b, t, s.num_kv_heads, s.head_dim)
         v = v.view(b, t, s.num_kv_heads, s.head_dim)
@@ -178,9 +184,22 @@ class DecoderLayer(nn.Module):
             if delta is not None:
                 x = x + delta
             return self.mlp_block(self.attn_block(x, q_pos, rope, cache)), None
-        h = self.input_layernorm.add_norm(delta, x) if delta is not None else self.input_layernorm(x)
-        h = self.self_attn(h, q_pos, rope, cache)
-        return x, self.mlp(self.post_attention_layernorm.add_norm(h, x))
+        if delta is None:
+            h = self.self_attn(self.input_layernorm(x), q_pos, rope, cache)
+        else:
+            h = self._norm_into(self.input_layernorm, delta, x, self.self_attn, q_pos, rope, cache)
+        return x, self._norm_into(self.post_attention_layernorm, h, x, self.mlp)
+
+    @staticmethod
+    def _norm_into(norm: RMSNorm, delta: torch.Tensor, x: torch.Tensor, module: nn.Module, *args):
+        """module(norm(x += delta), *args); on the small-batch GPU path the norm kernel also writes the permuted
+        inputs of the module's quantized projections (one launch fewer per projection group)."""
+        rows = x.numel() // x.shape[-1]
+        idx = module.permuted_indices() if hasattr(module, "permuted_indices") else None
+        if idx is None or not uses_permuted_input(rows, x):
+            return module(norm.add_norm(delta, x), *args)
+        h, xp = norm.add_norm(delta, x, gather=idx)
+        return module(h, *args, xp=xp)
 
 
 def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> nn.Module:

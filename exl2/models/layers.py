@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl2.kernels.activation import glu
-from exl2.kernels.norm import rms_norm
-from exl2.runtime.linear import project
+from exl2.kernels.norm import rms_norm, rms_norm_gather
+from exl2.runtime.linear import permuted_indices, project
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +21,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x.contiguous(), self.weight, self.eps, gemma=bool(self.offset))
 
-    def add_norm(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual += delta (in place); return norm(residual). One fused kernel on the GPU."""
+    def add_norm(self, delta: torch.Tensor, residual: torch.Tensor, gather=None):
+        """residual += delta (in place); return norm(residual). One fused kernel on the GPU. With `gather` (index
+        vectors from `permuted_indices`) return `(normed, permuted copies)` from that same kernel."""
+        if gather:
+            return rms_norm_gather(delta.contiguous(), self.weight, self.eps, gather, residual=residual,
+                                   gemma=bool(self.offset))
         normed, _ = rms_norm(delta.contiguous(), self.weight, self.eps, residual=residual, gemma=bool(self.offset))
         return normed
 
@@ -65,8 +69,12 @@ class GatedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate, up, down
         self.act_name = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, (self.gate_proj, self.up_proj))
+    def permuted_indices(self):
+        """Input orders of gate/up for a norm that writes their permuted inputs (None: not quantized)."""
+        return permuted_indices((self.gate_proj, self.up_proj))
+
+    def forward(self, x: torch.Tensor, xp: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = project(x, (self.gate_proj, self.up_proj), xp)
         return self.down_proj(glu(gate, up, self.act_name))
 
 

@@ -38,19 +38,38 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, format={self.info.get('format')}"
 
 
-def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
+def permuted_indices(linears: Sequence[nn.Module]) -> Optional[list[torch.Tensor]]:
+    """Each linear's input order (`QuantWeight.x_index`) when all 1–3 of them are quantized, so that the kernel
+    producing their shared input can also write the permuted copies (`rms_norm_gather`); else None."""
+    if 0 < len(linears) <= 3 and all(isinstance(m, Linear) and m.kernel is not None for m in linears):
+        return [m.kernel.x_index for m in linears]
+    return None
+
+
+def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """Apply several linears to the same input (q/k/v, gate/up). On the small-batch GPU path the quantized ones
-    read x permuted into their own row order; one launch prepares all of those copies."""
+    read x permuted into their own row order: `xp` holds those copies side by side when the producer of x wrote
+    them (see `permuted_indices`); otherwise one gather launch prepares them."""
     quant = [m for m in linears if isinstance(m, Linear) and m.kernel is not None]
     rows = x.numel() // max(1, x.shape[-1])
-    if len(quant) < 2 or not uses_permuted_input(rows, x):
+    if xp is None and (len(quant) < 2 or not uses_permuted_input(rows, x)):
         return [m(x) for m in linears]
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    kernels = [m.kernel for m in quant]
     if len(quant) == len(linears):
-        outs = grouped_matmul(x2, [m.kernel for m in quant])
+        outs = grouped_matmul(x2, kernels, xp)
         if outs is not None:
             return [y.view(*x.shape[:-1], y.shape[-1])[..., :m.out_features] for m, y in zip(linears, outs)]
-    xps = dict(zip(map(id, quant), gather_input(x2, [m.kernel for m in quant])))
+        if xp is None:
+            xp = gather_input(x2, kernels, whole=True)
+        views, start = [], 0
+        for w in kernels:
+            views.append(xp[:, start:start + w.x_index.numel()])
+            start += w.x_index.numel()
+        return [m(x, v) for m, v in zip(linears, views)]
+    if xp is not None:
+        raise ValueError("a permuted input buffer needs every linear to be quantized.")
+    xps = dict(zip(map(id, quant), gather_input(x2, kernels)))
     return [m(x, xps[id(m)]) if id(m) in xps else m(x) for m in linears]
