@@ -282,3 +282,16 @@ def test_dot_with_large_row_tiles_matches_twin():
     with force_triton():
         y = qm.dot(x, w, qm.MatmulConfig(bm=64, bs=1, bn=32, split=2))
     _check_close(y, qweight.matmul_torch(x, w))
+
+
+@needs_triton
+def test_permuted_matmul_from_the_permuted_input_alone():
+    w = Exl2Weight.from_tensors(rand_exl2(MIXED, 64, seed=6), "L", device=DEV)
+    x = torch.randn(3, w.k, device=DEV).half()
+    xp = qweight.gather_torch(x, w).contiguous()
+    ref = qweight.matmul_torch(x, w)
+    _check_close(qm.permuted_matmul(xp, w), ref)      # the twin (un-permutes)
+    with force_triton():
+        _check_close(qm.permuted_matmul(xp, w), ref)  # the kernels
+    with pytest.raises(ValueError):
+        qm.permuted_matmul(xp[:, :-32], w)

@@ -177,3 +177,17 @@ def test_rms_norm_gather_matches_twin(with_residual):
             torch.testing.assert_close(r1, r2, atol=0, rtol=0)
         if g > 1:
             assert (xp[:, 2 * d:2 * d + 32] == 0).all()  # the second index's padding positions
+
+
+@needs_triton
+def test_glu_with_index_writes_the_permuted_output():
+    torch.manual_seed(5)
+    g, u = torch.randn(2, 3, 80, device=DEV).half(), torch.randn(2, 3, 80, device=DEV).half()
+    idx = torch.cat([torch.randperm(80, device=DEV), torch.full((16,), -1, device=DEV)]).int()
+    with force_triton():
+        got = activation.glu(g, u, "silu", index=idx)
+    plain = activation.glu_torch(g, u, "silu")
+    assert got.shape == (2, 3, 96)
+    torch.testing.assert_close(got[..., :80], plain[..., idx[:80].long()], atol=2e-3, rtol=0)
+    assert (got[..., 80:] == 0).all()
+    torch.testing.assert_close(activation.glu_torch(g, u, "silu", index=idx), got, atol=2e-3, rtol=0)

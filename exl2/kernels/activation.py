@@ -16,12 +16,20 @@ _ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 
 @triton.jit
-def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                idx_ptr=None, GATHER: tl.constexpr = False):
+    """Output column p of a row is act(g[c])·u[c] with c = p, or c = idx[p] (0 where idx[p] < 0) with GATHER."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
-    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    if GATHER:
+        col = tl.load(idx_ptr + offs, mask=mask, other=-1)
+        src = mask & (col >= 0)
+    else:
+        col = offs
+        src = mask
+    g = tl.load(g_ptr + row * stride_g + col, mask=src, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + col, mask=src, other=0.0).to(tl.float32)
     if ACT == 0:
         a = g / (1.0 + tl.exp(-g))
     elif ACT == 1:
@@ -53,19 +61,29 @@ def _act_torch(g: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}.")
 
 
-def glu_torch(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+def glu_torch(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu",
+              index: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of `glu`."""
     g, u = _split(gate, up)
-    return (_act_torch(g.float(), activation) * u.float()).to(gate.dtype)
+    y = (_act_torch(g.float(), activation) * u.float()).to(gate.dtype)
+    if index is None:
+        return y
+    i = index.long()
+    return y.index_select(-1, i.clamp(min=0)).masked_fill(i < 0, 0)
 
 
-def glu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
-    """`act(gate) * up`; `activation` is "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU)."""
+def glu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu",
+        index: torch.Tensor | None = None) -> torch.Tensor:
+    """`act(gate) * up`; `activation` is "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU). With `index` (int32,
+    -1 for a zero) the output columns come in that order: the permuted input of the quantized down projection
+    (`QuantWeight.x_index`), written by this kernel instead of a separate gather."""
     if activation not in _ACT_ID:
         raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}.")
     if not use_triton(gate):
-        return glu_torch(gate, up, activation)
+        return glu_torch(gate, up, activation, index)
     g, u = _split(gate, up)
+    if index is not None:
+        return _glu_gather(g, u, activation, index)
     i = g.shape[-1]
     g2, u2 = g.reshape(-1, i), u.reshape(-1, i)  # views for the fused [.., 2I] case (row stride 2I)
     if g2.stride(-1) != 1:
@@ -80,6 +98,23 @@ def glu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "s
         _glu_kernel[grid](g2, u2, o2, i, g2.stride(0), u2.stride(0), o2.stride(0), ACT=_ACT_ID[activation],
                           BLOCK=block, num_warps=4)
     return out
+
+
+def _glu_gather(g: torch.Tensor, u: torch.Tensor, activation: str, index: torch.Tensor) -> torch.Tensor:
+    i = g.shape[-1]
+    g2, u2 = g.reshape(-1, i), u.reshape(-1, i)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    if u2.stride(-1) != 1:
+        u2 = u2.contiguous()
+    p = index.numel()
+    out = torch.empty((g2.shape[0], p), dtype=g.dtype, device=g.device)
+    if out.shape[0]:
+        block = min(2048, next_pow2(p))
+        _glu_kernel[(out.shape[0], triton.cdiv(p, block))](g2, u2, out, p, g2.stride(0), u2.stride(0), out.stride(0),
+                                                           ACT=_ACT_ID[activation], BLOCK=block, idx_ptr=index,
+                                                           GATHER=True, num_warps=4)
+    return out.view(*g.shape[:-1], p)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

@@ -779,6 +779,25 @@ def uses_permuted_input(m: int, x: torch.Tensor) -> bool:
     return use_triton(x) and 0 < m <= DOT_MAX_M
 
 
+def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """`x · W + bias` from the permuted input alone, xp `[M, S·32]` with M ≤ DOT_MAX_M (a producer such as the GLU
+    kernel wrote it in `w.x_index` order, so x itself never existed): `[M, N]`."""
+    m = xp.shape[0]
+    if not 0 < m <= DOT_MAX_M or xp.shape[1] != w.x_index.numel() or xp.stride(-1) != 1:
+        raise ValueError("permuted_matmul takes 1 to 64 contiguous rows in the weight's input order.")
+    if not use_triton(xp):
+        # The twin: undo the permutation (padding positions hold zeros and map nowhere), then the plain matmul.
+        idx = w.x_index.long()
+        x = torch.zeros((m, w.k), dtype=xp.dtype, device=xp.device)
+        keep = idx >= 0
+        x[:, idx[keep]] = xp[:, keep]
+        return matmul_torch(x, w)
+    path, cfg = choose_config(m, w)
+    kernel = _gemv_kernel if path == "gemv" else _dot_kernel
+    extra = {"FAST4": fast4_available(xp.device), "DEPTH": cfg.depth} if path == "gemv" else {}
+    return _launch(kernel, xp, w, cfg, **extra)
+
+
 def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None) -> torch.Tensor:
     """`x · W + bias` for x `[..., K]` (fp16; bf16/fp32 accepted): output `[..., N]` in x's dtype.
 

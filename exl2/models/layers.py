@@ -7,6 +7,7 @@ from torch import nn
 
 from exl2.kernels.activation import glu
 from exl2.kernels.norm import rms_norm, rms_norm_gather
+from exl2.kernels.quant_matmul import uses_permuted_input
 from exl2.runtime.linear import permuted_indices, project
 
 
@@ -75,7 +76,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, xp: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = project(x, (self.gate_proj, self.up_proj), xp)
-        return self.down_proj(glu(gate, up, self.act_name))
+        down = self.down_proj
+        if permuted_indices((down,)) and uses_permuted_input(gate.numel() // gate.shape[-1], gate):
+            # The GLU kernel writes the down projection's permuted input directly.
+            h = glu(gate, up, self.act_name, index=down.kernel.x_index)
+            return down.forward_permuted(h.reshape(-1, h.shape[-1]), gate.shape[:-1])
+        return down(glu(gate, up, self.act_name))
 
 
 class MoE(nn.Module):

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exl2.kernels.quant_matmul import gather_input, grouped_matmul, quant_matmul, uses_permuted_input
+from exl2.kernels.quant_matmul import (gather_input, grouped_matmul, permuted_matmul, quant_matmul,
+                                       uses_permuted_input)
 
 
 class Linear(nn.Module):
@@ -33,6 +34,12 @@ class Linear(nn.Module):
             y = quant_matmul(x, self.kernel, xp)
             return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
         return F.linear(x, self.weight, self.bias)
+
+    def forward_permuted(self, xp: torch.Tensor, lead: Sequence[int]) -> torch.Tensor:
+        """The quantized layer on its permuted input only (`[rows, S·32]`, rows ≤ 64); output `[*lead, out]`."""
+        y = permuted_matmul(xp, self.kernel)
+        y = y if y.shape[-1] == self.out_features else y[..., : self.out_features]
+        return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={self.info.get('format')}"
