@@ -7,8 +7,12 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-timeout 200 python3 -m pytest -m gpu tests/ -q -x -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
-echo "gpu tests rc=$?" | tee -a "$OUT/gpu_tests.txt"; tail -3 "$OUT/gpu_tests.txt"
+# SKIP_TESTS=1 leaves the GPU tests out (the first call of a session compiles every kernel: ~4 minutes).
+if [ -z "${SKIP_TESTS:-}" ]; then
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/ -q -x -p no:cacheprovider --durations=10 \
+    > "$OUT/gpu_tests.txt" 2>&1
+echo "gpu tests rc=$?" | tee -a "$OUT/gpu_tests.txt"; tail -14 "$OUT/gpu_tests.txt"
+fi
 timeout 200 python3 -m exl2.cli.main bench --breakdown > "$OUT/bench.txt" 2>&1
 echo "bench rc=$?"; cat "$OUT/bench.txt" | tail -40
 if [ -n "${CONVERT_LAYERS:-}" ]; then
@@ -16,6 +20,6 @@ if [ -n "${CONVERT_LAYERS:-}" ]; then
       --json "$OUT/convert.json" > "$OUT/convert.txt" 2>&1
   echo "convert rc=$?"; tail -30 "$OUT/convert.txt"
 fi
-timeout "${1:-150}" python3 benchmarks/kernels.py --only matmul --sweep --budget "$(( ${1:-150} - 20 ))" \
+timeout "${1:-150}" python3 benchmarks/kernels.py --only "${KERNELS_ONLY:-matmul}" --sweep --budget "$(( ${1:-150} - 20 ))" \
     --json "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
 echo "kernels rc=$?"; grep -v "^    " "$OUT/kernels.txt" | tail -80
