@@ -16,6 +16,7 @@ call is one launch (CUDA-graph friendly). Counters are shared per device: calls 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -743,8 +744,9 @@ def dequant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 GEMV_MAX_M = 4
 DOT_MAX_M = 64
 # One launch for the gemvs of q/k/v and of gate/up (`grouped_matmul`). Off until measured on the GPU against
-# separate launches (benchmarks/kernels.py reports both); correct either way (tests compare with the twin).
-FUSE_SHARED_INPUT = False
+# separate launches (benchmarks/kernels.py reports both; EXL2_FUSE_SHARED_INPUT=1 turns it on for `exl2 bench`);
+# correct either way (tests compare with the twin).
+FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "0") == "1"
 
 
 def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int) -> int:
