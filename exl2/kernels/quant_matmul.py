@@ -1,14 +1,20 @@
 """Triton kernels for `y = x · W + bias` with W a `QuantWeight` (EXL2 or GPTQ), and the dispatcher.
 
-Three paths, chosen per shape (`choose_path`):
+Three paths, chosen per shape (`choose_config`):
 
 * **gemv** (M ≤ 4): CUDA-core kernel, one input row per program. Each program owns BN output columns and a
-  1/SPLIT share of the steps of every width class (so each split reads the same mix of widths), decodes codes with
-  shifts and masks, turns them into floats with the 2^23 exponent trick and accumulates x·(code − zero) in fp32,
-  applying the group scale once per step and word.
-* **dot** (small M): decodes a [BS·32, BN] tile to fp16 exactly as the reference dequantizer does and feeds the
-  tensor cores with `tl.dot`.
-* **dequant** (large M): a Triton kernel writes the fp16 weight in natural order, then cuBLAS multiplies.
+  1/SPLIT share of the steps of every width class (so each split reads the same mix of widths). 4-bit classes
+  decode two codes per instruction in packed fp16 (inline PTX, behind a one-time self-check); the others shift,
+  mask and use the 2^23 exponent trick in fp32. The next tile's codes and scales are loaded before the current
+  tile's arithmetic.
+* **dot** (M ≤ 64): decodes one row-in-word at a time, so each decoded [steps·words, BN] tile feeds `tl.dot` from
+  its own register layout, bit-exact with the reference dequantizer.
+* **dequant** (larger M): a Triton kernel writes the fp16 weight in natural order, then cuBLAS multiplies.
+
+The gemv and dot kernels read the input already permuted into the weight's stored row order (`x_index`): one
+`gather_input` launch per input shared by several weights, or written directly by the kernel producing the input
+(`rms_norm_gather`, `glu(index=...)`, consumed by `permuted_matmul`). `GemvGroup` runs the gemvs of 2–3 weights
+sharing an input as one launch.
 
 Split-K partial sums go to an fp32 workspace; the last program of each output tile (counted with an atomic on a
 per-device counter pool that every program resets) adds them up, adds the bias and writes the output, so a
