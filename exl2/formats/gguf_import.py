@@ -19,6 +19,7 @@ import torch
 
 from exl2.errors import ConfigError, FormatError, ModelLoadError
 from exl2.formats.writer import replace_dir
+from exl2.models.rope import llama3_inv_freq
 
 # Bump when the output of the importer changes, so cached imports (see models/default_model.py) are redone.
 IMPORTER_VERSION = 1
@@ -52,7 +53,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 # Tensors llama.cpp derives from metadata or stores for its own kernels; HF recomputes them.
-_SKIPPED = {"rope_freqs.weight"}
+_ROPE_FREQS = "rope_freqs.weight"   # llama.cpp's per-frequency RoPE divisors (Llama 3.1+): become rope_scaling
+_SKIPPED = {_ROPE_FREQS}
+# Llama 3.x's published llama3 RoPE settings, tried in this order to explain a rope_freqs tensor.
+_LLAMA3_LOW, _LLAMA3_HIGH, _LLAMA3_ORIG = (1.0, 2.0), (4.0, 2.0, 8.0), (8192, 4096, 16384, 32768, 131072)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 # Pre-tokenizer regexes of the BPE vocabularies llama.cpp names in tokenizer.ggml.pre.
@@ -198,6 +202,24 @@ def _hparams(meta: dict, arch: str, n_vocab: int, tied: bool, has_qkv_bias: bool
         if special.get(name) is not None:
             cfg[f"{name}_token_id"] = special[name]
     return cfg
+
+
+def llama3_scaling(freq_factors: torch.Tensor, theta: float, head_dim: int) -> dict:
+    """The llama3 `rope_scaling` whose frequency divisors equal llama.cpp's `rope_freqs` tensor (rel. 1e-3)."""
+    f = freq_factors.double().flatten()
+    if f.numel() != head_dim // 2:
+        raise FormatError(f"The GGUF rope_freqs tensor has {f.numel()} values; {head_dim // 2} were expected.")
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    factor = float(f.max())
+    for orig in _LLAMA3_ORIG:
+        for lo in _LLAMA3_LOW:
+            for hi in _LLAMA3_HIGH:
+                p = {"rope_type": "llama3", "factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
+                     "original_max_position_embeddings": orig}
+                if torch.allclose(inv / llama3_inv_freq(inv, p), f, rtol=1e-3, atol=0):
+                    return p
+    raise FormatError("The GGUF's RoPE frequency factors (rope_freqs) match no llama3 RoPE scaling, so this model "
+                      "cannot be imported faithfully.")
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------------------
@@ -407,6 +429,11 @@ def import_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype =
 
     special_ids = _special_ids(meta)
     config = _hparams(meta, arch, n_vocab, tied, any(n.endswith("q_proj.bias") for n in names), special_ids)
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if freqs is not None:
+        if "rope_scaling" in config:
+            raise FormatError("The GGUF has both RoPE scaling metadata and a rope_freqs tensor; not supported.")
+        config["rope_scaling"] = llama3_scaling(_dequantize(freqs), config["rope_theta"], config["head_dim"])
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
     def load(hf: str, t) -> torch.Tensor:

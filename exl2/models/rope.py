@@ -36,7 +36,7 @@ class RopeSpec:
             b = base * ((f * seq / self.max_position) - (f - 1)) ** (dim / (dim - 2))
             return 1.0 / (b ** exps), 1.0
         if t == "llama3":
-            return _llama3(inv, p), 1.0
+            return llama3_inv_freq(inv, p), 1.0
         if t == "yarn":
             return _yarn(self, p)
         if t == "longrope":
@@ -66,7 +66,8 @@ class RopeSpec:
         return (ang.cos() * scale).to(device), (ang.sin() * scale).to(device)
 
 
-def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
+def llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling of the inverse frequencies `inv` (params as in rope_scaling)."""
     factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old = p["original_max_position_embeddings"]
     lo_wl, hi_wl = old / lo, old / hi
