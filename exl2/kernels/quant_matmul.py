@@ -92,13 +92,42 @@ def _gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, i0, o0, n0, i1, o1, n1,
 
 
 @triton.jit
+def _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n, mask_n,
+                BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr):
+    """Low words, high words (the low words again if HB = 0), scales and zeros (the scales again without zero
+    tensors), each [BS, LB, BN] in one layout, of BS steps from s0; zeros past s_hi."""
+    PER: tl.constexpr = 32 // LB
+    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
+    offs_s = s0 + tl.arange(0, BS)
+    mask_s = offs_s < s_hi
+    m3 = mask_s[:, None, None] & mask_n[None, None, :]
+    wrow = first_word + (offs_s - first_step) * BITS
+    w = tl.load(qw_ptr + (wrow[:, None] + jj[None, :])[:, :, None].to(tl.int64) * N + offs_n[None, None, :],
+                mask=m3, other=0)
+    if HB > 0:
+        hrow = wrow[:, None] + LB + (jj * PER // HPER)[None, :]
+        h = tl.load(qw_ptr + hrow[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)
+    else:
+        h = w
+    grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
+    g_off = grp[:, None, None].to(tl.int64) * N + (jj * 0)[None, :, None] + offs_n[None, None, :]
+    sc = tl.load(sc_ptr + g_off, mask=m3, other=0.0)
+    if HAS_ZEROS:
+        z = tl.load(zr_ptr + g_off, mask=m3, other=0.0)
+    else:
+        z = sc
+    return w, h, sc, z
+
+
+@triton.jit
 def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                 offs_n, mask_n, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
                 BS: tl.constexpr, BN: tl.constexpr):
     """Partial x·W over this program's share of one width class's steps, for BN columns ([BN] fp32).
 
     x is the permuted input (`gather_input`). Tiles are [steps, low word j, row-in-word u, columns]; stored row
-    of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`."""
+    of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`. The next tile's words, scales and
+    zeros are loaded before this tile's arithmetic."""
     PER: tl.constexpr = 32 // LB
     HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     MAGIC: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
@@ -114,33 +143,26 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     acc = tl.zeros([BS, LB, BN], dtype=tl.float32)
+    w_n, h_n, sc_n, z_n = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s_lo, s_hi, first_step, first_word, jj,
+                                      offs_n, mask_n, BITS, LB, HB, HAS_ZEROS, BS)
     for s0 in range(s_lo, s_hi, BS):
+        w, h, sc, z = w_n, h_n, sc_n, z_n
+        w_n, h_n, sc_n, z_n = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0 + BS, s_hi, first_step, first_word,
+                                          jj, offs_n, mask_n, BITS, LB, HB, HAS_ZEROS, BS)
         offs_s = s0 + tl.arange(0, BS)
-        mask_s = offs_s < s_hi
-        m3 = mask_s[:, None, None] & mask_n[None, None, :]
-        wrow = first_word + (offs_s - first_step) * BITS
-        w = tl.load(qw_ptr + (wrow[:, None] + jj[None, :])[:, :, None].to(tl.int64) * N + offs_n[None, None, :],
-                    mask=m3, other=0)
         code = (w[:, :, None, :] >> lo_sh) & ((1 << LB) - 1)
         if HB > 0:
-            hrow = wrow[:, None] + LB + (jj * PER // HPER)[None, :]
-            h = tl.load(qw_ptr + hrow[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)
             code = code | (((h[:, :, None, :] >> hi_sh) & ((1 << HB) - 1)) << LB)
-        xv = tl.load(x_ptr + offs_s[:, None, None] * 32 + pos[None, :, :], mask=mask_s[:, None, None],
+        xv = tl.load(x_ptr + offs_s[:, None, None] * 32 + pos[None, :, :], mask=(offs_s < s_hi)[:, None, None],
                      other=0.0).to(tl.float32)
         if HAS_ZEROS:
             cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         else:
             cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC
         t = tl.sum(xv[:, :, :, None] * cf, axis=2)
-        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
-        g_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
-        m2 = mask_s[:, None] & mask_n[None, :]
         if HAS_ZEROS:
-            z = tl.load(zr_ptr + g_off, mask=m2, other=0.0).to(tl.float32)
-            t = t - tl.sum(xv, axis=2)[:, :, None] * z[:, None, :]
-        sc = tl.load(sc_ptr + g_off, mask=m2, other=0.0).to(tl.float32)
-        acc += t * sc[:, None, :]
+            t = t - tl.sum(xv, axis=2)[:, :, None] * z.to(tl.float32)
+        acc += t * sc.to(tl.float32)
     return tl.sum(tl.sum(acc, axis=1), axis=0)
 
 
