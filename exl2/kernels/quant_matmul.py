@@ -431,20 +431,8 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
     for s0 in range(s_lo, s_hi, BSC):
         xt = xt_n
         xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0 + BSC, s_hi, LB, PER, BSC)
-        offs_s = s0 + tl.arange(0, BSC)
-        mask_s = offs_s < s_hi
-        m3 = mask_s[:, None, None] & mask_n[None, None, :]
-        wrow = first_word + (offs_s - first_step) * BITS
-        w = tl.load(qw_ptr + (wrow[:, None] + jj[None, :])[:, :, None].to(tl.int64) * N + offs_n[None, None, :],
-                    mask=m3, other=0)
-        if HB > 0:
-            hrow = wrow[:, None] + LB + (jj * PER // HPER)[None, :]
-            h = tl.load(qw_ptr + hrow[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)
-        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
-        g_off = grp[:, None, None].to(tl.int64) * N + (jj * 0)[None, :, None] + offs_n[None, None, :]
-        sc = tl.load(sc_ptr + g_off, mask=m3, other=0.0)
-        if HAS_ZEROS:
-            z = tl.load(zr_ptr + g_off, mask=m3, other=0.0) + 1024.0
+        w, h, sc, z = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
+                                  mask_n, BITS, LB, HB, HAS_ZEROS, BSC)
         for u in tl.static_range(PER):
             code = (w >> (u * LB)) & ((1 << LB) - 1)
             if HB > 0:
@@ -453,7 +441,7 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
             # 0x6400 | code is the fp16 number 1024 + code: exact, so one rounding as in the reference dequantizer.
             cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
             if HAS_ZEROS:
-                deq = (cf - z) * sc
+                deq = (cf - (z + 1024.0)) * sc
             else:
                 deq = (cf - (1024.0 + (1 << (BITS - 1)))) * sc
             if BITS == 4:
