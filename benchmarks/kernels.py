@@ -206,6 +206,17 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
         t = graph_us([lambda w_=w_: qm.quant_matmul(x, w_) for w_ in copies])
         row("gate/up mixed 8/5/4/3", m, "exl2 default", t, wbytes, bw, None, rel_err(qm.quant_matmul(x, w), ref),
             str(qm.choose_config(m, w)[1]))
+        if m == 1:
+            xp = qm.gather_input(x, [w])[0]
+            for split in (4, 8, 16, 32):  # K split along the width classes (qm.CHUNKED_MIXED)
+                cfg = qm.MatmulConfig(bs=8, bn=128, split=split)
+                try:
+                    err = rel_err(qm.gemv_chunked(x, w, cfg, xp=xp), ref)
+                    t = graph_us([lambda w_=w_: qm.gemv_chunked(x, w_, cfg, xp=xp) for w_ in copies])
+                except Exception as e:  # noqa: BLE001
+                    log(f"  chunked split={split} failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                row("gate/up mixed 8/5/4/3", m, "exl2 gemv chunked by width", t, wbytes, bw, None, err, str(cfg))
 
 
 def group_section(bw: float) -> None:

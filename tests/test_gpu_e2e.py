@@ -127,3 +127,24 @@ def test_grouped_gemv_real_sizes_match_twin():
         for w, y in zip(ws, outs):
             ref = matmul_torch(x, w).float()
             assert (y.float() - ref).abs().max().item() <= 5e-3 * (ref.max() - ref.min()).item()
+
+
+def test_chunked_gemv_mixed_widths_real_size():
+    """A mixed 8/5/4/3-bit gate/up-sized matrix with K split along its width classes, fast 4-bit path on."""
+    from exl2.formats.exl2 import pack
+    from exl2.kernels.exl2_matmul import Exl2Weight
+    from exl2.kernels.quant_matmul import MatmulConfig, gemv_chunked
+    from exl2.kernels.qweight import matmul_torch
+
+    g = torch.Generator().manual_seed(4)
+    layout = [(8, 128)] * 2 + [(5, 128)] * 4 + [(4, 128)] * 20 + [(3, 128)] * 6
+    n = 14336
+    codes = torch.cat([torch.randint(0, 1 << b, (r, n), generator=g) for b, r in layout]).to(torch.uint8)
+    t = pack(codes, layout, torch.randint(1, 17, (len(layout), n), generator=g),
+             (torch.rand(len(layout), generator=g) * 0.05 + 0.005).half(), torch.randperm(4096, generator=g))
+    w = Exl2Weight.from_tensors({f"L.{k}": v.cuda() for k, v in t.items()}, "L", device="cuda")
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.float16)
+    ref = matmul_torch(x, w).float()
+    for split in (4, 16):
+        got = gemv_chunked(x, w, MatmulConfig(bs=8, bn=128, split=split)).float()
+        assert (got - ref).abs().max().item() <= 5e-3 * (ref.max() - ref.min()).item()

@@ -295,3 +295,17 @@ def test_permuted_matmul_from_the_permuted_input_alone():
         _check_close(qm.permuted_matmul(xp, w), ref)  # the kernels
     with pytest.raises(ValueError):
         qm.permuted_matmul(xp[:, :-32], w)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [1, 3, 8])
+def test_chunked_gemv_of_mixed_widths_matches_twin(split):
+    """K splits cut along the width classes (each program one class) = the twin, with bias, 1-3 rows."""
+    w = Exl2Weight.from_tensors(rand_exl2(MIXED, 96, seed=7), "L", device=DEV)
+    table = qm.chunk_table(w, split, 2)
+    assert int(table[:, 2].sum()) == w.n_steps and table.shape[0] >= len(w.classes)
+    for m in (1, 3):
+        x = torch.randn(m, w.k, device=DEV).half()
+        with force_triton():
+            y = qm.gemv_chunked(x, w, qm.MatmulConfig(bs=2, bn=32, split=split), fast4=False)
+        _check_close(y, qweight.matmul_torch(x, w))

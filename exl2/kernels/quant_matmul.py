@@ -293,6 +293,52 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
 
 
 @triton.jit
+def _gemv_chunked_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
+                         chunk_ptr, M, N, stride_xm, stride_om, SPLIT, HAS_ZEROS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr,
+                         FAST4: tl.constexpr, DEPTH: tl.constexpr):
+    """gemv of a mixed-width matrix where each K split is a run of steps inside one width class (`chunk_table`),
+    so a program waits for one class's first tile, not for every class's in turn."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    xr = x_ptr + pid_m.to(tl.int64) * stride_xm
+    c = chunk_ptr + pid_k * 4
+    kind = tl.load(c)
+    fs = tl.load(c + 1)
+    ns = tl.load(c + 2)
+    fw = tl.load(c + 3)
+    res = tl.zeros([BN], dtype=tl.float32)
+    if kind == 0:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 8, 8, 0,
+                           HAS_ZEROS, BS, BN)
+    elif kind == 1:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 6, 4, 2,
+                           HAS_ZEROS, BS, BN)
+    elif kind == 2:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 5, 4, 1,
+                           HAS_ZEROS, BS, BN)
+    elif kind == 3:
+        if FAST4 and not HAS_ZEROS:
+            res += _gemv_class4_fast(x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2), qw_ptr, sc_ptr, sg_ptr, N,
+                                     fs, ns, fw, 0, 1, offs_n, mask_n, BS, BN, DEPTH)
+        else:
+            res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 4, 4, 0,
+                               HAS_ZEROS, BS, BN)
+    elif kind == 4:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 3, 2, 1,
+                           HAS_ZEROS, BS, BN)
+    else:
+        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 2, 2, 0,
+                           HAS_ZEROS, BS, BN)
+    offs_m = pid_m + tl.arange(0, 1)
+    _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
+               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, True, RED)
+
+
+@triton.jit
 def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pid_m, out_ptr, bias_ptr, qw_ptr,
                   sc_ptr, zr_ptr, sg_ptr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BS: tl.constexpr,
                   BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr):
@@ -611,9 +657,55 @@ def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None 
     """CUDA-core path (small M); x `[M, K]` with a contiguous last dim (or its permuted form `xp` from
     `gather_input`). `fast4` selects the packed-fp16 4-bit decoder (inline PTX; None: use it where the one-time
     self-check passed)."""
+    if CHUNKED_MIXED and len(w.classes) > 1:
+        return gemv_chunked(x, w, cfg, fast4, xp)
     if fast4 is None:
         fast4 = fast4_available(x.device)
     return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4, DEPTH=cfg.depth)
+
+
+def chunk_table(w: QuantWeight, chunks: int, bs: int) -> torch.Tensor:
+    """int32 `[C, 4]` (width index in WIDTHS, first step, steps, first word) cutting every width class of `w` into
+    runs of about total_steps / `chunks` steps (a multiple of `bs`), each run inside one class. Cached per size."""
+    key = ("chunks", chunks, bs)
+    table = w._cache.get(key)
+    if table is None:
+        size = max(bs, -(-w.n_steps // max(1, chunks) // bs) * bs)
+        rows = []
+        for c in w.classes:
+            for start in range(0, c.n_steps, size):
+                n = min(size, c.n_steps - start)
+                rows.append([WIDTHS.index(c.bits), c.first_step + start, n, c.first_word + start * c.bits])
+        table = w._cache[key] = torch.tensor(rows, dtype=torch.int32, device=w.device)
+    return table
+
+
+def gemv_chunked(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
+                 xp: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemv` for a matrix of several widths with its K splits cut along the width classes (`chunk_table`,
+    about `cfg.split` of them); same result up to the order of the fp32 sums."""
+    xp = _permuted(x, w, xp) if x is not None else xp
+    m = xp.shape[0]
+    out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
+    if m == 0:
+        return out
+    if fast4 is None:
+        fast4 = fast4_available(xp.device)
+    fast4 = fast4 and xp.dtype == torch.float16 and xp.stride(0) % 2 == 0
+    table = chunk_table(w, max(cfg.split, len(w.classes)), cfg.bs)
+    split = table.shape[0]
+    grid_n = triton.cdiv(w.n, cfg.bn)
+    if grid_n * m > _COUNTER_POOL:
+        raise ValueError("too many output tiles for the split-K counters.")
+    part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device)
+    _gemv_chunked_kernel[(grid_n, split, m)](
+        xp, xp.view(torch.int32) if fast4 else xp, out, part, _counters(xp.device),
+        w.bias if w.bias is not None else w.scales, w.qweight, w.scales,
+        w.zeros if w.zeros is not None else w.scales, w.step_group, table, m, w.n, xp.stride(0), out.stride(0),
+        split, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, BS=cfg.bs, BN=cfg.bn,
+        RED=min(next_pow2(split), max(1, 8192 // cfg.bn)), FAST4=fast4, DEPTH=cfg.depth, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
 
 
 class GemvGroup:
@@ -759,6 +851,9 @@ def dequant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------- dispatch
 GEMV_MAX_M = 4
 DOT_MAX_M = 64
+# Mixed-width matrices on the gemv path split K along their width classes (`gemv_chunked`). Off until measured
+# (benchmarks/kernels.py, "mixed" rows; EXL2_CHUNKED_MIXED=1 turns it on for `exl2 bench`).
+CHUNKED_MIXED = os.environ.get("EXL2_CHUNKED_MIXED", "0") == "1"
 # One launch for the gemvs of q/k/v and of gate/up (`grouped_matmul`). Off until measured on the GPU against
 # separate launches (benchmarks/kernels.py reports both; EXL2_FUSE_SHARED_INPUT=1 turns it on for `exl2 bench`);
 # correct either way (tests compare with the twin).
@@ -811,6 +906,8 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         x[:, idx[keep]] = xp[:, keep]
         return matmul_torch(x, w)
     path, cfg = choose_config(m, w)
+    if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
+        return gemv_chunked(None, w, cfg, xp=xp)
     kernel = _gemv_kernel if path == "gemv" else _dot_kernel
     extra = {"FAST4": fast4_available(xp.device), "DEPTH": cfg.depth} if path == "gemv" else {}
     return _launch(kernel, xp, w, cfg, **extra)
