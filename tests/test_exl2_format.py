@@ -386,3 +386,19 @@ def test_pack_rejects_bad_values():
         pack(**{**good, "scale_codes": torch.zeros(1, 32)})
     with pytest.raises(ValueError, match="permutation"):
         pack(**{**good, "perm": torch.zeros(64, dtype=torch.long)})
+
+
+def test_synthetic_model_bodies_are_valid_exl2():
+    """`exl2 bench`'s fabricated layers: pure 4-bit, or 5/4/3-bit groups in every matrix (--mixed), ≈ 4.0 bpw,
+    and readable by the format's own reader."""
+    from exl2.formats.exl2 import layer_bpw, read_layer
+    from exl2.runtime.synthetic import BODY_OPTION, LLAMA3_8B, MIXED_BODY_OPTION, llama_exl2_tensors
+
+    cfg = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=16,
+               num_key_value_heads=4, vocab_size=300)
+    for body, widths in ((BODY_OPTION, {4}), (MIXED_BODY_OPTION, {3, 4, 5})):
+        t = llama_exl2_tensors(cfg, body=body)
+        for p in ("self_attn.q_proj", "mlp.down_proj"):
+            _, groups, _, _ = read_layer(t, f"model.layers.0.{p}")
+            assert {g.bits for g in groups} == widths
+            assert abs(layer_bpw(t, f"model.layers.0.{p}") - 4.05) < 0.15

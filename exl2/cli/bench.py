@@ -13,6 +13,8 @@ def register(sub) -> None:
     p.add_argument("--prefill", type=int, default=2047, help="prefill length (default 2047)")
     p.add_argument("--batch", type=int, default=16, help="large decode batch (default 16)")
     p.add_argument("--layers", type=int, default=None, help="synthetic model: number of layers (default 32)")
+    p.add_argument("--mixed", action="store_true",
+                   help="synthetic model: 5/4/3-bit groups in every matrix, like a real 4.0 bpw file")
     p.add_argument("--breakdown", action="store_true", help="also print per-kernel times of one decode step")
     p.set_defaults(func=run)
 
@@ -27,7 +29,7 @@ def run(args) -> int:
     from exl2.models.decoder import DecoderModel
     from exl2.models.registry import read_config, spec_from_config
     from exl2.runtime.benchmark import format_table, kernel_breakdown, run_benchmark, weight_bytes
-    from exl2.runtime.synthetic import LLAMA3_8B, DictSource, llama_exl2_tensors
+    from exl2.runtime.synthetic import LLAMA3_8B, MIXED_BODY_OPTION, BODY_OPTION, DictSource, llama_exl2_tensors
     from exl2.runtime.weights import WeightLoader
     from exl2.formats.safetensors_io import TensorSource
 
@@ -39,12 +41,14 @@ def run(args) -> int:
         cfg = dict(LLAMA3_8B)
         if args.layers:
             cfg["num_hidden_layers"] = args.layers
-        source = DictSource(llama_exl2_tensors(cfg, device=dev))
+        body = MIXED_BODY_OPTION if args.mixed else BODY_OPTION
+        source = DictSource(llama_exl2_tensors(cfg, device=dev, body=body))
     spec = spec_from_config(cfg)
     with torch.inference_mode():
         model = DecoderModel(spec, WeightLoader(source, dev, torch.float16)).eval()
     wbytes = weight_bytes(source)
-    print(f"model: {args.model_dir or 'synthetic Llama-3-8B-shaped EXL2 4.0 bpw, 6-bit head'}; "
+    kind = "5/4/3-bit mixed" if args.mixed else "4-bit"
+    print(f"model: {args.model_dir or f'synthetic Llama-3-8B-shaped EXL2 ({kind} body), 6-bit head'}; "
           f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}")
     rows = run_benchmark(model, wbytes, tuple(args.modes.split(",")), tuple(int(c) for c in args.contexts.split(",")),
                          args.prefill, args.batch, log=lambda r: None)

@@ -14,6 +14,8 @@ LLAMA3_8B = {
 
 # (bits, proportion, group size) per option: 4.0 bpw body (4-bit, group 128) and exllamav2's -hb 6 head.
 BODY_OPTION = ([4], [1.0], [128])
+# A body like a real 4.0 bpw file's: most groups 4-bit, some 5- and 3-bit in every matrix (≈ 4.0 bpw with scales).
+MIXED_BODY_OPTION = ([5, 4, 3], [0.1, 0.7, 0.2], [128, 128, 128])
 HEAD_OPTION = ([8, 6], [0.15, 0.85], [128, 128])
 
 
@@ -33,8 +35,9 @@ def random_exl2_layer(k: int, n: int, option=BODY_OPTION, device="cpu", generato
     return {key: t.to(device) for key, t in pack(codes, groups, scale_codes, scale_max, perm).items()}
 
 
-def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
-    """All tensors of a Llama-shaped EXL2 model (4-bit body, 6-bit head), keyed like an EXL2 checkpoint."""
+def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0, body=BODY_OPTION) -> dict[str, torch.Tensor]:
+    """All tensors of a Llama-shaped EXL2 model (`body` option for the decoder layers, 6-bit head), keyed like an
+    EXL2 checkpoint."""
     g = torch.Generator(device=device).manual_seed(seed)
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = h // cfg["num_attention_heads"]
@@ -44,7 +47,7 @@ def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0) -> di
         "model.norm.weight": torch.ones(h, dtype=torch.float16, device=device),
     }
 
-    def add(prefix, k, n, option=BODY_OPTION):
+    def add(prefix, k, n, option=body):
         for key, t in random_exl2_layer(k, n, option, device, g).items():
             out[f"{prefix}.{key}"] = t
 
