@@ -172,17 +172,9 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
 # summed in fp32. ~2 instructions per weight instead of ~5.
 @triton.jit
 def _load4(qw_ptr, sc_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n, mask_n, BS: tl.constexpr):
-    """Codes [BS, 4, BN] and scales [BS, 4, BN] (repeated over the word axis, so they arrive in the codes'
-    layout) of BS steps from s0; zeros past s_hi."""
-    offs_s = s0 + tl.arange(0, BS)
-    mask_s = offs_s < s_hi
-    m3 = mask_s[:, None, None] & mask_n[None, None, :]
-    wrow = first_word + (offs_s - first_step) * 4
-    w = tl.load(qw_ptr + (wrow[:, None] + jj[None, :])[:, :, None].to(tl.int64) * N + offs_n[None, None, :],
-                mask=m3, other=0)
-    grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
-    g_off = grp[:, None, None].to(tl.int64) * N + (jj * 0)[None, :, None] + offs_n[None, None, :]
-    sc = tl.load(sc_ptr + g_off, mask=m3, other=0.0)
+    """`_load_class` for a 4-bit class without zero tensors: codes and scales [BS, 4, BN]."""
+    w, _h, sc, _z = _load_class(qw_ptr, sc_ptr, sc_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
+                                mask_n, 4, 4, 0, False, BS)
     return w, sc
 
 
@@ -249,6 +241,21 @@ def _gemv_class4_fast(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
 
 
 @triton.jit
+def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, offs_n,
+                mask_n, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                FAST4: tl.constexpr, DEPTH: tl.constexpr):
+    """One width class's partial sums: the packed-fp16 decoder for EXL2 4-bit, the portable one otherwise (field
+    widths as in `qweight.split_bits`). x32r is the permuted input row read as int32 pairs."""
+    LB: tl.constexpr = 2 if BITS <= 3 else (8 if BITS == 8 else 4)
+    if BITS == 4 and FAST4 and not HAS_ZEROS:
+        return _gemv_class4_fast(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                                 offs_n, mask_n, BS, BN, DEPTH)
+    else:
+        return _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                           offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                  M, N, stride_xm, stride_om, SPLIT,
                  fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2,
@@ -264,29 +271,26 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     xr = x_ptr + pid_m.to(tl.int64) * stride_xm
+    x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2)
     res = tl.zeros([BN], dtype=tl.float32)
     if HAS8:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n,
-                           mask_n, 8, 8, 0, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n, mask_n,
+                           8, HAS_ZEROS, BS, BN, FAST4, DEPTH)
     if HAS6:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n,
-                           mask_n, 6, 4, 2, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n, mask_n,
+                           6, HAS_ZEROS, BS, BN, FAST4, DEPTH)
     if HAS5:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n,
-                           mask_n, 5, 4, 1, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n, mask_n,
+                           5, HAS_ZEROS, BS, BN, FAST4, DEPTH)
     if HAS4:
-        if FAST4 and not HAS_ZEROS:
-            res += _gemv_class4_fast(x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2), qw_ptr, sc_ptr, sg_ptr, N,
-                                     fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n, BS, BN, DEPTH)
-        else:
-            res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n,
-                               mask_n, 4, 4, 0, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n,
+                           4, HAS_ZEROS, BS, BN, FAST4, DEPTH)
     if HAS3:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n,
-                           mask_n, 3, 2, 1, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n, mask_n,
+                           3, HAS_ZEROS, BS, BN, FAST4, DEPTH)
     if HAS2:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n,
-                           mask_n, 2, 2, 0, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
+                           2, HAS_ZEROS, BS, BN, FAST4, DEPTH)
     offs_m = pid_m + tl.arange(0, 1)
     _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
@@ -310,29 +314,26 @@ def _gemv_chunked_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, q
     fs = tl.load(c + 1)
     ns = tl.load(c + 2)
     fw = tl.load(c + 3)
+    x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2)
     res = tl.zeros([BN], dtype=tl.float32)
     if kind == 0:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 8, 8, 0,
-                           HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 8,
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
     elif kind == 1:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 6, 4, 2,
-                           HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 6,
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
     elif kind == 2:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 5, 4, 1,
-                           HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 5,
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
     elif kind == 3:
-        if FAST4 and not HAS_ZEROS:
-            res += _gemv_class4_fast(x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2), qw_ptr, sc_ptr, sg_ptr, N,
-                                     fs, ns, fw, 0, 1, offs_n, mask_n, BS, BN, DEPTH)
-        else:
-            res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 4, 4, 0,
-                               HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 4,
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
     elif kind == 4:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 3, 2, 1,
-                           HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 3,
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
     else:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 2, 2, 0,
-                           HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 2,
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
     offs_m = pid_m + tl.arange(0, 1)
     _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, True, RED)
@@ -354,30 +355,26 @@ def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pi
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     xr = x_ptr + pid_m.to(tl.int64) * stride_xm + xoff
+    x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2) + xoff // 2
     res = tl.zeros([BN], dtype=tl.float32)
     if tl.load(meta + 1) > 0:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 0), tl.load(meta + 1),
-                           tl.load(meta + 2), pid_k, split, offs_n, mask_n, 8, 8, 0, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 0), tl.load(meta + 1),
+                           tl.load(meta + 2), pid_k, split, offs_n, mask_n, 8, HAS_ZEROS, BS, BN, FAST4, 1)
     if tl.load(meta + 4) > 0:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 3), tl.load(meta + 4),
-                           tl.load(meta + 5), pid_k, split, offs_n, mask_n, 6, 4, 2, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 3), tl.load(meta + 4),
+                           tl.load(meta + 5), pid_k, split, offs_n, mask_n, 6, HAS_ZEROS, BS, BN, FAST4, 1)
     if tl.load(meta + 7) > 0:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 6), tl.load(meta + 7),
-                           tl.load(meta + 8), pid_k, split, offs_n, mask_n, 5, 4, 1, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 6), tl.load(meta + 7),
+                           tl.load(meta + 8), pid_k, split, offs_n, mask_n, 5, HAS_ZEROS, BS, BN, FAST4, 1)
     if tl.load(meta + 10) > 0:
-        if FAST4 and not HAS_ZEROS:
-            x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2) + xoff // 2
-            res += _gemv_class4_fast(x32r, qw_ptr, sc_ptr, sg_ptr, N, tl.load(meta + 9), tl.load(meta + 10),
-                                     tl.load(meta + 11), pid_k, split, offs_n, mask_n, BS, BN)
-        else:
-            res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 9), tl.load(meta + 10),
-                               tl.load(meta + 11), pid_k, split, offs_n, mask_n, 4, 4, 0, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 9), tl.load(meta + 10),
+                           tl.load(meta + 11), pid_k, split, offs_n, mask_n, 4, HAS_ZEROS, BS, BN, FAST4, 1)
     if tl.load(meta + 13) > 0:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 12), tl.load(meta + 13),
-                           tl.load(meta + 14), pid_k, split, offs_n, mask_n, 3, 2, 1, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 12), tl.load(meta + 13),
+                           tl.load(meta + 14), pid_k, split, offs_n, mask_n, 3, HAS_ZEROS, BS, BN, FAST4, 1)
     if tl.load(meta + 16) > 0:
-        res += _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 15), tl.load(meta + 16),
-                           tl.load(meta + 17), pid_k, split, offs_n, mask_n, 2, 2, 0, HAS_ZEROS, BS, BN)
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 15), tl.load(meta + 16),
+                           tl.load(meta + 17), pid_k, split, offs_n, mask_n, 2, HAS_ZEROS, BS, BN, FAST4, 1)
     offs_m = pid_m + tl.arange(0, 1)
     tile = tl.load(meta + 22) + pid_m * tiles + pid_n
     part = part_ptr + tl.multiple_of(tl.load(meta + 24), 16).to(tl.int64)
