@@ -10,6 +10,7 @@ import math
 import torch
 
 from exl2.kernels.backend import next_pow2, tl, triton, use_triton
+from exl2.kernels.permute import take_columns
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -66,10 +67,7 @@ def glu_torch(gate: torch.Tensor, up: torch.Tensor | None = None, activation: st
     """The twin of `glu`."""
     g, u = _split(gate, up)
     y = (_act_torch(g.float(), activation) * u.float()).to(gate.dtype)
-    if index is None:
-        return y
-    i = index.long()
-    return y.index_select(-1, i.clamp(min=0)).masked_fill(i < 0, 0)
+    return y if index is None else take_columns(y, index)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu",

@@ -9,17 +9,13 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels.backend import next_pow2, tl, triton, use_triton
+from exl2.kernels.permute import gather_block, take_columns
 
 
 @triton.jit
 def _gather_row(o_row, idx_ptr, xp_row, n, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
     for start in range(0, n, BLOCK):
-        p = start + offs
-        m = p < n
-        i = tl.load(idx_ptr + p, mask=m, other=-1)
-        v = tl.load(o_row + i, mask=i >= 0, other=0.0)
-        tl.store(xp_row + p, v, mask=m)
+        gather_block(o_row, idx_ptr, xp_row, n, start + tl.arange(0, BLOCK))
 
 
 @triton.jit
@@ -74,11 +70,7 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
         out = _norm_torch(x, weight, None, eps, residual, gemma, False)
         normed = out[0] if residual is not None else out
         rows = normed.reshape(-1, normed.shape[-1])
-        parts = []
-        for idx in indices:
-            i = idx.long()
-            parts.append(rows.index_select(-1, i.clamp(min=0)).masked_fill(i < 0, 0))
-        return normed, torch.cat(parts, dim=1)
+        return normed, torch.cat([take_columns(rows, idx) for idx in indices], dim=1)
     d = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)

@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import next_pow2, sm_count, tl, triton, use_triton
+from exl2.kernels.permute import gather_block
 from exl2.kernels.qweight import WIDTHS, QuantWeight, gather_torch, matmul_torch, split_bits
 
 
@@ -65,14 +66,6 @@ def _store_out(res, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr,
 
 
 @triton.jit
-def _gather_one(x_row, idx_ptr, out_row, n, offs):
-    m = offs < n
-    idx = tl.load(idx_ptr + offs, mask=m, other=-1)
-    v = tl.load(x_row + idx, mask=idx >= 0, other=0.0)
-    tl.store(out_row + offs, v.to(out_row.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def _gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, i0, o0, n0, i1, o1, n1, i2, o2, n2, i3, o3, n3,
                    BLOCK: tl.constexpr):
     """out[m, o_w + p] = x[m, idx_w[p]] (0 where idx_w[p] < 0) for up to four weights w (grid axis 2)."""
@@ -82,13 +75,13 @@ def _gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, i0, o0, n0, i1, o1, n1,
     x_row = x_ptr + row * stride_xm
     out_row = out_ptr + row * stride_om
     if which == 0:
-        _gather_one(x_row, i0, out_row + o0, n0, offs)
+        gather_block(x_row, i0, out_row + o0, n0, offs)
     elif which == 1:
-        _gather_one(x_row, i1, out_row + o1, n1, offs)
+        gather_block(x_row, i1, out_row + o1, n1, offs)
     elif which == 2:
-        _gather_one(x_row, i2, out_row + o2, n2, offs)
+        gather_block(x_row, i2, out_row + o2, n2, offs)
     else:
-        _gather_one(x_row, i3, out_row + o3, n3, offs)
+        gather_block(x_row, i3, out_row + o3, n3, offs)
 
 
 @triton.jit

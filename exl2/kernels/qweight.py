@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from exl2.kernels.permute import take_columns
+
 WIDTHS = (8, 6, 5, 4, 3, 2)
 
 
@@ -112,9 +114,7 @@ def input_order(row_index: torch.Tensor, classes: tuple[WidthClass, ...]) -> tor
 
 def gather_torch(x: torch.Tensor, w: "QuantWeight") -> torch.Tensor:
     """The twin of `gather_input`: `x [M, K]` → `[M, S·32]` in the kernels' input order, 0 for padding rows."""
-    idx = w.x_index.long()
-    xp = x.index_select(-1, idx.clamp(min=0))
-    return xp.masked_fill(idx < 0, 0)
+    return take_columns(x, w.x_index)
 
 
 def encode_steps(codes: torch.Tensor, bits: int) -> torch.Tensor:
