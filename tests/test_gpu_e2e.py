@@ -8,6 +8,7 @@ from exl2.runtime.loader import load_model
 from exl2.runtime.paged_cache import PagedKVCache
 
 from test_exl2_model import GOLDEN
+from test_kernels_quant_matmul import rand_exl2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 NAMES = ["b3.0_hb6", "b4.0_hb6", "b6.0_hb6"]
@@ -68,83 +69,71 @@ def test_batched_graph_decode_matches_eager():
     assert torch.allclose(a, b, atol=1e-2, rtol=0)
 
 
-def test_fast_4bit_gemv_is_used_and_matches_twin():
-    """The packed-fp16 4-bit decoder passes its self-check and matches the twin at a real shape (fp16 partial
-    sums: tolerance 0.5 % of the output range)."""
-    from exl2.kernels.quant_matmul import MatmulConfig, fast4_available, gemv
-    from exl2.kernels.qweight import build, matmul_torch
+def _random_4bit(k: int, n: int, seed: int):
+    """A pure 4-bit layer in the kernel layout (groups of 128, act-order permutation) and a generator for inputs."""
+    from exl2.kernels.qweight import build
 
     dev = torch.device("cuda")
-    assert fast4_available(dev)
-    g = torch.Generator(device=dev).manual_seed(1)
-    k, n = 4096, 14336
+    g = torch.Generator(device=dev).manual_seed(seed)
     codes = torch.randint(0, 16, (k, n), device=dev, dtype=torch.uint8, generator=g)
     scales = (torch.rand(k // 128, n, device=dev, generator=g) * 0.01 + 0.001).half()
-    w = build(codes, [(4, 128)] * (k // 128), scales, None, torch.randperm(k, device=dev, generator=g))
-    x = torch.randn(1, k, device=dev, dtype=torch.float16, generator=g)
-    ref = matmul_torch(x, w).float()
-    got = gemv(x, w, MatmulConfig(bs=8, bn=128, split=4), fast4=True).float()
-    assert (got - ref).abs().max().item() <= 5e-3 * (ref.max() - ref.min()).item()
+    return build(codes, [(4, 128)] * (k // 128), scales, None, torch.randperm(k, device=dev, generator=g)), g
+
+
+def _assert_near(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp16 partial sums: within 0.5 % of the output range."""
+    assert (got.float() - ref).abs().max().item() <= 5e-3 * (ref.max() - ref.min()).item()
+
+
+def test_fast_4bit_gemv_is_used_and_matches_twin():
+    """The packed-fp16 4-bit decoder passes its self-check and matches the twin at a real shape."""
+    from exl2.kernels.quant_matmul import MatmulConfig, fast4_available, gemv
+    from exl2.kernels.qweight import matmul_torch
+
+    assert fast4_available(torch.device("cuda"))
+    w, g = _random_4bit(4096, 14336, 1)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.float16, generator=g)
+    _assert_near(gemv(x, w, MatmulConfig(bs=8, bn=128, split=4), fast4=True), matmul_torch(x, w).float())
 
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_fast_4bit_gemv_prefetch_depths_match_twin(depth):
     """One and two tiles of prefetch, with a K split that leaves ragged tails."""
     from exl2.kernels.quant_matmul import MatmulConfig, gemv
-    from exl2.kernels.qweight import build, matmul_torch
+    from exl2.kernels.qweight import matmul_torch
 
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(2)
-    k, n = 4096, 4096
-    codes = torch.randint(0, 16, (k, n), device=dev, dtype=torch.uint8, generator=g)
-    scales = (torch.rand(k // 128, n, device=dev, generator=g) * 0.01 + 0.001).half()
-    w = build(codes, [(4, 128)] * (k // 128), scales, None, torch.randperm(k, device=dev, generator=g))
-    x = torch.randn(2, k, device=dev, dtype=torch.float16, generator=g)
-    ref = matmul_torch(x, w).float()
-    got = gemv(x, w, MatmulConfig(bs=8, bn=128, split=3, depth=depth), fast4=True).float()
-    assert (got - ref).abs().max().item() <= 5e-3 * (ref.max() - ref.min()).item()
+    w, g = _random_4bit(4096, 4096, 2)
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.float16, generator=g)
+    got = gemv(x, w, MatmulConfig(bs=8, bn=128, split=3, depth=depth), fast4=True)
+    _assert_near(got, matmul_torch(x, w).float())
 
 
 def test_grouped_gemv_real_sizes_match_twin():
     """q/k/v-shaped weights with different width mixes through one `GemvGroup` launch, fast 4-bit path on."""
-    from exl2.formats.exl2 import pack
     from exl2.kernels.exl2_matmul import Exl2Weight
     from exl2.kernels.quant_matmul import GemvGroup, gather_input
     from exl2.kernels.qweight import matmul_torch
 
-    g = torch.Generator().manual_seed(3)
-    ws = []
-    for n, layout in ((4096, [(4, 128)] * 32), (1024, [(6, 128)] * 4 + [(4, 128)] * 28),
-                      (1024, [(5, 128)] * 8 + [(4, 128)] * 20 + [(3, 128)] * 4)):
-        codes = torch.cat([torch.randint(0, 1 << b, (r, n), generator=g) for b, r in layout]).to(torch.uint8)
-        t = pack(codes, layout, torch.randint(1, 17, (len(layout), n), generator=g),
-                 (torch.rand(len(layout), generator=g) * 0.05 + 0.005).half(), torch.randperm(4096, generator=g))
-        ws.append(Exl2Weight.from_tensors({f"L.{k}": v.cuda() for k, v in t.items()}, "L", device="cuda"))
+    layouts = ((4096, [(4, 128)] * 32), (1024, [(6, 128)] * 4 + [(4, 128)] * 28),
+               (1024, [(5, 128)] * 8 + [(4, 128)] * 20 + [(3, 128)] * 4))
+    ws = [Exl2Weight.from_tensors(rand_exl2(layout, n, bias=False, seed=3 + i, device="cuda"), "L", device="cuda")
+          for i, (n, layout) in enumerate(layouts)]
     x = torch.randn(3, 4096, device="cuda", dtype=torch.float16)
     group = GemvGroup(ws)
     for _ in range(2):  # the second call reuses the split-K counters reset by the first
-        outs = group(gather_input(x, ws, whole=True))
-        for w, y in zip(ws, outs):
-            ref = matmul_torch(x, w).float()
-            assert (y.float() - ref).abs().max().item() <= 5e-3 * (ref.max() - ref.min()).item()
+        for w, y in zip(ws, group(gather_input(x, ws, whole=True))):
+            _assert_near(y, matmul_torch(x, w).float())
 
 
 def test_chunked_gemv_mixed_widths_real_size():
     """A mixed 8/5/4/3-bit gate/up-sized matrix with K split along its width classes, fast 4-bit path on."""
-    from exl2.formats.exl2 import pack
     from exl2.kernels.exl2_matmul import Exl2Weight
     from exl2.kernels.quant_matmul import MatmulConfig, gemv_chunked
     from exl2.kernels.qweight import matmul_torch
 
-    g = torch.Generator().manual_seed(4)
     layout = [(8, 128)] * 2 + [(5, 128)] * 4 + [(4, 128)] * 20 + [(3, 128)] * 6
-    n = 14336
-    codes = torch.cat([torch.randint(0, 1 << b, (r, n), generator=g) for b, r in layout]).to(torch.uint8)
-    t = pack(codes, layout, torch.randint(1, 17, (len(layout), n), generator=g),
-             (torch.rand(len(layout), generator=g) * 0.05 + 0.005).half(), torch.randperm(4096, generator=g))
-    w = Exl2Weight.from_tensors({f"L.{k}": v.cuda() for k, v in t.items()}, "L", device="cuda")
+    w = Exl2Weight.from_tensors(rand_exl2(layout, 14336, bias=False, seed=4, device="cuda"), "L", device="cuda")
     x = torch.randn(2, 4096, device="cuda", dtype=torch.float16)
     ref = matmul_torch(x, w).float()
     for split in (4, 16):
-        got = gemv_chunked(x, w, MatmulConfig(bs=8, bn=128, split=split)).float()
-        assert (got - ref).abs().max().item() <= 5e-3 * (ref.max() - ref.min()).item()
+        _assert_near(gemv_chunked(x, w, MatmulConfig(bs=8, bn=128, split=split)), ref)
