@@ -608,7 +608,26 @@ def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight], whole: bool = False
         block = 1024
         _gather_kernel[(triton.cdiv(max(sizes), block), m, len(ws))](x, x.stride(0), out, out.stride(0), *args,
                                                                      BLOCK=block, num_warps=4)
-    return out if whole else [out[:, o:o + n] for o, n in zip(offs, sizes)]
+    return out if whole else split_permuted(out, ws)
+
+
+def split_permuted(buf: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
+    """Each weight's view of a `[M, Σ S_i·32]` buffer of permuted inputs (from `gather_input(whole=True)` or a
+    kernel that writes them, such as `rms_norm_gather`)."""
+    views, start = [], 0
+    for w in ws:
+        views.append(buf[:, start:start + w.x_index.numel()])
+        start += w.x_index.numel()
+    return views
+
+
+def _pairs_view(xp: torch.Tensor, fast4: bool | None) -> tuple[bool, torch.Tensor]:
+    """Whether the packed 4-bit decoder runs on xp (None: where its self-check passed; it needs fp16 input with an
+    even row stride) and the int32 view of xp it reads."""
+    if fast4 is None:
+        fast4 = fast4_available(xp.device)
+    fast4 = bool(fast4) and xp.dtype == torch.float16 and xp.stride(0) % 2 == 0
+    return fast4, (xp.view(torch.int32) if fast4 else xp)
 
 
 def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra) -> torch.Tensor:
@@ -623,8 +642,7 @@ def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra
     cls, flags = _class_args(w)
     zeros = w.zeros if w.zeros is not None else w.scales
     bias = w.bias if w.bias is not None else w.scales
-    fast4 = extra.pop("FAST4", False) and xp.dtype == torch.float16 and xp.stride(0) % 2 == 0
-    x32 = xp.view(torch.int32) if fast4 else xp
+    fast4, x32 = _pairs_view(xp, extra.pop("FAST4", False))
     kernel[(grid_n, split, grid_m)](
         xp, x32, out, part, _counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
         m, w.n, xp.stride(0), out.stride(0), split, *cls, **flags, HAS_ZEROS=w.zeros is not None,
@@ -649,8 +667,6 @@ def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None 
     self-check passed)."""
     if CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(x, w, cfg, fast4, xp)
-    if fast4 is None:
-        fast4 = fast4_available(x.device)
     return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4, DEPTH=cfg.depth)
 
 
@@ -679,9 +695,7 @@ def gemv_chunked(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool
     out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
     if m == 0:
         return out
-    if fast4 is None:
-        fast4 = fast4_available(xp.device)
-    fast4 = fast4 and xp.dtype == torch.float16 and xp.stride(0) % 2 == 0
+    fast4, x32 = _pairs_view(xp, fast4)
     table = chunk_table(w, max(cfg.split, len(w.classes)), cfg.bs)
     split = table.shape[0]
     grid_n = triton.cdiv(w.n, cfg.bn)
@@ -689,7 +703,7 @@ def gemv_chunked(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool
         raise ValueError("too many output tiles for the split-K counters.")
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device)
     _gemv_chunked_kernel[(grid_n, split, m)](
-        xp, xp.view(torch.int32) if fast4 else xp, out, part, _counters(xp.device),
+        xp, x32, out, part, _counters(xp.device),
         w.bias if w.bias is not None else w.scales, w.qweight, w.scales,
         w.zeros if w.zeros is not None else w.scales, w.step_group, table, m, w.n, xp.stride(0), out.stride(0),
         split, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, BS=cfg.bs, BN=cfg.bn,
@@ -750,9 +764,7 @@ class GemvGroup:
         if m == 0:
             return outs
         meta, programs, part_n, red = self.plan(m, xp.device)
-        if fast4 is None:
-            fast4 = fast4_available(xp.device)
-        fast4 = fast4 and xp.dtype == torch.float16 and xp.stride(0) % 2 == 0
+        fast4, x32 = _pairs_view(xp, fast4)
         part = torch.empty(max(1, part_n), dtype=torch.float32, device=xp.device)
         args = []
         for i in range(self.MAX):
@@ -762,7 +774,7 @@ class GemvGroup:
                      w.zeros if w.zeros is not None else w.scales, w.step_group]
         has_bias = [w.bias is not None for w in self.ws] + [False] * (self.MAX - len(self.ws))
         _gemv_group_kernel[(programs, 1, m)](
-            xp, xp.view(torch.int32) if fast4 else xp, xp.stride(0), meta, part, _counters(xp.device), m, *args,
+            xp, x32, xp.stride(0), meta, part, _counters(xp.device), m, *args,
             G=len(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0], B1=has_bias[1],
             B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, num_warps=4, num_stages=2)
         return outs
@@ -899,7 +911,7 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(None, w, cfg, xp=xp)
     kernel = _gemv_kernel if path == "gemv" else _dot_kernel
-    extra = {"FAST4": fast4_available(xp.device), "DEPTH": cfg.depth} if path == "gemv" else {}
+    extra = {"FAST4": None, "DEPTH": cfg.depth} if path == "gemv" else {}
     return _launch(kernel, xp, w, cfg, **extra)
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl2.kernels.quant_matmul import (gather_input, grouped_matmul, permuted_matmul, quant_matmul,
-                                       uses_permuted_input)
+                                       split_permuted, uses_permuted_input)
 
 
 class Linear(nn.Module):
@@ -31,15 +31,16 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, xp: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`xp`: x already permuted for this layer's kernel (see `project`)."""
         if self.kernel is not None:
-            y = quant_matmul(x, self.kernel, xp)
-            return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
+            return self.trim(quant_matmul(x, self.kernel, xp))
         return F.linear(x, self.weight, self.bias)
 
     def forward_permuted(self, xp: torch.Tensor, lead: Sequence[int]) -> torch.Tensor:
         """The quantized layer on its permuted input only (`[rows, S·32]`, rows ≤ 64); output `[*lead, out]`."""
-        y = permuted_matmul(xp, self.kernel)
-        y = y if y.shape[-1] == self.out_features else y[..., : self.out_features]
-        return y.reshape(*lead, self.out_features)
+        return self.trim(permuted_matmul(xp, self.kernel)).reshape(*lead, self.out_features)
+
+    def trim(self, y: torch.Tensor) -> torch.Tensor:
+        """The kernel's output without the columns EXL2 pads N with (to a multiple of 32)."""
+        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={self.info.get('format')}"
@@ -68,13 +69,8 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Te
     if len(quant) == len(linears):
         outs = grouped_matmul(x2, kernels, xp)
         if outs is not None:
-            return [y.view(*x.shape[:-1], y.shape[-1])[..., :m.out_features] for m, y in zip(linears, outs)]
-        if xp is None:
-            xp = gather_input(x2, kernels, whole=True)
-        views, start = [], 0
-        for w in kernels:
-            views.append(xp[:, start:start + w.x_index.numel()])
-            start += w.x_index.numel()
+            return [m.trim(y.view(*x.shape[:-1], y.shape[-1])) for m, y in zip(linears, outs)]
+        views = gather_input(x2, kernels) if xp is None else split_permuted(xp, kernels)
         return [m(x, v) for m, v in zip(linears, views)]
     if xp is not None:
         raise ValueError("a permuted input buffer needs every linear to be quantized.")
