@@ -238,15 +238,16 @@ def group_section(bw: float) -> None:
                 xps = qm.gather_input(x, s)
                 return [qm.quant_matmul(x, w, xp) for w, xp in zip(s, xps)]
 
-            def grouped(s):
-                return qm.GemvGroup(s)(qm.gather_input(x, s, whole=True))
-
             groups = [qm.GemvGroup(s) for s in sets]
+
+            def grouped(s, g):
+                return g(qm.gather_input(x, s, whole=True))
+
             t_sep = graph_us([lambda s=s: separate(s) for s in sets])
             err = max(rel_err(y, r) for y, r in zip(separate(ws), refs))
             row(name, m, "gather + separate gemvs", t_sep, wbytes, bw, None, err)
-            t_grp = graph_us([lambda s=s, g=g: g(qm.gather_input(x, s, whole=True)) for s, g in zip(sets, groups)])
-            err = max(rel_err(y, r) for y, r in zip(grouped(ws), refs))
+            t_grp = graph_us([lambda s=s, g=g: grouped(s, g) for s, g in zip(sets, groups)])
+            err = max(rel_err(y, r) for y, r in zip(grouped(ws, groups[0]), refs))
             row(name, m, "gather + one grouped gemv", t_grp, wbytes, bw, t_sep, err, "vs_cublas column = separate / grouped")
         del ws, sets
         torch.cuda.empty_cache()

@@ -71,27 +71,15 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
         normed = out[0] if residual is not None else out
         rows = normed.reshape(-1, normed.shape[-1])
         return normed, torch.cat([take_columns(rows, idx) for idx in indices], dim=1)
-    d = x.shape[-1]
-    x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     sizes = [int(i.numel()) for i in indices]
-    offs = [sum(sizes[:k]) for k in range(len(sizes))]
-    xp = torch.empty((x2.shape[0], sum(sizes)), dtype=x.dtype, device=x.device)
-    r2 = residual.view(-1, d) if residual is not None else None
-    if x2.shape[0]:
-        block = next_pow2(d)
-        g = []
-        for k in range(3):
-            j = min(k, len(indices) - 1)
-            g += [indices[j], offs[j], sizes[j]]
-        i0, o0, n0, i1, o1, n1, i2, o2, n2 = g
-        _norm_kernel[(x2.shape[0],)](
-            x2, r2 if r2 is not None else x2, weight if weight is not None else x2, x2, out, d, x2.stride(0),
-            r2.stride(0) if r2 is not None else 0, out.stride(0), float(eps), HAS_RES=r2 is not None,
-            HAS_W=weight is not None, HAS_B=False, GEMMA=gemma, LAYER=False, BLOCK=block, xp_ptr=xp,
-            stride_xp=xp.stride(0), i0=i0, o0=o0, n0=n0, i1=i1, o1=o1, n1=n1, i2=i2, o2=o2, n2=n2,
-            G=len(indices), num_warps=min(16, max(1, block // 256)))
-    return out.view(x.shape), xp
+    xp = torch.empty((x.numel() // x.shape[-1], sum(sizes)), dtype=x.dtype, device=x.device)
+    g = {}
+    for k in range(3):  # unused slots repeat the last index vector (G tells the kernel how many are real)
+        j = min(k, len(indices) - 1)
+        g.update({f"i{k}": indices[j], f"o{k}": sum(sizes[:j]), f"n{k}": sizes[j]})
+    out = _norm_triton(x, weight, None, eps, residual, gemma, False, xp_ptr=xp, stride_xp=xp.stride(0),
+                       G=len(indices), **g)
+    return (out[0] if residual is not None else out), xp
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +87,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _norm_triton(x, weight, bias, eps, residual, gemma, layer):
+def _norm_triton(x, weight, bias, eps, residual, gemma, layer, **gather):
+    """`gather`: the permuted-copy arguments of `_norm_kernel` (see `rms_norm_gather`)."""
     d = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -112,7 +101,7 @@ def _norm_triton(x, weight, bias, eps, residual, gemma, layer):
             x2, r2 if r2 is not None else x2, weight if weight is not None else x2, bias if bias is not None else x2,
             out, d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0), float(eps),
             HAS_RES=r2 is not None, HAS_W=weight is not None, HAS_B=bias is not None, GEMMA=gemma, LAYER=layer,
-            BLOCK=block, num_warps=min(16, max(1, block // 256)))
+            BLOCK=block, num_warps=min(16, max(1, block // 256)), **gather)
     out = out.view(x.shape)
     return (out, residual) if residual is not None else out
 
