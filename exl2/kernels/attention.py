@@ -218,21 +218,22 @@ def slot_mapping(block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q
 
 
 @triton.jit
+def _copy_row(src_row, dst_row, W, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for o in range(0, W, BLOCK):
+        m = o + offs < W
+        tl.store(dst_row + o + offs, tl.load(src_row + o + offs, mask=m).to(dst_row.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _write_rows_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, KW, VW, BLOCK: tl.constexpr):
     """Row t of k (axis 1 = 0) or v (axis 1 = 1) into cache row slots[t]."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
     if tl.program_id(1) == 0:
-        for o in range(0, KW, BLOCK):
-            m = o + offs < KW
-            x = tl.load(k_ptr + t * stride_k + o + offs, mask=m)
-            tl.store(kc_ptr + slot * KW + o + offs, x.to(kc_ptr.dtype.element_ty), mask=m)
+        _copy_row(k_ptr + t * stride_k, kc_ptr + slot * KW, KW, BLOCK)
     else:
-        for o in range(0, VW, BLOCK):
-            m = o + offs < VW
-            x = tl.load(v_ptr + t * stride_v + o + offs, mask=m)
-            tl.store(vc_ptr + slot * VW + o + offs, x.to(vc_ptr.dtype.element_ty), mask=m)
+        _copy_row(v_ptr + t * stride_v, vc_ptr + slot * VW, VW, BLOCK)
 
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
