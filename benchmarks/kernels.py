@@ -136,12 +136,16 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
     """Per shape: cuBLAS fp16 and the dispatcher's default at M = 1, 2, 4, 8, 16 (including the input gather),
     the gemv/dot kernels alone on a pre-gathered input, and (--sweep) the best launch parameters."""
     C = qm.MatmulConfig
-    gemv_cfgs = [C(bs=bs, bn=128, split=sp, num_warps=nw, depth=d) for bs, nw, d in ((8, 4, 1), (8, 4, 2), (4, 4, 2),
-                                                                                 (16, 8, 1))
-                 for sp in (1, 2, 4, 8, 16, 32)] if sweep_on else []
+    # depth 1-2: tiles prefetched in registers; depth 0: the loop pipelined by Triton num_stages deep (cp.async)
+    gemv_cfgs = [C(bs=bs, bn=128, split=sp, num_warps=nw, depth=d, num_stages=st)
+                 for bs, nw, d, st in ((8, 4, 1, 2), (8, 4, 2, 2), (8, 4, 0, 2), (8, 4, 0, 3), (8, 4, 0, 4),
+                                       (4, 4, 0, 4), (16, 4, 0, 3), (16, 8, 0, 3))
+                 for sp in (1, 2, 4, 8, 16)] if sweep_on else []
     big_cfgs = [C(bm=bm, bs=4, bn=128, split=1, num_warps=nw, num_stages=st) for bm, nw, st in
                 ((64, 4, 2), (64, 8, 3), (128, 8, 2), (128, 8, 3))] if sweep_on else []
-    dot_cfgs = [C(bm=16, bs=bs, bn=128, split=sp, num_warps=4, num_stages=st) for bs, st in ((4, 2), (4, 3), (8, 2))
+    dot_cfgs = [C(bm=16, bs=bs, bn=bn, split=sp, num_warps=nw, num_stages=st)
+                for bs, bn, nw, st in ((4, 128, 4, 2), (4, 128, 4, 3), (4, 128, 4, 4), (8, 128, 4, 3), (4, 64, 4, 4),
+                                       (4, 256, 8, 3))
                 for sp in (1, 2, 4, 8)] if sweep_on else []
     for name, k, n, bits in SHAPES:
         if over_budget():
@@ -168,7 +172,7 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
             if m == 1:
                 t = graph_us([lambda: qm.gather_input(x, [w])])
                 row(name, m, "gather alone", t, 0, bw)
-            cands = ([("gemv", qm.gemv, gemv_cfgs)] if m <= 4 else []) + [("dot", qm.dot, dot_cfgs)]
+            cands = [("gemv", qm.gemv, gemv_cfgs)] if m == 1 else ([("dot", qm.dot, dot_cfgs)] if m == 16 else [])
             for label, fn, cfgs in cands:
                 best = sweep(copies, x, lambda x_, w_, c, fn=fn, xp=xp: fn(x_, w_, c, xp=xp), cfgs, ref,
                              f"{name} M={m} {label}")

@@ -96,15 +96,16 @@ def test_fast_4bit_gemv_is_used_and_matches_twin():
     _assert_near(gemv(x, w, MatmulConfig(bs=8, bn=128, split=4), fast4=True), matmul_torch(x, w).float())
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_fast_4bit_gemv_prefetch_depths_match_twin(depth):
-    """One and two tiles of prefetch, with a K split that leaves ragged tails."""
+@pytest.mark.parametrize("depth,stages", [(1, 2), (2, 2), (0, 2), (0, 4)])
+def test_fast_4bit_gemv_prefetch_depths_match_twin(depth, stages):
+    """One and two tiles of prefetch in registers, and the Triton-pipelined word-at-a-time decoder (depth 0),
+    with a K split that leaves ragged tails."""
     from exl2.kernels.quant_matmul import MatmulConfig, gemv
     from exl2.kernels.qweight import matmul_torch
 
     w, g = _random_4bit(4096, 4096, 2)
     x = torch.randn(2, 4096, device="cuda", dtype=torch.float16, generator=g)
-    got = gemv(x, w, MatmulConfig(bs=8, bn=128, split=3, depth=depth), fast4=True)
+    got = gemv(x, w, MatmulConfig(bs=8, bn=128, split=3, depth=depth, num_stages=stages), fast4=True)
     _assert_near(got, matmul_torch(x, w).float())
 
 

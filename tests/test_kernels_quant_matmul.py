@@ -134,9 +134,11 @@ def test_gemv_matches_twin(m, split):
     with force_triton():
         y = qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=split))
         y2 = qm.gemv(x, w, qm.MatmulConfig(bs=4, bn=64, split=1))
+        y3 = qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=split, depth=0, num_stages=3))  # Triton-pipelined
     ref = qweight.matmul_torch(x, w)
     _check_close(y, ref)
     _check_close(y2, ref)
+    _check_close(y3, ref)
 
 
 @needs_triton

@@ -173,6 +173,8 @@ def test_rms_norm_gather_matches_twin(with_residual):
         assert xp.shape == (3, sum(i.numel() for i in idx[:g]))
         torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
         torch.testing.assert_close(xp, ref_xp, atol=2e-3, rtol=0)
+        # the copies are computed from gathered inputs, and must equal the written row exactly
+        torch.testing.assert_close(xp[:, :d], out[:, idx[0].long()], atol=0, rtol=0)
         if res is not None:
             torch.testing.assert_close(r1, r2, atol=0, rtol=0)
         if g > 1:

@@ -108,7 +108,7 @@ def _glu_gather(g: torch.Tensor, u: torch.Tensor, activation: str, index: torch.
     p = index.numel()
     out = torch.empty((g2.shape[0], p), dtype=g.dtype, device=g.device)
     if out.shape[0]:
-        block = min(2048, next_pow2(p))
+        block = min(512, next_pow2(p))  # more programs: each waits on an index load, then on the gathered loads
         _glu_kernel[(out.shape[0], triton.cdiv(p, block))](g2, u2, out, p, g2.stride(0), u2.stride(0), out.stride(0),
                                                            ACT=_ACT_ID[activation], BLOCK=block, idx_ptr=index,
                                                            GATHER=True, num_warps=4)

@@ -9,13 +9,37 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels.backend import next_pow2, tl, triton, use_triton
-from exl2.kernels.permute import gather_block, take_columns
+from exl2.kernels.permute import take_columns
 
 
 @triton.jit
-def _gather_row(o_row, idx_ptr, xp_row, n, BLOCK: tl.constexpr):
-    for start in range(0, n, BLOCK):
-        gather_block(o_row, idx_ptr, xp_row, n, start + tl.arange(0, BLOCK))
+def _gather_in(x_row, res_row, idx_ptr, n, offs, HAS_RES: tl.constexpr):
+    """One consumer's index vector and the input (+ residual) entries it picks, loaded before any store."""
+    idx = tl.load(idx_ptr + offs, mask=offs < n, other=-1)
+    gx = tl.load(x_row + idx, mask=idx >= 0, other=0.0)
+    if HAS_RES:
+        gr = tl.load(res_row + idx, mask=idx >= 0, other=0.0)
+    else:
+        gr = gx
+    return idx, gx, gr
+
+
+@triton.jit
+def _gather_out(idx, gx, gr, dst_row, n, offs, w_ptr, mean, rstd, res_dtype, HAS_RES: tl.constexpr,
+                HAS_W: tl.constexpr, GEMMA: tl.constexpr, LAYER: tl.constexpr):
+    """dst[p] = normed[idx[p]] (0 where idx[p] < 0), computed the way the main row is."""
+    v = gx.to(tl.float32)
+    if HAS_RES:
+        v = (v + gr.to(tl.float32)).to(res_dtype).to(tl.float32)
+    if LAYER:
+        v = v - mean
+    y = v * rstd
+    if HAS_W:
+        w = tl.load(w_ptr + idx, mask=idx >= 0, other=0.0).to(tl.float32)
+        if GEMMA:
+            w = w + 1.0
+        y = y * w
+    tl.store(dst_row + offs, tl.where(idx >= 0, y, 0.0).to(dst_row.dtype.element_ty), mask=offs < n)
 
 
 @triton.jit
@@ -23,20 +47,35 @@ def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, s
                  HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GEMMA: tl.constexpr,
                  LAYER: tl.constexpr, BLOCK: tl.constexpr, xp_ptr=None, stride_xp=0, i0=None, o0=0, n0=0, i1=None,
                  o1=0, n1=0, i2=None, o2=0, n2=0, G: tl.constexpr = 0):
+    """One row per program. With G > 0 the program also writes G permuted copies of its normed row (the
+    consumers' `quant_matmul.gather_input` order), computed from gathered inputs that are all loaded up front,
+    so the copies cost one memory latency, not a dependent chain after the row is written."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x_row = x_ptr + row * stride_x
+    r_row = res_ptr + row * stride_r
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if G > 0:
+        idx0, gx0, gr0 = _gather_in(x_row, r_row, i0, n0, offs, HAS_RES)
+        if G > 1:
+            idx1, gx1, gr1 = _gather_in(x_row, r_row, i1, n1, offs, HAS_RES)
+        if G > 2:
+            idx2, gx2, gr2 = _gather_in(x_row, r_row, i2, n2, offs, HAS_RES)
+    mean = 0.0
     if HAS_RES:
-        r_ptrs = res_ptr + row * stride_r + offs
+        r_ptrs = r_row + offs
         s = (x + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+        if G > 0:
+            tl.debug_barrier()  # every thread's gathered residual loads happen before any residual store
         tl.store(r_ptrs, s, mask=mask)
         x = s.to(tl.float32)
     if LAYER:
         mean = tl.sum(x, axis=0) / D
         x = tl.where(mask, x - mean, 0.0)
     var = tl.sum(x * x, axis=0) / D
-    y = x * (1.0 / tl.sqrt(var + eps))
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = x * rstd
     if HAS_W:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if GEMMA:
@@ -46,16 +85,15 @@ def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, s
         y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     if G > 0:
-        # The consumers' permuted copies of the row just written (`quant_matmul.gather_input` order); the
-        # barrier makes this program's stores visible to all its threads.
-        tl.debug_barrier()
-        o_row = out_ptr + row * stride_o
         xp_row = xp_ptr + row * stride_xp
-        _gather_row(o_row, i0, xp_row + o0, n0, BLOCK)
+        _gather_out(idx0, gx0, gr0, xp_row + o0, n0, offs, w_ptr, mean, rstd, res_ptr.dtype.element_ty, HAS_RES,
+                    HAS_W, GEMMA, LAYER)
         if G > 1:
-            _gather_row(o_row, i1, xp_row + o1, n1, BLOCK)
+            _gather_out(idx1, gx1, gr1, xp_row + o1, n1, offs, w_ptr, mean, rstd, res_ptr.dtype.element_ty,
+                        HAS_RES, HAS_W, GEMMA, LAYER)
         if G > 2:
-            _gather_row(o_row, i2, xp_row + o2, n2, BLOCK)
+            _gather_out(idx2, gx2, gr2, xp_row + o2, n2, offs, w_ptr, mean, rstd, res_ptr.dtype.element_ty,
+                        HAS_RES, HAS_W, GEMMA, LAYER)
 
 
 def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, indices, residual=None,
@@ -72,6 +110,8 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
         rows = normed.reshape(-1, normed.shape[-1])
         return normed, torch.cat([take_columns(rows, idx) for idx in indices], dim=1)
     sizes = [int(i.numel()) for i in indices]
+    if max(sizes) > next_pow2(x.shape[-1]):
+        raise ValueError("an index vector is longer than the padded row it gathers from.")
     xp = torch.empty((x.numel() // x.shape[-1], sum(sizes)), dtype=x.dtype, device=x.device)
     g = {}
     for k in range(3):  # unused slots repeat the last index vector (G tells the kernel how many are real)

@@ -115,12 +115,12 @@ def _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_w
 @triton.jit
 def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                 offs_n, mask_n, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                BS: tl.constexpr, BN: tl.constexpr):
+                BS: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr = 1, STAGES: tl.constexpr = 2):
     """Partial x·W over this program's share of one width class's steps, for BN columns ([BN] fp32).
 
     x is the permuted input (`gather_input`). Tiles are [steps, low word j, row-in-word u, columns]; stored row
-    of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`. The next tile's words, scales and
-    zeros are loaded before this tile's arithmetic."""
+    of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`. DEPTH 1: the next tile's words,
+    scales and zeros are loaded before this tile's arithmetic; DEPTH 0: Triton pipelines the loop STAGES deep."""
     PER: tl.constexpr = 32 // LB
     HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     MAGIC: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
@@ -136,12 +136,17 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     acc = tl.zeros([BS, LB, BN], dtype=tl.float32)
-    w_n, h_n, sc_n, z_n = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s_lo, s_hi, first_step, first_word, jj,
-                                      offs_n, mask_n, BITS, LB, HB, HAS_ZEROS, BS)
-    for s0 in range(s_lo, s_hi, BS):
-        w, h, sc, z = w_n, h_n, sc_n, z_n
-        w_n, h_n, sc_n, z_n = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0 + BS, s_hi, first_step, first_word,
+    if DEPTH > 0:
+        w_n, h_n, sc_n, z_n = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s_lo, s_hi, first_step, first_word,
                                           jj, offs_n, mask_n, BITS, LB, HB, HAS_ZEROS, BS)
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES if DEPTH == 0 else None):
+        if DEPTH > 0:
+            w, h, sc, z = w_n, h_n, sc_n, z_n
+            w_n, h_n, sc_n, z_n = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0 + BS, s_hi, first_step,
+                                              first_word, jj, offs_n, mask_n, BITS, LB, HB, HAS_ZEROS, BS)
+        else:
+            w, h, sc, z = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj,
+                                      offs_n, mask_n, BITS, LB, HB, HAS_ZEROS, BS)
         offs_s = s0 + tl.arange(0, BS)
         code = (w[:, :, None, :] >> lo_sh) & ((1 << LB) - 1)
         if HB > 0:
@@ -233,19 +238,116 @@ def _gemv_class4_fast(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
     return tl.sum(tl.sum(acc, axis=1), axis=0)
 
 
+# Word-at-a-time form of the decoder above (`_gemv_class4_pipe`): one asm block takes the four words of a step
+# for one column (32 codes under one scale) and 16 input pairs. Codes (u, u+4) leave a word with one lop3 each;
+# the odd ones (mask 0x00F000F0) come out 16x too large, which the fma by 1/16 that removes the offset also
+# undoes, so a word costs one shift instead of three. Each word's four packed products are summed in fp16 and
+# added in fp32, as above.
+_WORDS4_ASM = tl.constexpr("""
+{
+.reg .b32 q0, q1, q2, q3, s, a, z, c, d;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi, r;
+mov.b32 z, 0x64086408;
+mov.b32 c, 0x2C002C00;
+mov.b32 d, 0xD480D480;
+mov.f32 r, 0f00000000;
+""" + "".join(f"""
+lop3.b32 q0, ${1 + j}, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 q1, ${1 + j}, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 s, ${1 + j}, 8;
+lop3.b32 q2, s, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 q3, s, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 q0, q0, z;
+fma.rn.f16x2 q1, q1, c, d;
+sub.f16x2 q2, q2, z;
+fma.rn.f16x2 q3, q3, c, d;
+mul.rn.f16x2 a, q0, ${5 + 4 * j};
+fma.rn.f16x2 a, q1, ${6 + 4 * j}, a;
+fma.rn.f16x2 a, q2, ${7 + 4 * j}, a;
+fma.rn.f16x2 a, q3, ${8 + 4 * j}, a;
+mov.b32 {{lo, hi}}, a;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 r, r, flo;
+add.f32 r, r, fhi;
+""" for j in range(4)) + """
+mov.f32 $0, r;
+}
+""")
+_WORDS4_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 20))
+
+
+@triton.jit
+def _by_word(t):
+    """[BS, 2, 2] indexed (j // 2, j % 2) -> its four [BS, 1] slices for words j = 0..3."""
+    even, odd = tl.split(t)
+    j0, j2 = tl.split(even)
+    j1, j3 = tl.split(odd)
+    return j0[:, None], j1[:, None], j2[:, None], j3[:, None]
+
+
+@triton.jit
+def _step_pairs(x32_ptr, offs_s, mask_s):
+    """Each step's 16 input pairs (int32 4j + k: word j, codes k and k+4), split by k: four [BS, 2, 2] tensors
+    for `_by_word`."""
+    BS: tl.constexpr = offs_s.shape[0]
+    xw = tl.load(x32_ptr + offs_s[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_s[:, None], other=0)
+    k_even, k_odd = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # axes: step, j // 2, j % 2, k // 2, k % 2
+    k0, k2 = tl.split(k_even)
+    k1, k3 = tl.split(k_odd)
+    return k0, k1, k2, k3
+
+
+@triton.jit
+def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                      offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+    """`_gemv_class4_fast` as a plain loop that Triton software-pipelines (STAGES tiles in flight through shared
+    memory with cp.async, instead of one or two held in registers), decoding a step's four words per asm call
+    and loading each scale once."""
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    acc = tl.zeros([BS, BN], dtype=tl.float32)
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
+        offs_s = s0 + tl.arange(0, BS)
+        mask_s = offs_s < s_hi
+        m2 = mask_s[:, None] & mask_n[None, :]
+        w_ptrs = qw_ptr + (first_word + (offs_s - first_step) * 4)[:, None].to(tl.int64) * N + offs_n[None, :]
+        w0 = tl.load(w_ptrs, mask=m2, other=0)
+        w1 = tl.load(w_ptrs + N, mask=m2, other=0)
+        w2 = tl.load(w_ptrs + 2 * N, mask=m2, other=0)
+        w3 = tl.load(w_ptrs + 3 * N, mask=m2, other=0)
+        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
+        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
+        k0, k1, k2, k3 = _step_pairs(x32_ptr, offs_s, mask_s)
+        x00, x10, x20, x30 = _by_word(k0)
+        x01, x11, x21, x31 = _by_word(k1)
+        x02, x12, x22, x32 = _by_word(k2)
+        x03, x13, x23, x33 = _by_word(k3)
+        part = tl.inline_asm_elementwise(
+            _WORDS4_ASM, _WORDS4_CONSTRAINTS,
+            [w0, w1, w2, w3, x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33],
+            dtype=tl.float32, is_pure=True, pack=1)
+        acc += part * sc.to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
 @triton.jit
 def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, offs_n,
                 mask_n, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                FAST4: tl.constexpr, DEPTH: tl.constexpr):
+                FAST4: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr):
     """One width class's partial sums: the packed-fp16 decoder for EXL2 4-bit, the portable one otherwise (field
     widths as in `qweight.split_bits`). x32r is the permuted input row read as int32 pairs."""
     LB: tl.constexpr = 2 if BITS <= 3 else (8 if BITS == 8 else 4)
-    if BITS == 4 and FAST4 and not HAS_ZEROS:
+    if BITS == 4 and FAST4 and not HAS_ZEROS and DEPTH == 0:
+        return _gemv_class4_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                                 offs_n, mask_n, BS, BN, STAGES)
+    elif BITS == 4 and FAST4 and not HAS_ZEROS:
         return _gemv_class4_fast(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                                  offs_n, mask_n, BS, BN, DEPTH)
     else:
         return _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                           offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN)
+                           offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN, DEPTH, STAGES)
 
 
 @triton.jit
@@ -255,7 +357,8 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
                  HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
                  HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                 RED: tl.constexpr, FAST4: tl.constexpr = False, DEPTH: tl.constexpr = 1):
+                 RED: tl.constexpr, FAST4: tl.constexpr = False, DEPTH: tl.constexpr = 1,
+                 STAGES: tl.constexpr = 2):
     """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
     L2."""
     pid_n = tl.program_id(0)
@@ -268,22 +371,22 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
     res = tl.zeros([BN], dtype=tl.float32)
     if HAS8:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n, mask_n,
-                           8, HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           8, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     if HAS6:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n, mask_n,
-                           6, HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           6, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     if HAS5:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n, mask_n,
-                           5, HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           5, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     if HAS4:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n,
-                           4, HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           4, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     if HAS3:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n, mask_n,
-                           3, HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           3, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     if HAS2:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
-                           2, HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           2, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
@@ -293,7 +396,7 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
 def _gemv_chunked_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                          chunk_ptr, M, N, stride_xm, stride_om, SPLIT, HAS_ZEROS: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr,
-                         FAST4: tl.constexpr, DEPTH: tl.constexpr):
+                         FAST4: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr):
     """gemv of a mixed-width matrix where each K split is a run of steps inside one width class (`chunk_table`),
     so a program waits for one class's first tile, not for every class's in turn."""
     pid_n = tl.program_id(0)
@@ -311,22 +414,22 @@ def _gemv_chunked_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, q
     res = tl.zeros([BN], dtype=tl.float32)
     if kind == 0:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 8,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     elif kind == 1:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 6,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     elif kind == 2:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 5,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     elif kind == 3:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 4,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     elif kind == 4:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 3,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     else:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 2,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH)
+                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, True, RED)
@@ -335,7 +438,8 @@ def _gemv_chunked_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, q
 @triton.jit
 def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pid_m, out_ptr, bias_ptr, qw_ptr,
                   sc_ptr, zr_ptr, sg_ptr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BS: tl.constexpr,
-                  BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr):
+                  BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr,
+                  STAGES: tl.constexpr):
     """One program of `_gemv_group_kernel` for the matrix whose metadata row is `meta` (see `GemvGroup`): width
     classes are runtime branches, so one compiled kernel serves every mix of widths."""
     N = tl.multiple_of(tl.load(meta + 18), 16)  # GemvGroup only takes N % 16 == 0: keeps loads vectorized
@@ -352,22 +456,28 @@ def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pi
     res = tl.zeros([BN], dtype=tl.float32)
     if tl.load(meta + 1) > 0:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 0), tl.load(meta + 1),
-                           tl.load(meta + 2), pid_k, split, offs_n, mask_n, 8, HAS_ZEROS, BS, BN, FAST4, 1)
+                           tl.load(meta + 2), pid_k, split, offs_n, mask_n, 8, HAS_ZEROS, BS, BN, FAST4,
+                           DEPTH, STAGES)
     if tl.load(meta + 4) > 0:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 3), tl.load(meta + 4),
-                           tl.load(meta + 5), pid_k, split, offs_n, mask_n, 6, HAS_ZEROS, BS, BN, FAST4, 1)
+                           tl.load(meta + 5), pid_k, split, offs_n, mask_n, 6, HAS_ZEROS, BS, BN, FAST4,
+                           DEPTH, STAGES)
     if tl.load(meta + 7) > 0:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 6), tl.load(meta + 7),
-                           tl.load(meta + 8), pid_k, split, offs_n, mask_n, 5, HAS_ZEROS, BS, BN, FAST4, 1)
+                           tl.load(meta + 8), pid_k, split, offs_n, mask_n, 5, HAS_ZEROS, BS, BN, FAST4,
+                           DEPTH, STAGES)
     if tl.load(meta + 10) > 0:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 9), tl.load(meta + 10),
-                           tl.load(meta + 11), pid_k, split, offs_n, mask_n, 4, HAS_ZEROS, BS, BN, FAST4, 1)
+                           tl.load(meta + 11), pid_k, split, offs_n, mask_n, 4, HAS_ZEROS, BS, BN, FAST4,
+                           DEPTH, STAGES)
     if tl.load(meta + 13) > 0:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 12), tl.load(meta + 13),
-                           tl.load(meta + 14), pid_k, split, offs_n, mask_n, 3, HAS_ZEROS, BS, BN, FAST4, 1)
+                           tl.load(meta + 14), pid_k, split, offs_n, mask_n, 3, HAS_ZEROS, BS, BN, FAST4,
+                           DEPTH, STAGES)
     if tl.load(meta + 16) > 0:
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 15), tl.load(meta + 16),
-                           tl.load(meta + 17), pid_k, split, offs_n, mask_n, 2, HAS_ZEROS, BS, BN, FAST4, 1)
+                           tl.load(meta + 17), pid_k, split, offs_n, mask_n, 2, HAS_ZEROS, BS, BN, FAST4,
+                           DEPTH, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     tile = tl.load(meta + 22) + pid_m * tiles + pid_n
     part = part_ptr + tl.multiple_of(tl.load(meta + 24), 16).to(tl.int64)
@@ -384,20 +494,21 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                        out0, bias0, qw0, sc0, zr0, sg0, out1, bias1, qw1, sc1, zr1, sg1,
                        out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                       RED: tl.constexpr, FAST4: tl.constexpr):
+                       RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr = 1,
+                       STAGES: tl.constexpr = 2):
     """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
     over every (matrix, column tile, K split) program, axis 2 over the input rows."""
     pid = tl.program_id(0)
     pid_m = tl.program_id(2)
     if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 25, part_ptr, cnt_ptr, M, pid, pid_m, out2, bias2,
-                      qw2, sc2, zr2, sg2, HAS_ZEROS, B2, BS, BN, RED, FAST4)
+                      qw2, sc2, zr2, sg2, HAS_ZEROS, B2, BS, BN, RED, FAST4, DEPTH, STAGES)
     elif G > 1 and pid >= tl.load(meta_ptr + 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 25, part_ptr, cnt_ptr, M, pid, pid_m, out1, bias1,
-                      qw1, sc1, zr1, sg1, HAS_ZEROS, B1, BS, BN, RED, FAST4)
+                      qw1, sc1, zr1, sg1, HAS_ZEROS, B1, BS, BN, RED, FAST4, DEPTH, STAGES)
     else:
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
-                      qw0, sc0, zr0, sg0, HAS_ZEROS, B0, BS, BN, RED, FAST4)
+                      qw0, sc0, zr0, sg0, HAS_ZEROS, B0, BS, BN, RED, FAST4, DEPTH, STAGES)
 
 
 @triton.jit
@@ -552,7 +663,7 @@ class MatmulConfig:
     split: int = 1
     num_warps: int = 4
     num_stages: int = 2
-    depth: int = 1  # gemv, 4-bit packed path: tiles loaded ahead (1 or 2)
+    depth: int = 1  # gemv: tiles prefetched in registers (1, 2), or 0: Triton pipelines the loop num_stages deep
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -667,7 +778,8 @@ def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None 
     self-check passed)."""
     if CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(x, w, cfg, fast4, xp)
-    return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4, DEPTH=cfg.depth)
+    return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4, DEPTH=cfg.depth,
+                   STAGES=cfg.num_stages)
 
 
 def chunk_table(w: QuantWeight, chunks: int, bs: int) -> torch.Tensor:
@@ -707,7 +819,8 @@ def gemv_chunked(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool
         w.bias if w.bias is not None else w.scales, w.qweight, w.scales,
         w.zeros if w.zeros is not None else w.scales, w.step_group, table, m, w.n, xp.stride(0), out.stride(0),
         split, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, BS=cfg.bs, BN=cfg.bn,
-        RED=min(next_pow2(split), max(1, 8192 // cfg.bn)), FAST4=fast4, DEPTH=cfg.depth, num_warps=cfg.num_warps,
+        RED=min(next_pow2(split), max(1, 8192 // cfg.bn)), FAST4=fast4, DEPTH=cfg.depth, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 
@@ -776,7 +889,8 @@ class GemvGroup:
         _gemv_group_kernel[(programs, 1, m)](
             xp, x32, xp.stride(0), meta, part, _counters(xp.device), m, *args,
             G=len(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0], B1=has_bias[1],
-            B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, num_warps=4, num_stages=2)
+            B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH, STAGES=GEMV_STAGES,
+            num_warps=4, num_stages=GEMV_STAGES)
         return outs
 
 
@@ -860,6 +974,10 @@ CHUNKED_MIXED = os.environ.get("EXL2_CHUNKED_MIXED", "0") == "1"
 # separate launches (benchmarks/kernels.py reports both; EXL2_FUSE_SHARED_INPUT=1 turns it on for `exl2 bench`);
 # correct either way (tests compare with the twin).
 FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "0") == "1"
+# How the gemv keeps loads in flight (MatmulConfig.depth / num_stages); EXL2_GEMV_DEPTH / EXL2_GEMV_STAGES
+# override them for end-to-end A/B runs of `exl2 bench`.
+GEMV_DEPTH = int(os.environ.get("EXL2_GEMV_DEPTH", "1"))
+GEMV_STAGES = int(os.environ.get("EXL2_GEMV_STAGES", "2"))
 
 
 def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int) -> int:
@@ -879,7 +997,7 @@ def choose_config(m: int, w: QuantWeight) -> tuple[str, MatmulConfig | None]:
     if m <= GEMV_MAX_M:
         programs = triton.cdiv(w.n, 128) * m
         return "gemv", MatmulConfig(bm=1, bs=8, bn=128, split=_auto_split(w, programs, w.device, 8), num_warps=4,
-                                    num_stages=2)
+                                    num_stages=GEMV_STAGES, depth=GEMV_DEPTH)
     if m <= DOT_MAX_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 128 if bm == 16 else 64
@@ -911,7 +1029,7 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(None, w, cfg, xp=xp)
     kernel = _gemv_kernel if path == "gemv" else _dot_kernel
-    extra = {"FAST4": None, "DEPTH": cfg.depth} if path == "gemv" else {}
+    extra = {"FAST4": None, "DEPTH": cfg.depth, "STAGES": cfg.num_stages} if path == "gemv" else {}
     return _launch(kernel, xp, w, cfg, **extra)
 
 
