@@ -109,6 +109,20 @@ def test_fast_4bit_gemv_prefetch_depths_match_twin(depth, stages):
     _assert_near(got, matmul_torch(x, w).float())
 
 
+def test_fast_4bit_dot_decodes_exactly_like_the_portable_one():
+    """The packed 4-bit decoder of the tensor-core path dequantizes bit-exactly (one rounding, the scale product),
+    so with the same tiles and dot order the outputs are identical, and both match the twin."""
+    from exl2.kernels.quant_matmul import MatmulConfig, dot
+    from exl2.kernels.qweight import matmul_torch
+
+    w, g = _random_4bit(4096, 4096, 5)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.float16, generator=g)
+    cfg = MatmulConfig(bm=16, bs=4, bn=128, split=2)
+    fast, portable = dot(x, w, cfg, fast4=True), dot(x, w, cfg, fast4=False)
+    assert torch.equal(fast, portable)
+    _assert_near(fast, matmul_torch(x, w).float())
+
+
 def test_grouped_gemv_real_sizes_match_twin():
     """q/k/v-shaped weights with different width mixes through one `GemvGroup` launch, fast 4-bit path on."""
     from exl2.kernels.exl2_matmul import Exl2Weight

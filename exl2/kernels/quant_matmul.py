@@ -546,6 +546,51 @@ def _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, fir
     return deq
 
 
+# The 4-bit EXL2 decoder of the tensor-core path: one word and its scale in, the word's 8 dequantized weights
+# out (row-in-word order), 4 packed operations per pair of codes instead of ~6 scalar ones per code. Codes (u,
+# u+4) come out as in `_WORDS4_ASM`; (code - 8) is exact in fp16, so the one rounding (the scale product) is
+# the reference dequantizer's.
+_DEQ4_ASM = tl.constexpr("""
+{
+.reg .b32 q0, q1, q2, q3, s, z, c, d, sc;
+mov.b32 z, 0x64086408;
+mov.b32 c, 0x2C002C00;
+mov.b32 d, 0xD480D480;
+mov.b32 sc, {$9, $9};
+lop3.b32 q0, $8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 q1, $8, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 s, $8, 8;
+lop3.b32 q2, s, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 q3, s, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 q0, q0, z;
+fma.rn.f16x2 q1, q1, c, d;
+sub.f16x2 q2, q2, z;
+fma.rn.f16x2 q3, q3, c, d;
+mul.rn.f16x2 q0, q0, sc;
+mul.rn.f16x2 q1, q1, sc;
+mul.rn.f16x2 q2, q2, sc;
+mul.rn.f16x2 q3, q3, sc;
+mov.b32 {$0, $4}, q0;
+mov.b32 {$1, $5}, q1;
+mov.b32 {$2, $6}, q2;
+mov.b32 {$3, $7}, q3;
+}
+""")
+
+
+@triton.jit
+def _dot_u(acc, deq, xt, u: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, K: tl.constexpr,
+           BN: tl.constexpr):
+    """acc + (the input columns of row-in-word u) · (the decoded [.., BN] rows of row-in-word u)."""
+    pp = tl.arange(0, PER)
+    if BITS == 4:
+        sel = pp == (u % 4) * 2 + u // 4
+    else:
+        sel = pp == u
+    xu = tl.sum(tl.where(sel[None, None, :], xt, 0.0), axis=2)
+    return tl.dot(xu, tl.reshape(deq, [K, BN]), acc)
+
+
 @triton.jit
 def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl.constexpr, BSC: tl.constexpr):
     """Input tile [BM, BSC·LB, PER] of BSC steps from s0 in position order (one contiguous run of PER per word)."""
@@ -559,13 +604,14 @@ def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl
 def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
                first_word, pid_k, offs_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr,
                LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-               BN: tl.constexpr):
+               BN: tl.constexpr, FAST4: tl.constexpr = False):
     """acc + x·W over this program's share of one width class's steps.
 
     The codes are decoded one row-in-word u at a time: the rows (s, j, u) of all steps s and low words j form a
     [BS·LB, BN] tile in the words' own register layout (no reshuffling of the decoded tile), which feeds one
     tensor-core dot against the matching input columns. Those are picked out of the input tile, loaded once per
-    iteration (and one iteration ahead) with one-hot sums over its last axis."""
+    iteration (and one iteration ahead) with one-hot sums over its last axis. EXL2 4-bit words (FAST4) are
+    decoded by `_DEQ4_ASM`, all eight rows at once."""
     PER: tl.constexpr = 32 // LB
     HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     BSC: tl.constexpr = BS if BS * LB >= 16 else 16 // LB
@@ -573,14 +619,25 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     mask_m = offs_m < M
     jj = tl.arange(0, LB)
-    pp = tl.arange(0, PER)
     xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s_lo, s_hi, LB, PER, BSC)
     for s0 in range(s_lo, s_hi, BSC):
         xt = xt_n
         xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0 + BSC, s_hi, LB, PER, BSC)
         w, h, sc, z = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
                                   mask_n, BITS, LB, HB, HAS_ZEROS, BSC)
-        for u in tl.static_range(PER):
+        if BITS == 4 and FAST4 and not HAS_ZEROS:
+            d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
+                _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc.to(tl.float16)], dtype=(tl.float16,) * 8,
+                is_pure=True, pack=1)
+            acc = _dot_u(acc, d0, xt, 0, BITS, PER, BSC * LB, BN)
+            acc = _dot_u(acc, d1, xt, 1, BITS, PER, BSC * LB, BN)
+            acc = _dot_u(acc, d2, xt, 2, BITS, PER, BSC * LB, BN)
+            acc = _dot_u(acc, d3, xt, 3, BITS, PER, BSC * LB, BN)
+            acc = _dot_u(acc, d4, xt, 4, BITS, PER, BSC * LB, BN)
+            acc = _dot_u(acc, d5, xt, 5, BITS, PER, BSC * LB, BN)
+            acc = _dot_u(acc, d6, xt, 6, BITS, PER, BSC * LB, BN)
+            acc = _dot_u(acc, d7, xt, 7, BITS, PER, BSC * LB, BN)
+        for u in tl.static_range(PER if not (BITS == 4 and FAST4 and not HAS_ZEROS) else 0):
             code = (w >> (u * LB)) & ((1 << LB) - 1)
             if HB > 0:
                 hs = (HB * ((jj * PER + u) % HPER))[None, :, None]
@@ -591,12 +648,7 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
                 deq = (cf - (z + 1024.0)) * sc
             else:
                 deq = (cf - (1024.0 + (1 << (BITS - 1)))) * sc
-            if BITS == 4:
-                sel = pp == (u % 4) * 2 + u // 4
-            else:
-                sel = pp == u
-            xu = tl.sum(tl.where(sel[None, None, :], xt, 0.0), axis=2)
-            acc = tl.dot(xu, tl.reshape(deq, [BSC * LB, BN]), acc)
+            acc = _dot_u(acc, deq, xt, u, BITS, PER, BSC * LB, BN)
     return acc
 
 
@@ -617,22 +669,22 @@ def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if HAS8:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 8, 8, 0, HAS_ZEROS, BM, BS, BN)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 8, 8, 0, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS6:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 6, 4, 2, HAS_ZEROS, BM, BS, BN)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 6, 4, 2, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS5:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 5, 4, 1, HAS_ZEROS, BM, BS, BN)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 5, 4, 1, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS4:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 4, 4, 0, HAS_ZEROS, BM, BS, BN)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 4, 4, 0, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS3:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 3, 2, 1, HAS_ZEROS, BM, BS, BN)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 3, 2, 1, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS2:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 2, 2, 0, HAS_ZEROS, BM, BS, BN)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 2, 2, 0, HAS_ZEROS, BM, BS, BN, FAST4)
     _store_out(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
 
@@ -937,9 +989,10 @@ def fast4_available(device: torch.device) -> bool:
     return ok
 
 
-def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | None = None) -> torch.Tensor:
-    """Tensor-core path with in-register dequantization; cfg.bm ≥ 16 and cfg.bs ≥ 1."""
-    return _launch(_dot_kernel, _permuted(x, w, xp), w, cfg)
+def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | None = None,
+        fast4: bool | None = None) -> torch.Tensor:
+    """Tensor-core path with in-register dequantization; cfg.bm ≥ 16 and cfg.bs ≥ 1. `fast4` as in `gemv`."""
+    return _launch(_dot_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4)
 
 
 def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
@@ -1029,7 +1082,7 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(None, w, cfg, xp=xp)
     kernel = _gemv_kernel if path == "gemv" else _dot_kernel
-    extra = {"FAST4": None, "DEPTH": cfg.depth, "STAGES": cfg.num_stages} if path == "gemv" else {}
+    extra = {"FAST4": None, "DEPTH": cfg.depth, "STAGES": cfg.num_stages} if path == "gemv" else {"FAST4": None}
     return _launch(kernel, xp, w, cfg, **extra)
 
 
