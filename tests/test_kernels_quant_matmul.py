@@ -243,7 +243,7 @@ def test_project_shares_one_gather_and_equals_separate_calls():
 @pytest.mark.parametrize("split", [1, 2])
 def test_gemv_group_equals_separate_gemvs(split, monkeypatch):
     """One launch for 2-3 weights (different widths, sizes, bias or not) equals the twin of each."""
-    monkeypatch.setattr(qm, "_auto_split", lambda w, programs, device, min_steps: split)
+    monkeypatch.setattr(qm, "_auto_split", lambda w, programs, device, min_steps, per_sm=2: split)
     mixes = [MIXED, [(4, 128), (4, 128), (2, 48)], [(8, 32), (6, 64), (4, 128), (2, 80)]]
     ns = [64, 32, 96]
     ws = [Exl2Weight.from_tensors(rand_exl2(mix, n, bias=i != 1, seed=i), "L", device=DEV)

@@ -69,7 +69,9 @@ def test_grouped_gemv_in_the_model_matches(monkeypatch):
     real = qm.GemvGroup.__call__
     monkeypatch.setattr(qm.GemvGroup, "__call__", lambda self, *a, **k: launches.append(1) or real(self, *a, **k))
     with torch.no_grad(), force_triton():
+        monkeypatch.setattr(qm, "FUSE_SHARED_INPUT", False)
         separate = model(ids)
+        assert not launches
         monkeypatch.setattr(qm, "FUSE_SHARED_INPUT", True)
         grouped = model(ids)
     assert len(launches) == 2 * spec.num_layers

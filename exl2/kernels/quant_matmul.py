@@ -347,7 +347,7 @@ def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps
                                  offs_n, mask_n, BS, BN, DEPTH)
     else:
         return _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                           offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN, DEPTH, STAGES)
+                           offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN, DEPTH, min(STAGES, 2))
 
 
 @triton.jit
@@ -908,7 +908,7 @@ class GemvGroup:
         rows, start, tile_base, xoff, part = [], 0, 0, 0, 0
         max_split = 1
         for w, t in zip(self.ws, tiles):
-            split = _auto_split(w, total, w.device, 8)
+            split = _auto_split(w, total, w.device, 8, 1 if GEMV_DEPTH == 0 else 2)
             cls, _ = _class_args(w)
             rows.append(cls + [w.n, t, split, start, tile_base, xoff, part])
             start += t * split
@@ -1023,21 +1023,22 @@ DOT_MAX_M = 64
 # Mixed-width matrices on the gemv path split K along their width classes (`gemv_chunked`). Off until measured
 # (benchmarks/kernels.py, "mixed" rows; EXL2_CHUNKED_MIXED=1 turns it on for `exl2 bench`).
 CHUNKED_MIXED = os.environ.get("EXL2_CHUNKED_MIXED", "0") == "1"
-# One launch for the gemvs of q/k/v and of gate/up (`grouped_matmul`). Off until measured on the GPU against
-# separate launches (benchmarks/kernels.py reports both; EXL2_FUSE_SHARED_INPUT=1 turns it on for `exl2 bench`);
-# correct either way (tests compare with the twin).
-FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "0") == "1"
+# One launch for the gemvs of q/k/v and of gate/up (`grouped_matmul`): on the H200 q/k/v took 15.4 µs grouped
+# against 22.1 µs as three launches, gate/up the same either way (benchmarks/RESULTS.md, run 8).
+# EXL2_FUSE_SHARED_INPUT=0 turns it off; correct either way (tests compare with the twin).
+FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "1") == "1"
 # How the gemv keeps loads in flight (MatmulConfig.depth / num_stages); EXL2_GEMV_DEPTH / EXL2_GEMV_STAGES
 # override them for end-to-end A/B runs of `exl2 bench`.
-GEMV_DEPTH = int(os.environ.get("EXL2_GEMV_DEPTH", "1"))
-GEMV_STAGES = int(os.environ.get("EXL2_GEMV_STAGES", "2"))
+GEMV_DEPTH = int(os.environ.get("EXL2_GEMV_DEPTH", "0"))
+GEMV_STAGES = int(os.environ.get("EXL2_GEMV_STAGES", "3"))
 
 
-def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int) -> int:
-    """Largest power-of-two split of K with at most ~2 programs per SM and at least `min_steps` 32-row steps per
-    program: the H200 sweeps (benchmarks/RESULTS.md) found every shape fastest there, since more splits add
-    partial sums and short-lived programs, fewer leave SMs idle."""
-    target = 2 * sm_count(device)
+def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int, per_sm: int = 2) -> int:
+    """Largest power-of-two split of K with at most ~`per_sm` programs per SM and at least `min_steps` 32-row
+    steps per program: the H200 sweeps (benchmarks/RESULTS.md) found every shape fastest there, since more splits
+    add partial sums and short-lived programs, fewer leave SMs idle (2 per SM for the register-prefetching
+    kernels, 1 for the pipelined gemv, which keeps its tiles in flight in shared memory)."""
+    target = per_sm * sm_count(device)
     split = 1
     while split < 32 and programs * split * 2 <= target and w.n_steps // (split * 2) >= min_steps:
         split *= 2
@@ -1049,14 +1050,14 @@ def choose_config(m: int, w: QuantWeight) -> tuple[str, MatmulConfig | None]:
     the gemv up to 4 rows (one program per row), the tensor-core kernel up to 64, dequantize + cuBLAS beyond."""
     if m <= GEMV_MAX_M:
         programs = triton.cdiv(w.n, 128) * m
-        return "gemv", MatmulConfig(bm=1, bs=8, bn=128, split=_auto_split(w, programs, w.device, 8), num_warps=4,
-                                    num_stages=GEMV_STAGES, depth=GEMV_DEPTH)
+        split = _auto_split(w, programs, w.device, 8, 1 if GEMV_DEPTH == 0 else 2)
+        return "gemv", MatmulConfig(bm=1, bs=8, bn=128, split=split, num_warps=4, num_stages=GEMV_STAGES,
+                                    depth=GEMV_DEPTH)
     if m <= DOT_MAX_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn = 128 if bm == 16 else 64
-        programs = triton.cdiv(w.n, bn) * triton.cdiv(m, bm)
-        return "dot", MatmulConfig(bm=bm, bs=4 if bm == 16 else 2, bn=bn,
-                                   split=_auto_split(w, programs, w.device, 16), num_warps=4, num_stages=2)
+        programs = triton.cdiv(w.n, 64) * triton.cdiv(m, bm)
+        return "dot", MatmulConfig(bm=bm, bs=4 if bm == 16 else 2, bn=64,
+                                   split=_auto_split(w, programs, w.device, 16), num_warps=4, num_stages=4)
     return "dequant", None
 
 
