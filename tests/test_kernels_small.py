@@ -193,3 +193,24 @@ def test_glu_with_index_writes_the_permuted_output():
     torch.testing.assert_close(got[..., :80], plain[..., idx[:80].long()], atol=2e-3, rtol=0)
     assert (got[..., 80:] == 0).all()
     torch.testing.assert_close(activation.glu_torch(g, u, "silu", index=idx), got, atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rms_norm_gather_real_size_gpu():
+    """Llama-8B-sized rows, three index vectors: the row's programs run concurrently on the GPU and the residual
+    is written only after all of them read it (repeated: the arrival counters reset themselves)."""
+    torch.manual_seed(6)
+    d = 4096
+    x = torch.randn(2, d, device="cuda").half()
+    w = torch.rand(d, device="cuda").half() + 0.5
+    res = torch.randn(2, d, device="cuda").half()
+    idx = [torch.randperm(d, device="cuda").int() for _ in range(3)]
+    for _ in range(3):
+        r1, r2 = res.clone(), res.clone()
+        out, xp = norm.rms_norm_gather(x, w, 1e-5, idx, residual=r1)
+        ref_out, _ = norm.rms_norm_torch(x, w, 1e-5, residual=r2)
+        torch.testing.assert_close(r1, r2, atol=0, rtol=0)
+        torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
+        for g in range(3):
+            torch.testing.assert_close(xp[:, g * d:(g + 1) * d], out[:, idx[g].long()], atol=0, rtol=0)

@@ -13,69 +13,23 @@ from exl2.kernels.permute import take_columns
 
 
 @triton.jit
-def _gather_in(x_row, res_row, idx_ptr, n, offs, HAS_RES: tl.constexpr):
-    """One consumer's index vector and the input (+ residual) entries it picks, loaded before any store."""
-    idx = tl.load(idx_ptr + offs, mask=offs < n, other=-1)
-    gx = tl.load(x_row + idx, mask=idx >= 0, other=0.0)
-    if HAS_RES:
-        gr = tl.load(res_row + idx, mask=idx >= 0, other=0.0)
-    else:
-        gr = gx
-    return idx, gx, gr
-
-
-@triton.jit
-def _gather_out(idx, gx, gr, dst_row, n, offs, w_ptr, mean, rstd, res_dtype, HAS_RES: tl.constexpr,
-                HAS_W: tl.constexpr, GEMMA: tl.constexpr, LAYER: tl.constexpr):
-    """dst[p] = normed[idx[p]] (0 where idx[p] < 0), computed the way the main row is."""
-    v = gx.to(tl.float32)
-    if HAS_RES:
-        v = (v + gr.to(tl.float32)).to(res_dtype).to(tl.float32)
-    if LAYER:
-        v = v - mean
-    y = v * rstd
-    if HAS_W:
-        w = tl.load(w_ptr + idx, mask=idx >= 0, other=0.0).to(tl.float32)
-        if GEMMA:
-            w = w + 1.0
-        y = y * w
-    tl.store(dst_row + offs, tl.where(idx >= 0, y, 0.0).to(dst_row.dtype.element_ty), mask=offs < n)
-
-
-@triton.jit
 def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, stride_o, eps,
                  HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GEMMA: tl.constexpr,
-                 LAYER: tl.constexpr, BLOCK: tl.constexpr, xp_ptr=None, stride_xp=0, i0=None, o0=0, n0=0, i1=None,
-                 o1=0, n1=0, i2=None, o2=0, n2=0, G: tl.constexpr = 0):
-    """One row per program. With G > 0 the program also writes G permuted copies of its normed row (the
-    consumers' `quant_matmul.gather_input` order), computed from gathered inputs that are all loaded up front,
-    so the copies cost one memory latency, not a dependent chain after the row is written."""
+                 LAYER: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
-    x_row = x_ptr + row * stride_x
-    r_row = res_ptr + row * stride_r
-    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    if G > 0:
-        idx0, gx0, gr0 = _gather_in(x_row, r_row, i0, n0, offs, HAS_RES)
-        if G > 1:
-            idx1, gx1, gr1 = _gather_in(x_row, r_row, i1, n1, offs, HAS_RES)
-        if G > 2:
-            idx2, gx2, gr2 = _gather_in(x_row, r_row, i2, n2, offs, HAS_RES)
-    mean = 0.0
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        r_ptrs = r_row + offs
+        r_ptrs = res_ptr + row * stride_r + offs
         s = (x + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
-        if G > 0:
-            tl.debug_barrier()  # every thread's gathered residual loads happen before any residual store
         tl.store(r_ptrs, s, mask=mask)
         x = s.to(tl.float32)
     if LAYER:
         mean = tl.sum(x, axis=0) / D
         x = tl.where(mask, x - mean, 0.0)
     var = tl.sum(x * x, axis=0) / D
-    rstd = 1.0 / tl.sqrt(var + eps)
-    y = x * rstd
+    y = x * (1.0 / tl.sqrt(var + eps))
     if HAS_W:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if GEMMA:
@@ -84,16 +38,74 @@ def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, s
     if HAS_B:
         y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-    if G > 0:
-        xp_row = xp_ptr + row * stride_xp
-        _gather_out(idx0, gx0, gr0, xp_row + o0, n0, offs, w_ptr, mean, rstd, res_ptr.dtype.element_ty, HAS_RES,
-                    HAS_W, GEMMA, LAYER)
-        if G > 1:
-            _gather_out(idx1, gx1, gr1, xp_row + o1, n1, offs, w_ptr, mean, rstd, res_ptr.dtype.element_ty,
-                        HAS_RES, HAS_W, GEMMA, LAYER)
-        if G > 2:
-            _gather_out(idx2, gx2, gr2, xp_row + o2, n2, offs, w_ptr, mean, rstd, res_ptr.dtype.element_ty,
-                        HAS_RES, HAS_W, GEMMA, LAYER)
+
+
+@triton.jit
+def _scaled(v, w_ptr, cols, ok, rstd, HAS_W: tl.constexpr, GEMMA: tl.constexpr):
+    y = v * rstd
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if GEMMA:
+            w = w + 1.0
+        y = y * w
+    return y
+
+
+@triton.jit
+def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stride_x, stride_r, stride_o,
+                        stride_xp, eps, i0, o1, i1, o2, i2, TOTAL, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
+                        GEMMA: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr):
+    """RMSNorm of one row spread over 1 + ceil(TOTAL / GBLOCK) programs (grid axis 1), so the permuted copies
+    (gathers, one GBLOCK chunk of the concatenated copies per program) run on several SMs at once. Each program
+    reduces the whole row itself (two coalesced loads); program 0 writes the normed row. With a residual, every
+    program reads the old residual, so the new one is written by the program that arrives last at the row's
+    counter, after all reads."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x_row = x_ptr + row * stride_x
+    r_row = res_ptr + row * stride_r
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        s = (x + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+        x = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    if part == 0:
+        y_row = _scaled(x, w_ptr, offs, mask, rstd, HAS_W, GEMMA)
+        tl.store(out_ptr + row * stride_o + offs, y_row.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # position p of the concatenated copies reads index vector g at p - o_g (o_0 = 0 <= o1 <= o2)
+        p = (part - 1) * GBLOCK + tl.arange(0, GBLOCK)
+        live = p < TOTAL
+        idx = tl.load(i0 + p, mask=live & (p < o1), other=-1)
+        idx = tl.where(p < o1, idx, tl.load(i1 + (p - o1), mask=live & (p >= o1) & (p < o2), other=-1))
+        idx = tl.where(p < o2, idx, tl.load(i2 + (p - o2), mask=live & (p >= o2), other=-1))
+        ok = idx >= 0
+        v = tl.load(x_row + idx, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RES:
+            v = (v + tl.load(r_row + idx, mask=ok, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+            v = v.to(tl.float32)
+        y_copy = tl.where(ok, _scaled(v, w_ptr, idx, ok, rstd, HAS_W, GEMMA), 0.0)
+        tl.store(xp_ptr + row * stride_xp + p, y_copy.to(xp_ptr.dtype.element_ty), mask=live)
+    if HAS_RES:
+        tl.debug_barrier()  # all of this program's residual reads happen before its arrival is counted
+        count = tl.atomic_add(cnt_ptr + row, 1)
+        if count == tl.num_programs(1) - 1:
+            tl.store(r_row + offs, s, mask=mask)
+            tl.atomic_xchg(cnt_ptr + row, 0)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_GATHER_ROWS = 4096
+
+
+def _row_counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of `_norm_gather_kernel`, one per row, each reset to 0 by the row's last program."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(_MAX_GATHER_ROWS, dtype=torch.int32, device=device)
+    return c
 
 
 def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, indices, residual=None,
@@ -109,17 +121,27 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
         normed = out[0] if residual is not None else out
         rows = normed.reshape(-1, normed.shape[-1])
         return normed, torch.cat([take_columns(rows, idx) for idx in indices], dim=1)
+    d = x.shape[-1]
+    x2 = _rows(x)
+    m = x2.shape[0]
+    if m > _MAX_GATHER_ROWS:
+        raise ValueError(f"rms_norm_gather takes at most {_MAX_GATHER_ROWS} rows.")
     sizes = [int(i.numel()) for i in indices]
-    if max(sizes) > next_pow2(x.shape[-1]):
-        raise ValueError("an index vector is longer than the padded row it gathers from.")
-    xp = torch.empty((x.numel() // x.shape[-1], sum(sizes)), dtype=x.dtype, device=x.device)
-    g = {}
-    for k in range(3):  # unused slots repeat the last index vector (G tells the kernel how many are real)
-        j = min(k, len(indices) - 1)
-        g.update({f"i{k}": indices[j], f"o{k}": sum(sizes[:j]), f"n{k}": sizes[j]})
-    out = _norm_triton(x, weight, None, eps, residual, gemma, False, xp_ptr=xp, stride_xp=xp.stride(0),
-                       G=len(indices), **g)
-    return (out[0] if residual is not None else out), xp
+    offs = [sum(sizes[:k]) for k in range(len(sizes))] + [sum(sizes)] * (3 - len(sizes))
+    ptrs = list(indices) + [indices[-1]] * (3 - len(indices))
+    total = sum(sizes)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    xp = torch.empty((m, total), dtype=x.dtype, device=x.device)
+    r2 = residual.view(-1, d) if residual is not None else None  # a view: updated in place
+    if m:
+        block, gblock = next_pow2(d), 1024
+        _norm_gather_kernel[(m, 1 + triton.cdiv(total, gblock))](
+            x2, r2 if r2 is not None else x2, weight if weight is not None else x2, out, xp,
+            _row_counters(x.device), d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
+            xp.stride(0), float(eps), ptrs[0], offs[1], ptrs[1], offs[2], ptrs[2], total,
+            HAS_RES=r2 is not None, HAS_W=weight is not None, GEMMA=gemma, BLOCK=block, GBLOCK=gblock,
+            num_warps=min(16, max(4, block // 256)))
+    return out.view(x.shape), xp
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -127,8 +149,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _norm_triton(x, weight, bias, eps, residual, gemma, layer, **gather):
-    """`gather`: the permuted-copy arguments of `_norm_kernel` (see `rms_norm_gather`)."""
+def _norm_triton(x, weight, bias, eps, residual, gemma, layer):
     d = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -141,7 +162,7 @@ def _norm_triton(x, weight, bias, eps, residual, gemma, layer, **gather):
             x2, r2 if r2 is not None else x2, weight if weight is not None else x2, bias if bias is not None else x2,
             out, d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0), float(eps),
             HAS_RES=r2 is not None, HAS_W=weight is not None, HAS_B=bias is not None, GEMMA=gemma, LAYER=layer,
-            BLOCK=block, num_warps=min(16, max(1, block // 256)), **gather)
+            BLOCK=block, num_warps=min(16, max(1, block // 256)))
     out = out.view(x.shape)
     return (out, residual) if residual is not None else out
 
