@@ -1,6 +1,8 @@
 """`exl2 bench`: prefill and decode speed on the GPU against the memory-bandwidth bound."""
 from __future__ import annotations
 
+import sys
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode speed on the GPU",
@@ -49,9 +51,12 @@ def run(args) -> int:
     wbytes = weight_bytes(source)
     kind = "5/4/3-bit mixed" if args.mixed else "4-bit"
     print(f"model: {args.model_dir or f'synthetic Llama-3-8B-shaped EXL2 ({kind} body), 6-bit head'}; "
-          f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}")
+          f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}", flush=True)
+    def progress(r) -> None:  # each row as soon as it is measured (stderr), so a cut-short run still reports
+        print(f"  {r.name}: {r.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
+
     rows = run_benchmark(model, wbytes, tuple(args.modes.split(",")), tuple(int(c) for c in args.contexts.split(",")),
-                         args.prefill, args.batch, log=lambda r: None)
+                         args.prefill, args.batch, log=progress)
     print(format_table(rows))
     if args.breakdown:
         print("\nper-kernel time of one decode step (batch 1, ctx 2048, fp16 cache):")
