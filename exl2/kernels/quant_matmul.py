@@ -243,25 +243,32 @@ def _gemv_class4_fast(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
 # the odd ones (mask 0x00F000F0) come out 16x too large, which the fma by 1/16 that removes the offset also
 # undoes, so a word costs one shift instead of three. Each word's four packed products are summed in fp16 and
 # added in fp32, as above.
-_WORDS4_ASM = tl.constexpr("""
-{
-.reg .b32 q0, q1, q2, q3, s, a, z, c, d;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi, r;
-mov.b32 z, 0x64086408;
-mov.b32 c, 0x2C002C00;
-mov.b32 d, 0xD480D480;
-mov.f32 r, 0f00000000;
-""" + "".join(f"""
-lop3.b32 q0, ${1 + j}, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 q1, ${1 + j}, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 s, ${1 + j}, 8;
+def _ptx_unpack4(word: str) -> str:
+    """PTX that leaves a 4-bit word's codes minus 8 as exact fp16 pairs: q0 = (0, 4), q1 = (1, 5), q2 = (2, 6),
+    q3 = (3, 7). Needs registers q0-q3, s and the constants z = 1032 (x2), c = 1/16 (x2), d = -72 (x2)."""
+    return f"""
+lop3.b32 q0, {word}, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 q1, {word}, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 s, {word}, 8;
 lop3.b32 q2, s, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 q3, s, 0x00F000F0, 0x64006400, 0xEA;
 sub.f16x2 q0, q0, z;
 fma.rn.f16x2 q1, q1, c, d;
 sub.f16x2 q2, q2, z;
-fma.rn.f16x2 q3, q3, c, d;
+fma.rn.f16x2 q3, q3, c, d;"""
+
+
+_PTX_UNPACK4_CONSTANTS = """
+mov.b32 z, 0x64086408;
+mov.b32 c, 0x2C002C00;
+mov.b32 d, 0xD480D480;"""
+_WORDS4_ASM = tl.constexpr("""
+{
+.reg .b32 q0, q1, q2, q3, s, a, z, c, d;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi, r;""" + _PTX_UNPACK4_CONSTANTS + """
+mov.f32 r, 0f00000000;
+""" + "".join(_ptx_unpack4(f"${1 + j}") + f"""
 mul.rn.f16x2 a, q0, ${5 + 4 * j};
 fma.rn.f16x2 a, q1, ${6 + 4 * j}, a;
 fma.rn.f16x2 a, q2, ${7 + 4 * j}, a;
@@ -552,20 +559,8 @@ def _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, fir
 # the reference dequantizer's.
 _DEQ4_ASM = tl.constexpr("""
 {
-.reg .b32 q0, q1, q2, q3, s, z, c, d, sc;
-mov.b32 z, 0x64086408;
-mov.b32 c, 0x2C002C00;
-mov.b32 d, 0xD480D480;
-mov.b32 sc, {$9, $9};
-lop3.b32 q0, $8, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 q1, $8, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 s, $8, 8;
-lop3.b32 q2, s, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 q3, s, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 q0, q0, z;
-fma.rn.f16x2 q1, q1, c, d;
-sub.f16x2 q2, q2, z;
-fma.rn.f16x2 q3, q3, c, d;
+.reg .b32 q0, q1, q2, q3, s, z, c, d, sc;""" + _PTX_UNPACK4_CONSTANTS + """
+mov.b32 sc, {$9, $9};""" + _ptx_unpack4("$8") + """
 mul.rn.f16x2 q0, q0, sc;
 mul.rn.f16x2 q1, q1, sc;
 mul.rn.f16x2 q2, q2, sc;
