@@ -257,6 +257,31 @@ def group_section(bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+def norm_section(bw: float) -> None:
+    """The RMSNorm that feeds the quantized projections, at decode sizes: the norm alone, the norm + one
+    `gather_input` launch for the permuted copies, and `rms_norm_gather` (the copies written by the norm's own
+    launch), for the q/k/v (3 copies) and gate/up (2 copies) inputs of a 4096-wide model."""
+    from types import SimpleNamespace
+
+    from exl2.kernels import norm
+
+    d = 4096
+    w = torch.rand(d, device="cuda").half() + 0.5
+    for m in (1, 16):
+        x = torch.randn(m, d, device="cuda").half()
+        res = torch.randn(m, d, device="cuda").half()
+        for copies in (3, 2):
+            idx = [torch.randperm(d, device="cuda").int() for _ in range(copies)]
+            fake = [SimpleNamespace(x_index=i) for i in idx]
+            label = f"rmsnorm + {copies} permuted copies, d={d}"
+            t = graph_us([lambda: norm.rms_norm(x, w, 1e-5, residual=res)])
+            row(label, m, "norm alone", t, 0, bw)
+            t = graph_us([lambda: qm.gather_input(norm.rms_norm(x, w, 1e-5, residual=res)[0], fake, whole=True)])
+            row(label, m, "norm + gather launch", t, 0, bw)
+            t = graph_us([lambda: norm.rms_norm_gather(x, w, 1e-5, idx, residual=res)])
+            row(label, m, "rms_norm_gather (one launch)", t, 0, bw)
+
+
 def attention_section(bw: float, sweep_on: bool) -> None:
     hq, hkv, d, page = 32, 8, 128, 256
     for batch, ctx in ((1, 2048), (16, 2048), (1, 128)) if sweep_on else ((1, 2048), (16, 2048)):
@@ -331,7 +356,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--only", choices=("matmul", "attention", "group"), default=None)
+    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm"), default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -342,6 +367,11 @@ def main() -> None:
     log(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
         f"commit {os.environ.get('EXL2_COMMIT', '?')} | copy bandwidth {bw:.2f} TB/s")
     try:
+        if args.only in (None, "norm"):
+            try:
+                norm_section(bw)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other sections
+                log(f"norm section failed: {type(e).__name__}: {str(e)[:500]}")
         if args.only in (None, "attention"):
             attention_section(bw, args.sweep)
         if args.only in (None, "matmul", "group"):
