@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from exl2.errors import ConfigError
 from exl2.kernels.backend import next_pow2, sm_count, tl, triton, use_triton
 from exl2.kernels.permute import gather_block
 from exl2.kernels.qweight import WIDTHS, QuantWeight, gather_torch, matmul_torch, split_bits
@@ -1024,8 +1025,15 @@ CHUNKED_MIXED = os.environ.get("EXL2_CHUNKED_MIXED", "0") == "1"
 FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "1") == "1"
 # How the gemv keeps loads in flight (MatmulConfig.depth / num_stages); EXL2_GEMV_DEPTH / EXL2_GEMV_STAGES
 # override them for end-to-end A/B runs of `exl2 bench`.
-GEMV_DEPTH = int(os.environ.get("EXL2_GEMV_DEPTH", "0"))
-GEMV_STAGES = int(os.environ.get("EXL2_GEMV_STAGES", "3"))
+def _env_choice(name: str, default: int, allowed: range) -> int:
+    value = os.environ.get(name, str(default))
+    if not (value.isdigit() and int(value) in allowed):
+        raise ConfigError(f"{name} must be an integer from {allowed.start} to {allowed.stop - 1}, not {value!r}.")
+    return int(value)
+
+
+GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
+GEMV_STAGES = _env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 
 
 def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int, per_sm: int = 2) -> int:
