@@ -5,10 +5,12 @@ Three paths, chosen per shape (`choose_config`):
 * **gemv** (M ≤ 4): CUDA-core kernel, one input row per program. Each program owns BN output columns and a
   1/SPLIT share of the steps of every width class (so each split reads the same mix of widths). 4-bit classes
   decode two codes per instruction in packed fp16 (inline PTX, behind a one-time self-check); the others shift,
-  mask and use the 2^23 exponent trick in fp32. The next tile's codes and scales are loaded before the current
-  tile's arithmetic.
+  mask and use the 2^23 exponent trick in fp32. By default (`MatmulConfig.depth = 0`) the loop is a plain
+  `tl.range` that Triton software-pipelines `num_stages` tiles deep through shared memory (cp.async); depth 1–2
+  instead hold the next tiles in registers (kept for the sweeps in benchmarks/kernels.py).
 * **dot** (M ≤ 64): decodes one row-in-word at a time, so each decoded [steps·words, BN] tile feeds `tl.dot` from
-  its own register layout, bit-exact with the reference dequantizer.
+  its own register layout, bit-exact with the reference dequantizer (EXL2 4-bit: all eight rows of a word per
+  packed-fp16 asm call).
 * **dequant** (larger M): a Triton kernel writes the fp16 weight in natural order, then cuBLAS multiplies.
 
 The gemv and dot kernels read the input already permuted into the weight's stored row order (`x_index`): one
