@@ -361,6 +361,37 @@ def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps
 
 
 @triton.jit
+def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
+                 fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
+                 HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
+                 HAS3: tl.constexpr, HAS2: tl.constexpr, SKIP_EMPTY: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """Sum of `_gemv_width` over the width classes present (HAS flags); with SKIP_EMPTY a class of 0 steps is
+    also skipped at run time (kernels whose class table is runtime data)."""
+    res = tl.zeros([BN], dtype=tl.float32)
+    if HAS8 and (not SKIP_EMPTY or ns8 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n, mask_n,
+                           8, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+    if HAS6 and (not SKIP_EMPTY or ns6 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n, mask_n,
+                           6, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+    if HAS5 and (not SKIP_EMPTY or ns5 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n, mask_n,
+                           5, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+    if HAS4 and (not SKIP_EMPTY or ns4 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n,
+                           4, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+    if HAS3 and (not SKIP_EMPTY or ns3 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n, mask_n,
+                           3, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+    if HAS2 and (not SKIP_EMPTY or ns2 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
+                           2, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+    return res
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                  M, N, stride_xm, stride_om, SPLIT,
                  fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2,
@@ -378,25 +409,9 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
     mask_n = offs_n < N
     xr = x_ptr + pid_m.to(tl.int64) * stride_xm
     x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2)
-    res = tl.zeros([BN], dtype=tl.float32)
-    if HAS8:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n, mask_n,
-                           8, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    if HAS6:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n, mask_n,
-                           6, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    if HAS5:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n, mask_n,
-                           5, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    if HAS4:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n,
-                           4, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    if HAS3:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n, mask_n,
-                           3, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    if HAS2:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
-                           2, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+    res = _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
+                       fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
+                       HAS8, HAS6, HAS5, HAS4, HAS3, HAS2, False, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
@@ -463,31 +478,12 @@ def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pi
     mask_n = offs_n < N
     xr = x_ptr + pid_m.to(tl.int64) * stride_xm + xoff
     x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2) + xoff // 2
-    res = tl.zeros([BN], dtype=tl.float32)
-    if tl.load(meta + 1) > 0:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 0), tl.load(meta + 1),
-                           tl.load(meta + 2), pid_k, split, offs_n, mask_n, 8, HAS_ZEROS, BS, BN, FAST4,
-                           DEPTH, STAGES)
-    if tl.load(meta + 4) > 0:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 3), tl.load(meta + 4),
-                           tl.load(meta + 5), pid_k, split, offs_n, mask_n, 6, HAS_ZEROS, BS, BN, FAST4,
-                           DEPTH, STAGES)
-    if tl.load(meta + 7) > 0:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 6), tl.load(meta + 7),
-                           tl.load(meta + 8), pid_k, split, offs_n, mask_n, 5, HAS_ZEROS, BS, BN, FAST4,
-                           DEPTH, STAGES)
-    if tl.load(meta + 10) > 0:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 9), tl.load(meta + 10),
-                           tl.load(meta + 11), pid_k, split, offs_n, mask_n, 4, HAS_ZEROS, BS, BN, FAST4,
-                           DEPTH, STAGES)
-    if tl.load(meta + 13) > 0:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 12), tl.load(meta + 13),
-                           tl.load(meta + 14), pid_k, split, offs_n, mask_n, 3, HAS_ZEROS, BS, BN, FAST4,
-                           DEPTH, STAGES)
-    if tl.load(meta + 16) > 0:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 15), tl.load(meta + 16),
-                           tl.load(meta + 17), pid_k, split, offs_n, mask_n, 2, HAS_ZEROS, BS, BN, FAST4,
-                           DEPTH, STAGES)
+    res = _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 0), tl.load(meta + 1),
+                       tl.load(meta + 2), tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6),
+                       tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9), tl.load(meta + 10),
+                       tl.load(meta + 11), tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14),
+                       tl.load(meta + 15), tl.load(meta + 16), tl.load(meta + 17), pid_k, split, offs_n, mask_n,
+                       True, True, True, True, True, True, True, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     tile = tl.load(meta + 22) + pid_m * tiles + pid_n
     part = part_ptr + tl.multiple_of(tl.load(meta + 24), 16).to(tl.int64)
