@@ -631,18 +631,19 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
             acc = _dot_u(acc, d5, xt, 5, BITS, PER, BSC * LB, BN)
             acc = _dot_u(acc, d6, xt, 6, BITS, PER, BSC * LB, BN)
             acc = _dot_u(acc, d7, xt, 7, BITS, PER, BSC * LB, BN)
-        for u in tl.static_range(PER if not (BITS == 4 and FAST4 and not HAS_ZEROS) else 0):
-            code = (w >> (u * LB)) & ((1 << LB) - 1)
-            if HB > 0:
-                hs = (HB * ((jj * PER + u) % HPER))[None, :, None]
-                code = code | (((h >> hs) & ((1 << HB) - 1)) << LB)
-            # 0x6400 | code is the fp16 number 1024 + code: exact, so one rounding as in the reference dequantizer.
-            cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            if HAS_ZEROS:
-                deq = (cf - (z + 1024.0)) * sc
-            else:
-                deq = (cf - (1024.0 + (1 << (BITS - 1)))) * sc
-            acc = _dot_u(acc, deq, xt, u, BITS, PER, BSC * LB, BN)
+        else:
+            for u in tl.static_range(PER):
+                code = (w >> (u * LB)) & ((1 << LB) - 1)
+                if HB > 0:
+                    hs = (HB * ((jj * PER + u) % HPER))[None, :, None]
+                    code = code | (((h >> hs) & ((1 << HB) - 1)) << LB)
+                # 0x6400 | code is the fp16 number 1024 + code: exact, so one rounding as in the reference dequantizer.
+                cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                if HAS_ZEROS:
+                    deq = (cf - (z + 1024.0)) * sc
+                else:
+                    deq = (cf - (1024.0 + (1 << (BITS - 1)))) * sc
+                acc = _dot_u(acc, deq, xt, u, BITS, PER, BSC * LB, BN)
     return acc
 
 
