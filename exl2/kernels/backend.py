@@ -90,3 +90,17 @@ def sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+COUNTER_POOL = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """A per-device pool of int32 arrival counters, all 0 between launches: kernels whose last-arriving program
+    finishes the work (split-K sums, the norm's residual write) count in it and reset what they used. Shared by
+    every kernel on the device; calls on one stream never overlap."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(COUNTER_POOL, dtype=torch.int32, device=device)
+    return c

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import next_pow2, tl, triton, use_triton
+from exl2.kernels.backend import counters, next_pow2, tl, triton, use_triton
 from exl2.kernels.permute import take_columns
 
 
@@ -96,16 +96,7 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stri
             tl.atomic_xchg(cnt_ptr + row, 0)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MAX_GATHER_ROWS = 4096
-
-
-def _row_counters(device: torch.device) -> torch.Tensor:
-    """Arrival counters of `_norm_gather_kernel`, one per row, each reset to 0 by the row's last program."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(_MAX_GATHER_ROWS, dtype=torch.int32, device=device)
-    return c
+_MAX_GATHER_ROWS = 4096  # one arrival counter per row (backend.counters)
 
 
 def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, indices, residual=None,
@@ -137,7 +128,7 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
         block, gblock = next_pow2(d), 1024
         _norm_gather_kernel[(m, 1 + triton.cdiv(total, gblock))](
             x2, r2 if r2 is not None else x2, weight if weight is not None else x2, out, xp,
-            _row_counters(x.device), d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
+            counters(x.device), d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
             xp.stride(0), float(eps), ptrs[0], offs[1], ptrs[1], offs[2], ptrs[2], total,
             HAS_RES=r2 is not None, HAS_W=weight is not None, GEMMA=gemma, BLOCK=block, GBLOCK=gblock,
             num_warps=min(16, max(4, block // 256)))

@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from exl2.errors import ConfigError
-from exl2.kernels.backend import next_pow2, sm_count, tl, triton, use_triton
+from exl2.kernels.backend import COUNTER_POOL, counters, next_pow2, sm_count, tl, triton, use_triton
 from exl2.kernels.permute import gather_block
 from exl2.kernels.qweight import WIDTHS, QuantWeight, gather_torch, matmul_torch, split_bits
 
@@ -713,17 +713,6 @@ class MatmulConfig:
     depth: int = 1  # gemv: tiles prefetched in registers (1, 2), or 0: Triton pipelines the loop num_stages deep
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_COUNTER_POOL = 1 << 16
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(_COUNTER_POOL, dtype=torch.int32, device=device)
-    return c
-
-
 def _class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
     """(first step, steps, first word) per width and the kernels' HAS flags. A matrix of one width gets a kernel
     for that width alone; every mixed matrix shares the one kernel with all widths (an absent width has 0 steps,
@@ -795,14 +784,14 @@ def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra
     if m == 0:
         return out
     grid_n, grid_m = triton.cdiv(w.n, cfg.bn), triton.cdiv(m, cfg.bm if kernel is _dot_kernel else 1)
-    split = cfg.split if grid_n * grid_m <= _COUNTER_POOL else 1
+    split = cfg.split if grid_n * grid_m <= COUNTER_POOL else 1
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device) if split > 1 else out
     cls, flags = _class_args(w)
     zeros = w.zeros if w.zeros is not None else w.scales
     bias = w.bias if w.bias is not None else w.scales
     fast4, x32 = _pairs_view(xp, extra.pop("FAST4", False))
     kernel[(grid_n, split, grid_m)](
-        xp, x32, out, part, _counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
+        xp, x32, out, part, counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
         m, w.n, xp.stride(0), out.stride(0), split, *cls, **flags, HAS_ZEROS=w.zeros is not None,
         HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BM=cfg.bm, BS=cfg.bs, BN=cfg.bn, FAST4=fast4,
         RED=min(next_pow2(split), max(1, 8192 // (cfg.bm * cfg.bn))),
@@ -858,11 +847,11 @@ def gemv_chunked(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool
     table = chunk_table(w, max(cfg.split, len(w.classes)), cfg.bs)
     split = table.shape[0]
     grid_n = triton.cdiv(w.n, cfg.bn)
-    if grid_n * m > _COUNTER_POOL:
+    if grid_n * m > COUNTER_POOL:
         raise ValueError("too many output tiles for the split-K counters.")
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device)
     _gemv_chunked_kernel[(grid_n, split, m)](
-        xp, x32, out, part, _counters(xp.device),
+        xp, x32, out, part, counters(xp.device),
         w.bias if w.bias is not None else w.scales, w.qweight, w.scales,
         w.zeros if w.zeros is not None else w.scales, w.step_group, table, m, w.n, xp.stride(0), out.stride(0),
         split, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, BS=cfg.bs, BN=cfg.bn,
@@ -934,7 +923,7 @@ class GemvGroup:
                      w.zeros if w.zeros is not None else w.scales, w.step_group]
         has_bias = [w.bias is not None for w in self.ws] + [False] * (self.MAX - len(self.ws))
         _gemv_group_kernel[(programs, 1, m)](
-            xp, x32, xp.stride(0), meta, part, _counters(xp.device), m, *args,
+            xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
             G=len(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0], B1=has_bias[1],
             B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH, STAGES=GEMV_STAGES,
             num_warps=4, num_stages=GEMV_STAGES)
