@@ -259,6 +259,30 @@ def test_gemv_group_equals_separate_gemvs(split, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("per_sm,bn", [(1, 32), (3, 32), (40, 32), (2, 64)])
+def test_stream_gemv_equals_twin(per_sm, bn):
+    """Stream-K over 1-3 weights: program ranges that span tiles and weights, share a tile with others, or hold
+    no whole step (per_sm=40 on 4 interpreter "SMs" gives ranges shorter than one 8-bit step)."""
+    from exl2.kernels.gemv_stream import StreamGemv
+
+    mixes = [MIXED, [(4, 128), (4, 128), (2, 48)], [(8, 32), (6, 64), (4, 128), (2, 80)]]
+    ns = [64, 32, 96]
+    ws = [Exl2Weight.from_tensors(rand_exl2(mix, n, bias=i != 1, seed=10 + i), "L", device=DEV)
+          for i, (mix, n) in enumerate(zip(mixes, ns))]
+    for g in (1, 3):
+        x = torch.randn(2, ws[0].k, device=DEV).half()
+        with force_triton():
+            buf = qm.gather_input(x, ws[:g], whole=True)
+            sg = StreamGemv(ws[:g], programs_per_sm=per_sm, bs=2, bn=bn, stages=2)
+            outs = sg(buf, fast4=False)
+            again = sg(buf, fast4=False)  # counters were reset by the last arrivers
+        for w, y, y2 in zip(ws[:g], outs, again):
+            assert y.shape == (2, w.n)
+            _check_close(y, qweight.matmul_torch(x, w))
+            assert torch.equal(y, y2)
+
+
+@needs_triton
 def test_project_uses_the_grouped_gemv_when_enabled(monkeypatch):
     from exl2.runtime.linear import Linear, project
 
