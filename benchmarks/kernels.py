@@ -257,6 +257,65 @@ def group_section(bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+def stream_section(bw: float, sweep_on: bool) -> None:
+    """M = 1 gemvs of a Llama-3-8B layer as the decoder runs them (q/k/v and gate/up grouped, o, down, head):
+    the fixed-split kernels (`GemvGroup` / `gemv`, EXL2_GEMV_STREAM=0) against the stream-K kernel
+    (`gemv_stream.StreamGemv`) at several programs per SM, pipeline depths and tile sizes (--sweep)."""
+    from exl2.kernels.gemv_stream import StreamGemv
+
+    cases = (("q/k/v", 4096, (4096, 1024, 1024), 4), ("gate/up", 4096, (14336, 14336), 4), ("o", 4096, (4096,), 4),
+             ("down", 14336, (4096,), 4), ("head (6-bit)", 4096, (128256,), 6))
+    cfgs = [(ps, st, bs) for bs, st in ((8, 3), (8, 4), (8, 2), (16, 3)) for ps in (1, 2, 3, 4)] if sweep_on \
+        else [(2, 3, 8)]
+    for name, k, ns, bits in cases:
+        if over_budget():
+            break
+        ws = [make_weight(k, n, bits) for n in ns]
+        wbytes = sum(w.weight_bytes() for w in ws)
+        sets = [ws] + [[clone_weight(w) for w in ws] for _ in range(max(1, -(-COLD_BYTES // wbytes)) - 1)]
+        x = torch.randn(1, k, device="cuda").half()
+        refs = [qweight.matmul_torch(x, w) for w in ws]
+        bufs = [qm.gather_input(x, s, whole=True) for s in sets]
+
+        def err_of(outs):
+            return max(rel_err(y, r) for y, r in zip(outs, refs))
+
+        if len(ws) > 1:
+            olds = [qm.GemvGroup(s) for s in sets]
+            t = graph_us([lambda g=g, b=b: g(b) for g, b in zip(olds, bufs)])
+            row(name, 1, "fixed-split grouped gemv", t, wbytes, bw, None, err_of(olds[0](bufs[0])))
+        else:
+            path, cfg = qm.choose_config(1, ws[0])
+            t = graph_us([lambda s=s, b=b: qm.gemv(x, s[0], cfg, xp=b) for s, b in zip(sets, bufs)])
+            row(name, 1, "fixed-split gemv", t, wbytes, bw, None, err_of([qm.gemv(x, ws[0], cfg, xp=bufs[0])]),
+                str(cfg))
+        t_old = t
+        best = None
+        for ps, st, bs in cfgs:
+            if over_budget():
+                break
+            plans = [StreamGemv(s, programs_per_sm=ps, bs=bs, stages=st) for s in sets]
+            try:
+                err = err_of(plans[0](bufs[0]))
+                t = graph_us([lambda p=p, b=b: p(b) for p, b in zip(plans, bufs)])
+            except Exception as e:  # noqa: BLE001 - report and go on with the other configs
+                log(f"  stream {name} {ps}/{st}/{bs} failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            cfg = f"per_sm={ps} stages={st} bs={bs}"
+            log(f"    stream {name} {cfg}: {t:.2f} us err {err:.1e}")
+            if err > 5e-3:
+                log(f"  stream {name} {cfg}: WRONG RESULT")
+                continue
+            if (ps, st, bs) == (qm.STREAM_PER_SM, qm.GEMV_STAGES, 8):
+                row(name, 1, "stream-K default", t, wbytes, bw, t_old, err, cfg)
+            if best is None or t < best[0]:
+                best = (t, cfg, err)
+        if best:
+            row(name, 1, "stream-K best", best[0], wbytes, bw, t_old, best[2], best[1])
+        del ws, sets, bufs
+        torch.cuda.empty_cache()
+
+
 def norm_section(bw: float) -> None:
     """The RMSNorm that feeds the quantized projections, at decode sizes: the norm alone, the norm + one
     `gather_input` launch for the permuted copies, and `rms_norm_gather` (the copies written by the norm's own
@@ -356,7 +415,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm"), default=None)
+    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream"), default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -372,6 +431,8 @@ def main() -> None:
                 norm_section(bw)
             except Exception as e:  # noqa: BLE001 - report and go on with the other sections
                 log(f"norm section failed: {type(e).__name__}: {str(e)[:500]}")
+        if args.only in (None, "stream"):
+            stream_section(bw, args.sweep)
         if args.only in (None, "attention"):
             attention_section(bw, args.sweep)
         if args.only in (None, "matmul", "group"):

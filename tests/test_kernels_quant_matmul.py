@@ -194,6 +194,29 @@ def test_quant_matmul_real_sizes_gpu(m):
         _check_close(exl2_matmul(x, w), qweight.matmul_torch(x, w))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("per_sm", [1, 2, 4])
+def test_stream_gemv_real_sizes_gpu(per_sm):
+    """Stream-K at Llama-3-8B sizes with the packed 4-bit decoder: q/k/v and gate/up grouped, a mixed-width down
+    projection, and a 6-bit head; deterministic across calls."""
+    from exl2.kernels.gemv_stream import StreamGemv
+
+    mixed = [(6, 128)] * 2 + [(5, 128)] * 4 + [(4, 128)] * 98 + [(3, 128)] * 8
+    cases = [([(4, 128)] * 32, (4096, 1024, 1024)), ([(4, 128)] * 32, (14336, 14336)), (mixed, (4096,)),
+             ([(6, 128)] * 32, (32768,))]
+    for seed, (layout, ns) in enumerate(cases):
+        ws = [Exl2Weight.from_tensors(rand_exl2(layout, n, seed=seed * 3 + i, device="cuda"), "L", device="cuda")
+              for i, n in enumerate(ns)]
+        x = torch.randn(1, ws[0].k, dtype=torch.float16, device="cuda")
+        plan = StreamGemv(ws, programs_per_sm=per_sm)
+        buf = qm.gather_input(x, ws, whole=True)
+        outs, again = plan(buf), plan(buf)
+        for w, y, y2 in zip(ws, outs, again):
+            _check_close(y, qweight.matmul_torch(x, w))
+            assert torch.equal(y, y2)
+
+
 # ---------------------------------------------------------------------------------------------- permuted input
 def test_input_order_pairs_rows_of_4bit_words():
     """x_index puts rows (u, u+4) of each 4-bit word side by side and leaves other widths in stored order."""
@@ -283,13 +306,17 @@ def test_stream_gemv_equals_twin(per_sm, bn):
 
 
 @needs_triton
-def test_project_uses_the_grouped_gemv_when_enabled(monkeypatch):
+@pytest.mark.parametrize("stream", [True, False])
+def test_project_uses_the_grouped_gemv_when_enabled(monkeypatch, stream):
+    from exl2.kernels.gemv_stream import StreamGemv
     from exl2.runtime.linear import Linear, project
 
     monkeypatch.setattr(qm, "FUSE_SHARED_INPUT", True)
+    monkeypatch.setattr(qm, "GEMV_STREAM", stream)
     calls = []
-    real = qm.GemvGroup.__call__
-    monkeypatch.setattr(qm.GemvGroup, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    cls = StreamGemv if stream else qm.GemvGroup
+    real = cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     ws = [Exl2Weight.from_tensors(rand_exl2(MIXED, 32, seed=s), "L", device=DEV) for s in range(3)]
     lin = [Linear(w.k, w.n, kernel=w) for w in ws]
     x = torch.randn(1, 1, ws[0].k, device=DEV).half()

@@ -33,8 +33,9 @@ def _seg(o, e, fs, ns, fw, BITS: tl.constexpr):
 
 @triton.jit
 def _segment(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, pid, pid_m, g, hi, U, TOTAL_TILES, MAXC,
-             out_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-             BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr):
+             out_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, WIDTH_MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
+             HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr,
+             STAGES: tl.constexpr):
     """Process the segment of this program that starts at unit g (inside the weight of metadata row `meta`);
     return the unit after it."""
     N = tl.multiple_of(tl.load(meta + 18), 16)
@@ -57,7 +58,8 @@ def _segment(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, pid, pid_m, g, 
     fs2, ns2, fw2 = _seg(o, e, tl.load(meta + 15), tl.load(meta + 16), tl.load(meta + 17), 2)
     res = _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
                        fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, 0, 1, offs_n, mask_n,
-                       True, True, True, True, True, True, True, HAS_ZEROS, BS, BN, FAST4, 0, STAGES)
+                       (WIDTH_MASK & 32) != 0, (WIDTH_MASK & 16) != 0, (WIDTH_MASK & 8) != 0, (WIDTH_MASK & 4) != 0,
+                       (WIDTH_MASK & 2) != 0, (WIDTH_MASK & 1) != 0, True, HAS_ZEROS, BS, BN, FAST4, 0, STAGES)
     first = t0 // U
     n_contrib = (t0 + W - 1) // U - first + 1
     o_ptrs = out_ptr + pid_m.to(tl.int64) * N + offs_n
@@ -85,7 +87,8 @@ def _segment(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, pid, pid_m, g, 
 @triton.jit
 def _stream_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, U, TOTAL_U, TOTAL_TILES, MAXC,
                    out0, bias0, qw0, sc0, zr0, sg0, out1, bias1, qw1, sc1, zr1, sg1,
-                   out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                   out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, WIDTH_MASK: tl.constexpr,
+                   HAS_ZEROS: tl.constexpr,
                    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                    FAST4: tl.constexpr, STAGES: tl.constexpr):
     """Grid (programs, 1, input rows): program p covers work units [p·U, (p+1)·U) of every input row."""
@@ -96,13 +99,16 @@ def _stream_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, U, TO
     while g < hi:
         if G > 2 and g >= tl.load(meta_ptr + 2 * 24 + 21):
             g = _segment(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 24, part_ptr, cnt_ptr, pid, pid_m, g, hi, U,
-                         TOTAL_TILES, MAXC, out2, bias2, qw2, sc2, zr2, sg2, HAS_ZEROS, B2, BS, BN, FAST4, STAGES)
+                         TOTAL_TILES, MAXC, out2, bias2, qw2, sc2, zr2, sg2, WIDTH_MASK, HAS_ZEROS, B2, BS, BN,
+                         FAST4, STAGES)
         elif G > 1 and g >= tl.load(meta_ptr + 24 + 21):
             g = _segment(x_ptr, x32_ptr, stride_xm, meta_ptr + 24, part_ptr, cnt_ptr, pid, pid_m, g, hi, U,
-                         TOTAL_TILES, MAXC, out1, bias1, qw1, sc1, zr1, sg1, HAS_ZEROS, B1, BS, BN, FAST4, STAGES)
+                         TOTAL_TILES, MAXC, out1, bias1, qw1, sc1, zr1, sg1, WIDTH_MASK, HAS_ZEROS, B1, BS, BN,
+                         FAST4, STAGES)
         else:
             g = _segment(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, pid, pid_m, g, hi, U,
-                         TOTAL_TILES, MAXC, out0, bias0, qw0, sc0, zr0, sg0, HAS_ZEROS, B0, BS, BN, FAST4, STAGES)
+                         TOTAL_TILES, MAXC, out0, bias0, qw0, sc0, zr0, sg0, WIDTH_MASK, HAS_ZEROS, B0, BS, BN,
+                         FAST4, STAGES)
 
 
 class StreamGemv:
@@ -122,6 +128,9 @@ class StreamGemv:
         self.ws = list(ws)
         self.programs_per_sm, self.bs, self.bn, self.stages = programs_per_sm, bs, bn, stages
         self._plan: tuple | None = None
+        # Only the decoders of widths present in some weight are compiled (bit 5 = 8-bit ... bit 0 = 2-bit).
+        self.width_mask = sum(1 << (len(WIDTHS) - 1 - i) for i, b in enumerate(WIDTHS)
+                              if any(w.class_of(b) for w in self.ws))
 
     @classmethod
     def accepts(cls, ws: Sequence[QuantWeight]) -> bool:
@@ -173,7 +182,7 @@ class StreamGemv:
         has_bias = [w.bias is not None for w in self.ws] + [False] * (self.MAX - len(self.ws))
         _stream_kernel[(programs, 1, m)](
             xp, x32, xp.stride(0), meta, part, counters(xp.device), per, unit, tiles, maxc, *args,
-            G=len(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0], B1=has_bias[1],
-            B2=has_bias[2], BS=self.bs, BN=self.bn, FAST4=fast4, STAGES=self.stages, num_warps=4,
+            G=len(self.ws), WIDTH_MASK=self.width_mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
+            B1=has_bias[1], B2=has_bias[2], BS=self.bs, BN=self.bn, FAST4=fast4, STAGES=self.stages, num_warps=4,
             num_stages=self.stages)
         return outs

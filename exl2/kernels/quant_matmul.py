@@ -807,6 +807,19 @@ def _permuted(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None) -> torch
     return xp
 
 
+def stream_gemv(ws: Sequence[QuantWeight]):
+    """The cached `gemv_stream.StreamGemv` plan for weights sharing an input, or None where it does not apply."""
+    from exl2.kernels.gemv_stream import StreamGemv
+
+    if not (GEMV_STREAM and StreamGemv.accepts(ws)):
+        return None
+    key = ("stream", tuple(map(id, ws)))
+    plan = ws[0]._cache.get(key)
+    if plan is None:
+        plan = ws[0]._cache[key] = StreamGemv(ws, programs_per_sm=STREAM_PER_SM, stages=GEMV_STAGES)
+    return plan
+
+
 def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
          xp: torch.Tensor | None = None) -> torch.Tensor:
     """CUDA-core path (small M); x `[M, K]` with a contiguous last dim (or its permuted form `xp` from
@@ -935,7 +948,12 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     """`[x · W_i + bias_i]` for 2–3 weights sharing x `[M, K]` in one gather and one gemv launch (small M on the
     GPU), or None where that path does not apply (the caller then runs them one by one). `xp`: the permuted
     inputs already gathered into one buffer."""
-    if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= GEMV_MAX_M and GemvGroup.accepts(ws)):
+    if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= GEMV_MAX_M):
+        return None
+    plan = stream_gemv(ws)
+    if plan is not None:
+        return plan(gather_input(x, ws, whole=True) if xp is None else xp)
+    if not GemvGroup.accepts(ws):
         return None
     group = ws[0]._cache.get(("group", tuple(map(id, ws))))
     if group is None:
@@ -1022,6 +1040,10 @@ def _env_choice(name: str, default: int, allowed: range) -> int:
 
 GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
 GEMV_STAGES = _env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
+# Up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`), STREAM_PER_SM programs per SM;
+# EXL2_GEMV_STREAM=0 gives the fixed-split kernels above.
+GEMV_STREAM = _env_choice("EXL2_GEMV_STREAM", 1, range(0, 2)) == 1
+STREAM_PER_SM = _env_choice("EXL2_STREAM_PER_SM", 2, range(1, 9))
 
 
 def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int, per_sm: int = 2) -> int:
@@ -1071,6 +1093,9 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         x[:, idx[keep]] = xp[:, keep]
         return matmul_torch(x, w)
     path, cfg = choose_config(m, w)
+    plan = stream_gemv([w]) if path == "gemv" else None
+    if plan is not None:
+        return plan(xp)[0]
     if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(None, w, cfg, xp=xp)
     kernel = _gemv_kernel if path == "gemv" else _dot_kernel
@@ -1092,7 +1117,10 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     path, cfg = choose_config(x2.shape[0], w)
-    if path == "gemv":
+    plan = stream_gemv([w]) if path == "gemv" else None
+    if plan is not None:
+        y = plan(_permuted(x2, w, xp))[0]
+    elif path == "gemv":
         y = gemv(x2, w, cfg, xp=xp)
     elif path == "dot":
         y = dot(x2, w, cfg, xp=xp)

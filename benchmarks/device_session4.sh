@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session 4 device call: stream-K gemv sweep, ncu on it, end-to-end bench (stream on, then off).
+# Usage on the device machine, repo root: bash benchmarks/device_session4.sh [STEP...] (default: all steps)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
+mkdir -p "$OUT"
+steps=${*:-sweep ncu bench benchoff}
+for s in $steps; do
+  case $s in
+  sweep) timeout 190 python3 benchmarks/kernels.py --only stream --sweep --budget 170 --json "$OUT/stream.json" \
+           > "$OUT/stream.txt" 2>&1; echo "sweep rc=$?"; grep -v "^    " "$OUT/stream.txt" | tail -22 ;;
+  ncu) timeout 60 ncu --clock-control none --kernel-name regex:stream --launch-skip 3 --launch-count 1 \
+         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+         --section SchedulerStats python3 benchmarks/gemv_probe.py --shape gate > "$OUT/ncu_stream_gate.txt" 2>&1
+       echo "ncu rc=$?"; grep -E "Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Block Limit" "$OUT/ncu_stream_gate.txt" | head -20 ;;
+  bench) timeout 200 python3 -m exl2.cli.main bench --breakdown > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
+         tail -28 "$OUT/bench.txt" ;;
+  benchoff) EXL2_GEMV_STREAM=0 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
+              > "$OUT/bench_nostream.txt" 2>&1; echo "bench (stream off) rc=$?"; tail -6 "$OUT/bench_nostream.txt" ;;
+  tests) timeout -s INT -k 20 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n 8 -p no:cacheprovider \
+           --durations=12 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"; tail -25 "$OUT/gpu_tests.txt" ;;
+  esac
+done
