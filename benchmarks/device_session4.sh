@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 4 device call: stream-K gemv sweep, ncu on it, end-to-end bench (stream on, then off).
+# Session 4 device calls: stream-K gemv sweep, ncu on it, end-to-end bench A/B runs (stream-K, PDL), GPU tests.
 # Usage on the device machine, repo root: bash benchmarks/device_session4.sh [STEP...] (default: all steps)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
@@ -18,6 +18,10 @@ for s in $steps; do
          tail -28 "$OUT/bench.txt" ;;
   benchoff) EXL2_GEMV_STREAM=0 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
               > "$OUT/bench_nostream.txt" 2>&1; echo "bench (stream off) rc=$?"; tail -6 "$OUT/bench_nostream.txt" ;;
+  nopdl) EXL2_PDL=0 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
+           > "$OUT/bench_nopdl.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -6 "$OUT/bench_nopdl.txt" ;;
+  streampdl) EXL2_GEMV_STREAM=1 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
+           > "$OUT/bench_stream.txt" 2>&1; echo "bench (stream on) rc=$?"; tail -6 "$OUT/bench_stream.txt" ;;
   tests) timeout -s INT -k 20 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n 8 -p no:cacheprovider \
            --durations=12 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"; tail -25 "$OUT/gpu_tests.txt" ;;
   esac

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from exl2.kernels.backend import next_pow2, tl, triton, use_triton
+from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 from exl2.kernels.permute import take_columns
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -18,8 +18,10 @@ _ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 @triton.jit
 def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                idx_ptr=None, GATHER: tl.constexpr = False):
+                idx_ptr=None, GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
     """Output column p of a row is act(g[c])·u[c] with c = p, or c = idx[p] (0 where idx[p] < 0) with GATHER."""
+    if PDL:
+        pdl_sync()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -94,7 +96,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "s
         block = min(2048, next_pow2(i))
         grid = (o2.shape[0], triton.cdiv(i, block))
         _glu_kernel[grid](g2, u2, o2, i, g2.stride(0), u2.stride(0), o2.stride(0), ACT=_ACT_ID[activation],
-                          BLOCK=block, num_warps=4)
+                          BLOCK=block, num_warps=4, **pdl_args(g2.device))
     return out
 
 
@@ -111,7 +113,7 @@ def _glu_gather(g: torch.Tensor, u: torch.Tensor, activation: str, index: torch.
         block = min(512, next_pow2(p))  # more programs: each waits on an index load, then on the gathered loads
         _glu_kernel[(out.shape[0], triton.cdiv(p, block))](g2, u2, out, p, g2.stride(0), u2.stride(0), out.stride(0),
                                                            ACT=_ACT_ID[activation], BLOCK=block, idx_ptr=index,
-                                                           GATHER=True, num_warps=4)
+                                                           GATHER=True, num_warps=4, **pdl_args(g2.device))
     return out.view(*g.shape[:-1], p)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels import kv_quant
-from exl2.kernels.backend import next_pow2, sm_count, tl, triton, use_triton
+from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, sm_count, tl, triton, use_triton
 from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 
 # (key block, warps) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md)
@@ -46,7 +46,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                  BM: tl.constexpr, BN: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, KZERO: tl.constexpr, VZERO: tl.constexpr, SPLIT: tl.constexpr,
-                 PARTIAL: tl.constexpr):
+                 PARTIAL: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        pdl_sync()
     LOG2E: tl.constexpr = 1.4426950408889634
     TQ: tl.constexpr = BM // GROUP
     pid_q = tl.program_id(0)
@@ -157,7 +159,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
 
 @triton.jit
 def _merge_kernel(o_ptr, lse_ptr, out_ptr, SPLIT, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
-                  stride_xt, stride_xh, DV: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, V_ROT: tl.constexpr):
+                  stride_xt, stride_xh, DV: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, V_ROT: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    if PDL:
+        pdl_sync()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BS)
@@ -226,8 +231,11 @@ def _copy_row(src_row, dst_row, W, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_rows_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, KW, VW, BLOCK: tl.constexpr):
+def _write_rows_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, KW, VW, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Row t of k (axis 1 = 0) or v (axis 1 = 1) into cache row slots[t]."""
+    if PDL:
+        pdl_sync()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if tl.program_id(1) == 0:
@@ -254,7 +262,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             raise ValueError("new keys/values do not match the cache's row width.")
         block = min(1024, next_pow2(max(kw, vw)))
         _write_rows_kernel[(k2.shape[0], 2)](k2, v2, kc, vc, slots.reshape(-1), k2.stride(0), v2.stride(0), kw, vw,
-                                            BLOCK=block, num_warps=4)
+                                            BLOCK=block, num_warps=4, **pdl_args(k2.device))
         return
     for x, cache, bits, sc in ((k, k_cache, k_bits, k_scales), (v, v_cache, v_bits, v_scales)):
         if bits == 16:
@@ -377,11 +385,11 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         GROUP=group, DK=dk, DV=dv, BDK=next_pow2(dk), BDV=next_pow2(dv), BM=bm, BN=bn, PAGED=paged,
         CAUSAL=causal, HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0, K_BITS=k_bits, V_BITS=v_bits,
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
-        SPLIT=split, PARTIAL=partial, num_warps=warps, num_stages=2)
+        SPLIT=split, PARTIAL=partial, num_warps=warps, num_stages=2, **pdl_args(q.device))
     if partial:
         _merge_kernel[(tq, hq)](o_part, lse, out, split, *o_part.stride()[:3], *lse.stride(), out.stride(0),
                                 out.stride(1), DV=dv, BS=next_pow2(split), BDV=next_pow2(dv), V_ROT=v_bits != 16,
-                                num_warps=4)
+                                num_warps=4, **pdl_args(o_part.device))
     return out
 
 

@@ -20,8 +20,13 @@ try:
     import triton.language as tl
 
     HAVE_TRITON = True
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except Exception:  # noqa: BLE001 - an older Triton: programmatic dependent launch stays off
+        gdc_launch_dependents = gdc_wait = None
 except Exception:  # noqa: BLE001 - any import failure means "no Triton": the twins still run
     HAVE_TRITON = False
+    gdc_launch_dependents = gdc_wait = None
 
     class _Stub:
         """Lets kernel modules import (and define never-called kernels) where Triton is missing."""
@@ -104,3 +109,28 @@ def counters(device: torch.device) -> torch.Tensor:
     if c is None:
         c = _COUNTERS[device] = torch.zeros(COUNTER_POOL, dtype=torch.int32, device=device)
     return c
+
+
+# Programmatic dependent launch (sm_90+): a kernel launched with it may start while its predecessor in the stream
+# finishes; it waits (`pdl_sync`, its first statement) until the predecessor's writes are visible, so only the
+# launch and scheduling latency overlaps. EXL2_PDL=0 turns it off.
+PDL = os.environ.get("EXL2_PDL", "1") == "1"
+_PDL_OK: dict[int, bool] = {}
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Launch keyword arguments for a kernel with a `PDL` flag: programmatic dependent launch where it exists."""
+    if not PDL or device.type != "cuda" or INTERPRET or gdc_wait is None:
+        return {}
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _PDL_OK.get(idx)
+    if ok is None:
+        ok = _PDL_OK[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if ok else {}
+
+
+@triton.jit
+def pdl_sync():
+    """Wait for the previous kernel's writes, then let the next kernel launch (programmatic dependent launch)."""
+    gdc_wait()
+    gdc_launch_dependents()

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from exl2.kernels.backend import COUNTER_POOL, counters, sm_count, tl, triton
+from exl2.kernels.backend import COUNTER_POOL, counters, pdl_args, pdl_sync, sm_count, tl, triton
 from exl2.kernels.quant_matmul import _gemv_widths, _pairs_view
 from exl2.kernels.qweight import WIDTHS, QuantWeight
 
@@ -90,8 +90,10 @@ def _stream_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, U, TO
                    out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, WIDTH_MASK: tl.constexpr,
                    HAS_ZEROS: tl.constexpr,
                    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                   FAST4: tl.constexpr, STAGES: tl.constexpr):
+                   FAST4: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (programs, 1, input rows): program p covers work units [p·U, (p+1)·U) of every input row."""
+    if PDL:
+        pdl_sync()
     pid = tl.program_id(0)
     pid_m = tl.program_id(2)
     g = pid * U
@@ -184,5 +186,5 @@ class StreamGemv:
             xp, x32, xp.stride(0), meta, part, counters(xp.device), per, unit, tiles, maxc, *args,
             G=len(self.ws), WIDTH_MASK=self.width_mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.bs, BN=self.bn, FAST4=fast4, STAGES=self.stages, num_warps=4,
-            num_stages=self.stages)
+            num_stages=self.stages, **pdl_args(xp.device))
         return outs

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import next_pow2, tl, triton, use_triton
+from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 
 KV_MODES = {"fp16": (16, 16), "q8": (8, 8), "q6": (8, 4), "q4": (4, 4), "q3": (3, 3), "q2": (2, 2)}
 KV_BITS = (8, 4, 3, 2)
@@ -232,7 +232,9 @@ def kv_rows_rotated(row_ptr, srow_ptr, nmask, BITS: tl.constexpr, ZERO: tl.const
 @triton.jit
 def _kv_quant_kernel(x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_xh, stride_pt, stride_ph,
                      stride_st, stride_sh, NB, HAS_SLOTS: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr,
-                     NBP: tl.constexpr):
+                     NBP: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        pdl_sync()
     RT: tl.constexpr = BT * NBP * 2
     HALF: tl.constexpr = 1 << (BITS - 1)
     rho = tl.arange(0, RT)
@@ -306,7 +308,9 @@ def _kv_quant_kernel(x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_x
 
 @triton.jit
 def _kv_dequant_kernel(p_ptr, s_ptr, o_ptr, ROWS, NB, stride_p, stride_s, stride_o, ZERO: tl.constexpr,
-                       BITS: tl.constexpr, BT: tl.constexpr, NBP: tl.constexpr):
+                       BITS: tl.constexpr, BT: tl.constexpr, NBP: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        pdl_sync()
     RT: tl.constexpr = BT * NBP * 2
     rho = tl.arange(0, RT)
     th = rho // (NBP * 2)
@@ -360,7 +364,7 @@ def write_kv_quant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     _kv_quant_kernel[(triton.cdiv(rows, bt),)](
         x, pk, sc, slot_mapping if slot_mapping is not None else x, rows, h, x.stride(0), x.stride(1),
         pk.stride(0), pk.stride(1), sc.stride(0), sc.stride(1), d // 64, HAS_SLOTS=slot_mapping is not None,
-        BITS=bits, BT=bt, NBP=nbp, num_warps=4)
+        BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(x.device))
 
 
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,5 +393,5 @@ def dequantize_kv(packed: torch.Tensor, scales: torch.Tensor, bits: int, head_di
         bt, nbp = _block_rows(head_dim)
         _kv_dequant_kernel[(triton.cdiv(p.shape[0], bt),)](
             p, s, out, p.shape[0], head_dim // 64, p.stride(0), s.stride(0), out.stride(0), ZERO=_zero(bits),
-            BITS=bits, BT=bt, NBP=nbp, num_warps=4)
+            BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(p.device))
     return out.view(*packed.shape[:-1], head_dim)

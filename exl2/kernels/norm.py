@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import counters, next_pow2, tl, triton, use_triton
+from exl2.kernels.backend import counters, next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 from exl2.kernels.permute import take_columns
 
 
 @triton.jit
 def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, stride_o, eps,
                  HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GEMMA: tl.constexpr,
-                 LAYER: tl.constexpr, BLOCK: tl.constexpr):
+                 LAYER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        pdl_sync()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -54,12 +56,14 @@ def _scaled(v, w_ptr, cols, ok, rstd, HAS_W: tl.constexpr, GEMMA: tl.constexpr):
 @triton.jit
 def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stride_x, stride_r, stride_o,
                         stride_xp, eps, i0, o1, i1, o2, i2, TOTAL, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
-                        GEMMA: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr):
+                        GEMMA: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """RMSNorm of one row spread over 1 + ceil(TOTAL / GBLOCK) programs (grid axis 1), so the permuted copies
     (gathers, one GBLOCK chunk of the concatenated copies per program) run on several SMs at once. Each program
     reduces the whole row itself (two coalesced loads); program 0 writes the normed row. With a residual, every
     program reads the old residual, so the new one is written by the program that arrives last at the row's
     counter, after all reads."""
+    if PDL:
+        pdl_sync()
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -131,7 +135,7 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
             counters(x.device), d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
             xp.stride(0), float(eps), ptrs[0], offs[1], ptrs[1], offs[2], ptrs[2], total,
             HAS_RES=r2 is not None, HAS_W=weight is not None, GEMMA=gemma, BLOCK=block, GBLOCK=gblock,
-            num_warps=min(16, max(4, block // 256)))
+            num_warps=min(16, max(4, block // 256)), **pdl_args(x2.device))
     return out.view(x.shape), xp
 
 
@@ -153,7 +157,7 @@ def _norm_triton(x, weight, bias, eps, residual, gemma, layer):
             x2, r2 if r2 is not None else x2, weight if weight is not None else x2, bias if bias is not None else x2,
             out, d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0), float(eps),
             HAS_RES=r2 is not None, HAS_W=weight is not None, HAS_B=bias is not None, GEMMA=gemma, LAYER=layer,
-            BLOCK=block, num_warps=min(16, max(1, block // 256)))
+            BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_args(x2.device))
     out = out.view(x.shape)
     return (out, residual) if residual is not None else out
 

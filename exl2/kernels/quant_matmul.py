@@ -31,7 +31,8 @@ from typing import Sequence
 import torch
 
 from exl2.errors import ConfigError
-from exl2.kernels.backend import COUNTER_POOL, counters, next_pow2, sm_count, tl, triton, use_triton
+from exl2.kernels.backend import (COUNTER_POOL, counters, next_pow2, pdl_args, pdl_sync, sm_count, tl, triton,
+                                  use_triton)
 from exl2.kernels.permute import gather_block
 from exl2.kernels.qweight import WIDTHS, QuantWeight, gather_torch, matmul_torch, split_bits
 
@@ -70,8 +71,10 @@ def _store_out(res, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr,
 
 @triton.jit
 def _gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, i0, o0, n0, i1, o1, n1, i2, o2, n2, i3, o3, n3,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, o_w + p] = x[m, idx_w[p]] (0 where idx_w[p] < 0) for up to four weights w (grid axis 2)."""
+    if PDL:
+        pdl_sync()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row = tl.program_id(1).to(tl.int64)
     which = tl.program_id(2)
@@ -399,9 +402,11 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
                  HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                  RED: tl.constexpr, FAST4: tl.constexpr = False, DEPTH: tl.constexpr = 1,
-                 STAGES: tl.constexpr = 2):
+                 STAGES: tl.constexpr = 2, PDL: tl.constexpr = False):
     """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
     L2."""
+    if PDL:
+        pdl_sync()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -421,9 +426,11 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
 def _gemv_chunked_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                          chunk_ptr, M, N, stride_xm, stride_om, SPLIT, HAS_ZEROS: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr,
-                         FAST4: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr):
+                         FAST4: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """gemv of a mixed-width matrix where each K split is a run of steps inside one width class (`chunk_table`),
     so a program waits for one class's first tile, not for every class's in turn."""
+    if PDL:
+        pdl_sync()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -501,9 +508,11 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                        out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                        RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr = 1,
-                       STAGES: tl.constexpr = 2):
+                       STAGES: tl.constexpr = 2, PDL: tl.constexpr = False):
     """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
     over every (matrix, column tile, K split) program, axis 2 over the input rows."""
+    if PDL:
+        pdl_sync()
     pid = tl.program_id(0)
     pid_m = tl.program_id(2)
     if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
@@ -654,7 +663,9 @@ def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc
                 HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
                 HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                RED: tl.constexpr, FAST4: tl.constexpr = False):
+                RED: tl.constexpr, FAST4: tl.constexpr = False, PDL: tl.constexpr = False):
+    if PDL:
+        pdl_sync()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -754,7 +765,7 @@ def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight], whole: bool = False
             args += [ws[j].x_index, offs[j], sizes[j]]
         block = 1024
         _gather_kernel[(triton.cdiv(max(sizes), block), m, len(ws))](x, x.stride(0), out, out.stride(0), *args,
-                                                                     BLOCK=block, num_warps=4)
+                                                                     BLOCK=block, num_warps=4, **pdl_args(x.device))
     return out if whole else split_permuted(out, ws)
 
 
@@ -795,7 +806,7 @@ def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra
         m, w.n, xp.stride(0), out.stride(0), split, *cls, **flags, HAS_ZEROS=w.zeros is not None,
         HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BM=cfg.bm, BS=cfg.bs, BN=cfg.bn, FAST4=fast4,
         RED=min(next_pow2(split), max(1, 8192 // (cfg.bm * cfg.bn))),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **pdl_args(xp.device))
     return out
 
 
@@ -870,7 +881,7 @@ def gemv_chunked(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool
         split, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, BS=cfg.bs, BN=cfg.bn,
         RED=min(next_pow2(split), max(1, 8192 // cfg.bn)), FAST4=fast4, DEPTH=cfg.depth, STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **pdl_args(xp.device))
     return out
 
 
@@ -939,7 +950,7 @@ class GemvGroup:
             xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
             G=len(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0], B1=has_bias[1],
             B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH, STAGES=GEMV_STAGES,
-            num_warps=4, num_stages=GEMV_STAGES)
+            num_warps=4, num_stages=GEMV_STAGES, **pdl_args(xp.device))
         return outs
 
 
@@ -1040,9 +1051,9 @@ def _env_choice(name: str, default: int, allowed: range) -> int:
 
 GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
 GEMV_STAGES = _env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
-# Up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`), STREAM_PER_SM programs per SM;
-# EXL2_GEMV_STREAM=0 gives the fixed-split kernels above.
-GEMV_STREAM = _env_choice("EXL2_GEMV_STREAM", 1, range(0, 2)) == 1
+# EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
+# STREAM_PER_SM programs per SM. Off: on the H200 it lost to the fixed-split kernels on every shape (run 11).
+GEMV_STREAM = _env_choice("EXL2_GEMV_STREAM", 0, range(0, 2)) == 1
 STREAM_PER_SM = _env_choice("EXL2_STREAM_PER_SM", 2, range(1, 9))
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import next_pow2, tl, triton, use_triton
+from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh,
                  stride_cos, HALF, QBLOCKS, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_R: tl.constexpr):
+                 BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        pdl_sync()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -90,7 +92,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
     grid = (t, qblocks + triton.cdiv(hk, block_h))
     _rope_kernel[grid](q3, k3, cos, sin, positions.reshape(-1), q3.shape[1], hk, q3.stride(0), q3.stride(1),
                        k3.stride(0), k3.stride(1), cos.stride(0), rd // 2, qblocks, INTERLEAVED=interleaved,
-                       BLOCK_H=block_h, BLOCK_R=next_pow2(rd // 2), num_warps=2)
+                       BLOCK_H=block_h, BLOCK_R=next_pow2(rd // 2), num_warps=2, **pdl_args(q3.device))
     return None
 
 
