@@ -22,7 +22,18 @@ for s in $steps; do
            > "$OUT/bench_nopdl.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -6 "$OUT/bench_nopdl.txt" ;;
   streampdl) EXL2_GEMV_STREAM=1 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
            > "$OUT/bench_stream.txt" 2>&1; echo "bench (stream on) rc=$?"; tail -6 "$OUT/bench_stream.txt" ;;
-  tests) timeout -s INT -k 20 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n 8 -p no:cacheprovider \
-           --durations=12 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"; tail -25 "$OUT/gpu_tests.txt" ;;
+  stalls) timeout 40 ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 \
+           --section SchedulerStats --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
+           python3 benchmarks/gemv_probe.py --shape gate > "$OUT/ncu_stalls_gate.txt" 2>&1; echo "ncu stalls rc=$?"
+         grep -E "stalled|Issued Warp|Eligible" "$OUT/ncu_stalls_gate.txt" | sort -k3 -n -r | head -12 ;;
+  tiles) timeout 105 python3 benchmarks/kernels.py --only tiles --budget 90 --json "$OUT/tiles.json" \
+           > "$OUT/tiles.txt" 2>&1; echo "tiles rc=$?"; grep -v "^    " "$OUT/tiles.txt" | tail -14 ;;
+  breakdown) EXL2_PDL=0 timeout 130 python3 -m exl2.cli.main bench --modes fp16 --breakdown \
+           > "$OUT/bench_nopdl_breakdown.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -24 "$OUT/bench_nopdl_breakdown.txt" ;;
+  benchpdl) timeout 120 python3 -m exl2.cli.main bench > "$OUT/bench_pdl.txt" 2>&1; echo "bench (PDL on) rc=$?"
+         tail -9 "$OUT/bench_pdl.txt" ;;
+  tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
+           -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
+         grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
   esac
 done

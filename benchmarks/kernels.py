@@ -316,6 +316,50 @@ def stream_section(bw: float, sweep_on: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def tiles_section(bw: float) -> None:
+    """M = 1 gemvs of a Llama-3-8B layer with narrower column tiles (64), more warps or more programs per SM than
+    the defaults, for the grouped q/k/v and gate/up launches (`GemvGroup`) and the single o and down ones."""
+    C = qm.MatmulConfig
+    group_cfgs = [dict(bn=bn, num_warps=nw, stages=st, per_sm=ps) for bn, nw, st, ps in
+                  ((128, 4, 3, 1), (64, 4, 3, 1), (64, 4, 3, 2), (64, 2, 3, 2), (128, 8, 3, 1), (128, 4, 4, 2),
+                   (64, 4, 4, 2), (64, 2, 4, 3))]
+    single_cfgs = [C(bs=8, bn=bn, split=sp, num_warps=nw, depth=0, num_stages=st) for bn, nw, st in
+                   ((128, 4, 3), (64, 4, 3), (64, 2, 3), (64, 4, 4), (128, 8, 3)) for sp in (1, 2, 4, 8)]
+    for name, k, ns in (("q/k/v", 4096, (4096, 1024, 1024)), ("gate/up", 4096, (14336, 14336)),
+                        ("o", 4096, (4096,)), ("down", 14336, (4096,))):
+        if over_budget():
+            break
+        ws = [make_weight(k, n, 4) for n in ns]
+        wbytes = sum(w.weight_bytes() for w in ws)
+        sets = [ws] + [[clone_weight(w) for w in ws] for _ in range(max(1, -(-COLD_BYTES // wbytes)) - 1)]
+        x = torch.randn(1, k, device="cuda").half()
+        refs = [qweight.matmul_torch(x, w) for w in ws]
+        bufs = [qm.gather_input(x, s, whole=True) for s in sets]
+        if len(ws) > 1:
+            cands = [(str(c), [lambda b, g=qm.GemvGroup(s, **c): g(b) for s in sets]) for c in group_cfgs]
+        else:
+            cands = [(str(c), [lambda b, w=s[0], c=c: [qm.gemv(x, w, c, xp=b)] for s in sets]) for c in single_cfgs]
+        best = None
+        for label, fns in cands:
+            if over_budget():
+                break
+            try:
+                err = max(rel_err(y, r) for y, r in zip(fns[0](bufs[0]), refs))
+                t = graph_us([lambda f=f, b=b: f(b) for f, b in zip(fns, bufs)])
+            except Exception as e:  # noqa: BLE001 - report and go on with the other configs
+                log(f"  tiles {name} {label} failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            log(f"    tiles {name} {label}: {t:.2f} us err {err:.1e}")
+            if best is None or t < best[0]:
+                best = (t, label, err)
+            if label == cands[0][0]:
+                row(name, 1, "gemv, default tiles", t, wbytes, bw, None, err, label)
+        if best:
+            row(name, 1, "gemv, best tiles", best[0], wbytes, bw, None, best[2], best[1])
+        del ws, sets, bufs
+        torch.cuda.empty_cache()
+
+
 def norm_section(bw: float) -> None:
     """The RMSNorm that feeds the quantized projections, at decode sizes: the norm alone, the norm + one
     `gather_input` launch for the permuted copies, and `rms_norm_gather` (the copies written by the norm's own
@@ -415,7 +459,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream"), default=None)
+    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles"), default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -433,6 +477,8 @@ def main() -> None:
                 log(f"norm section failed: {type(e).__name__}: {str(e)[:500]}")
         if args.only in (None, "stream"):
             stream_section(bw, args.sweep)
+        if args.only == "tiles":
+            tiles_section(bw)
         if args.only in (None, "attention"):
             attention_section(bw, args.sweep)
         if args.only in (None, "matmul", "group"):

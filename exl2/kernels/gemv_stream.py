@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import COUNTER_POOL, counters, pdl_args, pdl_sync, sm_count, tl, triton
-from exl2.kernels.quant_matmul import _gemv_widths, _pairs_view
+from exl2.kernels.quant_matmul import _gemv_widths, _pairs_view, width_mask
 from exl2.kernels.qweight import WIDTHS, QuantWeight
 
 META = 24  # ints per weight in the metadata table (see StreamGemv)
@@ -58,8 +58,7 @@ def _segment(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, pid, pid_m, g, 
     fs2, ns2, fw2 = _seg(o, e, tl.load(meta + 15), tl.load(meta + 16), tl.load(meta + 17), 2)
     res = _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
                        fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, 0, 1, offs_n, mask_n,
-                       (WIDTH_MASK & 32) != 0, (WIDTH_MASK & 16) != 0, (WIDTH_MASK & 8) != 0, (WIDTH_MASK & 4) != 0,
-                       (WIDTH_MASK & 2) != 0, (WIDTH_MASK & 1) != 0, True, HAS_ZEROS, BS, BN, FAST4, 0, STAGES)
+                       WIDTH_MASK, True, HAS_ZEROS, BS, BN, FAST4, 0, STAGES)
     first = t0 // U
     n_contrib = (t0 + W - 1) // U - first + 1
     o_ptrs = out_ptr + pid_m.to(tl.int64) * N + offs_n
@@ -130,9 +129,7 @@ class StreamGemv:
         self.ws = list(ws)
         self.programs_per_sm, self.bs, self.bn, self.stages = programs_per_sm, bs, bn, stages
         self._plan: tuple | None = None
-        # Only the decoders of widths present in some weight are compiled (bit 5 = 8-bit ... bit 0 = 2-bit).
-        self.width_mask = sum(1 << (len(WIDTHS) - 1 - i) for i, b in enumerate(WIDTHS)
-                              if any(w.class_of(b) for w in self.ws))
+        self.width_mask = width_mask(self.ws)  # only these widths' decoders are compiled
 
     @classmethod
     def accepts(cls, ws: Sequence[QuantWeight]) -> bool:

@@ -366,12 +366,17 @@ def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps
 @triton.jit
 def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
                  fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
-                 HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
-                 HAS3: tl.constexpr, HAS2: tl.constexpr, SKIP_EMPTY: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 MASK: tl.constexpr, SKIP_EMPTY: tl.constexpr, HAS_ZEROS: tl.constexpr,
                  BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr,
                  STAGES: tl.constexpr):
-    """Sum of `_gemv_width` over the width classes present (HAS flags); with SKIP_EMPTY a class of 0 steps is
+    """Sum of `_gemv_width` over the width classes in MASK (`width_mask`); with SKIP_EMPTY a class of 0 steps is
     also skipped at run time (kernels whose class table is runtime data)."""
+    HAS8: tl.constexpr = (MASK & 32) != 0
+    HAS6: tl.constexpr = (MASK & 16) != 0
+    HAS5: tl.constexpr = (MASK & 8) != 0
+    HAS4: tl.constexpr = (MASK & 4) != 0
+    HAS3: tl.constexpr = (MASK & 2) != 0
+    HAS2: tl.constexpr = (MASK & 1) != 0
     res = tl.zeros([BN], dtype=tl.float32)
     if HAS8 and (not SKIP_EMPTY or ns8 > 0):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n, mask_n,
@@ -416,7 +421,8 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
     x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2)
     res = _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
                        fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
-                       HAS8, HAS6, HAS5, HAS4, HAS3, HAS2, False, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+                       HAS8 * 32 + HAS6 * 16 + HAS5 * 8 + HAS4 * 4 + HAS3 * 2 + HAS2, False, HAS_ZEROS, BS, BN,
+                       FAST4, DEPTH, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
@@ -469,11 +475,11 @@ def _gemv_chunked_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, q
 
 @triton.jit
 def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pid_m, out_ptr, bias_ptr, qw_ptr,
-                  sc_ptr, zr_ptr, sg_ptr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BS: tl.constexpr,
-                  BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr,
+                  sc_ptr, zr_ptr, sg_ptr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr,
                   STAGES: tl.constexpr):
-    """One program of `_gemv_group_kernel` for the matrix whose metadata row is `meta` (see `GemvGroup`): width
-    classes are runtime branches, so one compiled kernel serves every mix of widths."""
+    """One program of `_gemv_group_kernel` for the matrix whose metadata row is `meta` (see `GemvGroup`): the
+    classes of the widths in MASK are runtime branches, so one compiled kernel serves every mix of them."""
     N = tl.multiple_of(tl.load(meta + 18), 16)  # GemvGroup only takes N % 16 == 0: keeps loads vectorized
     tiles = tl.load(meta + 19)
     split = tl.load(meta + 20)
@@ -490,7 +496,7 @@ def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pi
                        tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9), tl.load(meta + 10),
                        tl.load(meta + 11), tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14),
                        tl.load(meta + 15), tl.load(meta + 16), tl.load(meta + 17), pid_k, split, offs_n, mask_n,
-                       True, True, True, True, True, True, True, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+                       MASK, True, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     tile = tl.load(meta + 22) + pid_m * tiles + pid_n
     part = part_ptr + tl.multiple_of(tl.load(meta + 24), 16).to(tl.int64)
@@ -505,7 +511,8 @@ def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pi
 @triton.jit
 def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M,
                        out0, bias0, qw0, sc0, zr0, sg0, out1, bias1, qw1, sc1, zr1, sg1,
-                       out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                       out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr,
+                       HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                        RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr = 1,
                        STAGES: tl.constexpr = 2, PDL: tl.constexpr = False):
@@ -517,13 +524,16 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
     pid_m = tl.program_id(2)
     if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 25, part_ptr, cnt_ptr, M, pid, pid_m, out2, bias2,
-                      qw2, sc2, zr2, sg2, HAS_ZEROS, B2, BS, BN, RED, FAST4, DEPTH, STAGES)
+                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, DEPTH,
+                      STAGES)
     elif G > 1 and pid >= tl.load(meta_ptr + 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 25, part_ptr, cnt_ptr, M, pid, pid_m, out1, bias1,
-                      qw1, sc1, zr1, sg1, HAS_ZEROS, B1, BS, BN, RED, FAST4, DEPTH, STAGES)
+                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, DEPTH,
+                      STAGES)
     else:
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
-                      qw0, sc0, zr0, sg0, HAS_ZEROS, B0, BS, BN, RED, FAST4, DEPTH, STAGES)
+                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, DEPTH,
+                      STAGES)
 
 
 @triton.jit
@@ -741,6 +751,12 @@ def _class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
     return cached
 
 
+def width_mask(ws: Sequence[QuantWeight]) -> int:
+    """The widths present in any of `ws` as a bit mask (8-bit = 32 … 2-bit = 1): kernels with runtime class tables
+    compile the decoders of these widths only."""
+    return sum(1 << (len(WIDTHS) - 1 - i) for i, b in enumerate(WIDTHS) if any(w.class_of(b) for w in ws))
+
+
 def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight], whole: bool = False):
     """Each weight's permuted input (`QuantWeight.x_index` order) for x `[M, K]`, from one launch for up to four
     weights that share x (q/k/v, gate/up): the small-batch kernels then read plain contiguous rows. `whole=True`
@@ -891,14 +907,16 @@ class GemvGroup:
     first counter tile, offset of its permuted input, offset of its split-K partials (per input row count M)."""
 
     MAX = 3
-    BN = 128
-    BS = 8
 
-    def __init__(self, ws: Sequence[QuantWeight]):
+    def __init__(self, ws: Sequence[QuantWeight], bn: int = 128, bs: int = 8, stages: int | None = None,
+                 per_sm: int | None = None, num_warps: int = 4):
         if not self.accepts(ws):
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
         self.ws = list(ws)
+        self.BN, self.BS, self.num_warps = bn, bs, num_warps
+        self.stages = GEMV_STAGES if stages is None else stages
+        self.per_sm = (1 if GEMV_DEPTH == 0 else 2) if per_sm is None else per_sm
         self._plans: dict[int, tuple] = {}
 
     @classmethod
@@ -916,7 +934,7 @@ class GemvGroup:
         rows, start, tile_base, xoff, part = [], 0, 0, 0, 0
         max_split = 1
         for w, t in zip(self.ws, tiles):
-            split = _auto_split(w, total, w.device, 8, 1 if GEMV_DEPTH == 0 else 2)
+            split = _auto_split(w, total, w.device, 8, self.per_sm)
             cls, _ = _class_args(w)
             rows.append(cls + [w.n, t, split, start, tile_base, xoff, part])
             start += t * split
@@ -948,9 +966,10 @@ class GemvGroup:
         has_bias = [w.bias is not None for w in self.ws] + [False] * (self.MAX - len(self.ws))
         _gemv_group_kernel[(programs, 1, m)](
             xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
-            G=len(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0], B1=has_bias[1],
-            B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH, STAGES=GEMV_STAGES,
-            num_warps=4, num_stages=GEMV_STAGES, **pdl_args(xp.device))
+            G=len(self.ws), MASK=width_mask(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
+            B1=has_bias[1],
+            B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH, STAGES=self.stages,
+            num_warps=self.num_warps, num_stages=self.stages, **pdl_args(xp.device))
         return outs
 
 
