@@ -32,6 +32,10 @@ for s in $steps; do
            > "$OUT/bench_nopdl_breakdown.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -24 "$OUT/bench_nopdl_breakdown.txt" ;;
   benchpdl) timeout 120 python3 -m exl2.cli.main bench > "$OUT/bench_pdl.txt" 2>&1; echo "bench (PDL on) rc=$?"
          tail -9 "$OUT/bench_pdl.txt" ;;
+  final) timeout 130 python3 -m exl2.cli.main bench > "$OUT/bench_final.txt" 2>&1; echo "bench rc=$?"
+         tail -9 "$OUT/bench_final.txt"
+         EXL2_PDL=0 timeout 100 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 --breakdown \
+           > "$OUT/bench_final_breakdown.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -22 "$OUT/bench_final_breakdown.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

@@ -262,7 +262,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             raise ValueError("new keys/values do not match the cache's row width.")
         block = min(1024, next_pow2(max(kw, vw)))
         _write_rows_kernel[(k2.shape[0], 2)](k2, v2, kc, vc, slots.reshape(-1), k2.stride(0), v2.stride(0), kw, vw,
-                                            BLOCK=block, num_warps=4, **pdl_args(k2.device))
+                                            BLOCK=block, num_warps=4, **pdl_args(k2.device, k2.shape[0]))
         return
     for x, cache, bits, sc in ((k, k_cache, k_bits, k_scales), (v, v_cache, v_bits, v_scales)):
         if bits == 16:
@@ -385,11 +385,11 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         GROUP=group, DK=dk, DV=dv, BDK=next_pow2(dk), BDV=next_pow2(dv), BM=bm, BN=bn, PAGED=paged,
         CAUSAL=causal, HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0, K_BITS=k_bits, V_BITS=v_bits,
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
-        SPLIT=split, PARTIAL=partial, num_warps=warps, num_stages=2, **pdl_args(q.device))
+        SPLIT=split, PARTIAL=partial, num_warps=warps, num_stages=2, **pdl_args(q.device, tq))
     if partial:
         _merge_kernel[(tq, hq)](o_part, lse, out, split, *o_part.stride()[:3], *lse.stride(), out.stride(0),
                                 out.stride(1), DV=dv, BS=next_pow2(split), BDV=next_pow2(dv), V_ROT=v_bits != 16,
-                                num_warps=4, **pdl_args(o_part.device))
+                                num_warps=4, **pdl_args(o_part.device, tq))
     return out
 
 

@@ -113,14 +113,18 @@ def counters(device: torch.device) -> torch.Tensor:
 
 # Programmatic dependent launch (sm_90+): a kernel launched with it may start while its predecessor in the stream
 # finishes; it waits (`pdl_sync`, its first statement) until the predecessor's writes are visible, so only the
-# launch and scheduling latency overlaps. EXL2_PDL=0 turns it off.
+# launch and scheduling latency overlaps. On the H200 it sped decode up 4 % at batch 1 and slowed it 11 % at
+# batch 16 (benchmarks/RESULTS.md, run 13), so only launches of at most PDL_MAX_ROWS rows use it. EXL2_PDL=0
+# turns it off.
 PDL = os.environ.get("EXL2_PDL", "1") == "1"
+PDL_MAX_ROWS = 4
 _PDL_OK: dict[int, bool] = {}
 
 
-def pdl_args(device: torch.device) -> dict:
-    """Launch keyword arguments for a kernel with a `PDL` flag: programmatic dependent launch where it exists."""
-    if not PDL or device.type != "cuda" or INTERPRET or gdc_wait is None:
+def pdl_args(device: torch.device, rows: int) -> dict:
+    """Launch keyword arguments for a kernel with a `PDL` flag working on `rows` tokens (or input rows):
+    programmatic dependent launch where it exists and the launch is decode-sized."""
+    if not PDL or rows > PDL_MAX_ROWS or device.type != "cuda" or INTERPRET or gdc_wait is None:
         return {}
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _PDL_OK.get(idx)

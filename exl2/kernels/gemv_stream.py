@@ -183,5 +183,5 @@ class StreamGemv:
             xp, x32, xp.stride(0), meta, part, counters(xp.device), per, unit, tiles, maxc, *args,
             G=len(self.ws), WIDTH_MASK=self.width_mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.bs, BN=self.bn, FAST4=fast4, STAGES=self.stages, num_warps=4,
-            num_stages=self.stages, **pdl_args(xp.device))
+            num_stages=self.stages, **pdl_args(xp.device, m))
         return outs

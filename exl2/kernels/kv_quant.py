@@ -364,7 +364,7 @@ def write_kv_quant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     _kv_quant_kernel[(triton.cdiv(rows, bt),)](
         x, pk, sc, slot_mapping if slot_mapping is not None else x, rows, h, x.stride(0), x.stride(1),
         pk.stride(0), pk.stride(1), sc.stride(0), sc.stride(1), d // 64, HAS_SLOTS=slot_mapping is not None,
-        BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(x.device))
+        BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(x.device, x.shape[0]))
 
 
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,5 +393,5 @@ def dequantize_kv(packed: torch.Tensor, scales: torch.Tensor, bits: int, head_di
         bt, nbp = _block_rows(head_dim)
         _kv_dequant_kernel[(triton.cdiv(p.shape[0], bt),)](
             p, s, out, p.shape[0], head_dim // 64, p.stride(0), s.stride(0), out.stride(0), ZERO=_zero(bits),
-            BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(p.device))
+            BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(p.device, p.shape[0]))
     return out.view(*packed.shape[:-1], head_dim)

@@ -781,7 +781,7 @@ def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight], whole: bool = False
             args += [ws[j].x_index, offs[j], sizes[j]]
         block = 1024
         _gather_kernel[(triton.cdiv(max(sizes), block), m, len(ws))](x, x.stride(0), out, out.stride(0), *args,
-                                                                     BLOCK=block, num_warps=4, **pdl_args(x.device))
+                                                                     BLOCK=block, num_warps=4, **pdl_args(x.device, m))
     return out if whole else split_permuted(out, ws)
 
 
@@ -822,7 +822,7 @@ def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra
         m, w.n, xp.stride(0), out.stride(0), split, *cls, **flags, HAS_ZEROS=w.zeros is not None,
         HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BM=cfg.bm, BS=cfg.bs, BN=cfg.bn, FAST4=fast4,
         RED=min(next_pow2(split), max(1, 8192 // (cfg.bm * cfg.bn))),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **pdl_args(xp.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **pdl_args(xp.device, m))
     return out
 
 
@@ -897,7 +897,7 @@ def gemv_chunked(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool
         split, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, BS=cfg.bs, BN=cfg.bn,
         RED=min(next_pow2(split), max(1, 8192 // cfg.bn)), FAST4=fast4, DEPTH=cfg.depth, STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_args(xp.device))
+        num_stages=cfg.num_stages, **pdl_args(xp.device, m))
     return out
 
 
@@ -908,15 +908,17 @@ class GemvGroup:
 
     MAX = 3
 
-    def __init__(self, ws: Sequence[QuantWeight], bn: int = 128, bs: int = 8, stages: int | None = None,
-                 per_sm: int | None = None, num_warps: int = 4):
+    def __init__(self, ws: Sequence[QuantWeight], bn: int = 64, bs: int = 8, stages: int | None = None,
+                 per_sm: int = 2, num_warps: int = 4):
+        """Defaults from the H200 sweep (benchmarks/RESULTS.md, run 13): 64-column tiles, up to ~2 programs per SM
+        (q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns, ~1 per SM)."""
         if not self.accepts(ws):
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
         self.ws = list(ws)
         self.BN, self.BS, self.num_warps = bn, bs, num_warps
         self.stages = GEMV_STAGES if stages is None else stages
-        self.per_sm = (1 if GEMV_DEPTH == 0 else 2) if per_sm is None else per_sm
+        self.per_sm = per_sm
         self._plans: dict[int, tuple] = {}
 
     @classmethod
@@ -969,7 +971,7 @@ class GemvGroup:
             G=len(self.ws), MASK=width_mask(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1],
             B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH, STAGES=self.stages,
-            num_warps=self.num_warps, num_stages=self.stages, **pdl_args(xp.device))
+            num_warps=self.num_warps, num_stages=self.stages, **pdl_args(xp.device, m))
         return outs
 
 
@@ -1080,7 +1082,7 @@ def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: 
     """Largest power-of-two split of K with at most ~`per_sm` programs per SM and at least `min_steps` 32-row
     steps per program: the H200 sweeps (benchmarks/RESULTS.md) found every shape fastest there, since more splits
     add partial sums and short-lived programs, fewer leave SMs idle (2 per SM for the register-prefetching
-    kernels, 1 for the pipelined gemv, which keeps its tiles in flight in shared memory)."""
+    kernels and the 64-column pipelined gemv, 1 for the 128-column pipelined one)."""
     target = per_sm * sm_count(device)
     split = 1
     while split < 32 and programs * split * 2 <= target and w.n_steps // (split * 2) >= min_steps:
@@ -1092,9 +1094,12 @@ def choose_config(m: int, w: QuantWeight) -> tuple[str, MatmulConfig | None]:
     """Pick the path and launch parameters for an [m, K] input (from H200 measurements, benchmarks/RESULTS.md):
     the gemv up to 4 rows (one program per row), the tensor-core kernel up to 64, dequantize + cuBLAS beyond."""
     if m <= GEMV_MAX_M:
-        programs = triton.cdiv(w.n, 128) * m
-        split = _auto_split(w, programs, w.device, 8, 1 if GEMV_DEPTH == 0 else 2)
-        return "gemv", MatmulConfig(bm=1, bs=8, bn=128, split=split, num_warps=4, num_stages=GEMV_STAGES,
+        # Matrices of fewer 128-column tiles than SMs (o, down): 64-column tiles, K split to ~2 programs per SM
+        # (o 8.4 → 6.8 µs, down 15.2 → 12.6 µs on the H200, run 13); wide ones (the head) keep 128 columns.
+        bn = 64 if triton.cdiv(w.n, 128) < sm_count(w.device) else 128
+        per_sm = 2 if bn == 64 or GEMV_DEPTH != 0 else 1
+        split = _auto_split(w, triton.cdiv(w.n, bn) * m, w.device, 8, per_sm)
+        return "gemv", MatmulConfig(bm=1, bs=8, bn=bn, split=split, num_warps=4, num_stages=GEMV_STAGES,
                                     depth=GEMV_DEPTH)
     if m <= DOT_MAX_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)

@@ -92,7 +92,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
     grid = (t, qblocks + triton.cdiv(hk, block_h))
     _rope_kernel[grid](q3, k3, cos, sin, positions.reshape(-1), q3.shape[1], hk, q3.stride(0), q3.stride(1),
                        k3.stride(0), k3.stride(1), cos.stride(0), rd // 2, qblocks, INTERLEAVED=interleaved,
-                       BLOCK_H=block_h, BLOCK_R=next_pow2(rd // 2), num_warps=2, **pdl_args(q3.device))
+                       BLOCK_H=block_h, BLOCK_R=next_pow2(rd // 2), num_warps=2, **pdl_args(q3.device, t))
     return None
 
 
