@@ -9,6 +9,9 @@ segment by segment (a segment = its part of one tile), runs the per-width decode
 steps whose first word lies in the segment, and either writes the tile (it covered it alone) or stores a partial
 sum in the tile's slot for it; the last program to arrive at a tile (a per-tile counter) adds the slots in order,
 adds the bias and writes the fp16 output. The sum order is fixed, so results are deterministic.
+
+Opt-in (`EXL2_GEMV_STREAM=1`): on the H200 it lost to the fixed-split kernels on every Llama-3-8B shape, since
+each segment refills the pipeline and balance was not the limit (benchmarks/RESULTS.md, session 4, run 11).
 """
 from __future__ import annotations
 
