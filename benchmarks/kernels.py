@@ -257,6 +257,17 @@ def group_section(bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+def decode_inputs(k: int, ns, bits: int):
+    """Weights of widths `ns` sharing one [1, k] input, as the M = 1 sections time them: (weights, their bytes,
+    cold copies of them, x, the twin's outputs, each copy's permuted-input buffer)."""
+    ws = [make_weight(k, n, bits) for n in ns]
+    wbytes = sum(w.weight_bytes() for w in ws)
+    sets = [ws] + [[clone_weight(w) for w in ws] for _ in range(max(1, -(-COLD_BYTES // wbytes)) - 1)]
+    x = torch.randn(1, k, device="cuda").half()
+    refs = [qweight.matmul_torch(x, w) for w in ws]
+    return ws, wbytes, sets, x, refs, [qm.gather_input(x, s, whole=True) for s in sets]
+
+
 def stream_section(bw: float, sweep_on: bool) -> None:
     """M = 1 gemvs of a Llama-3-8B layer as the decoder runs them (q/k/v and gate/up grouped, o, down, head):
     the fixed-split kernels (`GemvGroup` / `gemv`, EXL2_GEMV_STREAM=0) against the stream-K kernel
@@ -270,12 +281,7 @@ def stream_section(bw: float, sweep_on: bool) -> None:
     for name, k, ns, bits in cases:
         if over_budget():
             break
-        ws = [make_weight(k, n, bits) for n in ns]
-        wbytes = sum(w.weight_bytes() for w in ws)
-        sets = [ws] + [[clone_weight(w) for w in ws] for _ in range(max(1, -(-COLD_BYTES // wbytes)) - 1)]
-        x = torch.randn(1, k, device="cuda").half()
-        refs = [qweight.matmul_torch(x, w) for w in ws]
-        bufs = [qm.gather_input(x, s, whole=True) for s in sets]
+        ws, wbytes, sets, x, refs, bufs = decode_inputs(k, ns, bits)
 
         def err_of(outs):
             return max(rel_err(y, r) for y, r in zip(outs, refs))
@@ -329,12 +335,7 @@ def tiles_section(bw: float) -> None:
                         ("o", 4096, (4096,)), ("down", 14336, (4096,))):
         if over_budget():
             break
-        ws = [make_weight(k, n, 4) for n in ns]
-        wbytes = sum(w.weight_bytes() for w in ws)
-        sets = [ws] + [[clone_weight(w) for w in ws] for _ in range(max(1, -(-COLD_BYTES // wbytes)) - 1)]
-        x = torch.randn(1, k, device="cuda").half()
-        refs = [qweight.matmul_torch(x, w) for w in ws]
-        bufs = [qm.gather_input(x, s, whole=True) for s in sets]
+        ws, wbytes, sets, x, refs, bufs = decode_inputs(k, ns, 4)
         if len(ws) > 1:
             cands = [(str(c), [lambda b, g=qm.GemvGroup(s, **c): g(b) for s in sets]) for c in group_cfgs]
         else:

@@ -20,11 +20,8 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import COUNTER_POOL, counters, pdl_args, pdl_sync, sm_count, tl, triton
-from exl2.kernels.quant_matmul import _gemv_widths, _pairs_view, width_mask
-from exl2.kernels.qweight import WIDTHS, QuantWeight
-
-META = 24  # ints per weight in the metadata table (see StreamGemv)
-
+from exl2.kernels.quant_matmul import _class_args, _gemv_widths, _pairs_view, width_mask
+from exl2.kernels.qweight import QuantWeight
 
 @triton.jit
 def _seg(o, e, fs, ns, fw, BITS: tl.constexpr):
@@ -118,7 +115,7 @@ def _stream_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, U, TO
 class StreamGemv:
     """Launch plan of `_stream_kernel` for 1–3 weights sharing an input (permuted as `gather_input` makes it).
 
-    Metadata row per weight (int32): (first step, steps, first word) of the 8/6/5/4/3/2-bit classes, N, column
+    Metadata row per weight (24 int32): (first step, steps, first word) of the 8/6/5/4/3/2-bit classes, N, column
     tiles, words per tile (qweight rows), first work unit, first tile (over all weights), offset of its permuted
     input."""
 
@@ -145,10 +142,7 @@ class StreamGemv:
             return self._plan
         rows, unit, tile, xoff = [], 0, 0, 0
         for w in self.ws:
-            cls = []
-            for bits in WIDTHS:
-                c = w.class_of(bits)
-                cls += [c.first_step, c.n_steps, c.first_word] if c else [0, 0, 0]
+            cls, _ = _class_args(w)
             tiles = triton.cdiv(w.n, self.bn)
             words = w.qweight.shape[0]
             rows.append(cls + [w.n, tiles, words, unit, tile, xoff])

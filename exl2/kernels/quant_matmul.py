@@ -511,8 +511,7 @@ def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pi
 @triton.jit
 def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M,
                        out0, bias0, qw0, sc0, zr0, sg0, out1, bias1, qw1, sc1, zr1, sg1,
-                       out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr,
-                       HAS_ZEROS: tl.constexpr,
+                       out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                        RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr = 1,
                        STAGES: tl.constexpr = 2, PDL: tl.constexpr = False):
@@ -524,16 +523,13 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
     pid_m = tl.program_id(2)
     if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 25, part_ptr, cnt_ptr, M, pid, pid_m, out2, bias2,
-                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, DEPTH,
-                      STAGES)
+                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, DEPTH, STAGES)
     elif G > 1 and pid >= tl.load(meta_ptr + 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 25, part_ptr, cnt_ptr, M, pid, pid_m, out1, bias1,
-                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, DEPTH,
-                      STAGES)
+                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, DEPTH, STAGES)
     else:
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
-                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, DEPTH,
-                      STAGES)
+                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, DEPTH, STAGES)
 
 
 @triton.jit
@@ -836,9 +832,11 @@ def _permuted(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None) -> torch
 
 def stream_gemv(ws: Sequence[QuantWeight]):
     """The cached `gemv_stream.StreamGemv` plan for weights sharing an input, or None where it does not apply."""
+    if not GEMV_STREAM:
+        return None
     from exl2.kernels.gemv_stream import StreamGemv
 
-    if not (GEMV_STREAM and StreamGemv.accepts(ws)):
+    if not StreamGemv.accepts(ws):
         return None
     key = ("stream", tuple(map(id, ws)))
     plan = ws[0]._cache.get(key)
@@ -919,6 +917,7 @@ class GemvGroup:
         self.BN, self.BS, self.num_warps = bn, bs, num_warps
         self.stages = GEMV_STAGES if stages is None else stages
         self.per_sm = per_sm
+        self.mask = width_mask(self.ws)
         self._plans: dict[int, tuple] = {}
 
     @classmethod
@@ -968,10 +967,9 @@ class GemvGroup:
         has_bias = [w.bias is not None for w in self.ws] + [False] * (self.MAX - len(self.ws))
         _gemv_group_kernel[(programs, 1, m)](
             xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
-            G=len(self.ws), MASK=width_mask(self.ws), HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
-            B1=has_bias[1],
-            B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH, STAGES=self.stages,
-            num_warps=self.num_warps, num_stages=self.stages, **pdl_args(xp.device, m))
+            G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
+            B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH,
+            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages, **pdl_args(xp.device, m))
         return outs
 
 
