@@ -23,6 +23,7 @@ from exl2.kernels.backend import COUNTER_POOL, counters, pdl_args, pdl_sync, sm_
 from exl2.kernels.quant_matmul import _class_args, _gemv_widths, _pairs_view, width_mask
 from exl2.kernels.qweight import QuantWeight
 
+
 @triton.jit
 def _seg(o, e, fs, ns, fw, BITS: tl.constexpr):
     """(first step, steps, first word) of the steps of one width class whose first word lies in [o, e)."""
