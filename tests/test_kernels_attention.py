@@ -191,3 +191,31 @@ def test_fp16_write_kv_one_launch_matches_index_copy():
     kr.view(-1, hkv, dk).index_copy_(0, slots, k)
     vr.view(-1, hkv, dv).index_copy_(0, slots, v)
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@needs_triton
+@pytest.mark.parametrize("kb,vb,splits,fused", [(16, 16, 3, True), (16, 16, 1, True), (4, 4, 2, True),
+                                                (8, 4, 1, True), (16, 16, 3, False), (4, 4, 2, False)])
+def test_paged_kernel_permuted_output_and_merge_paths(kb, vb, splits, fused, monkeypatch):
+    """Output written straight into a permuted column order (o_proj's input), with the merge done by the last
+    split (fused) or by the separate merge launch; against the twin, permuted the same way."""
+    if not fused:
+        monkeypatch.setattr(at, "COUNTER_POOL", 0)
+    lens, qlens, hq, hkv, d = [40, 9], [1, 2], 4, 2, 128
+    k, v, bt = make_paged(lens, hkv, d, d, 16, seed=kb + vb + splits, device=DEV)
+    kw = {}
+    if kb != 16:
+        k, ks = kq.quantize_kv_torch(k, kb)
+        v, vs = kq.quantize_kv_torch(v, vb)
+        kw = dict(k_bits=kb, v_bits=vb, k_scales=ks, v_scales=vs)
+    q = torch.randn(sum(qlens), hq, d).half().to(DEV)
+    perm = torch.randperm(hq * d, generator=torch.Generator().manual_seed(1)).int().to(DEV)
+    args = (q, k, v, bt, torch.tensor(lens, dtype=torch.int32, device=DEV), cu(qlens).to(DEV), max(qlens))
+    with force_triton():
+        out = at.paged_attention(*args, num_splits=splits, out_index=perm, **kw)
+        plain = at.paged_attention(*args, num_splits=splits, **kw)
+    ref = at.paged_attention_torch(*args, **kw)
+    assert out.shape == (sum(qlens), hq * d)
+    torch.testing.assert_close(out.float(), at.scatter_columns(ref, perm).float(), atol=4e-3, rtol=0)
+    torch.testing.assert_close(plain.float(), ref.float(), atol=4e-3, rtol=0)
+    assert torch.equal(at.scatter_columns(plain, perm), out)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels import kv_quant
-from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, sm_count, tl, triton, use_triton
+from exl2.kernels.backend import COUNTER_POOL, counters, next_pow2, pdl_args, pdl_sync, sm_count, tl, triton, use_triton
 from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 
 # (key block, warps) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md)
@@ -37,16 +37,20 @@ TUNING = {("decode", "fp16"): (64, 8), ("decode", "quant"): (64, 4),
 
 @triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, cuk_ptr,
-                 o_ptr, lse_ptr,
+                 o_ptr, lse_ptr, out_ptr, perm_ptr, cnt_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_kst, stride_ksh, stride_vst, stride_vsh, stride_bt,
-                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
+                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, stride_xt, stride_xh,
                  scale, softcap, window, page_size, Q_BLOCKS,
                  GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, KZERO: tl.constexpr, VZERO: tl.constexpr, SPLIT: tl.constexpr,
-                 PARTIAL: tl.constexpr, PDL: tl.constexpr = False):
+                 PARTIAL: tl.constexpr, MERGE: tl.constexpr = False, MR: tl.constexpr = 16,
+                 MCH: tl.constexpr = 1, PERM: tl.constexpr = False, PDL: tl.constexpr = False):
+    """One (query block, KV head, key split) program; with MERGE the split arriving last at its counter also
+    merges the partials of its rows (no separate merge launch); with PERM outputs go to the columns `perm_ptr`
+    gives (the permuted input of a quantized o_proj)."""
     if PDL:
         pdl_sync()
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -119,6 +123,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                 kt = tl.trans(kv_rows_rotated(k_ptr + slot * stride_kt + kvh * stride_kh,
                                               ks_ptr + slot * stride_kst + kvh * stride_ksh, nmask, K_BITS, KZERO,
                                               DK // 64, BDK // 64, BN))
+            # values are loaded before the first dot, so both loads are in flight at once
+            vmask = nmask[:, None] & (dv[None, :] < DV)
+            if V_BITS == 16:
+                v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :], mask=vmask, other=0.0)
+            else:
+                v = kv_rows_rotated(v_ptr + slot * stride_vt + kvh * stride_vh,
+                                    vs_ptr + slot * stride_vst + kvh * stride_vsh, nmask, V_BITS, VZERO,
+                                    DV // 64, BDV // 64, BN)
             s = tl.dot(q, kt.to(tl.float16))
             if HAS_SOFTCAP:
                 u = s * (scale / softcap)
@@ -135,13 +147,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            vmask = nmask[:, None] & (dv[None, :] < DV)
-            if V_BITS == 16:
-                v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :], mask=vmask, other=0.0)
-            else:
-                v = kv_rows_rotated(v_ptr + slot * stride_vt + kvh * stride_vh,
-                                    vs_ptr + slot * stride_vst + kvh * stride_vsh, nmask, V_BITS, VZERO,
-                                    DV // 64, BDV // 64, BN)
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
             m_i = m_new
 
@@ -153,39 +158,88 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
             tl.store(o_ptr + pid_s * stride_os + o_off, o, mask=omask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + pid_s * stride_ls + q_rows * stride_lt + head * stride_lh, lse, mask=row_ok)
+            if MERGE:
+                tl.debug_barrier()  # this program's partials are written before its arrival is counted
+                count = tl.atomic_add(cnt_ptr + pid_q * tl.num_programs(1) + kvh, 1)
+                if count == SPLIT - 1:
+                    _merge_rows(o_ptr, lse_ptr, out_ptr, perm_ptr, q_start + t0, kvh * GROUP, GROUP,
+                                tl.minimum(q_len - t0, TQ) * GROUP, SPLIT, stride_os, stride_ot, stride_oh,
+                                stride_ls, stride_lt, stride_lh, stride_xt, stride_xh, DV, MR, BDV, MCH,
+                                V_BITS != 16, PERM)
+                    tl.atomic_xchg(cnt_ptr + pid_q * tl.num_programs(1) + kvh, 0)
+        elif PERM:
+            cols = tl.load(perm_ptr + head[:, None] * DV + dv[None, :], mask=omask, other=0)
+            tl.store(out_ptr + q_rows[:, None] * stride_xt + cols, o.to(out_ptr.dtype.element_ty), mask=omask)
         else:
             tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
-def _merge_kernel(o_ptr, lse_ptr, out_ptr, SPLIT, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
-                  stride_xt, stride_xh, DV: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, V_ROT: tl.constexpr,
-                  PDL: tl.constexpr = False):
+def _merge_rows(o_ptr, lse_ptr, out_ptr, perm_ptr, t_base, h_base, G, rows, SPLIT, stride_os, stride_ot, stride_oh,
+                stride_ls, stride_lt, stride_lh, stride_xt, stride_xh, DV, R: tl.constexpr, BDV: tl.constexpr,
+                CH: tl.constexpr, V_ROT: tl.constexpr, PERM: tl.constexpr):
+    """Combine the SPLIT partial outputs (normalised, with their log2-sum-exp) of `rows` (< R) output rows, row i
+    being token t_base + i // G, head h_base + i % G; CH splits per load. Rotated values (basis
+    d' = 64·blk + 32·par + j) are un-rotated once, on the merged rows."""
+    i = tl.arange(0, R)
+    tok = (t_base + i // G).to(tl.int64)
+    head = h_base + i % G
+    r_ok = i < rows
+    dv = tl.arange(0, BDV)
+    c = tl.arange(0, CH)
+    m = tl.full([R], float("-inf"), dtype=tl.float32)
+    tot = tl.zeros([R], dtype=tl.float32)
+    acc = tl.zeros([R, BDV], dtype=tl.float32)
+    row_off = tok * stride_ot + head * stride_oh
+    for s0 in range(0, SPLIT, CH):
+        s = s0 + c
+        ok = (s < SPLIT)[:, None] & r_ok[None, :]
+        lse = tl.load(lse_ptr + s[:, None] * stride_ls + (tok * stride_lt + head * stride_lh)[None, :], mask=ok,
+                      other=float("-inf"))
+        o = tl.load(o_ptr + s[:, None, None] * stride_os + row_off[None, :, None] + dv[None, None, :],
+                    mask=ok[:, :, None] & (dv < DV)[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - ref[None, :]))
+        alpha = tl.where(m == float("-inf"), 0.0, tl.exp2(m - ref))
+        tot = tot * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=0)
+        m = m_new
+    res = acc / tl.where(tot > 0, tot, 1.0)[:, None]
+    if V_ROT:
+        NB: tl.constexpr = R * BDV // 32
+        r2 = tl.reshape(res, [NB, 32])
+        if NB >= 16:
+            x = tl.dot(r2, h32_tl().to(tl.float32), input_precision="ieee") * 0.03125
+        else:
+            x = tl.sum(r2[:, :, None] * h32_tl().to(tl.float32)[None, :, :], axis=1) * 0.03125
+        r = tl.arange(0, NB)
+        blk = r % (BDV // 32)
+        ri = r // (BDV // 32)
+        e = (blk // 2)[:, None] * 64 + 2 * tl.arange(0, 32)[None, :] + (blk % 2)[:, None]
+        res = x
+        tok = (t_base + ri // G).to(tl.int64)[:, None]
+        col = (h_base + ri % G)[:, None] * stride_xh + e
+        mask = (ri < rows)[:, None] & (e < DV)
+    else:
+        tok = tok[:, None]
+        col = head[:, None] * stride_xh + dv[None, :]
+        mask = r_ok[:, None] & (dv < DV)[None, :]
+    if PERM:
+        col = tl.load(perm_ptr + col, mask=mask, other=0)
+    tl.store(out_ptr + tok * stride_xt + col, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_kernel(o_ptr, lse_ptr, out_ptr, perm_ptr, SPLIT, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                  stride_lh, stride_xt, stride_xh, DV: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr,
+                  V_ROT: tl.constexpr, PERM: tl.constexpr = False, PDL: tl.constexpr = False):
+    """The merge as its own launch, one (token, head) per program (where the fused merge does not apply)."""
     if PDL:
         pdl_sync()
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, BS)
-    dv = tl.arange(0, BDV)
-    smask = s < SPLIT
-    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h * stride_lh, mask=smask, other=float("-inf"))
-    mx = tl.max(lse, axis=0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - mx))
-    o = tl.load(o_ptr + s[:, None] * stride_os + t * stride_ot + h * stride_oh + dv[None, :],
-                mask=smask[:, None] & (dv[None, :] < DV), other=0.0)
-    tot = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(tot > 0, tot, 1.0)
-    o_base = out_ptr + t * stride_xt + h * stride_xh
-    if V_ROT:
-        # rotated values, basis d' = 64·blk + 32·par + j: undo the block-diagonal H32 once, on the merged row
-        r2 = tl.reshape(res, [BDV // 32, 32])
-        x = tl.sum(r2[:, :, None] * h32_tl().to(tl.float32)[None, :, :], axis=1) * 0.03125
-        r = tl.arange(0, BDV // 32)
-        e = (r // 2)[:, None] * 64 + 2 * tl.arange(0, 32)[None, :] + (r % 2)[:, None]
-        tl.store(o_base + e, x.to(out_ptr.dtype.element_ty), mask=e < DV)
-    else:
-        tl.store(o_base + dv, res.to(out_ptr.dtype.element_ty), mask=dv < DV)
+    _merge_rows(o_ptr, lse_ptr, out_ptr, perm_ptr, tl.program_id(0), tl.program_id(1), 1, 1, SPLIT, stride_os,
+                stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, stride_xt, stride_xh, DV, 1, BDV, BS, V_ROT,
+                PERM)
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -341,13 +395,18 @@ def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
 
 
 def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu_k, max_q_len, scale,
-            sliding_window, softcap, k_bits, v_bits, causal, num_splits, paged, page_size):
+            sliding_window, softcap, k_bits, v_bits, causal, num_splits, paged, page_size, out_index=None):
     tq, hq, dk = q.shape
     hkv = k_rows.shape[1]
     dv = _head_dim(v_rows, v_bits)
     group = hq // hkv
     b = cu_q.numel() - 1
-    out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
+    if out_index is not None:
+        out = torch.empty((tq, hq * dv), dtype=q.dtype, device=q.device)
+        out_strides, perm = (out.stride(0), dv), out_index
+    else:
+        out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
+        out_strides, perm = (out.stride(0), out.stride(1)), cu_q
     if tq == 0 or b == 0:
         return out
     decode_like = max_q_len * group <= 16
@@ -364,6 +423,9 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
     ks_rows = ks_rows if ks_rows is not None else q
     vs_rows = vs_rows if vs_rows is not None else q
     partial = split > 1 or v_bits != 16
+    # the last-arriving split merges its rows: one counter per (query block, KV head)
+    merge = partial and b * q_blocks * hkv <= COUNTER_POOL
+    mr = next_pow2(min(tq_per, max_q_len) * group)
     if partial:
         o_part = torch.empty((split, tq, hq, dv), dtype=torch.float32, device=q.device)
         lse = torch.empty((split, tq, hq), dtype=torch.float32, device=q.device)
@@ -371,25 +433,36 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         ls_ = lse.stride()
     else:
         o_dst, lse = out, out
-        os_ = (0, out.stride(0), out.stride(1))
+        os_ = (0, out.stride(0), dv if out_index is not None else out.stride(1))
         ls_ = (0, 0, 0)
     bt = block_table if paged else cu_q
     _attn_kernel[(b * q_blocks, hkv, split)](
         q, k_rows, v_rows, ks_rows, vs_rows, bt, seq_lens, cu_q, cu_k if cu_k is not None else cu_q,
-        o_dst, lse,
+        o_dst, lse, out, perm, counters(q.device),
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
         ks_rows.stride(0) if ks_rows.dim() == 3 else 0, ks_rows.stride(1) if ks_rows.dim() == 3 else 0,
         vs_rows.stride(0) if vs_rows.dim() == 3 else 0, vs_rows.stride(1) if vs_rows.dim() == 3 else 0,
-        bt.stride(0), os_[0], os_[1], os_[2], ls_[0], ls_[1], ls_[2],
+        bt.stride(0), os_[0], os_[1], os_[2], ls_[0], ls_[1], ls_[2], *out_strides,
         float(scale), float(softcap) if softcap else 1.0, int(sliding_window), int(page_size), q_blocks,
         GROUP=group, DK=dk, DV=dv, BDK=next_pow2(dk), BDV=next_pow2(dv), BM=bm, BN=bn, PAGED=paged,
         CAUSAL=causal, HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0, K_BITS=k_bits, V_BITS=v_bits,
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
-        SPLIT=split, PARTIAL=partial, num_warps=warps, num_stages=2, **pdl_args(q.device, tq))
-    if partial:
-        _merge_kernel[(tq, hq)](o_part, lse, out, split, *o_part.stride()[:3], *lse.stride(), out.stride(0),
-                                out.stride(1), DV=dv, BS=next_pow2(split), BDV=next_pow2(dv), V_ROT=v_bits != 16,
-                                num_warps=4, **pdl_args(o_part.device, tq))
+        SPLIT=split, PARTIAL=partial, MERGE=merge, MR=mr,
+        MCH=max(1, min(next_pow2(split), 8192 // (mr * next_pow2(dv)))), PERM=out_index is not None,
+        num_warps=warps, num_stages=2, **pdl_args(q.device, tq))
+    if partial and not merge:
+        _merge_kernel[(tq, hq)](o_part, lse, out, perm, split, *o_part.stride()[:3], *lse.stride(), *out_strides,
+                                DV=dv, BS=next_pow2(split), BDV=next_pow2(dv), V_ROT=v_bits != 16,
+                                PERM=out_index is not None, num_warps=4, **pdl_args(o_part.device, tq))
+    return out
+
+
+def scatter_columns(o: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
+    """`[T, H·D]` rows of o `[T, H, D]` with natural column c moved to `out_index[c]`: the twin of the kernels'
+    permuted output (`out_index` a permutation, e.g. the inverse of a quantized o_proj's input order)."""
+    flat = o.reshape(o.shape[0], -1)
+    out = torch.empty_like(flat)
+    out[:, out_index.long()] = flat
     return out
 
 
@@ -397,24 +470,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None, max_q_len: int = 1, *,
                     scale: float | None = None, sliding_window: int = 0, softcap: float = 0.0, k_bits: int = 16,
                     v_bits: int = 16, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-                    causal: bool = True, num_splits: int | None = None) -> torch.Tensor:
+                    causal: bool = True, num_splits: int | None = None,
+                    out_index: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of new queries over the paged cache (see the module docstring); returns `[Tq, Hq, Dv]`.
 
     `max_q_len` bounds the query tokens of any one sequence (1 for decode). `num_splits` fixes the number of
-    key-range splits (None: enough programs to fill the GPU); fix it when capturing CUDA graphs.
+    key-range splits (None: enough programs to fill the GPU); fix it when capturing CUDA graphs. `out_index`
+    (int32 `[Hq·Dv]`, a permutation) returns `[Tq, Hq·Dv]` rows with natural column c at `out_index[c]`
+    instead (`scatter_columns`): the kernel then writes o_proj's permuted input, and no gather is needed.
     """
     _check(q, k_cache, v_cache, k_bits, v_bits, k_scales, v_scales)
+    if out_index is not None and out_index.numel() != q.shape[1] * _head_dim(v_cache, v_bits):
+        raise ValueError("out_index must have one entry per output column (heads x value dim).")
     if not use_triton(q):
-        return paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_q_len,
-                                     scale=scale, sliding_window=sliding_window, softcap=softcap, k_bits=k_bits,
-                                     v_bits=v_bits, k_scales=k_scales, v_scales=v_scales, causal=causal)
+        out = paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_q_len,
+                                    scale=scale, sliding_window=sliding_window, softcap=softcap, k_bits=k_bits,
+                                    v_bits=v_bits, k_scales=k_scales, v_scales=v_scales, causal=causal)
+        return out if out_index is None else scatter_columns(out, out_index)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cu_q = _decode_cu(cu_seqlens_q, block_table.shape[0], q.device)
     return _launch(q, _cache_rows(k_cache), _cache_rows(v_cache),
                    _cache_rows(k_scales) if k_scales is not None else None,
                    _cache_rows(v_scales) if v_scales is not None else None,
                    block_table, seq_lens, cu_q, None, max_q_len, scale, sliding_window, softcap, k_bits, v_bits,
-                   causal, num_splits, True, k_cache.shape[1])
+                   causal, num_splits, True, k_cache.shape[1], out_index)
 
 
 # --------------------------------------------------------------------------------------------------- prefill

@@ -43,17 +43,6 @@ def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, s
 
 
 @triton.jit
-def _scaled(v, w_ptr, cols, ok, rstd, HAS_W: tl.constexpr, GEMMA: tl.constexpr):
-    y = v * rstd
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        if GEMMA:
-            w = w + 1.0
-        y = y * w
-    return y
-
-
-@triton.jit
 def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stride_x, stride_r, stride_o,
                         stride_xp, eps, i0, o1, i1, o2, i2, TOTAL, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
                         GEMMA: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -70,28 +59,39 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stri
     mask = offs < D
     x_row = x_ptr + row * stride_x
     r_row = res_ptr + row * stride_r
+    # position p of the concatenated copies reads index vector g at p - o_g (o_0 = 0 <= o1 <= o2); the index and
+    # gathered loads are issued before the row reduction, so their latency overlaps the row's
+    p = (part - 1) * GBLOCK + tl.arange(0, GBLOCK)
+    live = (part > 0) & (p < TOTAL)
+    idx = tl.load(i0 + p, mask=live & (p < o1), other=-1)
+    idx = tl.where(p < o1, idx, tl.load(i1 + (p - o1), mask=live & (p >= o1) & (p < o2), other=-1))
+    idx = tl.where(p < o2, idx, tl.load(i2 + (p - o2), mask=live & (p >= o2), other=-1))
+    ok = idx >= 0
+    v = tl.load(x_row + idx, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        v = (v + tl.load(r_row + idx, mask=ok, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+        v = v.to(tl.float32)
     x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         s = (x + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
         x = s.to(tl.float32)
+    if HAS_W:  # this program's weights, also loaded before the reduction
+        w_row = tl.load(w_ptr + offs, mask=mask & (part == 0), other=0.0).to(tl.float32)
+        w_idx = tl.load(w_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+        if GEMMA:
+            w_row += 1.0
+            w_idx += 1.0
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     if part == 0:
-        y_row = _scaled(x, w_ptr, offs, mask, rstd, HAS_W, GEMMA)
+        y_row = x * rstd
+        if HAS_W:
+            y_row = y_row * w_row
         tl.store(out_ptr + row * stride_o + offs, y_row.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        # position p of the concatenated copies reads index vector g at p - o_g (o_0 = 0 <= o1 <= o2)
-        p = (part - 1) * GBLOCK + tl.arange(0, GBLOCK)
-        live = p < TOTAL
-        idx = tl.load(i0 + p, mask=live & (p < o1), other=-1)
-        idx = tl.where(p < o1, idx, tl.load(i1 + (p - o1), mask=live & (p >= o1) & (p < o2), other=-1))
-        idx = tl.where(p < o2, idx, tl.load(i2 + (p - o2), mask=live & (p >= o2), other=-1))
-        ok = idx >= 0
-        v = tl.load(x_row + idx, mask=ok, other=0.0).to(tl.float32)
-        if HAS_RES:
-            v = (v + tl.load(r_row + idx, mask=ok, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
-            v = v.to(tl.float32)
-        y_copy = tl.where(ok, _scaled(v, w_ptr, idx, ok, rstd, HAS_W, GEMMA), 0.0)
-        tl.store(xp_ptr + row * stride_xp + p, y_copy.to(xp_ptr.dtype.element_ty), mask=live)
+        y_copy = v * rstd
+        if HAS_W:
+            y_copy = y_copy * w_idx
+        tl.store(xp_ptr + row * stride_xp + p, tl.where(ok, y_copy, 0.0).to(xp_ptr.dtype.element_ty), mask=live)
     if HAS_RES:
         tl.debug_barrier()  # all of this program's residual reads happen before its arrival is counted
         count = tl.atomic_add(cnt_ptr + row, 1)

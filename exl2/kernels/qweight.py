@@ -84,6 +84,19 @@ class QuantWeight:
     def class_of(self, bits: int) -> WidthClass | None:
         return next((c for c in self.classes if c.bits == bits), None)
 
+    def scatter_index(self) -> torch.Tensor | None:
+        """Inverse of `x_index` (int32 `[K]`: where natural input column c sits in the permuted input), or None
+        when x_index has padding and so is not a permutation. Lets the producer of this weight's input write it
+        straight in the permuted order (the attention kernel for o_proj). Cached."""
+        if "scatter_index" not in self._cache:
+            idx = self.x_index
+            inv = None
+            if idx.numel() == self.k and bool((idx >= 0).all()):
+                inv = torch.empty_like(idx)
+                inv[idx.long()] = torch.arange(idx.numel(), dtype=idx.dtype, device=idx.device)
+            self._cache["scatter_index"] = inv
+        return self._cache["scatter_index"]
+
     def weight_bytes(self) -> int:
         """Bytes the matmul kernels must read for the weight: packed codes, scales, zeros, maps, bias."""
         t = [self.qweight, self.scales, self.step_group, self.x_index]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, softcap, temperature_scale
+from exl2.kernels.attention import scatter_columns
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.spec import LayerSpec, ModelSpec
 from exl2.kernels.quant_matmul import uses_permuted_input
@@ -39,15 +40,17 @@ class KVCache:
         self.length = 0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-               scale: float, window=None, chunk=None, softcap=None) -> torch.Tensor:
-        """Store k/v at the positions q_pos ([B, T], contiguous per row) and attend over everything cached."""
+               scale: float, window=None, chunk=None, softcap=None, out_index=None) -> torch.Tensor:
+        """Store k/v at the positions q_pos ([B, T], contiguous per row) and attend over everything cached;
+        `out_index`: return `[B·T, H·Dv]` rows in that column order instead (see PagedKVCache.attend)."""
         b, t = q_pos.shape
         starts = q_pos[:, 0].tolist()
         for i, s0 in enumerate(starts):
             self.k[layer][i, s0:s0 + t] = k[i]
             self.v[layer][i, s0:s0 + t] = v[i]
         end = int(q_pos[:, -1].max()) + 1
-        return attention(q, self.k[layer][:b, :end], self.v[layer][:b, :end], q_pos, scale, window, chunk, softcap)
+        o = attention(q, self.k[layer][:b, :end], self.v[layer][:b, :end], q_pos, scale, window, chunk, softcap)
+        return o if out_index is None else scatter_columns(o.reshape(b * t, *o.shape[2:]), out_index)
 
 
 class Attention(nn.Module):
@@ -93,8 +96,19 @@ class Attention(nn.Module):
         if layer.temperature_tuning:
             q = temperature_scale(q, q_pos, *s.attn_temperature)
         args = (q_pos, self.scale, layer.sliding_window, layer.chunk_size, s.attn_softcap)
-        o = cache.attend(self.idx, q, k, v, *args) if cache is not None else attention(q, k, v, *args)
-        return self.o_proj(o.reshape(b, t, -1))
+        if cache is None:
+            return self.o_proj(attention(q, k, v, *args).reshape(b, t, -1))
+        order = self._o_order(b * t, x)
+        if order is not None:  # the attention writes o_proj's permuted input: no gather launch
+            return self.o_proj.forward_permuted(cache.attend(self.idx, q, k, v, *args, out_index=order), (b, t))
+        return self.o_proj(cache.attend(self.idx, q, k, v, *args).reshape(b, t, -1))
+
+    def _o_order(self, rows: int, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where each attention output column goes in o_proj's permuted input, when o_proj reads one."""
+        kernel = getattr(self.o_proj, "kernel", None)
+        if kernel is None or not uses_permuted_input(rows, x):
+            return None
+        return kernel.scatter_index()
 
 
 class MLAttention(nn.Module):

@@ -13,7 +13,7 @@ import torch
 
 from exl2.errors import ConfigError
 from exl2.kernels import kv_quant
-from exl2.kernels.attention import paged_attention, varlen_attention, write_kv
+from exl2.kernels.attention import paged_attention, scatter_columns, varlen_attention, write_kv
 from exl2.models.layers import attention
 from exl2.models.spec import ModelSpec
 
@@ -83,7 +83,9 @@ class PagedKVCache:
         return slots, lens
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-               scale: float, window=None, chunk=None, softcap=None) -> torch.Tensor:
+               scale: float, window=None, chunk=None, softcap=None, out_index=None) -> torch.Tensor:
+        """Write the new keys/values, attend: `[B, T, H, Dv]`, or with `out_index` the rows `[B·T, H·Dv]` in that
+        column order (`attention.scatter_columns`; decode writes them from the kernel)."""
         b, t = q_pos.shape
         slots, seq_lens = self._slots_and_lens(q_pos)
         write_kv(k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), self.k[layer], self.v[layer],
@@ -91,13 +93,17 @@ class PagedKVCache:
         if chunk is not None:  # Llama 4 chunked attention: not in the kernels, read the pages back
             length = int(q_pos[:, -1].max()) + 1
             kk, vv = self._read(layer, True, length), self._read(layer, False, length)
-            return attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap)
+            out = attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap)
+            return out if out_index is None else scatter_columns(out.reshape(b * t, *out.shape[2:]), out_index)
         qf = q.reshape(b * t, *q.shape[2:])
         opts = dict(scale=scale, sliding_window=window or 0, softcap=softcap or 0.0)
         if t == 1:
             out = paged_attention(qf, self.k[layer], self.v[layer], self.block_table, seq_lens,
                                   k_bits=self.k_bits, v_bits=self.v_bits, k_scales=self.k_scales[layer],
-                                  v_scales=self.v_scales[layer], num_splits=self.decode_splits, **opts)
+                                  v_scales=self.v_scales[layer], num_splits=self.decode_splits,
+                                  out_index=out_index, **opts)
+            if out_index is not None:
+                return out
         elif not bool((q_pos[:, 0] > 0).any()):  # fresh prompts: attention among the new tokens only
             cu = list(range(0, b * t + 1, t))
             out = varlen_attention(qf, k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), cu, t,
@@ -107,4 +113,6 @@ class PagedKVCache:
             out = paged_attention(qf, self.k[layer], self.v[layer], self.block_table, seq_lens, cu, t,
                                   k_bits=self.k_bits, v_bits=self.v_bits, k_scales=self.k_scales[layer],
                                   v_scales=self.v_scales[layer], **opts)
+        if out_index is not None:
+            return scatter_columns(out, out_index)
         return out.view(b, t, *out.shape[1:])
