@@ -69,15 +69,16 @@ def test_batched_graph_decode_matches_eager():
     assert torch.allclose(a, b, atol=1e-2, rtol=0)
 
 
-def _random_4bit(k: int, n: int, seed: int):
-    """A pure 4-bit layer in the kernel layout (groups of 128, act-order permutation) and a generator for inputs."""
+def _random_4bit(k: int, n: int, seed: int, bits: int = 4):
+    """A pure 4-bit (or `bits`-bit) layer in the kernel layout (groups of 128, act-order permutation) and a
+    generator for inputs."""
     from exl2.kernels.qweight import build
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
-    codes = torch.randint(0, 16, (k, n), device=dev, dtype=torch.uint8, generator=g)
+    codes = torch.randint(0, 1 << bits, (k, n), device=dev, dtype=torch.uint8, generator=g)
     scales = (torch.rand(k // 128, n, device=dev, generator=g) * 0.01 + 0.001).half()
-    return build(codes, [(4, 128)] * (k // 128), scales, None, torch.randperm(k, device=dev, generator=g)), g
+    return build(codes, [(bits, 128)] * (k // 128), scales, None, torch.randperm(k, device=dev, generator=g)), g
 
 
 def _assert_near(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -90,10 +91,25 @@ def test_fast_4bit_gemv_is_used_and_matches_twin():
     from exl2.kernels.quant_matmul import MatmulConfig, fast4_available, gemv
     from exl2.kernels.qweight import matmul_torch
 
-    assert fast4_available(torch.device("cuda"))
+    assert fast4_available(torch.device("cuda")) == 3  # the 4-bit and the 6-bit packed decoders
     w, g = _random_4bit(4096, 14336, 1)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.float16, generator=g)
     _assert_near(gemv(x, w, MatmulConfig(bs=8, bn=128, split=4), fast4=True), matmul_torch(x, w).float())
+
+
+@pytest.mark.parametrize("bn,split", [(128, 1), (64, 3)])
+def test_fast_6bit_gemv_matches_portable_and_twin(bn, split):
+    """The packed-fp16 6-bit decoder (a head-shaped layer, ragged K splits) against the portable decoder and the
+    twin."""
+    from exl2.kernels.quant_matmul import MatmulConfig, gemv
+    from exl2.kernels.qweight import matmul_torch
+
+    w, g = _random_4bit(4096, 8192, 7, bits=6)
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.float16, generator=g)
+    cfg = MatmulConfig(bs=8, bn=bn, split=split, depth=0, num_stages=3)
+    ref = matmul_torch(x, w).float()
+    _assert_near(gemv(x, w, cfg, fast4=True), ref)
+    _assert_near(gemv(x, w, cfg, fast4=False), ref)
 
 
 @pytest.mark.parametrize("depth,stages", [(1, 2), (2, 2), (0, 2), (0, 4)])

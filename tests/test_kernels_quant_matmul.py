@@ -218,8 +218,9 @@ def test_stream_gemv_real_sizes_gpu(per_sm):
 
 
 # ---------------------------------------------------------------------------------------------- permuted input
-def test_input_order_pairs_rows_of_4bit_words():
-    """x_index puts rows (u, u+4) of each 4-bit word side by side and leaves other widths in stored order."""
+def test_input_order_pairs_rows_of_4bit_words_and_6bit_steps():
+    """x_index puts rows (u, u+4) of each 4-bit word and rows (r, r+16) of each 6-bit step side by side, and
+    leaves other widths in stored order."""
     w = Exl2Weight.from_tensors(rand_exl2(MIXED, 32), "L")
     for c in w.classes:
         lo, hi = c.first_step * 32, (c.first_step + c.n_steps) * 32
@@ -228,6 +229,9 @@ def test_input_order_pairs_rows_of_4bit_words():
             for p in range(32):
                 j, i, h = p // 8, (p % 8) // 2, p % 2
                 assert torch.equal(xi[:, p], ri[:, 8 * j + i + 4 * h])
+        elif c.bits == 6:
+            for p in range(32):
+                assert torch.equal(xi[:, p], ri[:, p // 2 + 16 * (p % 2)])
         else:
             assert torch.equal(xi, ri)
 

@@ -135,6 +135,8 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     row = jj[:, None] * PER + uu[None, :]  # [LB, PER]
     if BITS == 4:
         pos = jj[:, None] * 8 + (uu % 4)[None, :] * 2 + (uu // 4)[None, :]
+    elif BITS == 6:
+        pos = (jj % 2)[:, None] * 16 + 2 * uu[None, :] + (jj // 2)[:, None]
     else:
         pos = row
     lo_sh = (uu * LB)[None, None, :, None]
@@ -345,6 +347,89 @@ def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
     return tl.sum(acc, axis=0)
 
 
+# 6-bit classes: the permuted input pairs rows r and r + 16 (`PAIR_ORDER6`), which sit at the same bits of low
+# words j and j + 2 and of high words 0 and 1. One prmt per byte of a low-word pair puts both rows' nibbles in the
+# two fp16 lanes (the odd row of the byte comes out 16x, as in the 4-bit decoder), one prmt per byte of the high
+# words does the same for the top two bits, a shift and a lop3 merge them under the exponent of 1024, and one
+# packed subtraction (or fma) removes 1024 + 32. ~3 instructions per weight instead of ~10.
+def _ptx_words6() -> str:
+    lines = ["{", ".reg .b32 a, b, c, t, acc, z, q, d;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;",
+             "mov.b32 z, 0x64206420;", "mov.b32 q, 0x2C002C00;", "mov.b32 d, 0xD600D600;", "mov.f32 r, 0f00000000;"]
+    for jp in range(2):
+        for k in range(4):
+            lines.append(f"prmt.b32 a, ${1 + jp}, ${3 + jp}, {((4 + k) << 8) | k:#x};")
+            if k % 2 == 0:
+                byte = 2 * jp + k // 2
+                lines.append(f"prmt.b32 b, $5, $6, {((4 + byte) << 8) | byte:#x};")
+            for e in range(2):
+                pair = 8 * jp + 2 * k + e
+                lo_mask, hi_mask = ("0x000F000F", "0x00300030") if e == 0 else ("0x00F000F0", "0x03000300")
+                shift = (4 if e == 0 else 6) - 4 * (k % 2)
+                lines.append(f"lop3.b32 t, a, {lo_mask}, 0x64006400, 0xEA;")
+                lines.append(f"shl.b32 c, b, {shift};")
+                lines.append(f"lop3.b32 t, c, {hi_mask}, t, 0xEA;")
+                lines.append("sub.f16x2 t, t, z;" if e == 0 else "fma.rn.f16x2 t, t, q, d;")
+                if pair % 4 == 0:
+                    lines.append(f"mul.rn.f16x2 acc, t, ${7 + pair};")
+                else:
+                    lines.append(f"fma.rn.f16x2 acc, t, ${7 + pair}, acc;")
+                if pair % 4 == 3:
+                    lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;",
+                              "add.f32 r, r, flo;", "add.f32 r, r, fhi;"]
+    lines += ["mov.f32 $0, r;", "}"]
+    return "\n".join(lines)
+
+
+_WORDS6_ASM = tl.constexpr(_ptx_words6())
+_WORDS6_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 22))
+
+
+@triton.jit
+def _quarters(t):
+    """[BS, 2, 2] indexed (a, b) -> its four [BS, 1] slices in the order 2a + b."""
+    b0, b1 = tl.split(t)
+    a0b0, a1b0 = tl.split(b0)
+    a0b1, a1b1 = tl.split(b1)
+    return a0b0[:, None], a0b1[:, None], a1b0[:, None], a1b1[:, None]
+
+
+@triton.jit
+def _gemv_class6_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                      offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+    """`_gemv_class4_pipe` for a 6-bit class without zero tensors (EXL2): a step's six words and 16 input pairs
+    per asm call."""
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    acc = tl.zeros([BS, BN], dtype=tl.float32)
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
+        offs_s = s0 + tl.arange(0, BS)
+        mask_s = offs_s < s_hi
+        m2 = mask_s[:, None] & mask_n[None, :]
+        w_ptrs = qw_ptr + (first_word + (offs_s - first_step) * 6)[:, None].to(tl.int64) * N + offs_n[None, :]
+        w0 = tl.load(w_ptrs, mask=m2, other=0)
+        w1 = tl.load(w_ptrs + N, mask=m2, other=0)
+        w2 = tl.load(w_ptrs + 2 * N, mask=m2, other=0)
+        w3 = tl.load(w_ptrs + 3 * N, mask=m2, other=0)
+        h0 = tl.load(w_ptrs + 4 * N, mask=m2, other=0)
+        h1 = tl.load(w_ptrs + 5 * N, mask=m2, other=0)
+        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
+        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
+        xw = tl.load(x32_ptr + offs_s[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_s[:, None], other=0)
+        d0, d1 = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # pair p = 8a + 4b + 2c + d
+        c0d0, c1d0 = tl.split(d0)
+        c0d1, c1d1 = tl.split(d1)
+        x0, x4, x8, x12 = _quarters(c0d0)
+        x1, x5, x9, x13 = _quarters(c0d1)
+        x2, x6, x10, x14 = _quarters(c1d0)
+        x3, x7, x11, x15 = _quarters(c1d1)
+        part = tl.inline_asm_elementwise(
+            _WORDS6_ASM, _WORDS6_CONSTRAINTS,
+            [w0, w1, w2, w3, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
+            dtype=tl.float32, is_pure=True, pack=1)
+        acc += part * sc.to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
 @triton.jit
 def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, offs_n,
                 mask_n, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
@@ -352,10 +437,13 @@ def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps
     """One width class's partial sums: the packed-fp16 decoder for EXL2 4-bit, the portable one otherwise (field
     widths as in `qweight.split_bits`). x32r is the permuted input row read as int32 pairs."""
     LB: tl.constexpr = 2 if BITS <= 3 else (8 if BITS == 8 else 4)
-    if BITS == 4 and FAST4 and not HAS_ZEROS and DEPTH == 0:
+    if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS and DEPTH == 0:
         return _gemv_class4_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                                  offs_n, mask_n, BS, BN, STAGES)
-    elif BITS == 4 and FAST4 and not HAS_ZEROS:
+    elif BITS == 6 and (FAST4 & 2) != 0 and not HAS_ZEROS and DEPTH == 0:
+        return _gemv_class6_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                                 offs_n, mask_n, BS, BN, STAGES)
+    elif BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
         return _gemv_class4_fast(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                                  offs_n, mask_n, BS, BN, DEPTH)
     else:
@@ -601,12 +689,18 @@ def _dot_u(acc, deq, xt, u: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
 
 
 @triton.jit
-def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl.constexpr, BSC: tl.constexpr):
-    """Input tile [BM, BSC·LB, PER] of BSC steps from s0 in position order (one contiguous run of PER per word)."""
+def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl.constexpr, BSC: tl.constexpr,
+           BITS: tl.constexpr = 0):
+    """Input tile [BM, BSC·LB, PER] of BSC steps from s0, indexed (step·LB + low word, row-in-word): one contiguous
+    run of PER positions per word, except for 6-bit classes (`PAIR_ORDER6`), whose word j, row u sits at position
+    16·(j % 2) + 2u + j // 2."""
     offs = s0 * 32 + tl.arange(0, BSC * 32)
     ptrs = x_ptr + offs_m[:, None] * stride_xm + offs[None, :]
     t = tl.load(ptrs, mask=mask_m[:, None] & (offs < s_hi * 32)[None, :], other=0.0).to(tl.float16)
-    return tl.reshape(t, [offs_m.shape[0], BSC * LB, PER])
+    BM: tl.constexpr = offs_m.shape[0]
+    if BITS == 6:
+        t = tl.permute(tl.reshape(t, [BM, BSC, 2, PER, 2]), (0, 1, 4, 2, 3))  # (m, s, j // 2, j % 2, u)
+    return tl.reshape(t, [BM, BSC * LB, PER])
 
 
 @triton.jit
@@ -628,13 +722,13 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     mask_m = offs_m < M
     jj = tl.arange(0, LB)
-    xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s_lo, s_hi, LB, PER, BSC)
+    xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s_lo, s_hi, LB, PER, BSC, BITS)
     for s0 in range(s_lo, s_hi, BSC):
         xt = xt_n
-        xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0 + BSC, s_hi, LB, PER, BSC)
+        xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0 + BSC, s_hi, LB, PER, BSC, BITS)
         w, h, sc, z = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
                                   mask_n, BITS, LB, HB, HAS_ZEROS, BSC)
-        if BITS == 4 and FAST4 and not HAS_ZEROS:
+        if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
             d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
                 _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc.to(tl.float16)], dtype=(tl.float16,) * 8,
                 is_pure=True, pack=1)
@@ -791,13 +885,13 @@ def split_permuted(buf: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.T
     return views
 
 
-def _pairs_view(xp: torch.Tensor, fast4: bool | None) -> tuple[bool, torch.Tensor]:
-    """Whether the packed 4-bit decoder runs on xp (None: where its self-check passed; it needs fp16 input with an
-    even row stride) and the int32 view of xp it reads."""
+def _pairs_view(xp: torch.Tensor, fast4: bool | int | None) -> tuple[int, torch.Tensor]:
+    """Which packed decoders run on xp, as the kernels' FAST4 mask (1: 4-bit, 2: 6-bit; True: both, None: those
+    whose self-check passed; they need fp16 input with an even row stride), and the int32 view of xp they read."""
     if fast4 is None:
         fast4 = fast4_available(xp.device)
-    fast4 = bool(fast4) and xp.dtype == torch.float16 and xp.stride(0) % 2 == 0
-    return fast4, (xp.view(torch.int32) if fast4 else xp)
+    mask = (3 if fast4 is True else int(fast4 or 0)) if xp.dtype == torch.float16 and xp.stride(0) % 2 == 0 else 0
+    return mask, (xp.view(torch.int32) if mask else xp)
 
 
 def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra) -> torch.Tensor:
@@ -991,32 +1085,41 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     return group(gather_input(x, ws, whole=True) if xp is None else xp)
 
 
-_FAST4: dict[torch.device, bool] = {}
+_FAST4: dict[torch.device, int] = {}
 
 
-def fast4_available(device: torch.device) -> bool:
-    """Whether the inline-PTX 4-bit decoder compiles and agrees with the twin on this device (checked once, on a
-    small random layer); otherwise the portable decoder is used."""
+def _packed_check(device: torch.device, bits: int, flag: int) -> bool:
+    """Whether the packed decoder of `bits`-bit classes compiles and agrees with the twin on a small random layer."""
+    from exl2.kernels.qweight import build
+
+    g = torch.Generator(device=device).manual_seed(bits)
+    k, n = 512, 256
+    codes = torch.randint(0, 1 << bits, (k, n), device=device, dtype=torch.uint8, generator=g)
+    scales = (torch.rand(k // 128, n, device=device, generator=g) * 0.01 + 0.001).half()
+    perm = torch.randperm(k, device=device, generator=g)
+    w = build(codes, [(bits, 128)] * (k // 128), scales, None, perm)
+    x = torch.randn(1, k, device=device, dtype=torch.float16, generator=g)
+    ref = matmul_torch(x, w).float()
+    got = _launch(_gemv_kernel, gather_input(x, [w])[0], w, MatmulConfig(bs=4, bn=128, split=2, depth=0),
+                  FAST4=flag, DEPTH=0, STAGES=2).float()
+    return bool(torch.allclose(got, ref, atol=2e-3 * ref.abs().max().item() + 1e-4, rtol=0))
+
+
+def fast4_available(device: torch.device) -> int:
+    """The packed decoders (inline PTX) that compile and agree with the twin on this device, as the kernels'
+    FAST4 mask (1: 4-bit, 2: 6-bit; checked once each, on a small random layer); the others use the portable
+    decoder."""
     if device.type != "cuda" or triton.__class__.__name__ == "_Stub":
-        return False
+        return 0
     ok = _FAST4.get(device)
     if ok is None:
-        _FAST4[device] = False  # in case the check itself recurses or fails
-        try:
-            g = torch.Generator(device=device).manual_seed(0)
-            k, n = 512, 256
-            codes = torch.randint(0, 16, (k, n), device=device, dtype=torch.uint8, generator=g)
-            scales = (torch.rand(k // 128, n, device=device, generator=g) * 0.01 + 0.001).half()
-            perm = torch.randperm(k, device=device, generator=g)
-            from exl2.kernels.qweight import build
-            w = build(codes, [(4, 128)] * (k // 128), scales, None, perm)
-            x = torch.randn(1, k, device=device, dtype=torch.float16, generator=g)
-            ref = matmul_torch(x, w).float()
-            got = _launch(_gemv_kernel, gather_input(x, [w])[0], w, MatmulConfig(bs=4, bn=128, split=2),
-                          FAST4=True).float()
-            ok = bool(torch.allclose(got, ref, atol=2e-3 * ref.abs().max().item() + 1e-4, rtol=0))
-        except Exception:  # noqa: BLE001 - any compile/launch failure means "use the portable path"
-            ok = False
+        _FAST4[device] = 0  # in case the check itself recurses or fails
+        ok = 0
+        for bits, flag in ((4, 1), (6, 2)):
+            try:
+                ok |= flag if _packed_check(device, bits, flag) else 0
+            except Exception:  # noqa: BLE001 - any compile/launch failure means "use the portable path"
+                pass
         _FAST4[device] = ok
     return ok
 

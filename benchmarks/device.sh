@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 4 device calls: stream-K gemv sweep, ncu on it, end-to-end bench A/B runs (stream-K, PDL), GPU tests.
-# Usage on the device machine, repo root: bash benchmarks/device_session4.sh [STEP...] (default: all steps)
+# Device calls: kernel sweeps, ncu, end-to-end bench A/B runs (stream-K, PDL), GPU tests (all, or `quick`: the
+# kernel-level ones). Usage on the device machine, repo root: bash benchmarks/device.sh [STEP...]
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -36,6 +36,9 @@ for s in $steps; do
          tail -9 "$OUT/bench_final.txt"
          EXL2_PDL=0 timeout 100 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 --breakdown \
            > "$OUT/bench_final_breakdown.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -22 "$OUT/bench_final_breakdown.txt" ;;
+  quick) timeout -s INT -k 15 "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_kernels_attention.py \
+           tests/test_gpu_e2e.py -k "fast or attention or paged or prefill or group or graph" -q -n ${TEST_WORKERS:-8} \
+           -p no:cacheprovider -rfE > "$OUT/gpu_quick.txt" 2>&1; echo "quick tests rc=$?"; tail -12 "$OUT/gpu_quick.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
