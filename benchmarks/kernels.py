@@ -446,6 +446,46 @@ def attention_section(bw: float, sweep_on: bool) -> None:
         row(f"attn B={batch}", batch, "write_kv_quant q4 (keys)", us, 0, bw)
 
 
+def merge_section(bw: float) -> None:
+    """Decode attention as the decoder runs it (output in o_proj's permuted order) with the merge fused into the
+    last-arriving split or as its own launch, values loaded before or after the first dot, several split counts."""
+    hq, hkv, d, page = 32, 8, 128, 256
+    perm = torch.randperm(hq * d, device="cuda").int()
+    for batch, ctx in ((1, 2048), (16, 128)):
+        pages_per = -(-ctx // page)
+        n_pages = batch * pages_per
+        bt = torch.randperm(n_pages, device="cuda", dtype=torch.int32).view(batch, pages_per)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, hq, d, device="cuda").half()
+        k = torch.randn(n_pages, page, hkv, d, device="cuda").half()
+        v = torch.randn(n_pages, page, hkv, d, device="cuda").half()
+        kc, ks = kq.quantize_kv(k, 4)
+        vc, vs = kq.quantize_kv(v, 4)
+        for mode, c, bits in (("fp16", (k, v, None, None), 16), ("q4", (kc, vc, ks, vs), 4)):
+            ref = at.scatter_columns(at.paged_attention_torch(q, c[0], c[1], bt, lens, k_bits=bits, v_bits=bits,
+                                                              k_scales=c[2], v_scales=c[3]), perm)
+            nbytes = sum(t.numel() * t.element_size() for t in c if t is not None)
+            for fused in (True, False):
+                for early in (True, False):
+                    for splits in (None, 8, 16):
+                        if over_budget():
+                            return
+                        at.FUSED_MERGE, at.V_EARLY = fused, early
+
+                        def call(splits=splits):
+                            return at.paged_attention(q, c[0], c[1], bt, lens, k_bits=bits, v_bits=bits,
+                                                      k_scales=c[2], v_scales=c[3], num_splits=splits, out_index=perm)
+                        try:
+                            err = rel_err(call(), ref)
+                            us = graph_us([call])
+                        except Exception as e:  # noqa: BLE001
+                            log(f"  merge {mode} {fused}/{early}/{splits} failed: {type(e).__name__}: {str(e)[:300]}")
+                            continue
+                        row(f"attn B={batch} ctx={ctx}", batch, f"{mode} {'fused' if fused else 'launch'} merge, "
+                            f"V {'early' if early else 'late'}", us, nbytes, bw, None, err, f"splits={splits}")
+    at.FUSED_MERGE, at.V_EARLY = True, True
+
+
 def table(rows) -> str:
     out = ["| shape | M | path | µs | GB/s | % copy BW | cuBLAS time / this | rel err | config |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -460,7 +500,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles"), default=None)
+    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles", "merge"),
+                    default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -480,6 +521,8 @@ def main() -> None:
             stream_section(bw, args.sweep)
         if args.only == "tiles":
             tiles_section(bw)
+        if args.only == "merge":
+            merge_section(bw)
         if args.only in (None, "attention"):
             attention_section(bw, args.sweep)
         if args.only in (None, "matmul", "group"):

@@ -30,9 +30,24 @@ from exl2.kernels import kv_quant
 from exl2.kernels.backend import COUNTER_POOL, counters, next_pow2, pdl_args, pdl_sync, sm_count, tl, triton, use_triton
 from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 
+# Whether the last-arriving split merges (else a separate merge launch), and whether a key block's values are
+# loaded before its first dot; module attributes so benchmarks/kernels.py can A/B them.
+FUSED_MERGE = True
+V_EARLY = True
 # (key block, warps) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md)
 TUNING = {("decode", "fp16"): (64, 8), ("decode", "quant"): (64, 4),
           ("prefill", "fp16"): (32, 4), ("prefill", "quant"): (32, 4)}
+
+
+@triton.jit
+def _load_v(v_ptr, vs_ptr, slot, nmask, dv, kvh, stride_vt, stride_vh, stride_vst, stride_vsh, DV, BDV: tl.constexpr,
+            BN: tl.constexpr, V_BITS: tl.constexpr, VZERO: tl.constexpr):
+    """Values [BN, BDV] of the cache rows `slot` (rotated codes decoded for a quantized cache)."""
+    if V_BITS == 16:
+        vmask = nmask[:, None] & (dv[None, :] < DV)
+        return tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :], mask=vmask, other=0.0)
+    return kv_rows_rotated(v_ptr + slot * stride_vt + kvh * stride_vh, vs_ptr + slot * stride_vst + kvh * stride_vsh,
+                           nmask, V_BITS, VZERO, DV // 64, BDV // 64, BN)
 
 
 @triton.jit
@@ -47,7 +62,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, KZERO: tl.constexpr, VZERO: tl.constexpr, SPLIT: tl.constexpr,
                  PARTIAL: tl.constexpr, MERGE: tl.constexpr = False, MR: tl.constexpr = 16,
-                 MCH: tl.constexpr = 1, PERM: tl.constexpr = False, PDL: tl.constexpr = False):
+                 MCH: tl.constexpr = 1, PERM: tl.constexpr = False, V_EARLY: tl.constexpr = True,
+                 PDL: tl.constexpr = False):
     """One (query block, KV head, key split) program; with MERGE the split arriving last at its counter also
     merges the partials of its rows (no separate merge launch); with PERM outputs go to the columns `perm_ptr`
     gives (the permuted input of a quantized o_proj)."""
@@ -123,14 +139,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                 kt = tl.trans(kv_rows_rotated(k_ptr + slot * stride_kt + kvh * stride_kh,
                                               ks_ptr + slot * stride_kst + kvh * stride_ksh, nmask, K_BITS, KZERO,
                                               DK // 64, BDK // 64, BN))
-            # values are loaded before the first dot, so both loads are in flight at once
-            vmask = nmask[:, None] & (dv[None, :] < DV)
-            if V_BITS == 16:
-                v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :], mask=vmask, other=0.0)
-            else:
-                v = kv_rows_rotated(v_ptr + slot * stride_vt + kvh * stride_vh,
-                                    vs_ptr + slot * stride_vst + kvh * stride_vsh, nmask, V_BITS, VZERO,
-                                    DV // 64, BDV // 64, BN)
+            if V_EARLY:  # both loads in flight at once
+                v = _load_v(v_ptr, vs_ptr, slot, nmask, dv, kvh, stride_vt, stride_vh, stride_vst, stride_vsh, DV,
+                            BDV, BN, V_BITS, VZERO)
             s = tl.dot(q, kt.to(tl.float16))
             if HAS_SOFTCAP:
                 u = s * (scale / softcap)
@@ -147,6 +158,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if not V_EARLY:
+                v = _load_v(v_ptr, vs_ptr, slot, nmask, dv, kvh, stride_vt, stride_vh, stride_vst, stride_vsh, DV,
+                            BDV, BN, V_BITS, VZERO)
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
             m_i = m_new
 
@@ -424,7 +438,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
     vs_rows = vs_rows if vs_rows is not None else q
     partial = split > 1 or v_bits != 16
     # the last-arriving split merges its rows: one counter per (query block, KV head)
-    merge = partial and b * q_blocks * hkv <= COUNTER_POOL
+    merge = FUSED_MERGE and partial and b * q_blocks * hkv <= COUNTER_POOL
     mr = next_pow2(min(tq_per, max_q_len) * group)
     if partial:
         o_part = torch.empty((split, tq, hq, dv), dtype=torch.float32, device=q.device)
@@ -449,6 +463,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
         SPLIT=split, PARTIAL=partial, MERGE=merge, MR=mr,
         MCH=max(1, min(next_pow2(split), 8192 // (mr * next_pow2(dv)))), PERM=out_index is not None,
+        V_EARLY=V_EARLY,
         num_warps=warps, num_stages=2, **pdl_args(q.device, tq))
     if partial and not merge:
         _merge_kernel[(tq, hq)](o_part, lse, out, perm, split, *o_part.stride()[:3], *lse.stride(), *out_strides,
