@@ -214,3 +214,29 @@ def test_rms_norm_gather_real_size_gpu():
         torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
         for g in range(3):
             torch.testing.assert_close(xp[:, g * d:(g + 1) * d], out[:, idx[g].long()], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("interleaved,rd", [(False, 32), (True, 32), (False, 16)])
+def test_rotary_store_matches_rotary_then_cache_write(interleaved, rd):
+    """One launch for RoPE and the fp16 cache write (partial rotary: the other features pass through) against
+    apply_rotary + index_copy; k itself is left unrotated, q is rotated in place."""
+    from exl2.kernels.rotary import apply_rotary_torch, rotary_store
+
+    torch.manual_seed(4)
+    t, hq, hk, d, ps = 3, 4, 2, 32, 4
+    q, k, v = torch.randn(t, hq, d).half(), torch.randn(t, hk, d).half(), torch.randn(t, hk, d).half()
+    cos, sin = (f(torch.randn(50, rd // 2)) for f in (torch.cos, torch.sin))
+    pos = torch.tensor([7, 0, 33])
+    slots = torch.tensor([5, 2, 9])
+    kc, vc = torch.zeros(3, ps, hk, d).half(), torch.zeros(3, ps, hk, d).half()
+    q_ref, k_ref = q.clone(), k.clone()
+    apply_rotary_torch(q_ref, k_ref, cos, sin, pos, rd, interleaved)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kc_ref.view(-1, hk, d)[slots] = k_ref
+    vc_ref.view(-1, hk, d)[slots] = v
+    k0 = k.clone()
+    with force_triton():
+        rotary_store(q, k, v, cos, sin, pos, kc, vc, slots, rd, interleaved)
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(kc.float(), kc_ref.float(), atol=2e-3, rtol=0)
+    assert torch.equal(vc, vc_ref) and torch.equal(k, k0)

@@ -18,11 +18,35 @@ from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh,
                  stride_cos, HALF, QBLOCKS, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_R: tl.constexpr, v_ptr=None, stride_vt=0, stride_vh=0, kc_ptr=None, vc_ptr=None,
+                 slot_ptr=None, D=0, DV=0, KBLOCKS=0, STORE: tl.constexpr = False, BLOCK_D: tl.constexpr = 16,
+                 PDL: tl.constexpr = False):
+    """Rotate q and k in place; with STORE, k is rotated into its cache row instead (slot_ptr, rows of HK·D
+    fp16) and v copied into its own (HK·DV), so a decode step needs one launch for RoPE and the cache write."""
     if PDL:
         pdl_sync()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
+    slot = 0
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+    if STORE and hb >= QBLOCKS + KBLOCKS:  # values: a plain copy of this block of heads
+        offs_h = (hb - QBLOCKS - KBLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        m = (offs_h < HK)[:, None] & (offs_d < DV)[None, :]
+        val = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
+        tl.store(vc_ptr + slot * (HK * DV) + offs_h[:, None] * DV + offs_d[None, :], val, mask=m)
+    else:
+        _rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
+                      stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED, BLOCK_H, BLOCK_R, STORE, BLOCK_D)
+
+
+@triton.jit
+def _rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
+                  stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_R: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Block hb of the q heads, or (hb >= QBLOCKS) of the k heads: rotated in place, or for k with STORE into
+    cache row `slot`."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < HALF
@@ -49,8 +73,18 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, HQ, HK, stride_qt, str
     m = hmask[:, None] & rmask[None, :]
     x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p2, mask=m, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * c[None, :] - x2 * s[None, :]).to(p1.dtype.element_ty), mask=m)
-    tl.store(p2, (x2 * c[None, :] + x1 * s[None, :]).to(p2.dtype.element_ty), mask=m)
+    y1 = (x1 * c[None, :] - x2 * s[None, :]).to(p1.dtype.element_ty)
+    y2 = (x2 * c[None, :] + x1 * s[None, :]).to(p2.dtype.element_ty)
+    if STORE and hb >= QBLOCKS:
+        row = kc_ptr + slot * (HK * D) + offs_h[:, None] * D
+        tl.store(row + i1[None, :], y1, mask=m)
+        tl.store(row + i2[None, :], y2, mask=m)
+        offs_p = 2 * HALF + tl.arange(0, BLOCK_D)  # features past the rotary ones pass through
+        mp = hmask[:, None] & (offs_p < D)[None, :]
+        tl.store(row + offs_p[None, :], tl.load(base + offs_h[:, None] * hstride + offs_p[None, :], mask=mp), mask=mp)
+    else:
+        tl.store(p1, y1, mask=m)
+        tl.store(p2, y2, mask=m)
 
 
 def _as_3d(x: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -93,6 +127,39 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
     _rope_kernel[grid](q3, k3, cos, sin, positions.reshape(-1), q3.shape[1], hk, q3.stride(0), q3.stride(1),
                        k3.stride(0), k3.stride(1), cos.stride(0), rd // 2, qblocks, INTERLEAVED=interleaved,
                        BLOCK_H=block_h, BLOCK_R=next_pow2(rd // 2), num_warps=2, **pdl_args(q3.device, t))
+    return None
+
+
+def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 rotary_dim: int | None = None, interleaved: bool = False) -> None:
+    """`apply_rotary(q, k, ...)` and the fp16 cache write of k and v (`attention.write_kv`) in one launch: q is
+    rotated in place, k is rotated into its cache rows (k itself is left as it was), v is copied into its rows.
+    q, k, v `[T, H, D]`; caches `[pages, page_size, Hkv, D]` (or `[slots, Hkv, D]`); slots `[T]`."""
+    rd = _check(q, k, cos, sin, positions, rotary_dim)
+    t = positions.numel()
+    q3, k3, v3 = _as_3d(q, t), _as_3d(k, t), _as_3d(v, t)
+    hk, d, dv = k3.shape[1], k3.shape[2], v3.shape[2]
+    if k_cache.shape[-2:] != (hk, d) or v_cache.shape[-2:] != (hk, dv):
+        raise ValueError("new keys/values do not match the cache's row width.")
+    if not use_triton(q):
+        apply_rotary_torch(q, k, cos, sin, positions, rotary_dim, interleaved)
+        idx = slots.reshape(-1).long()
+        k_cache.view(-1, hk, d).index_copy_(0, idx, k3.to(k_cache.dtype))
+        v_cache.view(-1, hk, dv).index_copy_(0, idx, v3.to(v_cache.dtype))
+        return None
+    if t == 0:
+        return None
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    block_h = min(16, next_pow2(max(q3.shape[1], hk)))
+    qblocks, kblocks = triton.cdiv(q3.shape[1], block_h), triton.cdiv(hk, block_h)
+    _rope_kernel[(t, qblocks + 2 * kblocks)](
+        q3, k3, cos, sin, positions.reshape(-1), q3.shape[1], hk, q3.stride(0), q3.stride(1), k3.stride(0),
+        k3.stride(1), cos.stride(0), rd // 2, qblocks, INTERLEAVED=interleaved, BLOCK_H=block_h,
+        BLOCK_R=next_pow2(rd // 2), v_ptr=v3, stride_vt=v3.stride(0), stride_vh=v3.stride(1), kc_ptr=k_cache,
+        vc_ptr=v_cache, slot_ptr=slots.reshape(-1), D=d, DV=dv, KBLOCKS=kblocks, STORE=True,
+        BLOCK_D=next_pow2(max(dv, d - rd, 1)), num_warps=2, **pdl_args(q3.device, t))
     return None
 
 

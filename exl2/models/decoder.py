@@ -40,10 +40,13 @@ class KVCache:
         self.length = 0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-               scale: float, window=None, chunk=None, softcap=None, out_index=None) -> torch.Tensor:
+               scale: float, window=None, chunk=None, softcap=None, out_index=None, rope=None) -> torch.Tensor:
         """Store k/v at the positions q_pos ([B, T], contiguous per row) and attend over everything cached;
-        `out_index`: return `[B·T, H·Dv]` rows in that column order instead (see PagedKVCache.attend)."""
+        `out_index`: return `[B·T, H·Dv]` rows in that column order instead; `rope` (cos, sin, interleaved):
+        rotate q and k first (see PagedKVCache.attend)."""
         b, t = q_pos.shape
+        if rope is not None:
+            apply_rotary(q, k, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2])
         starts = q_pos[:, 0].tolist()
         for i, s0 in enumerate(starts):
             self.k[layer][i, s0:s0 + t] = k[i]
@@ -88,7 +91,9 @@ class Attention(nn.Module):
         v = v.view(b, t, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
+        # with a cache and nothing between RoPE and attention, the cache applies it while storing k
+        rope_in_cache = rope is not None and cache is not None and not (layer.qk_l2_norm or layer.temperature_tuning)
+        if rope is not None and not rope_in_cache:
             cos, sin, inter = rope
             apply_rotary(q, k, cos, sin, q_pos, 2 * cos.shape[-1], inter)
         if layer.qk_l2_norm:
@@ -98,10 +103,12 @@ class Attention(nn.Module):
         args = (q_pos, self.scale, layer.sliding_window, layer.chunk_size, s.attn_softcap)
         if cache is None:
             return self.o_proj(attention(q, k, v, *args).reshape(b, t, -1))
+        kw = {"rope": rope} if rope_in_cache else {}
         order = self._o_order(b * t, x)
         if order is not None:  # the attention writes o_proj's permuted input: no gather launch
-            return self.o_proj.forward_permuted(cache.attend(self.idx, q, k, v, *args, out_index=order), (b, t))
-        return self.o_proj(cache.attend(self.idx, q, k, v, *args).reshape(b, t, -1))
+            return self.o_proj.forward_permuted(cache.attend(self.idx, q, k, v, *args, out_index=order, **kw),
+                                                (b, t))
+        return self.o_proj(cache.attend(self.idx, q, k, v, *args, **kw).reshape(b, t, -1))
 
     def _o_order(self, rows: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Where each attention output column goes in o_proj's permuted input, when o_proj reads one."""

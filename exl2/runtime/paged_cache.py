@@ -14,6 +14,7 @@ import torch
 from exl2.errors import ConfigError
 from exl2.kernels import kv_quant
 from exl2.kernels.attention import paged_attention, scatter_columns, varlen_attention, write_kv
+from exl2.kernels.rotary import apply_rotary, rotary_store
 from exl2.models.layers import attention
 from exl2.models.spec import ModelSpec
 
@@ -83,13 +84,21 @@ class PagedKVCache:
         return slots, lens
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-               scale: float, window=None, chunk=None, softcap=None, out_index=None) -> torch.Tensor:
+               scale: float, window=None, chunk=None, softcap=None, out_index=None, rope=None) -> torch.Tensor:
         """Write the new keys/values, attend: `[B, T, H, Dv]`, or with `out_index` the rows `[B·T, H·Dv]` in that
-        column order (`attention.scatter_columns`; decode writes them from the kernel)."""
+        column order (`attention.scatter_columns`; decode writes them from the kernel). `rope` (cos, sin,
+        interleaved): rotate q and k first; a decode step into an fp16 cache does it in the cache-write launch."""
         b, t = q_pos.shape
         slots, seq_lens = self._slots_and_lens(q_pos)
-        write_kv(k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), self.k[layer], self.v[layer],
-                 slots, self.k_bits, self.v_bits, self.k_scales[layer], self.v_scales[layer])
+        kf, vf = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
+        if rope is not None and t == 1 and self.k_bits == 16 and self.v_bits == 16:
+            rotary_store(q, k, v, rope[0], rope[1], q_pos, self.k[layer], self.v[layer], slots,
+                         2 * rope[0].shape[-1], rope[2])
+        else:
+            if rope is not None:
+                apply_rotary(q, k, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2])
+            write_kv(kf, vf, self.k[layer], self.v[layer], slots, self.k_bits, self.v_bits, self.k_scales[layer],
+                     self.v_scales[layer])
         if chunk is not None:  # Llama 4 chunked attention: not in the kernels, read the pages back
             length = int(q_pos[:, -1].max()) + 1
             kk, vv = self._read(layer, True, length), self._read(layer, False, length)
