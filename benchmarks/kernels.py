@@ -450,6 +450,7 @@ def merge_section(bw: float) -> None:
     """Decode attention as the decoder runs it (output in o_proj's permuted order) with the merge fused into the
     last-arriving split or as its own launch, values loaded before or after the first dot, several split counts."""
     hq, hkv, d, page = 32, 8, 128, 256
+    fused_default, early_default = at.FUSED_MERGE, at.V_EARLY
     perm = torch.randperm(hq * d, device="cuda").int()
     for batch, ctx in ((1, 2048), (16, 128)):
         pages_per = -(-ctx // page)
@@ -469,7 +470,7 @@ def merge_section(bw: float) -> None:
                 for early in (True, False):
                     for splits in (None, 8, 16):
                         if over_budget():
-                            return
+                            break
                         at.FUSED_MERGE, at.V_EARLY = fused, early
 
                         def call(splits=splits):
@@ -483,7 +484,14 @@ def merge_section(bw: float) -> None:
                             continue
                         row(f"attn B={batch} ctx={ctx}", batch, f"{mode} {'fused' if fused else 'launch'} merge, "
                             f"V {'early' if early else 'late'}", us, nbytes, bw, None, err, f"splits={splits}")
-    at.FUSED_MERGE, at.V_EARLY = True, True
+    at.FUSED_MERGE, at.V_EARLY = fused_default, early_default
+    try:  # registers and spills of every attention variant compiled above
+        for caches in at._attn_kernel.device_caches.values():
+            for key, k in caches[0].items():
+                log(f"  _attn_kernel variant: {k.n_regs} registers, {k.n_spills} spills, "
+                    f"{k.metadata.shared} B shared, {k.metadata.num_warps} warps | {str(key)[-160:]}")
+    except Exception as e:  # noqa: BLE001 - Triton-version dependent introspection
+        log(f"  (kernel statistics unavailable: {type(e).__name__}: {e})")
 
 
 def table(rows) -> str:

@@ -198,9 +198,10 @@ def test_fp16_write_kv_one_launch_matches_index_copy():
                                                 (8, 4, 1, True), (16, 16, 3, False), (4, 4, 2, False)])
 def test_paged_kernel_permuted_output_and_merge_paths(kb, vb, splits, fused, monkeypatch):
     """Output written straight into a permuted column order (o_proj's input), with the merge done by the last
-    split (fused) or by the separate merge launch; against the twin, permuted the same way."""
-    if not fused:
-        monkeypatch.setattr(at, "COUNTER_POOL", 0)
+    split and values loaded before the first dot (fused), or by the separate merge launch with values loaded
+    after the softmax update; against the twin, permuted the same way."""
+    monkeypatch.setattr(at, "FUSED_MERGE", fused)
+    monkeypatch.setattr(at, "V_EARLY", fused)
     lens, qlens, hq, hkv, d = [40, 9], [1, 2], 4, 2, 128
     k, v, bt = make_paged(lens, hkv, d, d, 16, seed=kb + vb + splits, device=DEV)
     kw = {}

@@ -31,9 +31,11 @@ from exl2.kernels.backend import COUNTER_POOL, counters, next_pow2, pdl_args, pd
 from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 
 # Whether the last-arriving split merges (else a separate merge launch), and whether a key block's values are
-# loaded before its first dot; module attributes so benchmarks/kernels.py can A/B them.
-FUSED_MERGE = True
-V_EARLY = True
+# loaded before its first dot; module attributes so benchmarks/kernels.py can A/B them. Both off: with both on,
+# the decode attention took 700 µs a step on the H200 against 253 + 85 (merge) before (benchmarks/RESULTS.md,
+# session 5 run 1); which of the two cost it is not measured yet.
+FUSED_MERGE = False
+V_EARLY = False
 # (key block, warps) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md)
 TUNING = {("decode", "fp16"): (64, 8), ("decode", "quant"): (64, 4),
           ("prefill", "fp16"): (32, 4), ("prefill", "quant"): (32, 4)}
