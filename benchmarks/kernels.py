@@ -386,20 +386,27 @@ def norm_section(bw: float) -> None:
             row(label, m, "rms_norm_gather (one launch)", t, 0, bw)
 
 
+def decode_attention_inputs(batch: int, ctx: int, hq: int, hkv: int, d: int, page: int):
+    """Block table, lengths, one query token per sequence, and a random paged cache (fp16 k, v and q4 codes and
+    scales of each) for `batch` sequences of `ctx` tokens."""
+    pages_per = -(-ctx // page)
+    n_pages = batch * pages_per
+    bt = torch.randperm(n_pages, device="cuda", dtype=torch.int32).view(batch, pages_per)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, d, device="cuda").half()
+    k = torch.randn(n_pages, page, hkv, d, device="cuda").half()
+    v = torch.randn(n_pages, page, hkv, d, device="cuda").half()
+    kc, ks = kq.quantize_kv(k, 4)
+    vc, vs = kq.quantize_kv(v, 4)
+    return bt, lens, q, k, v, kc, ks, vc, vs
+
+
 def attention_section(bw: float, sweep_on: bool) -> None:
     hq, hkv, d, page = 32, 8, 128, 256
     for batch, ctx in ((1, 2048), (16, 2048), (1, 128)) if sweep_on else ((1, 2048), (16, 2048)):
         if over_budget():
             break
-        pages_per = -(-ctx // page)
-        n_pages = batch * pages_per
-        bt = torch.randperm(n_pages, device="cuda", dtype=torch.int32).view(batch, pages_per)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, hq, d, device="cuda").half()
-        k = torch.randn(n_pages, page, hkv, d, device="cuda").half()
-        v = torch.randn(n_pages, page, hkv, d, device="cuda").half()
-        kc, ks = kq.quantize_kv(k, 4)
-        vc, vs = kq.quantize_kv(v, 4)
+        bt, lens, q, k, v, kc, ks, vc, vs = decode_attention_inputs(batch, ctx, hq, hkv, d, page)
         modes = {"fp16": ((k, v, None, None), 16), "q4": ((kc, vc, ks, vs), 4)}
         best_t = {}
         for mode, (tensors, bits) in modes.items():
@@ -453,15 +460,7 @@ def merge_section(bw: float) -> None:
     fused_default, early_default = at.FUSED_MERGE, at.V_EARLY
     perm = torch.randperm(hq * d, device="cuda").int()
     for batch, ctx in ((1, 2048), (16, 128)):
-        pages_per = -(-ctx // page)
-        n_pages = batch * pages_per
-        bt = torch.randperm(n_pages, device="cuda", dtype=torch.int32).view(batch, pages_per)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, hq, d, device="cuda").half()
-        k = torch.randn(n_pages, page, hkv, d, device="cuda").half()
-        v = torch.randn(n_pages, page, hkv, d, device="cuda").half()
-        kc, ks = kq.quantize_kv(k, 4)
-        vc, vs = kq.quantize_kv(v, 4)
+        bt, lens, q, k, v, kc, ks, vc, vs = decode_attention_inputs(batch, ctx, hq, hkv, d, page)
         for mode, c, bits in (("fp16", (k, v, None, None), 16), ("q4", (kc, vc, ks, vs), 4)):
             ref = at.scatter_columns(at.paged_attention_torch(q, c[0], c[1], bt, lens, k_bits=bits, v_bits=bits,
                                                               k_scales=c[2], v_scales=c[3]), perm)

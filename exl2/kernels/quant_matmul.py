@@ -295,7 +295,8 @@ _WORDS4_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 20))
 
 @triton.jit
 def _by_word(t):
-    """[BS, 2, 2] indexed (j // 2, j % 2) -> its four [BS, 1] slices for words j = 0..3."""
+    """[BS, 2, 2] indexed (j // 2, j % 2) -> its four [BS, 1] slices for j = 0..3 (words, or quarters of a step's
+    input pairs)."""
     even, odd = tl.split(t)
     j0, j2 = tl.split(even)
     j1, j3 = tl.split(odd)
@@ -385,15 +386,6 @@ _WORDS6_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 22))
 
 
 @triton.jit
-def _quarters(t):
-    """[BS, 2, 2] indexed (a, b) -> its four [BS, 1] slices in the order 2a + b."""
-    b0, b1 = tl.split(t)
-    a0b0, a1b0 = tl.split(b0)
-    a0b1, a1b1 = tl.split(b1)
-    return a0b0[:, None], a0b1[:, None], a1b0[:, None], a1b1[:, None]
-
-
-@triton.jit
 def _gemv_class6_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                       offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
     """`_gemv_class4_pipe` for a 6-bit class without zero tensors (EXL2): a step's six words and 16 input pairs
@@ -418,10 +410,10 @@ def _gemv_class6_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
         d0, d1 = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # pair p = 8a + 4b + 2c + d
         c0d0, c1d0 = tl.split(d0)
         c0d1, c1d1 = tl.split(d1)
-        x0, x4, x8, x12 = _quarters(c0d0)
-        x1, x5, x9, x13 = _quarters(c0d1)
-        x2, x6, x10, x14 = _quarters(c1d0)
-        x3, x7, x11, x15 = _quarters(c1d1)
+        x0, x4, x8, x12 = _by_word(c0d0)
+        x1, x5, x9, x13 = _by_word(c0d1)
+        x2, x6, x10, x14 = _by_word(c1d0)
+        x3, x7, x11, x15 = _by_word(c1d1)
         part = tl.inline_asm_elementwise(
             _WORDS6_ASM, _WORDS6_CONSTRAINTS,
             [w0, w1, w2, w3, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
