@@ -142,6 +142,27 @@ def test_write_kv_quant_into_pages():
     assert int(flat[untouched.to(DEV)].sum()) == 0
 
 
+@needs_triton
+@pytest.mark.parametrize("kb,vb,dk,dv", [(8, 4, 128, 128), (2, 2, 64, 64), (4, 3, 192, 64)])
+def test_write_kv_quant_pair_one_launch_equals_twin(kb, vb, dk, dv):
+    """Keys and values of different widths (and head dims) quantized into their pages by one launch."""
+    g = torch.Generator().manual_seed(kb * 10 + vb)
+    k = torch.randn(5, 2, dk, generator=g).half().to(DEV)
+    v = torch.randn(5, 2, dv, generator=g).half().to(DEV)
+    slots = torch.tensor([9, 0, 31, 17, 18], device=DEV)
+
+    def cache(d, bits):
+        return (torch.zeros(4, 8, 2, kq.packed_dim(d, bits), dtype=torch.uint8, device=DEV),
+                torch.zeros(4, 8, 2, d // 32, dtype=torch.float16, device=DEV))
+    kc, vc = cache(dk, kb), cache(dv, vb)
+    with force_triton():
+        kq.write_kv_quant_pair(k, v, kc, vc, slots, kb, vb)
+    for x, (p, s), bits in ((k, kc, kb), (v, vc, vb)):
+        p0, s0 = kq.quantize_kv_torch(x, bits)
+        assert torch.equal(p.view(32, 2, -1)[slots], p0) and torch.equal(s.view(32, 2, -1)[slots], s0)
+        assert int(p.view(32, -1).sum()) == int(p0.long().sum())  # nothing written elsewhere
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])

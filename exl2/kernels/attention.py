@@ -323,7 +323,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              k_bits: int = 16, v_bits: int = 16, k_scales: torch.Tensor | None = None,
              v_scales: torch.Tensor | None = None) -> None:
     """Store new keys/values `[T, Hkv, D]` into the cache rows `slots` (quantizing for a quantized cache). An
-    fp16 cache takes both in one launch."""
+    fp16 or fully quantized cache takes both in one launch."""
     if k_bits == 16 and v_bits == 16 and use_triton(k) and k.shape[0]:
         k2, v2 = _rows2d(k), _rows2d(v)
         kc, vc = _cache_rows(k_cache), _cache_rows(v_cache)
@@ -333,6 +333,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         block = min(1024, next_pow2(max(kw, vw)))
         _write_rows_kernel[(k2.shape[0], 2)](k2, v2, kc, vc, slots.reshape(-1), k2.stride(0), v2.stride(0), kw, vw,
                                             BLOCK=block, num_warps=4, **pdl_args(k2.device, k2.shape[0]))
+        return
+    if k_bits != 16 and v_bits != 16:
+        kv_quant.write_kv_quant_pair(k, v, (k_cache, k_scales), (v_cache, v_scales), slots.reshape(-1), k_bits,
+                                     v_bits)
         return
     for x, cache, bits, sc in ((k, k_cache, k_bits, k_scales), (v, v_cache, v_bits, v_scales)):
         if bits == 16:

@@ -235,13 +235,40 @@ def _kv_quant_kernel(x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_x
                      NBP: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:
         pdl_sync()
+    _quant_block(tl.program_id(0), x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_xh, stride_pt,
+                 stride_ph, stride_st, stride_sh, NB, HAS_SLOTS, BITS, BT, NBP)
+
+
+@triton.jit
+def _kv_quant_pair_kernel(k_ptr, kp_ptr, ks_ptr, v_ptr, vp_ptr, vs_ptr, slot_ptr, ROWS, H, stride_kt, stride_kh,
+                          stride_vt, stride_vh, stride_kpt, stride_kph, stride_kst, stride_ksh, stride_vpt, stride_vph,
+                          stride_vst, stride_vsh, NB_K, NB_V, K_PROGS, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                          BT_K: tl.constexpr, NBP_K: tl.constexpr, BT_V: tl.constexpr, NBP_V: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Keys (the first K_PROGS programs) and values (the rest) of one write into their cache rows: one launch."""
+    if PDL:
+        pdl_sync()
+    pid = tl.program_id(0)
+    if pid < K_PROGS:
+        _quant_block(pid, k_ptr, kp_ptr, ks_ptr, slot_ptr, ROWS, H, stride_kt, stride_kh, stride_kpt, stride_kph,
+                     stride_kst, stride_ksh, NB_K, True, K_BITS, BT_K, NBP_K)
+    else:
+        _quant_block(pid - K_PROGS, v_ptr, vp_ptr, vs_ptr, slot_ptr, ROWS, H, stride_vt, stride_vh, stride_vpt,
+                     stride_vph, stride_vst, stride_vsh, NB_V, True, V_BITS, BT_V, NBP_V)
+
+
+@triton.jit
+def _quant_block(pid, x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_xh, stride_pt, stride_ph,
+                 stride_st, stride_sh, NB, HAS_SLOTS: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr,
+                 NBP: tl.constexpr):
+    """Program `pid`'s BT rows (token, head) of x: rotate, quantize and store codes and scales."""
     RT: tl.constexpr = BT * NBP * 2
     HALF: tl.constexpr = 1 << (BITS - 1)
     rho = tl.arange(0, RT)
     th = rho // (NBP * 2)
     blk = (rho // 2) % NBP
     par = rho % 2
-    row = tl.program_id(0) * BT + th
+    row = pid * BT + th
     valid = (row < ROWS) & (blk < NB)
     tok = (row // H).to(tl.int64)
     head = row % H
@@ -265,7 +292,7 @@ def _kv_quant_kernel(x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_x
     # per 64-element block (row-block rb = (th, blk)) addressing, for the packed bytes and the scales
     rb = tl.arange(0, RT // 2)
     rb_blk = rb % NBP
-    rb_row = tl.program_id(0) * BT + rb // NBP
+    rb_row = pid * BT + rb // NBP
     rb_valid = (rb_row < ROWS) & (rb_blk < NB)
     rb_tok = (rb_row // H).to(tl.int64)
     rb_head = rb_row % H
@@ -365,6 +392,35 @@ def write_kv_quant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
         x, pk, sc, slot_mapping if slot_mapping is not None else x, rows, h, x.stride(0), x.stride(1),
         pk.stride(0), pk.stride(1), sc.stride(0), sc.stride(1), d // 64, HAS_SLOTS=slot_mapping is not None,
         BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(x.device, x.shape[0]))
+
+
+def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.Tensor, torch.Tensor],
+                        v_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k_bits: int,
+                        v_bits: int) -> None:
+    """`write_kv_quant` of keys and values `[T, H, D]` (widths may differ) in one launch; caches as (packed,
+    scales)."""
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    if not use_triton(k) or t == 0:
+        write_kv_quant(k, *k_cache, slot_mapping, k_bits)
+        write_kv_quant(v, *v_cache, slot_mapping, v_bits)
+        return
+    rows = []
+    for x, (packed, scales), bits in ((k, k_cache, k_bits), (v, v_cache, v_bits)):
+        d = x.shape[-1]
+        check_head_dim(d, bits)
+        pk, sc = packed.view(-1, h, packed.shape[-1]), scales.view(-1, h, scales.shape[-1])
+        if pk.shape[-1] != packed_dim(d, bits) or sc.shape[-1] != d // 32:
+            raise ValueError(f"cache rows of {pk.shape[-1]} bytes / {sc.shape[-1]} scales do not fit D={d} at "
+                             f"{bits} bits.")
+        rows.append((x if x.stride(-1) == 1 else x.contiguous(), pk, sc) + _block_rows(d))
+    (k2, kp, ks, bt_k, nbp_k), (v2, vp, vs, bt_v, nbp_v) = rows
+    k_progs = triton.cdiv(t * h, bt_k)
+    _kv_quant_pair_kernel[(k_progs + triton.cdiv(t * h, bt_v),)](
+        k2, kp, ks, v2, vp, vs, slot_mapping.reshape(-1), t * h, h, k2.stride(0), k2.stride(1), v2.stride(0),
+        v2.stride(1), kp.stride(0), kp.stride(1), ks.stride(0), ks.stride(1), vp.stride(0), vp.stride(1),
+        vs.stride(0), vs.stride(1), dk // 64, dv // 64, k_progs, K_BITS=k_bits, V_BITS=v_bits, BT_K=bt_k,
+        NBP_K=nbp_k, BT_V=bt_v, NBP_V=nbp_v, num_warps=4, **pdl_args(k.device, t))
 
 
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
