@@ -38,6 +38,15 @@ for s in $steps; do
          tail -9 "$OUT/bench_final.txt"
          EXL2_PDL=0 timeout 100 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 --breakdown \
            > "$OUT/bench_final_breakdown.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -22 "$OUT/bench_final_breakdown.txt" ;;
+  prefetch) for pf in ${PREFETCH_VALUES:-0 64 256}; do
+             EXL2_PREFETCH=$pf timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes ${MODES:-fp16} \
+               --contexts 2048 > "$OUT/bench_prefetch$pf.txt" 2>&1; echo "bench EXL2_PREFETCH=$pf rc=$?"
+             tail -7 "$OUT/bench_prefetch$pf.txt"; done ;;
+  breakdown16) timeout 130 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --breakdown --breakdown-batch 16 \
+           > "$OUT/bench_breakdown16.txt" 2>&1; echo "bench (breakdown bs16) rc=$?"; tail -24 "$OUT/bench_breakdown16.txt" ;;
+  dottests) timeout -s INT -k 15 "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_kernels_quant_matmul.py \
+           tests/test_gpu_e2e.py -k "quant_matmul_real_sizes or fast_4bit_dot or grouped_gemv_real" -q -n 8 \
+           -p no:cacheprovider -rfE > "$OUT/gpu_dot.txt" 2>&1; echo "dot tests rc=$?"; tail -6 "$OUT/gpu_dot.txt" ;;
   quick) timeout -s INT -k 15 "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_kernels_attention.py \
            tests/test_gpu_e2e.py -k "fast or attention or paged or prefill or group or graph" -q -n ${TEST_WORKERS:-8} \
            -p no:cacheprovider -rfE > "$OUT/gpu_quick.txt" 2>&1; echo "quick tests rc=$?"; tail -12 "$OUT/gpu_quick.txt" ;;

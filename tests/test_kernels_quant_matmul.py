@@ -152,6 +152,24 @@ def test_dot_kernel_matches_twin_with_split_and_bias():
 
 
 @needs_triton
+@pytest.mark.parametrize("bs,split", [(1, 1), (4, 2)])
+def test_dot_whole_word_4bit_tiles_match_per_row_dots_and_twin(bs, split, monkeypatch):
+    """`_dot_class4_tile` (one K = 32·bs dot per iteration, input in its stored order) against the per-row-in-word
+    dots it replaces and the twin; a class with a partial last iteration and a split boundary inside it."""
+    t = rand_exl2([(6, 32), (4, 96), (4, 64)], 64, seed=4, device=DEV)
+    w = Exl2Weight.from_tensors(t, "L", device=DEV)
+    x = torch.randn(7, w.k, dtype=torch.float16, device=DEV)
+    cfg = qm.MatmulConfig(bm=16, bs=bs, bn=32, split=split)
+    with force_triton():
+        monkeypatch.setattr(qm, "DOT_TILE4", True)
+        tiled = qm.dot(x, w, cfg)
+        monkeypatch.setattr(qm, "DOT_TILE4", False)
+        per_row = qm.dot(x, w, cfg)
+    _check_close(tiled, qweight.matmul_torch(x, w))
+    torch.testing.assert_close(tiled.float(), per_row.float(), rtol=2e-3, atol=2e-3)
+
+
+@needs_triton
 def test_gptq_kernels_with_act_order():
     g = torch.Generator().manual_seed(9)
     k, n, groups = 128, 64, 4

@@ -18,6 +18,8 @@ def register(sub) -> None:
     p.add_argument("--mixed", action="store_true",
                    help="synthetic model: 5/4/3-bit groups in every matrix, like a real 4.0 bpw file")
     p.add_argument("--breakdown", action="store_true", help="also print per-kernel times of one decode step")
+    p.add_argument("--breakdown-batch", dest="breakdown_batch", type=int, default=1,
+                   help="batch size of the --breakdown step (default 1; 1, 2, 4, 8 or 16)")
     p.set_defaults(func=run)
 
 
@@ -26,6 +28,9 @@ def run(args) -> int:
 
     from exl2.errors import ConfigError
 
+    if args.breakdown_batch not in (1, 2, 4, 8, 16):
+        raise ConfigError(f"--breakdown-batch must be 1, 2, 4, 8 or 16 (a captured batch size), not "
+                          f"{args.breakdown_batch}.")
     if not torch.cuda.is_available():
         raise ConfigError("exl2 bench needs a CUDA GPU; none is available here.")
     from exl2.models.decoder import DecoderModel
@@ -59,7 +64,8 @@ def run(args) -> int:
                          args.prefill, args.batch, log=progress)
     print(format_table(rows))
     if args.breakdown:
-        print("\nper-kernel time of one decode step (batch 1, ctx 2048, fp16 cache):")
-        for name, calls, us, share in kernel_breakdown(model):
+        ctx = 2048 if args.breakdown_batch == 1 else 128
+        print(f"\nper-kernel time of one decode step (batch {args.breakdown_batch}, ctx {ctx}, fp16 cache):")
+        for name, calls, us, share in kernel_breakdown(model, ctx=ctx, batch=args.breakdown_batch):
             print(f"  {name:<60} {calls:>5} {us:>10.1f} µs {share:>6.1%}")
     return 0

@@ -27,7 +27,9 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels import kv_quant
-from exl2.kernels.backend import COUNTER_POOL, counters, next_pow2, pdl_args, pdl_sync, sm_count, tl, triton, use_triton
+from exl2.kernels.backend import (COUNTER_POOL, counters, next_pow2, PREFETCH_ROWS, pdl_args, pdl_sync, prefetch_l2,
+                                  sm_count, tl,
+                                  triton, use_triton)
 from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 
 # Whether the last-arriving split merges (else a separate merge launch), and whether a key block's values are
@@ -53,6 +55,35 @@ def _load_v(v_ptr, vs_ptr, slot, nmask, dv, kvh, stride_vt, stride_vh, stride_vs
 
 
 @triton.jit
+def _prefetch_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, b, stride_bt, page_size, kv_base, start, end, kvh,
+                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh,
+                 DK: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, PAGED: tl.constexpr, K_BITS: tl.constexpr,
+                 V_BITS: tl.constexpr):
+    """L2 prefetch of the key and value rows (and their scales) of the first BN positions of [start, end): fp16
+    rows one address per 128 bytes, quantized rows (at most 128 bytes a head) one per row."""
+    offs = start + tl.arange(0, BN)
+    ok = offs < end
+    if PAGED:
+        page = tl.load(bt_ptr + b * stride_bt + offs // page_size, mask=ok, other=0)
+        slot = page.to(tl.int64) * page_size + offs % page_size
+    else:
+        slot = (kv_base + offs).to(tl.int64)
+    slot = tl.where(ok, slot, 0)
+    if K_BITS == 16:
+        KL: tl.constexpr = (DK + 63) // 64
+        prefetch_l2(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + tl.arange(0, KL)[None, :] * 64)
+    else:
+        prefetch_l2(k_ptr + slot * stride_kt + kvh * stride_kh)
+        prefetch_l2(ks_ptr + slot * stride_kst + kvh * stride_ksh)
+    if V_BITS == 16:
+        VL: tl.constexpr = (DV + 63) // 64
+        prefetch_l2(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + tl.arange(0, VL)[None, :] * 64)
+    else:
+        prefetch_l2(v_ptr + slot * stride_vt + kvh * stride_vh)
+        prefetch_l2(vs_ptr + slot * stride_vst + kvh * stride_vsh)
+
+
+@triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, cuk_ptr,
                  o_ptr, lse_ptr, out_ptr, perm_ptr, cnt_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -65,12 +96,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                  V_BITS: tl.constexpr, KZERO: tl.constexpr, VZERO: tl.constexpr, SPLIT: tl.constexpr,
                  PARTIAL: tl.constexpr, MERGE: tl.constexpr = False, MR: tl.constexpr = 16,
                  MCH: tl.constexpr = 1, PERM: tl.constexpr = False, V_EARLY: tl.constexpr = True,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """One (query block, KV head, key split) program; with MERGE the split arriving last at its counter also
     merges the partials of its rows (no separate merge launch); with PERM outputs go to the columns `perm_ptr`
-    gives (the permuted input of a quantized o_proj)."""
-    if PDL:
-        pdl_sync()
+    gives (the permuted input of a quantized o_proj).
+
+    With PDL the program reads the block table and lengths (written before the step) and, with PREFETCH, asks L2
+    for its first key/value block before waiting for the previous kernel (which writes q and the newest cache
+    row: a prefetch only warms L2, the point of coherence, so it cannot read that row stale)."""
     LOG2E: tl.constexpr = 1.4426950408889634
     TQ: tl.constexpr = BM // GROUP
     pid_q = tl.program_id(0)
@@ -94,6 +127,23 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
         dk = tl.arange(0, BDK)
         dv = tl.arange(0, BDV)
         q_rows = (q_start + tok).to(tl.int64)
+        last = tl.minimum(t0 + TQ, q_len) - 1
+        if CAUSAL:
+            hi = seq_len - q_len + last + 1
+        else:
+            hi = seq_len
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(seq_len - q_len + t0 - window + 1, 0)
+        per = tl.cdiv(tl.cdiv(hi - lo, SPLIT), BN) * BN
+        start = lo + pid_s * per
+        end = tl.minimum(hi, start + per)
+        if PDL:
+            if PREFETCH:
+                _prefetch_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, b, stride_bt, page_size, kv_base, start, end, kvh,
+                             stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst,
+                             stride_vsh, DK, DV, BN, PAGED, K_BITS, V_BITS)
+            pdl_sync()
         # Quantized rows are stored rotated (per 64-block, H32 on even and odd elements). Work in the basis
         # d' = 64·blk + 32·par + j (element e = 64·blk + 2j + par), where the rotation is block-diagonal H32.
         if K_BITS < 16:
@@ -110,18 +160,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
         else:
             q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dk[None, :],
                         mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float16)
-
-        last = tl.minimum(t0 + TQ, q_len) - 1
-        if CAUSAL:
-            hi = seq_len - q_len + last + 1
-        else:
-            hi = seq_len
-        lo = 0
-        if HAS_WINDOW:
-            lo = tl.maximum(seq_len - q_len + t0 - window + 1, 0)
-        per = tl.cdiv(tl.cdiv(hi - lo, SPLIT), BN) * BN
-        start = lo + pid_s * per
-        end = tl.minimum(hi, start + per)
 
         m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BM], dtype=tl.float32)
@@ -469,8 +507,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
         SPLIT=split, PARTIAL=partial, MERGE=merge, MR=mr,
         MCH=max(1, min(next_pow2(split), 8192 // (mr * next_pow2(dv)))), PERM=out_index is not None,
-        V_EARLY=V_EARLY,
-        num_warps=warps, num_stages=2, **pdl_args(q.device, tq))
+        V_EARLY=V_EARLY, num_warps=warps, num_stages=2, **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0))
     if partial and not merge:
         _merge_kernel[(tq, hq)](o_part, lse, out, perm, split, *o_part.stride()[:3], *lse.stride(), *out_strides,
                                 DV=dv, BS=next_pow2(split), BDV=next_pow2(dv), V_ROT=v_bits != 16,

@@ -13,6 +13,8 @@ from typing import Iterator
 
 import torch
 
+from exl2.errors import ConfigError
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
@@ -121,16 +123,39 @@ PDL_MAX_ROWS = 4
 _PDL_OK: dict[int, bool] = {}
 
 
-def pdl_args(device: torch.device, rows: int) -> dict:
+def _prefetch_rows() -> int:
+    value = os.environ.get("EXL2_PREFETCH", "64")
+    if not value.isdigit() or int(value) > 1024 or int(value) & (int(value) - 1):
+        raise ConfigError(f"EXL2_PREFETCH must be 0 or a power of two up to 1024, not {value!r}.")
+    return int(value)
+
+
+# What a kernel launched with PDL reads before its wait: the gemvs prefetch the first PREFETCH_ROWS word rows of
+# each width class of their share of the weights into L2, attention its first key/value block (neither depends on
+# the previous kernel, so their DRAM latency overlaps its tail). EXL2_PREFETCH=0 turns both off.
+PREFETCH_ROWS = _prefetch_rows()
+
+
+def pdl_args(device: torch.device, rows: int, prefetch: int | bool | None = None) -> dict:
     """Launch keyword arguments for a kernel with a `PDL` flag working on `rows` tokens (or input rows):
-    programmatic dependent launch where it exists and the launch is decode-sized."""
+    programmatic dependent launch where it exists and the launch is decode-sized, with the kernel's `PREFETCH`
+    constexpr set to `prefetch` (when given) since only a dependent launch has anything to overlap."""
     if not PDL or rows > PDL_MAX_ROWS or device.type != "cuda" or INTERPRET or gdc_wait is None:
         return {}
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _PDL_OK.get(idx)
     if ok is None:
         ok = _PDL_OK[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if ok else {}
+    if not ok:
+        return {}
+    return {"PDL": True, "launch_pdl": True} | ({"PREFETCH": prefetch} if prefetch is not None else {})
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the cache lines at `ptrs` (any shape; a hint with no result, so it costs no registers)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -31,8 +31,8 @@ from typing import Sequence
 import torch
 
 from exl2.errors import ConfigError
-from exl2.kernels.backend import (COUNTER_POOL, counters, next_pow2, pdl_args, pdl_sync, sm_count, tl, triton,
-                                  use_triton)
+from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, next_pow2, pdl_args, pdl_sync, prefetch_l2, sm_count, tl,
+                                  triton, use_triton)
 from exl2.kernels.permute import gather_block
 from exl2.kernels.qweight import WIDTHS, QuantWeight, gather_torch, matmul_torch, split_bits
 
@@ -444,6 +444,39 @@ def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps
 
 
 @triton.jit
+def _prefetch_class(qw_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, col0, BITS: tl.constexpr,
+                    BN: tl.constexpr, ROWS: tl.constexpr):
+    """L2 prefetch of the first ROWS word rows of this program's share of one width class (its BN columns)."""
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    w_lo = first_word + (s_lo - first_step) * BITS
+    w_hi = first_word + (s_hi - first_step) * BITS
+    rows = w_lo + tl.arange(0, ROWS)
+    cols = col0 + tl.arange(0, BN // 32) * 32  # one address per 128-byte line
+    ok = (rows < w_hi)[:, None] & (cols < N)[None, :]
+    off = tl.where(ok, rows[:, None].to(tl.int64) * N + cols[None, :], 0)
+    prefetch_l2(qw_ptr + off)
+
+
+@triton.jit
+def _prefetch_widths(qw_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3,
+                     fs2, ns2, fw2, pid_k, SPLIT, col0, MASK: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr):
+    """`_prefetch_class` for each width class in MASK (classes of no steps prefetch nothing)."""
+    if (MASK & 32) != 0:
+        _prefetch_class(qw_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, col0, 8, BN, ROWS)
+    if (MASK & 16) != 0:
+        _prefetch_class(qw_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, col0, 6, BN, ROWS)
+    if (MASK & 8) != 0:
+        _prefetch_class(qw_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, col0, 5, BN, ROWS)
+    if (MASK & 4) != 0:
+        _prefetch_class(qw_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, col0, 4, BN, ROWS)
+    if (MASK & 2) != 0:
+        _prefetch_class(qw_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, col0, 3, BN, ROWS)
+    if (MASK & 1) != 0:
+        _prefetch_class(qw_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, col0, 2, BN, ROWS)
+
+
+@triton.jit
 def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
                  fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
                  MASK: tl.constexpr, SKIP_EMPTY: tl.constexpr, HAS_ZEROS: tl.constexpr,
@@ -487,14 +520,18 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
                  HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                  RED: tl.constexpr, FAST4: tl.constexpr = False, DEPTH: tl.constexpr = 1,
-                 STAGES: tl.constexpr = 2, PDL: tl.constexpr = False):
+                 STAGES: tl.constexpr = 2, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
-    L2."""
-    if PDL:
-        pdl_sync()
+    L2. With PDL the first PREFETCH word rows of each class are requested before waiting for the input."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if PDL:
+        if PREFETCH > 0:
+            _prefetch_widths(qw_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3,
+                             fs2, ns2, fw2, pid_k, SPLIT, pid_n * BN,
+                             HAS8 * 32 + HAS6 * 16 + HAS5 * 8 + HAS4 * 4 + HAS3 * 2 + HAS2, BN, PREFETCH)
+        pdl_sync()
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     xr = x_ptr + pid_m.to(tl.int64) * stride_xm
@@ -557,15 +594,25 @@ def _gemv_chunked_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, q
 def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pid_m, out_ptr, bias_ptr, qw_ptr,
                   sc_ptr, zr_ptr, sg_ptr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """One program of `_gemv_group_kernel` for the matrix whose metadata row is `meta` (see `GemvGroup`): the
-    classes of the widths in MASK are runtime branches, so one compiled kernel serves every mix of them."""
+    classes of the widths in MASK are runtime branches, so one compiled kernel serves every mix of them. The
+    metadata and the weights are not written by the previous kernel, so they are read (and, PREFETCH rows of
+    each class, prefetched) before waiting for it."""
     N = tl.multiple_of(tl.load(meta + 18), 16)  # GemvGroup only takes N % 16 == 0: keeps loads vectorized
     tiles = tl.load(meta + 19)
     split = tl.load(meta + 20)
     local = pid - tl.load(meta + 21)
     pid_n = local % tiles
     pid_k = local // tiles
+    if PDL:
+        if PREFETCH > 0:
+            _prefetch_widths(qw_ptr, N, tl.load(meta + 0), tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3),
+                             tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6), tl.load(meta + 7),
+                             tl.load(meta + 8), tl.load(meta + 9), tl.load(meta + 10), tl.load(meta + 11),
+                             tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14), tl.load(meta + 15),
+                             tl.load(meta + 16), tl.load(meta + 17), pid_k, split, pid_n * BN, MASK, BN, PREFETCH)
+        pdl_sync()
     xoff = tl.multiple_of(tl.load(meta + 23), 32)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
@@ -594,22 +641,20 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                        out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                        RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr = 1,
-                       STAGES: tl.constexpr = 2, PDL: tl.constexpr = False):
+                       STAGES: tl.constexpr = 2, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
     over every (matrix, column tile, K split) program, axis 2 over the input rows."""
-    if PDL:
-        pdl_sync()
     pid = tl.program_id(0)
     pid_m = tl.program_id(2)
     if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 25, part_ptr, cnt_ptr, M, pid, pid_m, out2, bias2,
-                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, DEPTH, STAGES)
+                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, DEPTH, STAGES, PDL, PREFETCH)
     elif G > 1 and pid >= tl.load(meta_ptr + 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 25, part_ptr, cnt_ptr, M, pid, pid_m, out1, bias1,
-                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, DEPTH, STAGES)
+                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, DEPTH, STAGES, PDL, PREFETCH)
     else:
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
-                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, DEPTH, STAGES)
+                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, DEPTH, STAGES, PDL, PREFETCH)
 
 
 @triton.jit
@@ -696,17 +741,80 @@ def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl
 
 
 @triton.jit
+def _join8(x0, x1, x2, x3, x4, x5, x6, x7):
+    """Eight [K, BN] tiles -> [K·8, BN] with row 8k + p holding x_p[k] (in-register joins, then one reshuffle)."""
+    K: tl.constexpr = x0.shape[0]
+    BN: tl.constexpr = x0.shape[1]
+    t = tl.join(tl.join(tl.join(x0, x1), tl.join(x2, x3)), tl.join(tl.join(x4, x5), tl.join(x6, x7)))
+    return tl.reshape(tl.permute(t, (0, 4, 3, 2, 1)), [K * 8, BN])
+
+
+@triton.jit
+def _dot_class4_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k,
+                     offs_m, mask_m, offs_n, mask_n, SPLIT, BS: tl.constexpr, FAST4: tl.constexpr,
+                     STAGES: tl.constexpr):
+    """acc + x·W over this program's share of an EXL2 4-bit class, one tensor-core dot of K = 32·BS per
+    iteration: the BS steps' words are decoded (packed, with `_DEQ4_ASM`, or portably) into the eight rows of
+    each word, which `_join8` puts in the permuted input's own order (`PAIR_ORDER`: word j's codes u sit at
+    32·s + 8·j + 2·(u % 4) + u // 4), so the input tile is one contiguous load and needs no selection."""
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    BN: tl.constexpr = offs_n.shape[0]
+    jw = tl.arange(0, BS * 4)  # word rows of the tile: step jw // 4, low word jw % 4
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
+        offs_w = s0 * 4 + jw
+        mask_w = offs_w < s_hi * 4
+        m2 = mask_w[:, None] & mask_n[None, :]
+        w = tl.load(qw_ptr + (first_word + offs_w - first_step * 4)[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=m2, other=0)
+        grp = tl.load(sg_ptr + offs_w // 4, mask=mask_w, other=0)
+        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
+        offs_x = s0 * 32 + tl.arange(0, BS * 32)
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_x[None, :],
+                     mask=mask_m[:, None] & (offs_x < s_hi * 32)[None, :], other=0.0).to(tl.float16)
+        if (FAST4 & 1) != 0:
+            d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
+                _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc.to(tl.float16)], dtype=(tl.float16,) * 8,
+                is_pure=True, pack=1)
+        else:
+            scf = sc.to(tl.float16)
+            d0 = (((w >> 0) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            d1 = (((w >> 4) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            d2 = (((w >> 8) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            d3 = (((w >> 12) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            d4 = (((w >> 16) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            d5 = (((w >> 20) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            d6 = (((w >> 24) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            d7 = (((w >> 28) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            d0 = (d0 - 1032.0) * scf
+            d1 = (d1 - 1032.0) * scf
+            d2 = (d2 - 1032.0) * scf
+            d3 = (d3 - 1032.0) * scf
+            d4 = (d4 - 1032.0) * scf
+            d5 = (d5 - 1032.0) * scf
+            d6 = (d6 - 1032.0) * scf
+            d7 = (d7 - 1032.0) * scf
+        acc = tl.dot(xt, _join8(d0, d4, d1, d5, d2, d6, d3, d7), acc)
+    return acc
+
+
+@triton.jit
 def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
                first_word, pid_k, offs_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr,
                LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-               BN: tl.constexpr, FAST4: tl.constexpr = False):
-    """acc + x·W over this program's share of one width class's steps.
+               BN: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = False,
+               STAGES: tl.constexpr = 2):
+    """acc + x·W over this program's share of one width class's steps (EXL2 4-bit with TILE4:
+    `_dot_class4_tile`).
 
     The codes are decoded one row-in-word u at a time: the rows (s, j, u) of all steps s and low words j form a
     [BS·LB, BN] tile in the words' own register layout (no reshuffling of the decoded tile), which feeds one
     tensor-core dot against the matching input columns. Those are picked out of the input tile, loaded once per
     iteration (and one iteration ahead) with one-hot sums over its last axis. EXL2 4-bit words (FAST4) are
     decoded by `_DEQ4_ASM`, all eight rows at once."""
+    if BITS == 4 and not HAS_ZEROS and TILE4:
+        return _dot_class4_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word,
+                                pid_k, offs_m, offs_m < M, offs_n, mask_n, SPLIT, BS, FAST4, STAGES)
     PER: tl.constexpr = 32 // LB
     HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     BSC: tl.constexpr = BS if BS * LB >= 16 else 16 // LB
@@ -755,7 +863,8 @@ def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc
                 HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
                 HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                RED: tl.constexpr, FAST4: tl.constexpr = False, PDL: tl.constexpr = False):
+                RED: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = False,
+                STAGES: tl.constexpr = 2, PDL: tl.constexpr = False):
     if PDL:
         pdl_sync()
     pid_n = tl.program_id(0)
@@ -767,22 +876,22 @@ def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if HAS8:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 8, 8, 0, HAS_ZEROS, BM, BS, BN, FAST4)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 8, 8, 0, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
     if HAS6:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 6, 4, 2, HAS_ZEROS, BM, BS, BN, FAST4)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 6, 4, 2, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
     if HAS5:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 5, 4, 1, HAS_ZEROS, BM, BS, BN, FAST4)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 5, 4, 1, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
     if HAS4:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 4, 4, 0, HAS_ZEROS, BM, BS, BN, FAST4)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 4, 4, 0, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
     if HAS3:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 3, 2, 1, HAS_ZEROS, BM, BS, BN, FAST4)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 3, 2, 1, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
     if HAS2:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 2, 2, 0, HAS_ZEROS, BM, BS, BN, FAST4)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 2, 2, 0, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
     _store_out(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
 
@@ -904,7 +1013,8 @@ def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra
         m, w.n, xp.stride(0), out.stride(0), split, *cls, **flags, HAS_ZEROS=w.zeros is not None,
         HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BM=cfg.bm, BS=cfg.bs, BN=cfg.bn, FAST4=fast4,
         RED=min(next_pow2(split), max(1, 8192 // (cfg.bm * cfg.bn))),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **pdl_args(xp.device, m))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        **pdl_args(xp.device, m, prefetch=PREFETCH_ROWS if kernel is _gemv_kernel else None))
     return out
 
 
@@ -1055,7 +1165,7 @@ class GemvGroup:
             xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
             G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH,
-            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages, **pdl_args(xp.device, m))
+            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages, **pdl_args(xp.device, m, prefetch=PREFETCH_ROWS))
         return outs
 
 
@@ -1119,7 +1229,8 @@ def fast4_available(device: torch.device) -> int:
 def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | None = None,
         fast4: bool | None = None) -> torch.Tensor:
     """Tensor-core path with in-register dequantization; cfg.bm ≥ 16 and cfg.bs ≥ 1. `fast4` as in `gemv`."""
-    return _launch(_dot_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4)
+    return _launch(_dot_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4, TILE4=DOT_TILE4,
+                   STAGES=cfg.num_stages)
 
 
 def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
@@ -1164,6 +1275,11 @@ def _env_choice(name: str, default: int, allowed: range) -> int:
 
 
 GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
+# The tensor-core path's EXL2 4-bit classes decode whole words into one K = 32·bs dot per iteration
+# (`_dot_class4_tile`) instead of one dot per row-in-word against a one-hot-selected input; EXL2_DOT_TILE4=0
+# goes back to the latter.
+DOT_TILE4 = _env_choice("EXL2_DOT_TILE4", 1, range(0, 2)) == 1
+
 GEMV_STAGES = _env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
 # STREAM_PER_SM programs per SM. Off: on the H200 it lost to the fixed-split kernels on every shape (run 11).
@@ -1227,7 +1343,9 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(None, w, cfg, xp=xp)
     kernel = _gemv_kernel if path == "gemv" else _dot_kernel
-    extra = {"FAST4": None, "DEPTH": cfg.depth, "STAGES": cfg.num_stages} if path == "gemv" else {"FAST4": None}
+    extra = {"FAST4": None, "DEPTH": cfg.depth, "STAGES": cfg.num_stages}
+    if path != "gemv":
+        extra = {"FAST4": None, "TILE4": DOT_TILE4, "STAGES": cfg.num_stages}
     return _launch(kernel, xp, w, cfg, **extra)
 
 

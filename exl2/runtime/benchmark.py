@@ -92,18 +92,21 @@ def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contex
     return rows
 
 
-def kernel_breakdown(model: DecoderModel, page_size: int = 256, ctx: int = 2048, top: int = 15) -> list[tuple]:
-    """Per-kernel GPU time of one captured decode step (batch 1): [(kernel, calls, µs, share)]."""
+def kernel_breakdown(model: DecoderModel, page_size: int = 256, ctx: int = 2048, top: int = 15,
+                     batch: int = 1) -> list[tuple]:
+    """Per-kernel GPU time of one captured decode step of `batch` sequences at `ctx`: [(kernel, calls, µs,
+    share)]."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = model.device
     pages = -(-(ctx + 64) // page_size)
-    cache = PagedKVCache(model.spec, num_pages=1 + pages, page_size=page_size, device=dev, dtype=model.dtype)
+    cache = PagedKVCache(model.spec, num_pages=1 + batch * pages, page_size=page_size, device=dev,
+                         dtype=model.dtype)
     graphs = DecodeGraphs(model, cache, pages)
-    graphs.capture((1,))
-    table = (1 + torch.arange(pages, device=dev, dtype=torch.int32)).view(1, -1)
-    ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
-    pos = torch.full((1,), ctx, device=dev)
+    graphs.capture((batch,))
+    table = (1 + torch.arange(batch * pages, device=dev, dtype=torch.int32)).view(batch, -1)
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    pos = torch.full((batch,), ctx, device=dev)
     for _ in range(3):
         graphs.step(ids, pos, table)
     torch.cuda.synchronize()

@@ -22,8 +22,13 @@ KV_MODES = kv_quant.KV_MODES
 
 
 class PagedKVCache:
+    """`decode_splits` fixes the key-range splits of decode attention; None lets the kernel pick them from the
+    batch alone (enough programs to fill the GPU: 32 at batch 1, 3 at batch 16 for 8 KV heads), which stays
+    constant inside a captured graph whatever the context length."""
+
     def __init__(self, spec: ModelSpec, num_pages: int, page_size: int = 256, mode: str = "fp16",
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16, decode_splits: int = 32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
+                 decode_splits: int | None = None):
         if mode not in KV_MODES:
             raise ValueError(f"unknown cache mode {mode}")
         self.spec, self.num_pages, self.page_size, self.mode = spec, num_pages, page_size, mode
