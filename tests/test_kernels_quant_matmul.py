@@ -153,10 +153,10 @@ def test_dot_kernel_matches_twin_with_split_and_bias():
 
 @needs_triton
 @pytest.mark.parametrize("bs,split", [(1, 1), (4, 2)])
-def test_dot_whole_word_4bit_tiles_match_per_row_dots_and_twin(bs, split, monkeypatch):
-    """`_dot_class4_tile` (one K = 32·bs dot per iteration, input in its stored order) against the per-row-in-word
+def test_dot_whole_word_tiles_match_per_row_dots_and_twin(bs, split, monkeypatch):
+    """`_dot_class_tile` (one K = 32·bs dot per iteration over 6-, 5- and 4-bit classes) against the per-row-in-word
     dots it replaces and the twin; a class with a partial last iteration and a split boundary inside it."""
-    t = rand_exl2([(6, 32), (4, 96), (4, 64)], 64, seed=4, device=DEV)
+    t = rand_exl2([(6, 64), (5, 32), (4, 96), (4, 64)], 64, seed=4, device=DEV)
     w = Exl2Weight.from_tensors(t, "L", device=DEV)
     x = torch.randn(7, w.k, dtype=torch.float16, device=DEV)
     cfg = qm.MatmulConfig(bm=16, bs=bs, bn=32, split=split)

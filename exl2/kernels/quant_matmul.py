@@ -750,52 +750,80 @@ def _join8(x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _dot_class4_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k,
-                     offs_m, mask_m, offs_n, mask_n, SPLIT, BS: tl.constexpr, FAST4: tl.constexpr,
-                     STAGES: tl.constexpr):
-    """acc + x·W over this program's share of an EXL2 4-bit class, one tensor-core dot of K = 32·BS per
-    iteration: the BS steps' words are decoded (packed, with `_DEQ4_ASM`, or portably) into the eight rows of
-    each word, which `_join8` puts in the permuted input's own order (`PAIR_ORDER`: word j's codes u sit at
-    32·s + 8·j + 2·(u % 4) + u // 4), so the input tile is one contiguous load and needs no selection."""
+def _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word,
+                    pid_k, offs_m, mask_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    BS: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr):
+    """acc + x·W over this program's share of a 4/5/6-bit class (four low words of 8 codes per step), one
+    tensor-core dot of K = 32·BS per iteration: each low word row (step s, word j) is decoded into its eight rows
+    u (packed, with `_DEQ4_ASM`, for EXL2 4-bit; with the high bits of words 4 + 8j // HPER otherwise), which
+    `_join8` stacks as stored row 32·s + 8·j + u, against the input gathered in that order (contiguous for 4-bit,
+    whose `PAIR_ORDER` puts word j's codes u at 8·j + 2·(u % 4) + u // 4)."""
+    HB: tl.constexpr = BITS - 4
+    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
-    BN: tl.constexpr = offs_n.shape[0]
     jw = tl.arange(0, BS * 4)  # word rows of the tile: step jw // 4, low word jw % 4
+    j = jw % 4
+    cx = tl.arange(0, BS * 32)  # tile rows 32·s + 8·j + u, and the input position of each
+    cj = (cx // 8) % 4
+    cu = cx % 8
+    if BITS == 4:
+        pos = cx
+    elif BITS == 6:
+        pos = (cx // 32) * 32 + 16 * (cj % 2) + 2 * cu + cj // 2
+    else:
+        pos = cx
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
-        offs_w = s0 * 4 + jw
-        mask_w = offs_w < s_hi * 4
+        step = s0 + jw // 4
+        mask_w = step < s_hi
         m2 = mask_w[:, None] & mask_n[None, :]
-        w = tl.load(qw_ptr + (first_word + offs_w - first_step * 4)[:, None].to(tl.int64) * N + offs_n[None, :],
-                    mask=m2, other=0)
-        grp = tl.load(sg_ptr + offs_w // 4, mask=mask_w, other=0)
-        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
-        offs_x = s0 * 32 + tl.arange(0, BS * 32)
+        wrow = first_word + (step - first_step) * BITS
+        w = tl.load(qw_ptr + (wrow + j)[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0)
+        grp = tl.load(sg_ptr + step, mask=mask_w, other=0)
+        g_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
+        sc = tl.load(sc_ptr + g_off, mask=m2, other=0.0).to(tl.float16)
+        offs_x = s0 * 32 + pos
         xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_x[None, :],
-                     mask=mask_m[:, None] & (offs_x < s_hi * 32)[None, :], other=0.0).to(tl.float16)
-        if (FAST4 & 1) != 0:
+                     mask=mask_m[:, None] & (s0 + cx // 32 < s_hi)[None, :], other=0.0).to(tl.float16)
+        if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
             d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
-                _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc.to(tl.float16)], dtype=(tl.float16,) * 8,
-                is_pure=True, pack=1)
+                _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+            acc = tl.dot(xt, _join8(d0, d4, d1, d5, d2, d6, d3, d7), acc)
         else:
-            scf = sc.to(tl.float16)
-            d0 = (((w >> 0) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            d1 = (((w >> 4) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            d2 = (((w >> 8) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            d3 = (((w >> 12) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            d4 = (((w >> 16) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            d5 = (((w >> 20) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            d6 = (((w >> 24) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            d7 = (((w >> 28) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            d0 = (d0 - 1032.0) * scf
-            d1 = (d1 - 1032.0) * scf
-            d2 = (d2 - 1032.0) * scf
-            d3 = (d3 - 1032.0) * scf
-            d4 = (d4 - 1032.0) * scf
-            d5 = (d5 - 1032.0) * scf
-            d6 = (d6 - 1032.0) * scf
-            d7 = (d7 - 1032.0) * scf
-        acc = tl.dot(xt, _join8(d0, d4, d1, d5, d2, d6, d3, d7), acc)
+            if HAS_ZEROS:
+                zero = tl.load(zr_ptr + g_off, mask=m2, other=0.0).to(tl.float16) + 1024.0
+            else:
+                zero = tl.full([BS * 4, 1], 1024.0 + (1 << (BITS - 1)), tl.float16)
+            if HB > 0:
+                h = tl.load(qw_ptr + (wrow + 4 + j * 8 // HPER)[:, None].to(tl.int64) * N + offs_n[None, :],
+                            mask=m2, other=0)
+                h = h >> (HB * (j * 8 % HPER))[:, None]
+            else:
+                h = w
+            d0 = _dot_row(w, h, zero, sc, 0, HB)
+            d1 = _dot_row(w, h, zero, sc, 1, HB)
+            d2 = _dot_row(w, h, zero, sc, 2, HB)
+            d3 = _dot_row(w, h, zero, sc, 3, HB)
+            d4 = _dot_row(w, h, zero, sc, 4, HB)
+            d5 = _dot_row(w, h, zero, sc, 5, HB)
+            d6 = _dot_row(w, h, zero, sc, 6, HB)
+            d7 = _dot_row(w, h, zero, sc, 7, HB)
+            if BITS == 4:
+                acc = tl.dot(xt, _join8(d0, d4, d1, d5, d2, d6, d3, d7), acc)
+            else:
+                acc = tl.dot(xt, _join8(d0, d1, d2, d3, d4, d5, d6, d7), acc)
     return acc
+
+
+@triton.jit
+def _dot_row(w, h, zero, sc, u: tl.constexpr, HB: tl.constexpr):
+    """Row-in-word u of low words w (high bits from h, already shifted to the word's first row), dequantized:
+    0x6400 | code is the fp16 number 1024 + code, exact, so the one rounding is the reference dequantizer's."""
+    code = (w >> (4 * u)) & 15
+    if HB > 0:
+        code = code | (((h >> (HB * u)) & ((1 << HB) - 1)) << 4)
+    cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return (cf - zero) * sc
 
 
 @triton.jit
@@ -804,17 +832,17 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
                LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
                BN: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = False,
                STAGES: tl.constexpr = 2):
-    """acc + x·W over this program's share of one width class's steps (EXL2 4-bit with TILE4:
-    `_dot_class4_tile`).
+    """acc + x·W over this program's share of one width class's steps (4/5/6-bit with TILE4: `_dot_class_tile`).
 
     The codes are decoded one row-in-word u at a time: the rows (s, j, u) of all steps s and low words j form a
     [BS·LB, BN] tile in the words' own register layout (no reshuffling of the decoded tile), which feeds one
     tensor-core dot against the matching input columns. Those are picked out of the input tile, loaded once per
     iteration (and one iteration ahead) with one-hot sums over its last axis. EXL2 4-bit words (FAST4) are
     decoded by `_DEQ4_ASM`, all eight rows at once."""
-    if BITS == 4 and not HAS_ZEROS and TILE4:
-        return _dot_class4_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word,
-                                pid_k, offs_m, offs_m < M, offs_n, mask_n, SPLIT, BS, FAST4, STAGES)
+    if LB == 4 and TILE4:
+        return _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
+                               first_word, pid_k, offs_m, offs_m < M, offs_n, mask_n, SPLIT, BITS, HAS_ZEROS, BS,
+                               FAST4, STAGES)
     PER: tl.constexpr = 32 // LB
     HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     BSC: tl.constexpr = BS if BS * LB >= 16 else 16 // LB
@@ -1275,8 +1303,8 @@ def _env_choice(name: str, default: int, allowed: range) -> int:
 
 
 GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
-# The tensor-core path's EXL2 4-bit classes decode whole words into one K = 32·bs dot per iteration
-# (`_dot_class4_tile`) instead of one dot per row-in-word against a one-hot-selected input; EXL2_DOT_TILE4=0
+# The tensor-core path's 4/5/6-bit classes decode whole words into one K = 32·bs dot per iteration
+# (`_dot_class_tile`) instead of one dot per row-in-word against a one-hot-selected input; EXL2_DOT_TILE4=0
 # goes back to the latter.
 DOT_TILE4 = _env_choice("EXL2_DOT_TILE4", 1, range(0, 2)) == 1
 
