@@ -152,21 +152,23 @@ def test_dot_kernel_matches_twin_with_split_and_bias():
 
 
 @needs_triton
+@pytest.mark.parametrize("loop", [1, 2])
 @pytest.mark.parametrize("bs,split", [(1, 1), (4, 2)])
-def test_dot_whole_word_tiles_match_per_row_dots_and_twin(bs, split, monkeypatch):
-    """`_dot_class_tile` (one K = 32·bs dot per iteration over 6-, 5- and 4-bit classes) against the per-row-in-word
-    dots it replaces and the twin; a class with a partial last iteration and a split boundary inside it."""
-    t = rand_exl2([(6, 64), (5, 32), (4, 96), (4, 64)], 64, seed=4, device=DEV)
+def test_dot_inner_loops_match_the_selecting_loop_and_twin(loop, bs, split, monkeypatch):
+    """`_dot_class_tile` (one K = 32·bs dot per iteration over 6/5/4-bit classes) and `_dot_class_rows` (direct
+    input loads per row-in-word, every width) against the one-hot-selecting loop and the twin; classes with a
+    partial last iteration and a split boundary inside them."""
+    t = rand_exl2([(8, 32), (6, 64), (5, 32), (4, 96), (4, 64), (3, 32), (2, 32)], 64, seed=4, device=DEV)
     w = Exl2Weight.from_tensors(t, "L", device=DEV)
     x = torch.randn(7, w.k, dtype=torch.float16, device=DEV)
     cfg = qm.MatmulConfig(bm=16, bs=bs, bn=32, split=split)
     with force_triton():
-        monkeypatch.setattr(qm, "DOT_TILE4", True)
-        tiled = qm.dot(x, w, cfg)
-        monkeypatch.setattr(qm, "DOT_TILE4", False)
-        per_row = qm.dot(x, w, cfg)
-    _check_close(tiled, qweight.matmul_torch(x, w))
-    torch.testing.assert_close(tiled.float(), per_row.float(), rtol=2e-3, atol=2e-3)
+        monkeypatch.setattr(qm, "DOT_TILE4", loop)
+        got = qm.dot(x, w, cfg)
+        monkeypatch.setattr(qm, "DOT_TILE4", 0)
+        selecting = qm.dot(x, w, cfg)
+    _check_close(got, qweight.matmul_torch(x, w))
+    torch.testing.assert_close(got.float(), selecting.float(), rtol=2e-3, atol=2e-3)
 
 
 @needs_triton

@@ -827,10 +827,83 @@ def _dot_row(w, h, zero, sc, u: tl.constexpr, HB: tl.constexpr):
 
 
 @triton.jit
+def _dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, u: tl.constexpr, LB: tl.constexpr, PER: tl.constexpr,
+            BSC: tl.constexpr, BITS: tl.constexpr):
+    """Input columns [BM, BSC·LB] of row-in-word u of the BSC steps from s0 (row k: step k // LB, low word k % LB),
+    loaded directly at their permuted positions (see `_gemv_class`)."""
+    k = tl.arange(0, BSC * LB)
+    j = k % LB
+    if BITS == 4:
+        pos = 8 * j + (u % 4) * 2 + u // 4
+    elif BITS == 6:
+        pos = 16 * (j % 2) + 2 * u + j // 2
+    else:
+        pos = j * PER + u
+    step = s0 + k // LB
+    return tl.load(x_ptr + offs_m[:, None] * stride_xm + (step * 32 + pos)[None, :],
+                   mask=mask_m[:, None] & (step < s_hi)[None, :], other=0.0).to(tl.float16)
+
+
+@triton.jit
+def _dot_class_rows(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word,
+                    pid_k, offs_m, mask_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr, LB: tl.constexpr,
+                    HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, FAST4: tl.constexpr,
+                    STAGES: tl.constexpr):
+    """acc + x·W: one tensor-core dot per row-in-word u, as in `_dot_class`, but with each u's input columns
+    loaded at their own positions (`_dot_xu`) instead of selected out of the whole input tile, and the loop
+    software-pipelined STAGES deep."""
+    PER: tl.constexpr = 32 // LB
+    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
+    BSC: tl.constexpr = BS if BS * LB >= 16 else 16 // LB
+    BN: tl.constexpr = offs_n.shape[0]
+    K: tl.constexpr = BSC * LB
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    jj = tl.arange(0, LB)
+    for s0 in tl.range(s_lo, s_hi, BSC, num_stages=STAGES):
+        w, h, sc, z = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
+                                  mask_n, BITS, LB, HB, HAS_ZEROS, BSC)
+        if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
+            d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
+                _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc.to(tl.float16)], dtype=(tl.float16,) * 8,
+                is_pure=True, pack=1)
+            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 0, LB, PER, BSC, BITS),
+                         tl.reshape(d0, [K, BN]), acc)
+            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 1, LB, PER, BSC, BITS),
+                         tl.reshape(d1, [K, BN]), acc)
+            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 2, LB, PER, BSC, BITS),
+                         tl.reshape(d2, [K, BN]), acc)
+            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 3, LB, PER, BSC, BITS),
+                         tl.reshape(d3, [K, BN]), acc)
+            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 4, LB, PER, BSC, BITS),
+                         tl.reshape(d4, [K, BN]), acc)
+            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 5, LB, PER, BSC, BITS),
+                         tl.reshape(d5, [K, BN]), acc)
+            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 6, LB, PER, BSC, BITS),
+                         tl.reshape(d6, [K, BN]), acc)
+            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 7, LB, PER, BSC, BITS),
+                         tl.reshape(d7, [K, BN]), acc)
+        else:
+            for u in tl.static_range(PER):
+                code = (w >> (u * LB)) & ((1 << LB) - 1)
+                if HB > 0:
+                    hs = (HB * ((jj * PER + u) % HPER))[None, :, None]
+                    code = code | (((h >> hs) & ((1 << HB) - 1)) << LB)
+                cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                if HAS_ZEROS:
+                    deq = (cf - (z + 1024.0)) * sc
+                else:
+                    deq = (cf - (1024.0 + (1 << (BITS - 1)))) * sc
+                acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, u, LB, PER, BSC, BITS),
+                             tl.reshape(deq, [K, BN]), acc)
+    return acc
+
+
+@triton.jit
 def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
                first_word, pid_k, offs_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr,
                LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-               BN: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = False,
+               BN: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = 0,
                STAGES: tl.constexpr = 2):
     """acc + x·W over this program's share of one width class's steps (4/5/6-bit with TILE4: `_dot_class_tile`).
 
@@ -839,7 +912,11 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
     tensor-core dot against the matching input columns. Those are picked out of the input tile, loaded once per
     iteration (and one iteration ahead) with one-hot sums over its last axis. EXL2 4-bit words (FAST4) are
     decoded by `_DEQ4_ASM`, all eight rows at once."""
-    if LB == 4 and TILE4:
+    if TILE4 == 2:
+        return _dot_class_rows(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
+                               first_word, pid_k, offs_m, offs_m < M, offs_n, mask_n, SPLIT, BITS, LB, HB,
+                               HAS_ZEROS, BS, FAST4, STAGES)
+    if LB == 4 and TILE4 == 1:
         return _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
                                first_word, pid_k, offs_m, offs_m < M, offs_n, mask_n, SPLIT, BITS, HAS_ZEROS, BS,
                                FAST4, STAGES)
@@ -891,7 +968,7 @@ def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc
                 HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
                 HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                RED: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = False,
+                RED: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = 0,
                 STAGES: tl.constexpr = 2, PDL: tl.constexpr = False):
     if PDL:
         pdl_sync()
@@ -1303,10 +1380,11 @@ def _env_choice(name: str, default: int, allowed: range) -> int:
 
 
 GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
-# The tensor-core path's 4/5/6-bit classes decode whole words into one K = 32·bs dot per iteration
-# (`_dot_class_tile`) instead of one dot per row-in-word against a one-hot-selected input; EXL2_DOT_TILE4=0
-# goes back to the latter.
-DOT_TILE4 = _env_choice("EXL2_DOT_TILE4", 1, range(0, 2)) == 1
+# The tensor-core path's inner loop (EXL2_DOT_TILE4): 0, one dot per row-in-word against input columns selected
+# out of the whole input tile (`_dot_class`); 1, 4/5/6-bit classes decode whole words into one K = 32·bs dot
+# per iteration (`_dot_class_tile`); 2, one dot per row-in-word with its input columns loaded directly
+# (`_dot_class_rows`).
+DOT_TILE4 = _env_choice("EXL2_DOT_TILE4", 2, range(0, 3))
 
 GEMV_STAGES = _env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
