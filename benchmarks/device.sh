@@ -50,6 +50,10 @@ for s in $steps; do
   dotab) for v in ${DOT_VALUES:-2 1 0}; do
            EXL2_DOT_TILE4=$v timeout ${BENCH_TIMEOUT:-100} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 \
              > "$OUT/bench_dot$v.txt" 2>&1; echo "bench EXL2_DOT_TILE4=$v rc=$?"; tail -3 "$OUT/bench_dot$v.txt"; done ;;
+  dotbest) best=$(for v in ${DOT_VALUES:-2 1 0}; do
+             printf "%s %s\n" "$(grep "| decode bs=16" "$OUT/bench_dot$v.txt" | head -1 | awk -F'|' '{gsub(/[ ,]/, "", $3); print $3}')" $v
+           done | sort -n | tail -1 | cut -d' ' -f2); export EXL2_DOT_TILE4=${best:-0}
+           echo "EXL2_DOT_TILE4=$EXL2_DOT_TILE4 for the next steps" ;;
   quick) timeout -s INT -k 15 "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_kernels_attention.py \
            tests/test_gpu_e2e.py -k "fast or attention or paged or prefill or group or graph" -q -n ${TEST_WORKERS:-8} \
            -p no:cacheprovider -rfE > "$OUT/gpu_quick.txt" 2>&1; echo "quick tests rc=$?"; tail -12 "$OUT/gpu_quick.txt" ;;
