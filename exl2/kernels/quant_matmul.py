@@ -1383,8 +1383,10 @@ GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
 # The tensor-core path's inner loop (EXL2_DOT_TILE4): 0, one dot per row-in-word against input columns selected
 # out of the whole input tile (`_dot_class`); 1, 4/5/6-bit classes decode whole words into one K = 32·bs dot
 # per iteration (`_dot_class_tile`); 2, one dot per row-in-word with its input columns loaded directly
-# (`_dot_class_rows`).
-DOT_TILE4 = _env_choice("EXL2_DOT_TILE4", 2, range(0, 3))
+# (`_dot_class_rows`). 0 by default: on the H200 (benchmarks/RESULTS.md, session 6) batch-16 decode ran 2,114
+# tokens/s with it against 1,479 (1) and 1,418 (2), though 1 and 2 issue a third of its instructions and use
+# 80-88 registers against 224.
+DOT_TILE4 = _env_choice("EXL2_DOT_TILE4", 0, range(0, 3))
 
 GEMV_STAGES = _env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
