@@ -55,6 +55,15 @@ def _load_v(v_ptr, vs_ptr, slot, nmask, dv, kvh, stride_vt, stride_vh, stride_vs
 
 
 @triton.jit
+def _kv_slots(bt_ptr, b, stride_bt, page_size, kv_base, offs, ok, PAGED: tl.constexpr):
+    """Cache rows of sequence b's positions `offs` (through its block table when PAGED)."""
+    if PAGED:
+        page = tl.load(bt_ptr + b * stride_bt + offs // page_size, mask=ok, other=0)
+        return page.to(tl.int64) * page_size + offs % page_size
+    return (kv_base + offs).to(tl.int64)
+
+
+@triton.jit
 def _prefetch_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, b, stride_bt, page_size, kv_base, start, end, kvh,
                  stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh,
                  DK: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, PAGED: tl.constexpr, K_BITS: tl.constexpr,
@@ -63,12 +72,7 @@ def _prefetch_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, b, stride_bt, page_size, 
     rows one address per 128 bytes, quantized rows (at most 128 bytes a head) one per row."""
     offs = start + tl.arange(0, BN)
     ok = offs < end
-    if PAGED:
-        page = tl.load(bt_ptr + b * stride_bt + offs // page_size, mask=ok, other=0)
-        slot = page.to(tl.int64) * page_size + offs % page_size
-    else:
-        slot = (kv_base + offs).to(tl.int64)
-    slot = tl.where(ok, slot, 0)
+    slot = tl.where(ok, _kv_slots(bt_ptr, b, stride_bt, page_size, kv_base, offs, ok, PAGED), 0)
     if K_BITS == 16:
         KL: tl.constexpr = (DK + 63) // 64
         prefetch_l2(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + tl.arange(0, KL)[None, :] * 64)
@@ -167,11 +171,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
         for n0 in range(start, end, BN):
             offs_n = n0 + tl.arange(0, BN)
             nmask = offs_n < end
-            if PAGED:
-                page = tl.load(bt_ptr + b * stride_bt + offs_n // page_size, mask=nmask, other=0)
-                slot = page.to(tl.int64) * page_size + offs_n % page_size
-            else:
-                slot = (kv_base + offs_n).to(tl.int64)
+            slot = _kv_slots(bt_ptr, b, stride_bt, page_size, kv_base, offs_n, nmask, PAGED)
             kmask = nmask[None, :] & (dk[:, None] < DK)
             if K_BITS == 16:
                 kt = tl.load(k_ptr + slot[None, :] * stride_kt + kvh * stride_kh + dk[:, None], mask=kmask, other=0.0)

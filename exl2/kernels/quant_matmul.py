@@ -827,6 +827,23 @@ def _dot_row(w, h, zero, sc, u: tl.constexpr, HB: tl.constexpr):
 
 
 @triton.jit
+def _deq_row(w, h, sc, z, jj, u: tl.constexpr, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr,
+             HAS_ZEROS: tl.constexpr):
+    """Row-in-word u of `_load_class` tiles [BS, LB, BN] (low words w, high words h, scales, zeros), dequantized:
+    0x6400 | code is the fp16 number 1024 + code, exact, so the one rounding is the reference dequantizer's."""
+    PER: tl.constexpr = 32 // LB
+    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
+    code = (w >> (u * LB)) & ((1 << LB) - 1)
+    if HB > 0:
+        hs = (HB * ((jj * PER + u) % HPER))[None, :, None]
+        code = code | (((h >> hs) & ((1 << HB) - 1)) << LB)
+    cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    if HAS_ZEROS:
+        return (cf - (z + 1024.0)) * sc
+    return (cf - (1024.0 + (1 << (BITS - 1)))) * sc
+
+
+@triton.jit
 def _dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, u: tl.constexpr, LB: tl.constexpr, PER: tl.constexpr,
             BSC: tl.constexpr, BITS: tl.constexpr):
     """Input columns [BM, BSC·LB] of row-in-word u of the BSC steps from s0 (row k: step k // LB, low word k % LB),
@@ -853,7 +870,6 @@ def _dot_class_rows(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fi
     loaded at their own positions (`_dot_xu`) instead of selected out of the whole input tile, and the loop
     software-pipelined STAGES deep."""
     PER: tl.constexpr = 32 // LB
-    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     BSC: tl.constexpr = BS if BS * LB >= 16 else 16 // LB
     BN: tl.constexpr = offs_n.shape[0]
     K: tl.constexpr = BSC * LB
@@ -885,15 +901,7 @@ def _dot_class_rows(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fi
                          tl.reshape(d7, [K, BN]), acc)
         else:
             for u in tl.static_range(PER):
-                code = (w >> (u * LB)) & ((1 << LB) - 1)
-                if HB > 0:
-                    hs = (HB * ((jj * PER + u) % HPER))[None, :, None]
-                    code = code | (((h >> hs) & ((1 << HB) - 1)) << LB)
-                cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                if HAS_ZEROS:
-                    deq = (cf - (z + 1024.0)) * sc
-                else:
-                    deq = (cf - (1024.0 + (1 << (BITS - 1)))) * sc
+                deq = _deq_row(w, h, sc, z, jj, u, BITS, LB, HB, HAS_ZEROS)
                 acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, u, LB, PER, BSC, BITS),
                              tl.reshape(deq, [K, BN]), acc)
     return acc
@@ -921,7 +929,6 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
                                first_word, pid_k, offs_m, offs_m < M, offs_n, mask_n, SPLIT, BITS, HAS_ZEROS, BS,
                                FAST4, STAGES)
     PER: tl.constexpr = 32 // LB
-    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     BSC: tl.constexpr = BS if BS * LB >= 16 else 16 // LB
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
@@ -947,16 +954,7 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
             acc = _dot_u(acc, d7, xt, 7, BITS, PER, BSC * LB, BN)
         else:
             for u in tl.static_range(PER):
-                code = (w >> (u * LB)) & ((1 << LB) - 1)
-                if HB > 0:
-                    hs = (HB * ((jj * PER + u) % HPER))[None, :, None]
-                    code = code | (((h >> hs) & ((1 << HB) - 1)) << LB)
-                # 0x6400 | code is the fp16 number 1024 + code: exact, so one rounding as in the reference dequantizer.
-                cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                if HAS_ZEROS:
-                    deq = (cf - (z + 1024.0)) * sc
-                else:
-                    deq = (cf - (1024.0 + (1 << (BITS - 1)))) * sc
+                deq = _deq_row(w, h, sc, z, jj, u, BITS, LB, HB, HAS_ZEROS)
                 acc = _dot_u(acc, deq, xt, u, BITS, PER, BSC * LB, BN)
     return acc
 
