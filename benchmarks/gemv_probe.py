@@ -1,7 +1,9 @@
 """Runs one quantized matmul a few times on a Llama-3-8B-shaped 4-bit layer, for profilers (ncu) to attach to.
 
     ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 \
-        python3 benchmarks/gemv_probe.py [--shape gate|q|k|down|head]
+        python3 benchmarks/gemv_probe.py [--shape gate|q|k|down|head] [--rows M]
+
+With --rows 5..64 the tensor-core kernel runs instead (`--kernel-name regex:dot`).
 """
 from __future__ import annotations
 
@@ -24,13 +26,16 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="gate", choices=sorted(SHAPES))
     p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--rows", type=int, default=1, help="input rows (1-4: gemv, 5-64: tensor-core kernel)")
     a = p.parse_args()
     k, n, bits = SHAPES[a.shape]
     groups = [(bits, 128)] * (k // 128)
     codes = torch.randint(0, 1 << bits, (k, n), dtype=torch.uint8, device="cuda")
     scales = (torch.rand(len(groups), n, device="cuda") * 0.01 + 0.001).half()
     w = qweight.build(codes, groups, scales, None, torch.randperm(k, device="cuda"))
-    x = torch.randn(1, k, dtype=torch.float16, device="cuda")
+    if not 1 <= a.rows <= qm.DOT_MAX_M:
+        p.error(f"--rows must be 1 to {qm.DOT_MAX_M}")
+    x = torch.randn(a.rows, k, dtype=torch.float16, device="cuda")
     xp = qm.gather_input(x, [w])[0]
     for _ in range(a.calls):
         qm.permuted_matmul(xp, w)

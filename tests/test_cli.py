@@ -108,3 +108,10 @@ def test_quantized_cache_rejects_small_heads(tmp_path):
     shutil.copy(SRC / "tokenizer.json", d)
     shutil.copy(SRC / "tokenizer_config.json", d)
     assert_user_error(exl2("generate", "-m", str(d), "-p", "x", "-cm", "q4", "--device", "cpu"), "divisible by 64")
+
+
+@pytest.mark.parametrize("args,word", [(["--modes", "q5"], "--modes"), (["--contexts", "12x"], "--contexts"),
+                                       (["--batch", "0"], "--batch"), (["--breakdown-batch", "3"], "--breakdown-batch")])
+def test_bench_rejects_bad_options_in_one_sentence(args, word):
+    """Checked before anything touches the GPU, so the same on machines with and without one."""
+    assert_user_error(exl2("bench", *args), word)

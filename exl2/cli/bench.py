@@ -28,6 +28,19 @@ def run(args) -> int:
 
     from exl2.errors import ConfigError
 
+    from exl2.kernels.kv_quant import KV_MODES
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in KV_MODES]
+    if not modes or bad:
+        raise ConfigError(f"--modes takes cache modes from {', '.join(KV_MODES)}, not {args.modes!r}.")
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        contexts = []
+    if not contexts or min(contexts) < 1 or args.batch < 1 or args.prefill < 1:
+        raise ConfigError("--contexts takes positive integers separated by commas, and --batch and --prefill "
+                          "positive integers.")
     if args.breakdown_batch not in (1, 2, 4, 8, 16):
         raise ConfigError(f"--breakdown-batch must be 1, 2, 4, 8 or 16 (a captured batch size), not "
                           f"{args.breakdown_batch}.")
@@ -60,8 +73,7 @@ def run(args) -> int:
     def progress(r) -> None:  # each row as soon as it is measured (stderr), so a cut-short run still reports
         print(f"  {r.name}: {r.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
 
-    rows = run_benchmark(model, wbytes, tuple(args.modes.split(",")), tuple(int(c) for c in args.contexts.split(",")),
-                         args.prefill, args.batch, log=progress)
+    rows = run_benchmark(model, wbytes, tuple(modes), tuple(contexts), args.prefill, args.batch, log=progress)
     print(format_table(rows))
     if args.breakdown:
         ctx = 2048 if args.breakdown_batch == 1 else 128
