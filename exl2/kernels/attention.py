@@ -64,6 +64,15 @@ def _kv_slots(bt_ptr, b, stride_bt, page_size, kv_base, offs, ok, PAGED: tl.cons
 
 
 @triton.jit
+def _line_offsets(D: tl.constexpr):
+    """Element offsets of the 128-byte lines of an fp16 row of D elements (a power-of-two count; the spare lanes
+    repeat line 0)."""
+    LINES: tl.constexpr = (D + 63) // 64
+    i = tl.arange(0, triton.next_power_of_2(LINES))
+    return tl.where(i < LINES, i * 64, 0)
+
+
+@triton.jit
 def _prefetch_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, b, stride_bt, page_size, kv_base, start, end, kvh,
                  stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh,
                  DK: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, PAGED: tl.constexpr, K_BITS: tl.constexpr,
@@ -74,14 +83,12 @@ def _prefetch_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, b, stride_bt, page_size, 
     ok = offs < end
     slot = tl.where(ok, _kv_slots(bt_ptr, b, stride_bt, page_size, kv_base, offs, ok, PAGED), 0)
     if K_BITS == 16:
-        KL: tl.constexpr = (DK + 63) // 64
-        prefetch_l2(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + tl.arange(0, KL)[None, :] * 64)
+        prefetch_l2(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + _line_offsets(DK)[None, :])
     else:
         prefetch_l2(k_ptr + slot * stride_kt + kvh * stride_kh)
         prefetch_l2(ks_ptr + slot * stride_kst + kvh * stride_ksh)
     if V_BITS == 16:
-        VL: tl.constexpr = (DV + 63) // 64
-        prefetch_l2(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + tl.arange(0, VL)[None, :] * 64)
+        prefetch_l2(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + _line_offsets(DV)[None, :])
     else:
         prefetch_l2(v_ptr + slot * stride_vt + kvh * stride_vh)
         prefetch_l2(vs_ptr + slot * stride_vst + kvh * stride_vsh)

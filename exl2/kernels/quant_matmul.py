@@ -452,7 +452,8 @@ def _prefetch_class(qw_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, co
     w_lo = first_word + (s_lo - first_step) * BITS
     w_hi = first_word + (s_hi - first_step) * BITS
     rows = w_lo + tl.arange(0, ROWS)
-    cols = col0 + tl.arange(0, BN // 32) * 32  # one address per 128-byte line
+    LINES: tl.constexpr = BN // 32 if BN >= 32 else 1
+    cols = col0 + tl.arange(0, LINES) * 32  # one address per 128-byte line
     ok = (rows < w_hi)[:, None] & (cols < N)[None, :]
     off = tl.where(ok, rows[:, None].to(tl.int64) * N + cols[None, :], 0)
     prefetch_l2(qw_ptr + off)

@@ -1,0 +1,85 @@
+"""The decode kernels' programmatic-dependent-launch variants (L2 prefetch before `griddepcontrol.wait`) compiled
+for sm_90 on this machine, GPU or not: the interpreter never runs them, so shapes only the GPU path meets (MLA head
+dims, narrow tiles) are checked here, and the prefetches must come before the wait to be of any use. The compiler
+runs in a child process without TRITON_INTERPRET (under it, kernels are not compilable objects)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ATTENTION = [(128, 16), (192, 16), (96, 16), (128, 4)]
+GEMV = [(64, "HAS4"), (16, "HAS4"), (128, "HAS6")]
+
+
+def _compile_all() -> dict:
+    """Child process: {case: "ok" | "no prefetch before the wait" | error} for every case."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from exl2.kernels import attention as at
+    from exl2.kernels import quant_matmul as qm
+
+    def ptx(fn, ptrs, consts, warps, stages):
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+        k = triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": stages})
+        return k.asm["ptx"]
+
+    def verdict(make):
+        try:
+            text = make()
+        except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        first, wait = text.find("prefetch.global.L2"), text.find("griddepcontrol.wait")
+        return "ok" if 0 <= first < wait else "no prefetch before the wait"
+
+    out = {}
+    aptrs = {n: "*fp16" for n in ["q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "o_ptr", "out_ptr"]}
+    aptrs.update({"bt_ptr": "*i32", "seq_ptr": "*i32", "cuq_ptr": "*i32", "cuk_ptr": "*i32", "lse_ptr": "*fp32",
+                  "perm_ptr": "*i32", "cnt_ptr": "*i32", "scale": "fp32", "softcap": "fp32"})
+    for dk, bits in ATTENTION:
+        ptrs = dict(aptrs, **({"k_ptr": "*u8", "v_ptr": "*u8"} if bits != 16 else {}))
+        consts = dict(GROUP=4, DK=dk, DV=128, BDK=triton.next_power_of_2(dk), BDV=128, BM=16, BN=64, PAGED=True,
+                      CAUSAL=True, HAS_WINDOW=False, HAS_SOFTCAP=False, K_BITS=bits, V_BITS=bits, KZERO=0.0,
+                      VZERO=0.0, SPLIT=32, PARTIAL=True, MERGE=False, MR=16, MCH=8, PERM=True, V_EARLY=False,
+                      PDL=True, PREFETCH=True)
+        out[f"attention-{dk}-{bits}"] = verdict(
+            lambda: ptx(at._attn_kernel, ptrs, consts, 8 if bits == 16 else 4, 2))
+    gptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
+    gptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
+    for bn, width in GEMV:
+        consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=False, HAS3=False, HAS2=False, HAS_ZEROS=False,
+                      HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=3, DEPTH=0, STAGES=3, PDL=True,
+                      PREFETCH=64)
+        consts[width] = True
+        out[f"gemv-{bn}-{width}"] = verdict(lambda: ptx(qm._gemv_kernel, gptrs, consts, 4, 3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dk,bits", ATTENTION)
+def test_decode_attention_prefetches_before_its_wait(compiled, dk, bits):
+    assert compiled[f"attention-{dk}-{bits}"] == "ok"
+
+
+@pytest.mark.parametrize("bn,width", GEMV)
+def test_gemv_prefetches_its_weights_before_its_wait(compiled, bn, width):
+    assert compiled[f"gemv-{bn}-{width}"] == "ok"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
