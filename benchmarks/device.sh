@@ -54,13 +54,13 @@ for s in $steps; do
              printf "%s %s\n" "$(grep "| decode bs=16" "$OUT/bench_dot$v.txt" | head -1 | awk -F'|' '{gsub(/[ ,]/, "", $3); print $3}')" $v
            done | sort -n | tail -1 | cut -d' ' -f2); export EXL2_DOT_TILE4=${best:-0}
            echo "EXL2_DOT_TILE4=$EXL2_DOT_TILE4 for the next steps" ;;
-  ncudot) for shape in ${DOT_SHAPES:-gate down head}; do
-           timeout 90 ncu --clock-control none --kernel-name regex:dot --launch-skip 3 --launch-count 1 \
+  ncudot) for tile in ${DOT_LOOPS:-0 1 2}; do for shape in ${DOT_SHAPES:-gate head}; do
+           EXL2_DOT_TILE4=$tile timeout 90 ncu --clock-control none --kernel-name regex:dot --launch-skip 3 --launch-count 1 \
              --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
              --section SchedulerStats python3 benchmarks/gemv_probe.py --shape $shape --rows 16 \
-             > "$OUT/ncu_dot16_$shape.txt" 2>&1; echo "ncu dot M=16 $shape rc=$?"
+             > "$OUT/ncu_dot16_${shape}_loop$tile.txt" 2>&1; echo "ncu dot M=16 $shape loop $tile rc=$?"
            grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issued Warp|Eligible Warps|Warp Cycles Per Issued|Block Limit" \
-             "$OUT/ncu_dot16_$shape.txt" | head -14; done ;;
+             "$OUT/ncu_dot16_${shape}_loop$tile.txt" | head -14; done; done ;;
   quick) timeout -s INT -k 15 "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_kernels_attention.py \
            tests/test_gpu_e2e.py -k "fast or attention or paged or prefill or group or graph" -q -n ${TEST_WORKERS:-8} \
            -p no:cacheprovider -rfE > "$OUT/gpu_quick.txt" 2>&1; echo "quick tests rc=$?"; tail -12 "$OUT/gpu_quick.txt" ;;

@@ -751,6 +751,21 @@ def _join8(x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
+def _tile_inputs(x_ptr, stride_xm, sc_ptr, sg_ptr, N, s0, s_hi, jw, pos, cx, offs_m, mask_m, offs_n, mask_n):
+    """Scales [BS·4, BN] (fp16), their offsets and the input tile [BM, BS·32] of `_dot_class_tile`'s iteration at
+    s0 (zeros past s_hi)."""
+    step = s0 + jw // 4
+    mask_w = step < s_hi
+    m2 = mask_w[:, None] & mask_n[None, :]
+    grp = tl.load(sg_ptr + step, mask=mask_w, other=0)
+    g_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
+    sc = tl.load(sc_ptr + g_off, mask=m2, other=0.0).to(tl.float16)
+    xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + (s0 * 32 + pos)[None, :],
+                 mask=mask_m[:, None] & (s0 + cx // 32 < s_hi)[None, :], other=0.0).to(tl.float16)
+    return sc, g_off, xt
+
+
+@triton.jit
 def _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word,
                     pid_k, offs_m, mask_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                     BS: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr):
@@ -774,18 +789,19 @@ def _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fi
         pos = (cx // 32) * 32 + 16 * (cj % 2) + 2 * cu + cj // 2
     else:
         pos = cx
+    # Triton's pipeliner leaves the scale gather (behind the group index) and the input tile as plain loads in
+    # the loop body (ttgir of sm_90, session 6), so both are loaded one iteration ahead here.
+    sc_n, g_n, xt_n = _tile_inputs(x_ptr, stride_xm, sc_ptr, sg_ptr, N, s_lo, s_hi, jw, pos, cx, offs_m, mask_m,
+                                   offs_n, mask_n)
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
+        sc, g_off, xt = sc_n, g_n, xt_n
+        sc_n, g_n, xt_n = _tile_inputs(x_ptr, stride_xm, sc_ptr, sg_ptr, N, s0 + BS, s_hi, jw, pos, cx, offs_m,
+                                       mask_m, offs_n, mask_n)
         step = s0 + jw // 4
         mask_w = step < s_hi
         m2 = mask_w[:, None] & mask_n[None, :]
         wrow = first_word + (step - first_step) * BITS
         w = tl.load(qw_ptr + (wrow + j)[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0)
-        grp = tl.load(sg_ptr + step, mask=mask_w, other=0)
-        g_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
-        sc = tl.load(sc_ptr + g_off, mask=m2, other=0.0).to(tl.float16)
-        offs_x = s0 * 32 + pos
-        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_x[None, :],
-                     mask=mask_m[:, None] & (s0 + cx // 32 < s_hi)[None, :], other=0.0).to(tl.float16)
         if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
             d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
                 _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
@@ -1384,7 +1400,8 @@ GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
 # per iteration (`_dot_class_tile`); 2, one dot per row-in-word with its input columns loaded directly
 # (`_dot_class_rows`). 0 by default: on the H200 (benchmarks/RESULTS.md, session 6) batch-16 decode ran 2,114
 # tokens/s with it against 1,479 (1) and 1,418 (2), though 1 and 2 issue a third of its instructions and use
-# 80-88 registers against 224.
+# 80-88 registers against 224: their scale and input loads were not pipelined. 1 now loads them one iteration
+# ahead (not yet measured).
 DOT_TILE4 = _env_choice("EXL2_DOT_TILE4", 0, range(0, 3))
 
 GEMV_STAGES = _env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
