@@ -27,9 +27,8 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels import kv_quant
-from exl2.kernels.backend import (COUNTER_POOL, counters, next_pow2, PREFETCH_ROWS, pdl_args, pdl_sync, prefetch_l2,
-                                  sm_count, tl,
-                                  triton, use_triton)
+from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, next_pow2, pdl_args, pdl_sync, prefetch_l2,
+                                  sm_count, tl, triton, use_triton)
 from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 
 # Whether the last-arriving split merges (else a separate merge launch), and whether a key block's values are

@@ -123,11 +123,19 @@ PDL_MAX_ROWS = 4
 _PDL_OK: dict[int, bool] = {}
 
 
-def _prefetch_rows() -> int:
-    value = os.environ.get("EXL2_PREFETCH", "64")
-    if not value.isdigit() or int(value) > 1024 or int(value) & (int(value) - 1):
-        raise ConfigError(f"EXL2_PREFETCH must be 0 or a power of two up to 1024, not {value!r}.")
+def env_choice(name: str, default: int, allowed: range) -> int:
+    """An integer switch from the environment, read once at import; out of `allowed` it stops with one sentence."""
+    value = os.environ.get(name, str(default))
+    if not (value.isdigit() and int(value) in allowed):
+        raise ConfigError(f"{name} must be an integer from {allowed.start} to {allowed.stop - 1}, not {value!r}.")
     return int(value)
+
+
+def _prefetch_rows() -> int:
+    rows = env_choice("EXL2_PREFETCH", 64, range(0, 1025))
+    if rows & (rows - 1):
+        raise ConfigError(f"EXL2_PREFETCH must be 0 or a power of two up to 1024, not {rows}.")
+    return rows
 
 
 # What a kernel launched with PDL reads before its wait: the gemvs prefetch the first PREFETCH_ROWS word rows of

@@ -31,8 +31,8 @@ from typing import Sequence
 import torch
 
 from exl2.errors import ConfigError
-from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, next_pow2, pdl_args, pdl_sync, prefetch_l2, sm_count, tl,
-                                  triton, use_triton)
+from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync,
+                                  prefetch_l2, sm_count, tl, triton, use_triton)
 from exl2.kernels.permute import gather_block
 from exl2.kernels.qweight import WIDTHS, QuantWeight, gather_torch, matmul_torch, split_bits
 
@@ -783,9 +783,7 @@ def _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fi
     cx = tl.arange(0, BS * 32)  # tile rows 32·s + 8·j + u, and the input position of each
     cj = (cx // 8) % 4
     cu = cx % 8
-    if BITS == 4:
-        pos = cx
-    elif BITS == 6:
+    if BITS == 6:
         pos = (cx // 32) * 32 + 16 * (cj % 2) + 2 * cu + cj // 2
     else:
         pos = cx
@@ -817,14 +815,14 @@ def _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fi
                 h = h >> (HB * (j * 8 % HPER))[:, None]
             else:
                 h = w
-            d0 = _dot_row(w, h, zero, sc, 0, HB)
-            d1 = _dot_row(w, h, zero, sc, 1, HB)
-            d2 = _dot_row(w, h, zero, sc, 2, HB)
-            d3 = _dot_row(w, h, zero, sc, 3, HB)
-            d4 = _dot_row(w, h, zero, sc, 4, HB)
-            d5 = _dot_row(w, h, zero, sc, 5, HB)
-            d6 = _dot_row(w, h, zero, sc, 6, HB)
-            d7 = _dot_row(w, h, zero, sc, 7, HB)
+            d0 = _deq_row(w, h, 0, zero, sc, 0, 4, HB)
+            d1 = _deq_row(w, h, 0, zero, sc, 1, 4, HB)
+            d2 = _deq_row(w, h, 0, zero, sc, 2, 4, HB)
+            d3 = _deq_row(w, h, 0, zero, sc, 3, 4, HB)
+            d4 = _deq_row(w, h, 0, zero, sc, 4, 4, HB)
+            d5 = _deq_row(w, h, 0, zero, sc, 5, 4, HB)
+            d6 = _deq_row(w, h, 0, zero, sc, 6, 4, HB)
+            d7 = _deq_row(w, h, 0, zero, sc, 7, 4, HB)
             if BITS == 4:
                 acc = tl.dot(xt, _join8(d0, d4, d1, d5, d2, d6, d3, d7), acc)
             else:
@@ -833,31 +831,17 @@ def _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fi
 
 
 @triton.jit
-def _dot_row(w, h, zero, sc, u: tl.constexpr, HB: tl.constexpr):
-    """Row-in-word u of low words w (high bits from h, already shifted to the word's first row), dequantized:
-    0x6400 | code is the fp16 number 1024 + code, exact, so the one rounding is the reference dequantizer's."""
-    code = (w >> (4 * u)) & 15
-    if HB > 0:
-        code = code | (((h >> (HB * u)) & ((1 << HB) - 1)) << 4)
-    cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    return (cf - zero) * sc
-
-
-@triton.jit
-def _deq_row(w, h, sc, z, jj, u: tl.constexpr, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr,
-             HAS_ZEROS: tl.constexpr):
-    """Row-in-word u of `_load_class` tiles [BS, LB, BN] (low words w, high words h, scales, zeros), dequantized:
-    0x6400 | code is the fp16 number 1024 + code, exact, so the one rounding is the reference dequantizer's."""
-    PER: tl.constexpr = 32 // LB
+def _deq_row(w, h, row0, zero, sc, u: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr):
+    """Row-in-word u of low words w, dequantized; its HB high bits sit in h at bit HB·((row0 + u) % (32 / HB)),
+    row0 the word's first row (broadcast against w; 0 where h is already shifted to it). 0x6400 | code is the
+    fp16 number 1024 + code, exact, so the one rounding (the scale product) is the reference dequantizer's;
+    `zero` is 1024 + the zero point."""
     HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     code = (w >> (u * LB)) & ((1 << LB) - 1)
     if HB > 0:
-        hs = (HB * ((jj * PER + u) % HPER))[None, :, None]
-        code = code | (((h >> hs) & ((1 << HB) - 1)) << LB)
+        code = code | (((h >> (HB * ((row0 + u) % HPER))) & ((1 << HB) - 1)) << LB)
     cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    if HAS_ZEROS:
-        return (cf - (z + 1024.0)) * sc
-    return (cf - (1024.0 + (1 << (BITS - 1)))) * sc
+    return (cf - zero) * sc
 
 
 @triton.jit
@@ -893,34 +877,23 @@ def _dot_class_rows(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fi
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     jj = tl.arange(0, LB)
+    row0 = (jj * PER)[None, :, None]
+    zero: tl.constexpr = 1024.0 + (1 << (BITS - 1))
     for s0 in tl.range(s_lo, s_hi, BSC, num_stages=STAGES):
         w, h, sc, z = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
                                   mask_n, BITS, LB, HB, HAS_ZEROS, BSC)
-        if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
-            d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
+        packed: tl.constexpr = BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS
+        if packed:
+            rows = tl.inline_asm_elementwise(
                 _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc.to(tl.float16)], dtype=(tl.float16,) * 8,
                 is_pure=True, pack=1)
-            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 0, LB, PER, BSC, BITS),
-                         tl.reshape(d0, [K, BN]), acc)
-            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 1, LB, PER, BSC, BITS),
-                         tl.reshape(d1, [K, BN]), acc)
-            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 2, LB, PER, BSC, BITS),
-                         tl.reshape(d2, [K, BN]), acc)
-            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 3, LB, PER, BSC, BITS),
-                         tl.reshape(d3, [K, BN]), acc)
-            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 4, LB, PER, BSC, BITS),
-                         tl.reshape(d4, [K, BN]), acc)
-            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 5, LB, PER, BSC, BITS),
-                         tl.reshape(d5, [K, BN]), acc)
-            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 6, LB, PER, BSC, BITS),
-                         tl.reshape(d6, [K, BN]), acc)
-            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, 7, LB, PER, BSC, BITS),
-                         tl.reshape(d7, [K, BN]), acc)
-        else:
-            for u in tl.static_range(PER):
-                deq = _deq_row(w, h, sc, z, jj, u, BITS, LB, HB, HAS_ZEROS)
-                acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, u, LB, PER, BSC, BITS),
-                             tl.reshape(deq, [K, BN]), acc)
+        for u in tl.static_range(PER):
+            if packed:
+                deq = rows[u]
+            else:
+                deq = _deq_row(w, h, row0, zero if not HAS_ZEROS else z + 1024.0, sc, u, LB, HB)
+            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, u, LB, PER, BSC, BITS),
+                         tl.reshape(deq, [K, BN]), acc)
     return acc
 
 
@@ -930,7 +903,8 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
                LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
                BN: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = 0,
                STAGES: tl.constexpr = 2):
-    """acc + x·W over this program's share of one width class's steps (4/5/6-bit with TILE4: `_dot_class_tile`).
+    """acc + x·W over this program's share of one width class's steps (TILE4 1: `_dot_class_tile` for
+    4/5/6-bit classes, TILE4 2: `_dot_class_rows`).
 
     The codes are decoded one row-in-word u at a time: the rows (s, j, u) of all steps s and low words j form a
     [BS·LB, BN] tile in the words' own register layout (no reshuffling of the decoded tile), which feeds one
@@ -951,6 +925,8 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     mask_m = offs_m < M
     jj = tl.arange(0, LB)
+    row0 = (jj * PER)[None, :, None]
+    zero: tl.constexpr = 1024.0 + (1 << (BITS - 1))
     xt_n = _dot_x(x_ptr, stride_xm, offs_m, mask_m, s_lo, s_hi, LB, PER, BSC, BITS)
     for s0 in range(s_lo, s_hi, BSC):
         xt = xt_n
@@ -971,7 +947,7 @@ def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, firs
             acc = _dot_u(acc, d7, xt, 7, BITS, PER, BSC * LB, BN)
         else:
             for u in tl.static_range(PER):
-                deq = _deq_row(w, h, sc, z, jj, u, BITS, LB, HB, HAS_ZEROS)
+                deq = _deq_row(w, h, row0, zero if not HAS_ZEROS else z + 1024.0, sc, u, LB, HB)
                 acc = _dot_u(acc, deq, xt, u, BITS, PER, BSC * LB, BN)
     return acc
 
@@ -1285,7 +1261,8 @@ class GemvGroup:
             xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
             G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH,
-            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages, **pdl_args(xp.device, m, prefetch=PREFETCH_ROWS))
+            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages,
+            **pdl_args(xp.device, m, prefetch=PREFETCH_ROWS))
         return outs
 
 
@@ -1387,14 +1364,7 @@ CHUNKED_MIXED = os.environ.get("EXL2_CHUNKED_MIXED", "0") == "1"
 FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "1") == "1"
 # How the gemv keeps loads in flight (MatmulConfig.depth / num_stages); EXL2_GEMV_DEPTH / EXL2_GEMV_STAGES
 # override them for end-to-end A/B runs of `exl2 bench`.
-def _env_choice(name: str, default: int, allowed: range) -> int:
-    value = os.environ.get(name, str(default))
-    if not (value.isdigit() and int(value) in allowed):
-        raise ConfigError(f"{name} must be an integer from {allowed.start} to {allowed.stop - 1}, not {value!r}.")
-    return int(value)
-
-
-GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
+GEMV_DEPTH = env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
 # The tensor-core path's inner loop (EXL2_DOT_TILE4): 0, one dot per row-in-word against input columns selected
 # out of the whole input tile (`_dot_class`); 1, 4/5/6-bit classes decode whole words into one K = 32·bs dot
 # per iteration (`_dot_class_tile`); 2, one dot per row-in-word with its input columns loaded directly
@@ -1402,13 +1372,13 @@ GEMV_DEPTH = _env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
 # tokens/s with it against 1,479 (1) and 1,418 (2), though 1 and 2 issue a third of its instructions and use
 # 80-88 registers against 224: their scale and input loads were not pipelined. 1 now loads them one iteration
 # ahead (not yet measured).
-DOT_TILE4 = _env_choice("EXL2_DOT_TILE4", 0, range(0, 3))
+DOT_TILE4 = env_choice("EXL2_DOT_TILE4", 0, range(0, 3))
 
-GEMV_STAGES = _env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
+GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
 # STREAM_PER_SM programs per SM. Off: on the H200 it lost to the fixed-split kernels on every shape (run 11).
-GEMV_STREAM = _env_choice("EXL2_GEMV_STREAM", 0, range(0, 2)) == 1
-STREAM_PER_SM = _env_choice("EXL2_STREAM_PER_SM", 2, range(1, 9))
+GEMV_STREAM = env_choice("EXL2_GEMV_STREAM", 0, range(0, 2)) == 1
+STREAM_PER_SM = env_choice("EXL2_STREAM_PER_SM", 2, range(1, 9))
 
 
 def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int, per_sm: int = 2) -> int:
