@@ -47,6 +47,8 @@ for s in $steps; do
   dottests) timeout -s INT -k 15 "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_kernels_quant_matmul.py \
            tests/test_gpu_e2e.py -k "quant_matmul_real_sizes or fast_4bit_dot or grouped_gemv_real" -q -n 8 \
            -p no:cacheprovider -rfE > "$OUT/gpu_dot.txt" 2>&1; echo "dot tests rc=$?"; tail -6 "$OUT/gpu_dot.txt" ;;
+  dot16) timeout ${DOT16_TIMEOUT:-260} python3 benchmarks/kernels.py --only dot16 --budget ${DOT16_BUDGET:-240} \
+           --json "$OUT/dot16.json" > "$OUT/dot16.txt" 2>&1; echo "dot16 rc=$?"; grep -v "^    " "$OUT/dot16.txt" | tail -24 ;;
   dotab) for v in ${DOT_VALUES:-2 1 0}; do
            EXL2_DOT_TILE4=$v timeout ${BENCH_TIMEOUT:-100} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 \
              > "$OUT/bench_dot$v.txt" 2>&1; echo "bench EXL2_DOT_TILE4=$v rc=$?"; tail -3 "$OUT/bench_dot$v.txt"; done ;;

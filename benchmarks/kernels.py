@@ -257,6 +257,38 @@ def group_section(bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+def dot16_section(bw: float) -> None:
+    """M = 16 tensor-core kernel per Llama-3-8B shape: every inner loop (`qm.DOT_TILE4` 0, 1, 2) over tile sizes,
+    pipeline depths, warps and K splits, graph-timed on cold weights; the dispatcher's default first."""
+    C = qm.MatmulConfig
+    cfgs = [C(bm=16, bs=bs, bn=bn, split=sp, num_warps=nw, num_stages=st)
+            for bs, bn, nw, st in ((4, 64, 4, 4), (4, 64, 4, 2), (4, 64, 4, 3), (2, 64, 4, 4), (8, 64, 4, 3),
+                                   (4, 128, 4, 3), (4, 128, 8, 3), (4, 32, 4, 4), (2, 128, 4, 4), (8, 128, 8, 3))
+            for sp in (1, 4)]
+    for name, k, n, bits in SHAPES:
+        if over_budget():
+            break
+        w = make_weight(k, n, bits)
+        wbytes = w.weight_bytes()
+        copies = [w] + [clone_weight(w) for _ in range(max(0, -(-COLD_BYTES // wbytes) - 1))]
+        x = torch.randn(16, k, device="cuda").half()
+        xp = qm.gather_input(x, [w])[0]
+        ref = qweight.matmul_torch(x, w)
+        path, cfg = qm.choose_config(16, w)
+        t = graph_us([lambda w_=w_: qm.dot(x, w_, cfg, xp=xp) for w_ in copies])
+        row(name, 16, f"dot default (loop {qm.DOT_TILE4})", t, wbytes, bw, None,
+            rel_err(qm.dot(x, w, cfg, xp=xp), ref), str(cfg))
+        for loop in (0, 1, 2):
+            # a split only where the tiles alone leave SMs idle
+            cands = [c for c in cfgs if c.split == 1 or triton.cdiv(n, c.bn) < 2 * qm.sm_count(w.device)]
+            best = sweep(copies, x, lambda x_, w_, c, loop=loop: qm.dot(x_, w_, c, xp=xp, loop=loop), cands, ref,
+                         f"{name} M=16 loop {loop}")
+            if best:
+                row(name, 16, f"dot loop {loop} best", best[0], wbytes, bw, None, best[2], str(best[1]))
+        del w, copies
+        torch.cuda.empty_cache()
+
+
 def decode_inputs(k: int, ns, bits: int):
     """Weights of widths `ns` sharing one [1, k] input, as the M = 1 sections time them: (weights, their bytes,
     cold copies of them, x, the twin's outputs, each copy's permuted-input buffer)."""
@@ -507,7 +539,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles", "merge"),
+    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles", "merge", "dot16"),
                     default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
@@ -530,6 +562,8 @@ def main() -> None:
             tiles_section(bw)
         if args.only == "merge":
             merge_section(bw)
+        if args.only == "dot16":
+            dot16_section(bw)
         if args.only in (None, "attention"):
             attention_section(bw, args.sweep)
         if args.only in (None, "matmul", "group"):

@@ -1324,10 +1324,11 @@ def fast4_available(device: torch.device) -> int:
 
 
 def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | None = None,
-        fast4: bool | None = None) -> torch.Tensor:
-    """Tensor-core path with in-register dequantization; cfg.bm ≥ 16 and cfg.bs ≥ 1. `fast4` as in `gemv`."""
-    return _launch(_dot_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4, TILE4=DOT_TILE4,
-                   STAGES=cfg.num_stages)
+        fast4: bool | None = None, loop: int | None = None) -> torch.Tensor:
+    """Tensor-core path with in-register dequantization; cfg.bm ≥ 16 and cfg.bs ≥ 1. `fast4` as in `gemv`;
+    `loop` the inner loop (`DOT_TILE4` when None)."""
+    return _launch(_dot_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4,
+                   TILE4=DOT_TILE4 if loop is None else loop, STAGES=cfg.num_stages)
 
 
 def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
