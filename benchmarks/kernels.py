@@ -26,6 +26,7 @@ import triton  # noqa: E402
 
 from exl2.kernels import attention as at  # noqa: E402
 from exl2.kernels import kv_quant as kq  # noqa: E402
+from exl2.kernels import mma_dot  # noqa: E402
 from exl2.kernels import quant_matmul as qm  # noqa: E402
 from exl2.kernels import qweight  # noqa: E402
 
@@ -275,9 +276,15 @@ def dot16_section(bw: float) -> None:
         xp = qm.gather_input(x, [w])[0]
         ref = qweight.matmul_torch(x, w)
         path, cfg = qm.choose_config(16, w)
-        t = graph_us([lambda w_=w_: qm.dot(x, w_, cfg, xp=xp) for w_ in copies])
-        row(name, 16, f"dot default (loop {qm.DOT_TILE4})", t, wbytes, bw, None,
-            rel_err(qm.dot(x, w, cfg, xp=xp), ref), str(cfg))
+        t = graph_us([lambda w_=w_: qm.permuted_matmul(xp, w_) for w_ in copies])
+        row(name, 16, "dispatcher default", t, wbytes, bw, None, rel_err(qm.permuted_matmul(xp, w), ref), str(cfg))
+        if mma_dot.supports(w, 16):
+            grid = {v: triton.cdiv(n, 32 * v) for v in (1, 2, 4)}
+            mcfg = [(bs, v, sp) for bs in (2, 4, 8) for v in (1, 2, 4) for sp in (1, 2, 4, 8, 16)
+                    if sp == 1 or grid[v] * sp <= 4 * qm.sm_count(w.device)]
+            best = sweep(copies, x, lambda x_, w_, c: mma_dot.mma4(xp, w_, *c), mcfg, ref, f"{name} M=16 mma4")
+            if best:
+                row(name, 16, "gluon mma4 best", best[0], wbytes, bw, None, best[2], f"bs, v, split = {best[1]}")
         for loop in (0, 1, 2):
             # a split only where the tiles alone leave SMs idle
             cands = [c for c in cfgs if c.split == 1 or triton.cdiv(n, c.bn) < 2 * qm.sm_count(w.device)]

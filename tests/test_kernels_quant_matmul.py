@@ -237,6 +237,33 @@ def test_stream_gemv_real_sizes_gpu(per_sm):
             assert torch.equal(y, y2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [5, 16])
+def test_gluon_mma4_matches_twin_gpu(m):
+    """The Gluon tensor-core kernel of 4-bit matrices: EXL2 (with bias) and GPTQ (zeros, act order), a K whose
+    steps divide neither the iteration nor the split, a width that fills no tile, every tile/split variant, and
+    twice per variant (the split counters reset themselves)."""
+    from exl2.kernels import mma_dot
+
+    layout = [(4, 128)] * 31 + [(4, 96)]
+    ws = [Exl2Weight.from_tensors(rand_exl2(layout, 4096 + 96, seed=m, device="cuda"), "L", device="cuda")]
+    g = torch.Generator().manual_seed(m)
+    k, n, groups = 4096, 1056, 32
+    t = pack_gptq(torch.randint(0, 16, (k, n), generator=g), torch.randint(1, 16, (groups, n), generator=g),
+                  (torch.rand(groups, n, generator=g) * 0.02).half(), torch.randint(0, groups, (k,), generator=g))
+    ws.append(GptqWeight.from_tensors({f"P.{key}": v.cuda() for key, v in t.items()}, "P", device="cuda"))
+    for w in ws:
+        assert mma_dot.supports(w, m)
+        x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
+        xp = qm.gather_input(x, [w])[0]
+        ref = qweight.matmul_torch(x, w)
+        for bs, v, split in [(4, 2, 1), (2, 1, 3), (8, 4, 5), (4, 4, 2), (1, 2, 1)]:
+            for _ in range(2):
+                _check_close(mma_dot.mma4(xp, w, bs, v, split), ref)
+        _check_close(qm.quant_matmul(x, w), ref)
+
+
 # ---------------------------------------------------------------------------------------------- permuted input
 def test_input_order_pairs_rows_of_4bit_words_and_6bit_steps():
     """x_index puts rows (u, u+4) of each 4-bit word and rows (r, r+16) of each 6-bit step side by side, and

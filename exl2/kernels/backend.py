@@ -123,11 +123,13 @@ PDL_MAX_ROWS = 4
 _PDL_OK: dict[int, bool] = {}
 
 
-def env_choice(name: str, default: int, allowed: range) -> int:
+def env_choice(name: str, default: int, allowed: range | tuple[int, ...]) -> int:
     """An integer switch from the environment, read once at import; out of `allowed` it stops with one sentence."""
     value = os.environ.get(name, str(default))
     if not (value.isdigit() and int(value) in allowed):
-        raise ConfigError(f"{name} must be an integer from {allowed.start} to {allowed.stop - 1}, not {value!r}.")
+        what = (f"an integer from {allowed.start} to {allowed.stop - 1}" if isinstance(allowed, range)
+                else "one of " + ", ".join(map(str, allowed)))
+        raise ConfigError(f"{name} must be {what}, not {value!r}.")
     return int(value)
 
 

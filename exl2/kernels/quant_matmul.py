@@ -33,6 +33,7 @@ import torch
 from exl2.errors import ConfigError
 from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync,
                                   prefetch_l2, sm_count, tl, triton, use_triton)
+from exl2.kernels import mma_dot
 from exl2.kernels.permute import gather_block
 from exl2.kernels.qweight import WIDTHS, QuantWeight, gather_torch, matmul_torch, split_bits
 
@@ -1331,6 +1332,16 @@ def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | N
                    TILE4=DOT_TILE4 if loop is None else loop, STAGES=cfg.num_stages)
 
 
+def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Tensor:
+    """The dot path on a permuted input: the Gluon kernel (`mma_dot`) for up to 16 rows of a 4-bit matrix where
+    it runs, the Triton tensor-core kernel otherwise."""
+    if MMA4 and mma_dot.supports(w, xp.shape[0]):
+        grid = triton.cdiv(w.n, 32 * MMA4_V)
+        split = _auto_split(w, grid, w.device, 4 * MMA4_BS, MMA4_PER_SM)
+        return mma_dot.mma4(xp, w, MMA4_BS, MMA4_V, split)
+    return _launch(_dot_kernel, xp, w, cfg, FAST4=None, TILE4=DOT_TILE4, STAGES=cfg.num_stages)
+
+
 def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
     """fp16 `[K, N]` natural-order weight, bit-identical to `qweight.dequantize_torch`."""
     out = torch.zeros((w.k, w.n), dtype=torch.float16, device=w.device)
@@ -1374,6 +1385,13 @@ GEMV_DEPTH = env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
 # 80-88 registers against 224: their scale and input loads were not pipelined. 1 now loads them one iteration
 # ahead (not yet measured).
 DOT_TILE4 = env_choice("EXL2_DOT_TILE4", 0, range(0, 3))
+
+# Up to 16 rows of a 4-bit matrix: the Gluon kernel (`mma_dot`), MMA4_BS steps per iteration, 32·MMA4_V columns
+# per program, K split to about MMA4_PER_SM programs per SM. EXL2_MMA4=0 keeps the Triton kernel.
+MMA4 = env_choice("EXL2_MMA4", 1, range(0, 2)) == 1
+MMA4_BS = env_choice("EXL2_MMA4_BS", 4, (1, 2, 4, 8))
+MMA4_V = env_choice("EXL2_MMA4_V", 2, (1, 2, 4))
+MMA4_PER_SM = env_choice("EXL2_MMA4_PER_SM", 3, range(1, 9))
 
 GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
@@ -1437,11 +1455,9 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return plan(xp)[0]
     if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(None, w, cfg, xp=xp)
-    kernel = _gemv_kernel if path == "gemv" else _dot_kernel
-    extra = {"FAST4": None, "DEPTH": cfg.depth, "STAGES": cfg.num_stages}
     if path != "gemv":
-        extra = {"FAST4": None, "TILE4": DOT_TILE4, "STAGES": cfg.num_stages}
-    return _launch(kernel, xp, w, cfg, **extra)
+        return _dot_or_mma(xp, w, cfg)
+    return _launch(_gemv_kernel, xp, w, cfg, FAST4=None, DEPTH=cfg.depth, STAGES=cfg.num_stages)
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None) -> torch.Tensor:
@@ -1464,7 +1480,7 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None
     elif path == "gemv":
         y = gemv(x2, w, cfg, xp=xp)
     elif path == "dot":
-        y = dot(x2, w, cfg, xp=xp)
+        y = _dot_or_mma(_permuted(x2, w, xp), w, cfg)
     else:
         y = dequant_matmul(x2, w)
     return y.view(*x.shape[:-1], w.n)
