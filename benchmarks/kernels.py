@@ -280,11 +280,11 @@ def dot16_section(bw: float) -> None:
         row(name, 16, "dispatcher default", t, wbytes, bw, None, rel_err(qm.permuted_matmul(xp, w), ref), str(cfg))
         if mma_dot.supports(w, 16):
             grid = {v: triton.cdiv(n, 32 * v) for v in (1, 2, 4)}
-            mcfg = [(bs, v, sp) for bs in (2, 4, 8) for v in (1, 2, 4) for sp in (1, 2, 4, 8, 16)
-                    if sp == 1 or grid[v] * sp <= 4 * qm.sm_count(w.device)]
+            mcfg = [(bs, v, sp, st) for bs in (2, 4, 8) for v in (1, 2, 4) for st in (3, 4, 6) for sp in (1, 2, 4, 8)
+                    if sp == 1 or grid[v] * sp <= 6 * qm.sm_count(w.device)]
             best = sweep(copies, x, lambda x_, w_, c: mma_dot.mma4(xp, w_, *c), mcfg, ref, f"{name} M=16 mma4")
             if best:
-                row(name, 16, "gluon mma4 best", best[0], wbytes, bw, None, best[2], f"bs, v, split = {best[1]}")
+                row(name, 16, "gluon mma4 best", best[0], wbytes, bw, None, best[2], f"bs, v, split, stages = {best[1]}")
         for loop in (0, 1, 2):
             # a split only where the tiles alone leave SMs idle
             cands = [c for c in cfgs if c.split == 1 or triton.cdiv(n, c.bn) < 2 * qm.sm_count(w.device)]

@@ -258,9 +258,9 @@ def test_gluon_mma4_matches_twin_gpu(m):
         x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
         xp = qm.gather_input(x, [w])[0]
         ref = qweight.matmul_torch(x, w)
-        for bs, v, split in [(4, 2, 1), (2, 1, 3), (8, 4, 5), (4, 4, 2), (1, 2, 1)]:
+        for bs, v, split, stages in [(4, 2, 1, 3), (2, 1, 3, 2), (8, 4, 5, 4), (4, 4, 2, 6), (1, 2, 1, 3)]:
             for _ in range(2):
-                _check_close(mma_dot.mma4(xp, w, bs, v, split), ref)
+                _check_close(mma_dot.mma4(xp, w, bs, v, split, stages), ref)
         _check_close(qm.quant_matmul(x, w), ref)
 
 

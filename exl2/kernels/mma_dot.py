@@ -22,7 +22,7 @@ from exl2.kernels.backend import INTERPRET, counters, triton
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     HAVE_GLUON = not INTERPRET
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
@@ -60,14 +60,47 @@ if HAVE_GLUON:
         return b | (b << 16)
 
     @gluon.jit
+    def _issue(wbuf, sbuf, zbuf, xbuf, stage, qw_ptr, sc_ptr, zr_ptr, sg_ptr, x_ptr, N, M, stride_xm, first_step,
+               first_word, s0, s_hi, col0, HAS_ZEROS: gl.constexpr, BS: gl.constexpr, BN: gl.constexpr):
+        """cp.async of one iteration's words [BS·4, BN], scales (and zeros) [BS, BN] and input [16, BS·32] into
+        `stage` of the shared-memory rings (zeros past s_hi)."""
+        V: gl.constexpr = BN // 32
+        K: gl.constexpr = BS * 32
+        CW: gl.constexpr = gl.BlockedLayout([1, 4], [4 // V, 8 * V], [4, 1], [1, 0])
+        CS: gl.constexpr = gl.BlockedLayout([1, 8], [8 // V, 4 * V], [4, 1], [1, 0])
+        CX: gl.constexpr = gl.BlockedLayout([1, 8], [32 // min(32, 4 * BS), min(32, 4 * BS)], [4, 1], [1, 0])
+        wr = gl.arange(0, BS * 4, layout=gl.SliceLayout(1, CW))
+        wc = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CW))
+        ok_w = gl.expand_dims(s0 + wr // 4 < s_hi, 1) & gl.expand_dims(wc < N, 0)
+        w_rows = (first_word + (s0 - first_step) * 4 + wr).to(gl.int64) * N
+        async_copy.async_copy_global_to_shared(
+            wbuf.index(stage), qw_ptr + gl.expand_dims(w_rows, 1) + gl.expand_dims(wc, 0), mask=ok_w)
+        sr = gl.arange(0, BS, layout=gl.SliceLayout(1, CS))
+        scn = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CS))
+        ok_sr = s0 + sr < s_hi
+        grp = gl.load(sg_ptr + s0 + sr, mask=ok_sr, other=0)
+        g_off = gl.expand_dims(grp.to(gl.int64) * N, 1) + gl.expand_dims(scn, 0)
+        ok_s = gl.expand_dims(ok_sr, 1) & gl.expand_dims(scn < N, 0)
+        async_copy.async_copy_global_to_shared(sbuf.index(stage), sc_ptr + g_off, mask=ok_s)
+        if HAS_ZEROS:
+            async_copy.async_copy_global_to_shared(zbuf.index(stage), zr_ptr + g_off, mask=ok_s)
+        xm = gl.arange(0, 16, layout=gl.SliceLayout(1, CX))
+        xk = s0 * 32 + gl.arange(0, K, layout=gl.SliceLayout(0, CX))
+        ok_x = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk < s_hi * 32, 0)
+        async_copy.async_copy_global_to_shared(
+            xbuf.index(stage), x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=ok_x)
+        async_copy.commit_group()
+
+    @gluon.jit
     def _mma4_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                      M, N, stride_xm, stride_om, SPLIT, first_step, n_steps, first_word,
                      HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
-                     BS: gl.constexpr, V: gl.constexpr):
+                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr):
         """out[:M, tile] (or this split's partial) = x · W over a 4-bit class, BS steps of 32 rows per iteration
-        and a tile of BN = 32·V columns, the next iteration's words, scales and input loaded before this one's
-        math. The fragment's column n is stored column (n % 32)·V + n // 32 of the tile, so each thread's V
-        columns are adjacent in memory (one V-word load per word row)."""
+        and a tile of BN = 32·V columns. Words, scales and input reach shared memory by cp.async, STAGES - 1
+        iterations ahead; each thread then reads the words of its fragment (a quad's lanes share them). The
+        fragment's column n is stored column (n % 32)·V + n // 32 of the tile, so each thread's V columns are
+        adjacent in memory (one V-word read per word row)."""
         gl.static_assert(gl.num_warps() == 4)
         BN: gl.constexpr = 32 * V
         K: gl.constexpr = BS * 32
@@ -79,77 +112,48 @@ if HAVE_GLUON:
         W6: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, V, 2], [1, 1, 4, 8, 1, 1], [1, 1, 1, 4, 1, 1],
                                             [5, 4, 2, 1, 0, 3])
         L5: gl.constexpr = gl.SliceLayout(5, W6)  # [s, j, q, c, v]
-        L4: gl.constexpr = gl.SliceLayout(2, L5)  # [s, j, c, v]: the words (a quad's lanes load the same ones)
+        L4: gl.constexpr = gl.SliceLayout(2, L5)  # [s, j, c, v]: the words (a quad's lanes read the same ones)
         L3: gl.constexpr = gl.SliceLayout(1, L4)  # [s, c, v]: the scales
-        LS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))  # [s]
-        LC: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, L3))  # [c]
-        LV: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, L3))  # [v]
-        X_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         O_L: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        XS: gl.constexpr = gl.SwizzledSharedLayout(8, max(1, 64 // K), 8, [1, 0])
 
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         s_lo = first_step + (n_steps * pid_k) // SPLIT
         s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+        col0 = pid_n * BN
 
-        st = gl.arange(0, BS, layout=LS)
-        col = (pid_n * BN + gl.expand_dims(gl.arange(0, 32, layout=LC) * V, 1)
-               + gl.expand_dims(gl.arange(0, V, layout=LV), 0))  # [c, v] stored column
-        col3 = gl.expand_dims(col, 0)  # [1, c, v]
-        ok_n3 = col3 < N
-        SJ: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))  # [s, j]
-        st4 = gl.arange(0, BS, layout=gl.SliceLayout(1, SJ))
-        jj = gl.arange(0, 4, layout=gl.SliceLayout(0, SJ))
-        w_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(st4 * 4, 1) + gl.expand_dims(jj, 0), 2), 3)  # [s,j,1,1]
-        w_off = w_row * N + gl.expand_dims(col3, 1)  # [s, j, c, v]
+        wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BS * 4, BN], PLAIN)
+        sbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BS, BN], PLAIN)
+        zbuf = gl.allocate_shared_memory(gl.float16, [STAGES if HAS_ZEROS else 1, BS, BN], PLAIN)
+        xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 16, K], XS)
+        for p in gl.static_range(STAGES - 1):
+            _issue(wbuf, sbuf, zbuf, xbuf, p, qw_ptr, sc_ptr, zr_ptr, sg_ptr, x_ptr, N, M, stride_xm, first_step,
+                   first_word, s_lo + p * BS, s_hi, col0, HAS_ZEROS, BS, BN)
+
         qq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4,
                                                                                                           L5)))))
         shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qq * 4, 0), 1), 3), 4),
                                5)  # [1, 1, q, 1, 1, 1]
-        xm = gl.arange(0, 16, layout=gl.SliceLayout(1, X_L))
-        xk = gl.arange(0, K, layout=gl.SliceLayout(0, X_L))
-        x_rows = x_ptr + gl.expand_dims(xm, 1) * stride_xm
-        mask_m = gl.expand_dims(xm < M, 1)
-        w_ptr = qw_ptr + (first_word + (s_lo - first_step) * 4).to(gl.int64) * N
-
-        # the first iteration's operands
-        ok_s = s_lo + st < s_hi
-        ok3 = gl.expand_dims(gl.expand_dims(ok_s, 1), 2) & ok_n3
-        w_n = gl.load(w_ptr + w_off, mask=gl.expand_dims(ok3, 1))
-        grp = gl.load(sg_ptr + s_lo + st, mask=ok_s, other=0)
-        g_off = gl.expand_dims(gl.expand_dims(grp, 1), 2) * N + col3
-        sc_n = gl.load(sc_ptr + g_off, mask=ok3, other=0.0)
-        if HAS_ZEROS:
-            z_n = gl.load(zr_ptr + g_off, mask=ok3, other=0.0) + 1024.0
-        x_n = gl.load(x_rows + gl.expand_dims(s_lo * 32 + xk, 0),
-                      mask=mask_m & gl.expand_dims(s_lo * 32 + xk < s_hi * 32, 0), other=0.0)
-
         acc = gl.zeros([16, BN], gl.float32, MMA)
-        for s0 in range(s_lo, s_hi, BS):
-            w = w_n
-            sc = sc_n
-            xt = x_n
-            if HAS_ZEROS:
-                z = z_n
-            # the next iteration's operands, in flight during this one's math
-            s1 = s0 + BS
-            w_ptr += 4 * BS * N
-            ok_s = s1 + st < s_hi
-            ok3 = gl.expand_dims(gl.expand_dims(ok_s, 1), 2) & ok_n3
-            w_n = gl.load(w_ptr + w_off, mask=gl.expand_dims(ok3, 1))
-            grp = gl.load(sg_ptr + s1 + st, mask=ok_s, other=0)
-            g_off = gl.expand_dims(gl.expand_dims(grp, 1), 2) * N + col3
-            sc_n = gl.load(sc_ptr + g_off, mask=ok3, other=0.0)
-            if HAS_ZEROS:
-                z_n = gl.load(zr_ptr + g_off, mask=ok3, other=0.0) + 1024.0
-            x_n = gl.load(x_rows + gl.expand_dims(s1 * 32 + xk, 0),
-                          mask=mask_m & gl.expand_dims(s1 * 32 + xk < s_hi * 32, 0), other=0.0)
+        n_it = gl.cdiv(s_hi - s_lo, BS)
+        for it in range(0, n_it):
+            stage = it % STAGES
+            async_copy.wait_group(STAGES - 2)
+            _barrier()  # every warp's copies of this stage landed, and every warp is done with the stage reused next
+            _issue(wbuf, sbuf, zbuf, xbuf, (it + STAGES - 1) % STAGES, qw_ptr, sc_ptr, zr_ptr, sg_ptr, x_ptr, N, M,
+                   stride_xm, first_step, first_word, s_lo + (it + STAGES - 1) * BS, s_hi, col0, HAS_ZEROS, BS, BN)
+            w = wbuf.index(stage).reshape([BS, 4, 32, V]).load(L4)
+            sc = sbuf.index(stage).reshape([BS, 32, V]).load(L3)
+            xt = xbuf.index(stage).load(A_L)
 
             pair = gl.full([BS, 4, 4, 32, V, 2], 0, gl.int32, W6)
             w6 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 5), pair)[0]
             sh6 = gl.broadcast(shift, pair)[0]
             sc6 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(_pair_bits(sc), 1), 2), 5), pair)[0]
             if HAS_ZEROS:
+                z = zbuf.index(stage).reshape([BS, 32, V]).load(L3) + 1024.0
                 z6 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(_pair_bits(z), 1), 2), 5), pair)[0]
                 d = gl.inline_asm_elementwise(_PAIR_ZERO_ASM, "=r,r,r,r,r,r,r,r,r", [w6, sh6, sc6, z6],
                                               dtype=gl.float16, is_pure=True, pack=2)
@@ -159,8 +163,8 @@ if HAVE_GLUON:
             # rows s·32 + 8j + 2q + pair (the input's positions), columns v·32 + c
             b = gl.reshape(gl.permute(d, (0, 1, 2, 5, 4, 3)), [K, BN])
             b = gl.convert_layout(b, B_L, assert_trivial=True)
-            a = gl.convert_layout(xt.to(gl.float16), A_L)
-            acc = mma_v2(a, b, acc)
+            acc = mma_v2(xt, b, acc)
+        async_copy.wait_group(0)
 
         res = gl.convert_layout(acc, O_L)
         om = gl.arange(0, 16, layout=gl.SliceLayout(1, O_L))
@@ -189,17 +193,18 @@ if HAVE_GLUON:
 
 
 def supports(w, m: int) -> bool:
-    """Whether `mma4` can run this call: 1-16 rows of a matrix that is a single 4-bit class, on a CUDA GPU with
-    tensor cores (sm_80+) and Gluon."""
-    if not HAVE_GLUON or not 0 < m <= 16 or len(w.classes) != 1 or w.classes[0].bits != 4:
+    """Whether `mma4` can run this call: 1-16 rows of a matrix that is a single 4-bit class with a width that
+    keeps its scale rows 16-byte aligned, on a CUDA GPU with tensor cores (sm_80+) and Gluon."""
+    if not HAVE_GLUON or not 0 < m <= 16 or len(w.classes) != 1 or w.classes[0].bits != 4 or w.n % 8:
         return False
     dev = w.qweight.device
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 8
 
 
-def mma4(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1) -> torch.Tensor:
+def mma4(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: int = 3) -> torch.Tensor:
     """`xp · W + bias` for xp `[M ≤ 16, S·32]` fp16, the input permuted for w (`gather_input`); w a single 4-bit
-    class. bs steps of 32 rows per iteration, 32·v columns per program, K split `split` ways."""
+    class. bs steps of 32 rows per iteration, 32·v columns per program, K split `split` ways, a ring of `stages`
+    iterations in shared memory."""
     m = xp.shape[0]
     out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
     c = w.classes[0]
@@ -210,5 +215,6 @@ def mma4(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1) -> torch.
     _mma4_kernel[(grid_n, split)](
         xp, out, part, counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
         m, w.n, xp.stride(0), out.stride(0), split, c.first_step, c.n_steps, c.first_word,
-        HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v, num_warps=4)
+        HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v, STAGES=stages,
+        num_warps=4)
     return out

@@ -1335,10 +1335,10 @@ def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | N
 def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Tensor:
     """The dot path on a permuted input: the Gluon kernel (`mma_dot`) for up to 16 rows of a 4-bit matrix where
     it runs, the Triton tensor-core kernel otherwise."""
-    if MMA4 and mma_dot.supports(w, xp.shape[0]):
+    if MMA4 and xp.dtype == torch.float16 and mma_dot.supports(w, xp.shape[0]):
         grid = triton.cdiv(w.n, 32 * MMA4_V)
         split = _auto_split(w, grid, w.device, 4 * MMA4_BS, MMA4_PER_SM)
-        return mma_dot.mma4(xp, w, MMA4_BS, MMA4_V, split)
+        return mma_dot.mma4(xp, w, MMA4_BS, MMA4_V, split, MMA4_STAGES)
     return _launch(_dot_kernel, xp, w, cfg, FAST4=None, TILE4=DOT_TILE4, STAGES=cfg.num_stages)
 
 
@@ -1387,11 +1387,13 @@ GEMV_DEPTH = env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
 DOT_TILE4 = env_choice("EXL2_DOT_TILE4", 0, range(0, 3))
 
 # Up to 16 rows of a 4-bit matrix: the Gluon kernel (`mma_dot`), MMA4_BS steps per iteration, 32·MMA4_V columns
-# per program, K split to about MMA4_PER_SM programs per SM. EXL2_MMA4=0 keeps the Triton kernel.
+# per program, a ring of MMA4_STAGES iterations, K split to about MMA4_PER_SM programs per SM. EXL2_MMA4=0 keeps
+# the Triton kernel.
 MMA4 = env_choice("EXL2_MMA4", 1, range(0, 2)) == 1
 MMA4_BS = env_choice("EXL2_MMA4_BS", 4, (1, 2, 4, 8))
 MMA4_V = env_choice("EXL2_MMA4_V", 2, (1, 2, 4))
-MMA4_PER_SM = env_choice("EXL2_MMA4_PER_SM", 3, range(1, 9))
+MMA4_PER_SM = env_choice("EXL2_MMA4_PER_SM", 4, range(1, 9))
+MMA4_STAGES = env_choice("EXL2_MMA4_STAGES", 4, range(2, 9))
 
 GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
