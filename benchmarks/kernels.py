@@ -258,6 +258,9 @@ def group_section(bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+LOOPS = tuple(int(v) for v in os.environ.get("DOT16_LOOPS", "0 1 2").split())
+
+
 def dot16_section(bw: float) -> None:
     """M = 16 tensor-core kernel per Llama-3-8B shape: every inner loop (`qm.DOT_TILE4` 0, 1, 2) over tile sizes,
     pipeline depths, warps and K splits, graph-timed on cold weights; the dispatcher's default first."""
@@ -285,7 +288,7 @@ def dot16_section(bw: float) -> None:
             best = sweep(copies, x, lambda x_, w_, c: mma_dot.mma4(xp, w_, *c), mcfg, ref, f"{name} M=16 mma4")
             if best:
                 row(name, 16, "gluon mma4 best", best[0], wbytes, bw, None, best[2], f"bs, v, split, stages = {best[1]}")
-        for loop in (0, 1, 2):
+        for loop in LOOPS:
             # a split only where the tiles alone leave SMs idle
             cands = [c for c in cfgs if c.split == 1 or triton.cdiv(n, c.bn) < 2 * qm.sm_count(w.device)]
             best = sweep(copies, x, lambda x_, w_, c, loop=loop: qm.dot(x_, w_, c, xp=xp, loop=loop), cands, ref,

@@ -247,7 +247,10 @@ def test_gluon_mma4_matches_twin_gpu(m):
     from exl2.kernels import mma_dot
 
     layout = [(4, 128)] * 31 + [(4, 96)]
-    ws = [Exl2Weight.from_tensors(rand_exl2(layout, 4096 + 96, seed=m, device="cuda"), "L", device="cuda")]
+    ws = [Exl2Weight.from_tensors(rand_exl2(layout, 4096 + 96, seed=m, device="cuda"), "L", device="cuda"),
+          Exl2Weight.from_tensors(rand_exl2([(4, 128)] * 32, 2048 + 32, seed=m, device="cuda"), "L", device="cuda")]
+    # groups of 4 steps: scaled after the mma (POST) at 1, 2 and 4 steps an iteration, not at 8 nor on the odd K
+    assert [mma_dot.groups_align(w, bs) for w in ws for bs in (2, 4, 8)] == [False] * 3 + [True, True, False]
     g = torch.Generator().manual_seed(m)
     k, n, groups = 4096, 1056, 32
     t = pack_gptq(torch.randint(0, 16, (k, n), generator=g), torch.randint(1, 16, (groups, n), generator=g),

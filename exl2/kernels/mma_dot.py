@@ -43,6 +43,15 @@ if HAVE_GLUON:
     mul.rn.f16x2 $0, t, $5;
     }
     """)
+    _PAIR_RAW_ASM = gl.constexpr("""
+    {
+    .reg .b32 t, z;
+    mov.b32 z, 0x64086408;
+    shr.u32 t, $1, $3;
+    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+    sub.f16x2 $0, t, z;
+    }
+    """)
     _PAIR_ZERO_ASM = gl.constexpr("""
     {
     .reg .b32 t;
@@ -59,11 +68,21 @@ if HAVE_GLUON:
         b = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         return b | (b << 16)
 
+    @gluon.constexpr_function
+    def _row_layout(v):
+        """[32, V] layout of a scale row (stored columns c·V + v) that, permuted and flattened to the logical column
+        v·32 + c, is exactly the accumulator's column layout: each thread reads 2·V adjacent halves."""
+        v = int(getattr(v, "value", v))
+        return gl.DistributedLinearLayout(reg_bases=[[1, 0]] + [[0, 1 << i] for i in range(v.bit_length() - 1)],
+                                          lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+                                          warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, v])
+
     @gluon.jit
-    def _issue(wbuf, sbuf, zbuf, xbuf, stage, qw_ptr, sc_ptr, zr_ptr, sg_ptr, x_ptr, N, M, stride_xm, first_step,
-               first_word, s0, s_hi, col0, HAS_ZEROS: gl.constexpr, BS: gl.constexpr, BN: gl.constexpr):
-        """cp.async of one iteration's words [BS·4, BN], scales (and zeros) [BS, BN] and input [16, BS·32] into
-        `stage` of the shared-memory rings (zeros past s_hi)."""
+    def _issue(wbuf, sbuf, zbuf, xbuf, stage, w_ptrs, x_ptrs, sc_ptr, zr_ptr, grp, s0, s_lo, s_hi, N, M, col0,
+               HAS_ZEROS: gl.constexpr, BS: gl.constexpr, BN: gl.constexpr, POST: gl.constexpr):
+        """cp.async of the iteration at step s0 into `stage` of the shared-memory rings (zeros past s_hi): words
+        [BS·4, BN] (`w_ptrs` point at s_lo's), scales (and zeros) [BS, BN] of groups `grp`, or with POST the one
+        scale row [1, BN] of group `grp`, and the input [16, BS·32] (`x_ptrs` at s_lo's)."""
         V: gl.constexpr = BN // 32
         K: gl.constexpr = BS * 32
         CW: gl.constexpr = gl.BlockedLayout([1, 4], [4 // V, 8 * V], [4, 1], [1, 0])
@@ -72,35 +91,51 @@ if HAVE_GLUON:
         wr = gl.arange(0, BS * 4, layout=gl.SliceLayout(1, CW))
         wc = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CW))
         ok_w = gl.expand_dims(s0 + wr // 4 < s_hi, 1) & gl.expand_dims(wc < N, 0)
-        w_rows = (first_word + (s0 - first_step) * 4 + wr).to(gl.int64) * N
-        async_copy.async_copy_global_to_shared(
-            wbuf.index(stage), qw_ptr + gl.expand_dims(w_rows, 1) + gl.expand_dims(wc, 0), mask=ok_w)
-        sr = gl.arange(0, BS, layout=gl.SliceLayout(1, CS))
+        async_copy.async_copy_global_to_shared(wbuf.index(stage), w_ptrs + (s0 - s_lo).to(gl.int64) * 4 * N,
+                                               mask=ok_w)
         scn = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CS))
-        ok_sr = s0 + sr < s_hi
-        grp = gl.load(sg_ptr + s0 + sr, mask=ok_sr, other=0)
-        g_off = gl.expand_dims(grp.to(gl.int64) * N, 1) + gl.expand_dims(scn, 0)
-        ok_s = gl.expand_dims(ok_sr, 1) & gl.expand_dims(scn < N, 0)
-        async_copy.async_copy_global_to_shared(sbuf.index(stage), sc_ptr + g_off, mask=ok_s)
-        if HAS_ZEROS:
-            async_copy.async_copy_global_to_shared(zbuf.index(stage), zr_ptr + g_off, mask=ok_s)
+        if POST:
+            g_off = gl.expand_dims(gl.zeros([1], gl.int64, gl.SliceLayout(1, CS)) + grp.to(gl.int64) * N, 1)
+            ok_s = gl.expand_dims(gl.full([1], 1, gl.int1, gl.SliceLayout(1, CS)) & (s0 < s_hi), 1) & \
+                gl.expand_dims(scn < N, 0)
+            async_copy.async_copy_global_to_shared(sbuf.index(stage), sc_ptr + g_off + gl.expand_dims(scn, 0),
+                                                   mask=ok_s)
+        else:
+            sr = gl.arange(0, BS, layout=gl.SliceLayout(1, CS))
+            g_off = gl.expand_dims(grp.to(gl.int64) * N, 1) + gl.expand_dims(scn, 0)
+            ok_s = gl.expand_dims(s0 + sr < s_hi, 1) & gl.expand_dims(scn < N, 0)
+            async_copy.async_copy_global_to_shared(sbuf.index(stage), sc_ptr + g_off, mask=ok_s)
+            if HAS_ZEROS:
+                async_copy.async_copy_global_to_shared(zbuf.index(stage), zr_ptr + g_off, mask=ok_s)
         xm = gl.arange(0, 16, layout=gl.SliceLayout(1, CX))
         xk = s0 * 32 + gl.arange(0, K, layout=gl.SliceLayout(0, CX))
         ok_x = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk < s_hi * 32, 0)
-        async_copy.async_copy_global_to_shared(
-            xbuf.index(stage), x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=ok_x)
+        async_copy.async_copy_global_to_shared(xbuf.index(stage), x_ptrs + (s0 - s_lo) * 32, mask=ok_x)
         async_copy.commit_group()
+
+    @gluon.jit
+    def _groups(sg_ptr, s0, s_hi, BS: gl.constexpr, V: gl.constexpr, POST: gl.constexpr):
+        """The group index of the iteration at s0 (POST: one, else one per step), for `_issue`."""
+        CS: gl.constexpr = gl.BlockedLayout([1, 8], [8 // V, 4 * V], [4, 1], [1, 0])
+        if POST:
+            g = gl.load(sg_ptr + s0, mask=s0 < s_hi, other=0)
+        else:
+            sr = s0 + gl.arange(0, BS, layout=gl.SliceLayout(1, CS))
+            g = gl.load(sg_ptr + sr, mask=sr < s_hi, other=0)
+        return g
 
     @gluon.jit
     def _mma4_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                      M, N, stride_xm, stride_om, SPLIT, first_step, n_steps, first_word,
                      HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
-                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr):
+                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
         """out[:M, tile] (or this split's partial) = x · W over a 4-bit class, BS steps of 32 rows per iteration
         and a tile of BN = 32·V columns. Words, scales and input reach shared memory by cp.async, STAGES - 1
         iterations ahead; each thread then reads the words of its fragment (a quad's lanes share them). The
         fragment's column n is stored column (n % 32)·V + n // 32 of the tile, so each thread's V columns are
-        adjacent in memory (one V-word read per word row)."""
+        adjacent in memory (one V-word read per word row). POST (every iteration's steps share one group, no
+        zeros): the codes enter the mma as exact (code - 8) and each iteration's product is scaled in fp32
+        (4·V multiplies a thread instead of one packed multiply per weight pair)."""
         gl.static_assert(gl.num_warps() == 4)
         BN: gl.constexpr = 32 * V
         K: gl.constexpr = BS * 32
@@ -120,17 +155,29 @@ if HAVE_GLUON:
 
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
-        s_lo = first_step + (n_steps * pid_k) // SPLIT
-        s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+        nb = gl.cdiv(n_steps, BS)  # splits at iteration boundaries, so POST's iterations stay inside groups
+        s_lo = first_step + (nb * pid_k) // SPLIT * BS
+        s_hi = gl.minimum(first_step + (nb * (pid_k + 1)) // SPLIT * BS, first_step + n_steps)
         col0 = pid_n * BN
 
         wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BS * 4, BN], PLAIN)
-        sbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BS, BN], PLAIN)
+        sbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 1 if POST else BS, BN], PLAIN)
         zbuf = gl.allocate_shared_memory(gl.float16, [STAGES if HAS_ZEROS else 1, BS, BN], PLAIN)
         xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 16, K], XS)
+        CW: gl.constexpr = gl.BlockedLayout([1, 4], [4 // V, 8 * V], [4, 1], [1, 0])
+        CX: gl.constexpr = gl.BlockedLayout([1, 8], [32 // min(32, 4 * BS), min(32, 4 * BS)], [4, 1], [1, 0])
+        wr = gl.arange(0, BS * 4, layout=gl.SliceLayout(1, CW))
+        wc = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CW))
+        w_ptrs = (qw_ptr + (first_word + (s_lo - first_step) * 4).to(gl.int64) * N
+                  + gl.expand_dims(wr * N, 1) + gl.expand_dims(wc, 0))
+        xm = gl.arange(0, 16, layout=gl.SliceLayout(1, CX))
+        x_ptrs = (x_ptr + gl.expand_dims(xm * stride_xm, 1)
+                  + gl.expand_dims(s_lo * 32 + gl.arange(0, K, layout=gl.SliceLayout(0, CX)), 0))
         for p in gl.static_range(STAGES - 1):
-            _issue(wbuf, sbuf, zbuf, xbuf, p, qw_ptr, sc_ptr, zr_ptr, sg_ptr, x_ptr, N, M, stride_xm, first_step,
-                   first_word, s_lo + p * BS, s_hi, col0, HAS_ZEROS, BS, BN)
+            _issue(wbuf, sbuf, zbuf, xbuf, p, w_ptrs, x_ptrs, sc_ptr, zr_ptr,
+                   _groups(sg_ptr, s_lo + p * BS, s_hi, BS, V, POST), s_lo + p * BS, s_lo, s_hi, N, M, col0,
+                   HAS_ZEROS, BS, BN, POST)
+        grp_n = _groups(sg_ptr, s_lo + (STAGES - 1) * BS, s_hi, BS, V, POST)
 
         qq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4,
                                                                                                           L5)))))
@@ -142,28 +189,44 @@ if HAVE_GLUON:
             stage = it % STAGES
             async_copy.wait_group(STAGES - 2)
             _barrier()  # every warp's copies of this stage landed, and every warp is done with the stage reused next
-            _issue(wbuf, sbuf, zbuf, xbuf, (it + STAGES - 1) % STAGES, qw_ptr, sc_ptr, zr_ptr, sg_ptr, x_ptr, N, M,
-                   stride_xm, first_step, first_word, s_lo + (it + STAGES - 1) * BS, s_hi, col0, HAS_ZEROS, BS, BN)
+            s_next = s_lo + (it + STAGES - 1) * BS
+            _issue(wbuf, sbuf, zbuf, xbuf, (it + STAGES - 1) % STAGES, w_ptrs, x_ptrs, sc_ptr, zr_ptr, grp_n, s_next,
+                   s_lo, s_hi, N, M, col0, HAS_ZEROS, BS, BN, POST)
+            grp_n = _groups(sg_ptr, s_next + BS, s_hi, BS, V, POST)  # in flight until the next iteration's issue
             w = wbuf.index(stage).reshape([BS, 4, 32, V]).load(L4)
-            sc = sbuf.index(stage).reshape([BS, 32, V]).load(L3)
             xt = xbuf.index(stage).load(A_L)
 
             pair = gl.full([BS, 4, 4, 32, V, 2], 0, gl.int32, W6)
             w6 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 5), pair)[0]
             sh6 = gl.broadcast(shift, pair)[0]
-            sc6 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(_pair_bits(sc), 1), 2), 5), pair)[0]
-            if HAS_ZEROS:
+            if POST:
+                row = sbuf.index(stage).reshape([32, V]).load(_row_layout(V))
+                row = gl.convert_layout(gl.reshape(gl.permute(row, (1, 0)), [BN]), gl.SliceLayout(0, MMA),
+                                        assert_trivial=True)
+                d = gl.inline_asm_elementwise(_PAIR_RAW_ASM, "=r,r,r,r,r", [w6, sh6], dtype=gl.float16,
+                                              is_pure=True, pack=2)
+            elif HAS_ZEROS:
+                sc = sbuf.index(stage).reshape([BS, 32, V]).load(L3)
+                sc6 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(_pair_bits(sc), 1), 2), 5),
+                                   pair)[0]
                 z = zbuf.index(stage).reshape([BS, 32, V]).load(L3) + 1024.0
                 z6 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(_pair_bits(z), 1), 2), 5), pair)[0]
                 d = gl.inline_asm_elementwise(_PAIR_ZERO_ASM, "=r,r,r,r,r,r,r,r,r", [w6, sh6, sc6, z6],
                                               dtype=gl.float16, is_pure=True, pack=2)
             else:
+                sc = sbuf.index(stage).reshape([BS, 32, V]).load(L3)
+                sc6 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(_pair_bits(sc), 1), 2), 5),
+                                   pair)[0]
                 d = gl.inline_asm_elementwise(_PAIR_ASM, "=r,r,r,r,r,r,r", [w6, sh6, sc6], dtype=gl.float16,
                                               is_pure=True, pack=2)
             # rows s·32 + 8j + 2q + pair (the input's positions), columns v·32 + c
             b = gl.reshape(gl.permute(d, (0, 1, 2, 5, 4, 3)), [K, BN])
             b = gl.convert_layout(b, B_L, assert_trivial=True)
-            acc = mma_v2(xt, b, acc)
+            if POST:
+                part = mma_v2(xt, b, gl.zeros([16, BN], gl.float32, MMA))
+                acc += part * gl.expand_dims(row.to(gl.float32), 0)
+            else:
+                acc = mma_v2(xt, b, acc)
         async_copy.wait_group(0)
 
         res = gl.convert_layout(acc, O_L)
@@ -201,20 +264,37 @@ def supports(w, m: int) -> bool:
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 8
 
 
-def mma4(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: int = 3) -> torch.Tensor:
+def groups_align(w, bs: int) -> bool:
+    """Whether every aligned run of `bs` steps of w's class lies in one quantization group (then the kernel scales
+    after the mma, `POST`). Checked once per (weight, bs) on the host; during CUDA graph capture an unchecked
+    weight answers False (the per-weight scaling is always correct)."""
+    key = ("groups_align", bs)
+    if key not in w._cache:
+        if w.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        c = w.classes[0]
+        sg = w.step_group[c.first_step:c.first_step + c.n_steps].cpu()
+        w._cache[key] = c.n_steps % bs == 0 and bool((sg.view(-1, bs) == sg.view(-1, bs)[:, :1]).all())
+    return w._cache[key]
+
+
+def mma4(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: int = 3,
+         post: bool | None = None) -> torch.Tensor:
     """`xp · W + bias` for xp `[M ≤ 16, S·32]` fp16, the input permuted for w (`gather_input`); w a single 4-bit
     class. bs steps of 32 rows per iteration, 32·v columns per program, K split `split` ways, a ring of `stages`
-    iterations in shared memory."""
+    iterations in shared memory; `post` scales after the mma (None: where `groups_align` and w has no zeros)."""
     m = xp.shape[0]
     out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
     c = w.classes[0]
     grid_n = triton.cdiv(w.n, 32 * v)
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device) if split > 1 else out
+    if post is None:
+        post = w.zeros is None and groups_align(w, bs)
     zeros = w.zeros if w.zeros is not None else w.scales
     bias = w.bias if w.bias is not None else w.scales
     _mma4_kernel[(grid_n, split)](
         xp, out, part, counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
         m, w.n, xp.stride(0), out.stride(0), split, c.first_step, c.n_steps, c.first_word,
         HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v, STAGES=stages,
-        num_warps=4)
+        POST=post, num_warps=4)
     return out
