@@ -261,6 +261,29 @@ def group_section(bw: float) -> None:
 LOOPS = tuple(int(v) for v in os.environ.get("DOT16_LOOPS", "0 1 2").split())
 
 
+def dot16_group_section(bw: float) -> None:
+    """M = 16 q/k/v and gate/up: one launch per weight (the dispatcher's `permuted_matmul`) against one grouped
+    launch (`grouped_matmul`), both on a pre-gathered input."""
+    for name, k, ns in (("q/k/v 4096→4096+1024+1024", 4096, (4096, 1024, 1024)),
+                        ("gate/up 4096→2×14336", 4096, (14336, 14336))):
+        ws = [make_weight(k, n, 4) for n in ns]
+        wbytes = sum(w.weight_bytes() for w in ws)
+        sets = [ws] + [[clone_weight(w) for w in ws] for _ in range(max(1, -(-COLD_BYTES // wbytes)) - 1)]
+        x = torch.randn(16, k, device="cuda").half()
+        refs = [qweight.matmul_torch(x, w) for w in ws]
+        bufs = [qm.gather_input(x, s, whole=True) for s in sets]
+        views = [qm.split_permuted(b, s) for b, s in zip(bufs, sets)]
+        t_sep = graph_us([lambda s=s, v=v: [qm.permuted_matmul(xp, w) for w, xp in zip(s, v)]
+                          for s, v in zip(sets, views)])
+        err = max(rel_err(qm.permuted_matmul(xp, w), r) for w, xp, r in zip(ws, views[0], refs))
+        row(name, 16, "separate launches", t_sep, wbytes, bw, None, err)
+        t_grp = graph_us([lambda s=s, b=b: qm.grouped_matmul(x, s, b) for s, b in zip(sets, bufs)])
+        err = max(rel_err(y, r) for y, r in zip(qm.grouped_matmul(x, ws, bufs[0]), refs))
+        row(name, 16, "one grouped launch", t_grp, wbytes, bw, t_sep, err, "vs_cublas column = separate / grouped")
+        del ws, sets, bufs, views
+        torch.cuda.empty_cache()
+
+
 def dot16_section(bw: float) -> None:
     """M = 16 tensor-core kernel per Llama-3-8B shape: every inner loop (`qm.DOT_TILE4` 0, 1, 2) over tile sizes,
     pipeline depths, warps and K splits, graph-timed on cold weights; the dispatcher's default first."""
@@ -281,9 +304,9 @@ def dot16_section(bw: float) -> None:
         path, cfg = qm.choose_config(16, w)
         t = graph_us([lambda w_=w_: qm.permuted_matmul(xp, w_) for w_ in copies])
         row(name, 16, "dispatcher default", t, wbytes, bw, None, rel_err(qm.permuted_matmul(xp, w), ref), str(cfg))
-        if mma_dot.supports(w, 16):
+        if mma_dot.supports(w, 16) and os.environ.get("DOT16_SWEEP", "1") == "1":
             grid = {v: triton.cdiv(n, 32 * v) for v in (1, 2, 4)}
-            mcfg = [(bs, v, sp, st) for bs in (2, 4, 8) for v in (1, 2, 4) for st in (3, 4, 6) for sp in (1, 2, 4, 8)
+            mcfg = [(bs, v, sp, st) for bs in (2, 4, 8) for v in (1, 2, 4) for st in (3, 4) for sp in (1, 2, 4, 8)
                     if sp == 1 or grid[v] * sp <= 6 * qm.sm_count(w.device)]
             best = sweep(copies, x, lambda x_, w_, c: mma_dot.mma4(xp, w_, *c), mcfg, ref, f"{name} M=16 mma4")
             if best:
@@ -573,6 +596,7 @@ def main() -> None:
         if args.only == "merge":
             merge_section(bw)
         if args.only == "dot16":
+            dot16_group_section(bw)
             dot16_section(bw)
         if args.only in (None, "attention"):
             attention_section(bw, args.sweep)

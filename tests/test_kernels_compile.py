@@ -11,6 +11,7 @@ import pytest
 
 ATTENTION = [(128, 16), (192, 16), (96, 16), (128, 4)]
 GEMV = [(64, "HAS4"), (16, "HAS4"), (128, "HAS6")]
+MMA4 = [(4, 2, True, False), (1, 1, False, True), (8, 4, False, False), (2, 4, True, False)]
 
 
 def _compile_all() -> dict:
@@ -22,10 +23,14 @@ def _compile_all() -> dict:
     from exl2.kernels import attention as at
     from exl2.kernels import quant_matmul as qm
 
-    def ptx(fn, ptrs, consts, warps, stages):
+    def ptx(fn, ptrs, consts, warps, stages, div=()):
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-        k = triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n].startswith("*") or n in div}
+        src = ASTSource
+        if getattr(fn, "is_gluon", lambda: False)():
+            from triton.experimental.gluon._runtime import GluonASTSource as src
+        k = triton.compile(src(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps, "num_stages": stages})
         return k.asm["ptx"]
 
@@ -57,6 +62,34 @@ def _compile_all() -> dict:
                       PREFETCH=64)
         consts[width] = True
         out[f"gemv-{bn}-{width}"] = verdict(lambda: ptx(qm._gemv_kernel, gptrs, consts, 4, 3))
+    from exl2.kernels import mma_dot
+    mptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
+    mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
+    for bs, v, post, zeros in MMA4:
+        for split in (False, True):
+            consts = dict(HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_ON=split, BS=bs, V=v, STAGES=3, POST=post)
+
+            def mma(consts=consts):
+                # the decoded tile must already sit in the mma operand layout (assert_trivial in the kernel)
+                text = ptx(mma_dot._mma4_kernel, mptrs, consts, 4, 1, div=("N", "stride_xm", "stride_om"))
+                return "ok" if "mma.sync" in text and "cp.async" in text else "no mma.sync / cp.async"
+            try:
+                out[f"mma4-{bs}-{v}-{post}-{zeros}-{split}"] = mma()
+            except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
+                out[f"mma4-{bs}-{v}-{post}-{zeros}-{split}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    gptrs = {}
+    for i in range(3):
+        gptrs.update({f"x{i}": "*fp16", f"o{i}": "*fp16", f"p{i}": "*fp32", f"c{i}": "*i32", f"b{i}": "*fp16",
+                      f"q{i}": "*i32", f"s{i}": "*fp16", f"z{i}": "*fp16", f"g{i}": "*i32"})
+    gptrs["x_ptr"] = "*fp16"
+    for three in (True, False):
+        consts = dict(THREE=three, HAS_ZEROS=False, HAS_BIAS=True, ON0=False, ON1=True, ON2=True, BS=4, V=2,
+                      STAGES=4, POST0=True, POST1=False, POST2=True)
+        try:
+            text = ptx(mma_dot._mma4_group_kernel, gptrs, consts, 4, 1, div=("N0", "N1", "N2", "stride_xm"))
+            out[f"mma4-group-{three}"] = "ok" if text.count("mma.sync") >= 2 else "no mma.sync"
+        except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
+            out[f"mma4-group-{three}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return out
 
 
@@ -79,6 +112,17 @@ def test_decode_attention_prefetches_before_its_wait(compiled, dk, bits):
 @pytest.mark.parametrize("bn,width", GEMV)
 def test_gemv_prefetches_its_weights_before_its_wait(compiled, bn, width):
     assert compiled[f"gemv-{bn}-{width}"] == "ok"
+
+
+@pytest.mark.parametrize("bs,v,post,zeros", MMA4)
+@pytest.mark.parametrize("split", [False, True])
+def test_gluon_mma4_compiles_with_its_fragment_layouts(compiled, bs, v, post, zeros, split):
+    assert compiled[f"mma4-{bs}-{v}-{post}-{zeros}-{split}"] == "ok"
+
+
+@pytest.mark.parametrize("three", [True, False])
+def test_gluon_mma4_group_compiles(compiled, three):
+    assert compiled[f"mma4-group-{three}"] == "ok"
 
 
 if __name__ == "__main__":

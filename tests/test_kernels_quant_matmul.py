@@ -267,6 +267,32 @@ def test_gluon_mma4_matches_twin_gpu(m):
         _check_close(qm.quant_matmul(x, w), ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [5, 16])
+def test_gluon_mma4_group_matches_twin_gpu(m):
+    """q/k/v-like (three 4-bit weights with bias, one with groups that no iteration aligns with) and gate/up-like
+    (two) weights in one grouped launch, each against the twin, with and without a K split; twice each."""
+    from exl2.kernels import mma_dot
+
+    qkv = [Exl2Weight.from_tensors(rand_exl2(layout, n, seed=m + i, device="cuda"), "L", device="cuda")
+           for i, (layout, n) in enumerate([([(4, 128)] * 16, 2048), ([(4, 128)] * 15 + [(4, 96), (4, 32)], 512),
+                                            ([(4, 128)] * 16, 512)])]
+    gu = [Exl2Weight.from_tensors(rand_exl2([(4, 128)] * 16, 4096, bias=False, seed=m + 5 + i, device="cuda"), "L",
+                                  device="cuda") for i in range(2)]
+    for ws in (qkv, gu):
+        x = torch.randn(m, ws[0].k, dtype=torch.float16, device="cuda")
+        refs = [qweight.matmul_torch(x, w) for w in ws]
+        buf = qm.gather_input(x, ws, whole=True)
+        offsets = [0, ws[0].x_index.numel(), ws[0].x_index.numel() + ws[1].x_index.numel()][:len(ws)]
+        for splits in (None, [2, 4, 3][:len(ws)]):
+            for _ in range(2):
+                for y, ref in zip(mma_dot.mma4_group(buf, ws, offsets, 4, 2, splits, 4), refs):
+                    _check_close(y, ref)
+        for y, ref in zip(qm.grouped_matmul(x, ws), refs):
+            _check_close(y, ref)
+
+
 # ---------------------------------------------------------------------------------------------- permuted input
 def test_input_order_pairs_rows_of_4bit_words_and_6bit_steps():
     """x_index puts rows (u, u+4) of each 4-bit word and rows (r, r+16) of each 6-bit step side by side, and

@@ -125,10 +125,10 @@ if HAVE_GLUON:
         return g
 
     @gluon.jit
-    def _mma4_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
-                     M, N, stride_xm, stride_om, SPLIT, first_step, n_steps, first_word,
-                     HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
-                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
+    def _mma4_tile(pid_n, pid_k, x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
+                   M, N, stride_xm, stride_om, SPLIT, first_step, n_steps, first_word,
+                   HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
+                   BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
         """out[:M, tile] (or this split's partial) = x · W over a 4-bit class, BS steps of 32 rows per iteration
         and a tile of BN = 32·V columns. Words, scales and input reach shared memory by cp.async, STAGES - 1
         iterations ahead; each thread then reads the words of its fragment (a quad's lanes share them). The
@@ -153,8 +153,6 @@ if HAVE_GLUON:
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         XS: gl.constexpr = gl.SwizzledSharedLayout(8, max(1, 64 // K), 8, [1, 0])
 
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
         nb = gl.cdiv(n_steps, BS)  # splits at iteration boundaries, so POST's iterations stay inside groups
         s_lo = first_step + (nb * pid_k) // SPLIT * BS
         s_hi = gl.minimum(first_step + (nb * (pid_k + 1)) // SPLIT * BS, first_step + n_steps)
@@ -254,6 +252,44 @@ if HAVE_GLUON:
                 gl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(cnt_ptr + pid_n, 0)
 
+    @gluon.jit
+    def _mma4_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
+                     M, N, stride_xm, stride_om, SPLIT, first_step, n_steps, first_word,
+                     HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
+                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
+        _mma4_tile(gl.program_id(0), gl.program_id(1), x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr,
+                   zr_ptr, sg_ptr, M, N, stride_xm, stride_om, SPLIT, first_step, n_steps, first_word, HAS_ZEROS,
+                   HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST)
+
+    @gluon.jit
+    def _mma4_group_kernel(x_ptr, M, stride_xm,
+                           x0, o0, p0, c0, b0, q0, s0, z0, g0, N0, SP0, fs0, ns0, fw0, P0,
+                           x1, o1, p1, c1, b1, q1, s1, z1, g1, N1, SP1, fs1, ns1, fw1, P1,
+                           x2, o2, p2, c2, b2, q2, s2, z2, g2, N2, SP2, fs2, ns2, fw2,
+                           THREE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                           ON0: gl.constexpr, ON1: gl.constexpr, ON2: gl.constexpr, BS: gl.constexpr,
+                           V: gl.constexpr, STAGES: gl.constexpr, POST0: gl.constexpr, POST1: gl.constexpr,
+                           POST2: gl.constexpr):
+        """`_mma4_kernel` for 2-3 weights sharing one input (q/k/v, gate/up) in one launch: programs [0, P0) take
+        weight 0 (tile pid // SP0, split pid % SP0), [P0, P0 + P1) weight 1, the rest weight 2. x0..x2 point at
+        each weight's permuted input inside one buffer."""
+        pid = gl.program_id(0)
+        if pid < P0:
+            _mma4_tile(pid // SP0, pid % SP0, x0, o0, p0, c0, b0, q0, s0, z0, g0, M, N0, stride_xm, N0, SP0, fs0,
+                       ns0, fw0, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0)
+        else:
+            pid -= P0
+            if THREE:
+                if pid < P1:
+                    _mma4_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
+                               fs1, ns1, fw1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1)
+                else:
+                    pid -= P1
+                    _mma4_tile(pid // SP2, pid % SP2, x2, o2, p2, c2, b2, q2, s2, z2, g2, M, N2, stride_xm, N2, SP2,
+                               fs2, ns2, fw2, HAS_ZEROS, HAS_BIAS, ON2, BS, V, STAGES, POST2)
+            else:
+                _mma4_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1, fs1,
+                           ns1, fw1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1)
 
 def supports(w, m: int) -> bool:
     """Whether `mma4` can run this call: 1-16 rows of a matrix that is a single 4-bit class with a width that
@@ -298,3 +334,41 @@ def mma4(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: i
         HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v, STAGES=stages,
         POST=post, num_warps=4)
     return out
+
+
+def mma4_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=None, stages: int = 3
+               ) -> list[torch.Tensor]:
+    """`[xp_i · W_i + bias_i]` for 2-3 weights `supports` accepts, in one launch: xp `[M ≤ 16, ...]` holds each
+    weight's permuted input at column `offsets[i]` (`gather_input(whole=True)`); `splits` the K split of each
+    (default 1). The weights must agree on zeros and bias being present."""
+    m = xp.shape[0]
+    splits = list(splits or [1] * len(ws))
+    cnt = counters(xp.device)
+    args, tile0, programs = [], 0, []
+    outs, flags, posts = [], [], []
+    for w, off, split in zip(ws, offsets, splits):
+        c = w.classes[0]
+        tiles = triton.cdiv(w.n, 32 * v)
+        out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
+        part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device) if split > 1 else out
+        args += [xp[:, off:], out, part, cnt[tile0:], w.bias if w.bias is not None else w.scales, w.qweight,
+                 w.scales, w.zeros if w.zeros is not None else w.scales, w.step_group, w.n, split, c.first_step,
+                 c.n_steps, c.first_word]
+        programs.append(tiles * split)
+        args.append(tiles * split)
+        tile0 += tiles
+        outs.append(out)
+        flags.append(split > 1)
+        posts.append(w.zeros is None and groups_align(w, bs))
+    three = len(ws) == 3
+    if not three:  # a never-taken third slot
+        args += args[-15:-1]
+        flags.append(False)
+        posts.append(False)
+    else:
+        args.pop()
+    _mma4_group_kernel[(sum(programs),)](
+        xp, m, xp.stride(0), *args, THREE=three, HAS_ZEROS=ws[0].zeros is not None,
+        HAS_BIAS=ws[0].bias is not None, ON0=flags[0], ON1=flags[1], ON2=flags[2], BS=bs, V=v, STAGES=stages,
+        POST0=posts[0], POST1=posts[1], POST2=posts[2], num_warps=4)
+    return outs

@@ -1272,8 +1272,10 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     """`[x · W_i + bias_i]` for 2–3 weights sharing x `[M, K]` in one gather and one gemv launch (small M on the
     GPU), or None where that path does not apply (the caller then runs them one by one). `xp`: the permuted
     inputs already gathered into one buffer."""
-    if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= GEMV_MAX_M):
+    if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= DOT_MAX_M):
         return None
+    if x.shape[0] > GEMV_MAX_M:
+        return _mma_group(x, ws, xp)
     plan = stream_gemv(ws)
     if plan is not None:
         return plan(gather_input(x, ws, whole=True) if xp is None else xp)
@@ -1283,6 +1285,22 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     if group is None:
         group = ws[0]._cache[("group", tuple(map(id, ws)))] = GemvGroup(ws)
     return group(gather_input(x, ws, whole=True) if xp is None else xp)
+
+
+def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None) -> list[torch.Tensor] | None:
+    """`grouped_matmul` for 5-16 rows: one launch of the Gluon kernel where it takes every weight, else None. The
+    K split is the one a single matrix as wide as all of them would get."""
+    m = x.shape[0]
+    if not (MMA4 and 1 < len(ws) <= 3 and x.dtype == torch.float16 and all(mma_dot.supports(w, m) for w in ws)
+            and len({w.zeros is None for w in ws}) == 1 and len({w.bias is None for w in ws}) == 1):
+        return None
+    buf = gather_input(x, ws, whole=True) if xp is None else xp
+    offsets = [0]
+    for w in ws[:-1]:
+        offsets.append(offsets[-1] + w.x_index.numel())
+    tiles = sum(triton.cdiv(w.n, 32 * MMA4_V) for w in ws)
+    split = min(_auto_split(w, tiles, w.device, 4 * MMA4_BS, MMA4_PER_SM) for w in ws)
+    return mma_dot.mma4_group(buf, ws, offsets, MMA4_BS, MMA4_V, [split] * len(ws), MMA4_STAGES)
 
 
 _FAST4: dict[torch.device, int] = {}
