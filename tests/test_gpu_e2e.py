@@ -69,6 +69,47 @@ def test_batched_graph_decode_matches_eager():
     assert torch.allclose(a, b, atol=1e-2, rtol=0)
 
 
+@pytest.mark.parametrize("batch", [8, 16])
+def test_batched_decode_through_the_gluon_kernel_matches_the_twin(batch):
+    """A 4-bit Llama-shaped model decoding `batch` rows (the Gluon tensor-core kernel, grouped for q/k/v and
+    gate/up) against the same step through the PyTorch twins, and through the Triton kernel (EXL2_MMA4 off)."""
+    from exl2.kernels import quant_matmul as qm
+    from exl2.kernels.backend import force_torch
+    from exl2.models.decoder import DecoderModel
+    from exl2.models.registry import spec_from_config
+    from exl2.runtime.synthetic import LLAMA3_8B, DictSource, llama_exl2_tensors
+    from exl2.runtime.weights import WeightLoader
+
+    cfg = dict(LLAMA3_8B, num_hidden_layers=2, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+               num_key_value_heads=2, vocab_size=4096)
+    with torch.inference_mode():
+        model = DecoderModel(spec_from_config(cfg), WeightLoader(DictSource(llama_exl2_tensors(cfg, "cuda")),
+                                                                 torch.device("cuda"), torch.float16)).eval()
+    cache = PagedKVCache(model.spec, num_pages=batch + 1, page_size=64, device="cuda", dtype=torch.float16)
+    table = torch.arange(batch, dtype=torch.int32, device="cuda").view(batch, 1)
+    lens = [5 + 3 * b for b in range(batch)]
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    for b, n in enumerate(lens):
+        cache.bind(table[b:b + 1])
+        with torch.inference_mode():
+            model(torch.randint(0, 4096, (1, n), device="cuda", generator=g), cache, 0)
+    ids = torch.randint(0, 4096, (batch, 1), device="cuda", generator=g)
+    pos = torch.tensor(lens, device="cuda")
+    cache.bind(table)
+    outs = []
+    for mode in ("mma", "triton", "twin"):  # each step writes the same keys and values at the same positions
+        old = qm.MMA4
+        qm.MMA4 = mode == "mma"
+        try:
+            with torch.inference_mode(), (force_torch() if mode == "twin" else torch.inference_mode()):
+                outs.append(model(ids, cache, pos, last_only=True)[:, -1].float())
+        finally:
+            qm.MMA4 = old
+    mma, triton_dot, twin = outs
+    _assert_near(mma, twin)
+    _assert_near(triton_dot, twin)
+
+
 def _random_4bit(k: int, n: int, seed: int, bits: int = 4):
     """A pure 4-bit (or `bits`-bit) layer in the kernel layout (groups of 128, act-order permutation) and a
     generator for inputs."""
