@@ -97,6 +97,13 @@ def clone_weight(w: qweight.QuantWeight) -> qweight.QuantWeight:
                                w.classes, w.k, w.n, x_index=w.x_index.clone())
 
 
+def cold_weights(k: int, n: int, bits: int):
+    """A random layer, its bytes and enough copies of it (the first is the layer) to exceed L2 when cycled."""
+    w = make_weight(k, n, bits)
+    wbytes = w.weight_bytes()
+    return w, wbytes, [w] + [clone_weight(w) for _ in range(max(0, -(-COLD_BYTES // wbytes) - 1))]
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref.float()).norm() / ref.float().norm())
 
@@ -151,9 +158,7 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
     for name, k, n, bits in SHAPES:
         if over_budget():
             break
-        w = make_weight(k, n, bits)
-        wbytes = w.weight_bytes()
-        copies = [w] + [clone_weight(w) for _ in range(max(0, -(-COLD_BYTES // wbytes) - 1))]
+        w, wbytes, copies = cold_weights(k, n, bits)
         fp16 = [torch.randn(k, n, device="cuda").half() for _ in range(max(1, -(-COLD_BYTES // (k * n * 2))))]
         log(f"== {name}: {bits}-bit, {wbytes / 1e6:.1f} MB quantized ({len(copies)} copies), {k * n * 2 / 1e6:.1f} MB fp16")
         for m in (1, 4, 16):
@@ -295,9 +300,7 @@ def dot16_section(bw: float) -> None:
     for name, k, n, bits in SHAPES:
         if over_budget():
             break
-        w = make_weight(k, n, bits)
-        wbytes = w.weight_bytes()
-        copies = [w] + [clone_weight(w) for _ in range(max(0, -(-COLD_BYTES // wbytes) - 1))]
+        w, wbytes, copies = cold_weights(k, n, bits)
         x = torch.randn(16, k, device="cuda").half()
         xp = qm.gather_input(x, [w])[0]
         ref = qweight.matmul_torch(x, w)
