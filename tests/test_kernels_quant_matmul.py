@@ -237,6 +237,22 @@ def test_stream_gemv_real_sizes_gpu(per_sm):
             assert torch.equal(y, y2)
 
 
+def test_gluon_kernel_eligibility_and_group_alignment():
+    """Which weights the Gluon kernel takes (single 4-bit class, CUDA only) and where it may scale after the mma:
+    every aligned run of bs steps inside one group."""
+    from exl2.kernels import mma_dot
+
+    aligned = Exl2Weight.from_tensors(rand_exl2([(4, 128)] * 4, 64), "L")
+    odd = Exl2Weight.from_tensors(rand_exl2([(4, 128), (4, 64), (4, 128)], 64), "L")
+    shifted = Exl2Weight.from_tensors(rand_exl2([(4, 32), (4, 128), (4, 96)], 64), "L")
+    mixed = Exl2Weight.from_tensors(rand_exl2([(5, 128), (4, 128)], 64), "L")
+    assert [mma_dot.groups_align(aligned, bs) for bs in (1, 2, 4, 8)] == [True, True, True, False]
+    assert [mma_dot.groups_align(odd, bs) for bs in (1, 2, 4)] == [True, True, False]  # 4 + 2 + 4 steps
+    assert [mma_dot.groups_align(shifted, bs) for bs in (1, 2, 4)] == [True, False, False]  # 1 + 4 + 3
+    assert not mma_dot.supports(aligned, 8)  # on the CPU
+    assert not mma_dot.supports(mixed, 8) and not mma_dot.supports(aligned, 17)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [5, 16])

@@ -297,7 +297,15 @@ def supports(w, m: int) -> bool:
     if not HAVE_GLUON or not 0 < m <= 16 or len(w.classes) != 1 or w.classes[0].bits != 4 or w.n % 8:
         return False
     dev = w.qweight.device
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 8
+    if dev.type != "cuda":
+        return False
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SM80:
+        _SM80[idx] = torch.cuda.get_device_capability(idx)[0] >= 8
+    return _SM80[idx]
+
+
+_SM80: dict[int, bool] = {}
 
 
 def groups_align(w, bs: int) -> bool:
