@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls: kernel sweeps, ncu, end-to-end bench A/B runs (stream-K, PDL), GPU tests (all, or `quick`: the
 # kernel-level ones). Usage on the device machine, repo root: bash benchmarks/device.sh [STEP...]
+# dot16 reads DOT16_LOOPS (Triton loops to sweep, default "0 1 2") and DOT16_SWEEP (0: defaults only).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -49,6 +50,9 @@ for s in $steps; do
            -p no:cacheprovider -rfE > "$OUT/gpu_dot.txt" 2>&1; echo "dot tests rc=$?"; tail -6 "$OUT/gpu_dot.txt" ;;
   dot16) timeout ${DOT16_TIMEOUT:-260} python3 benchmarks/kernels.py --only dot16 --budget ${DOT16_BUDGET:-240} \
            --json "$OUT/dot16.json" > "$OUT/dot16.txt" 2>&1; echo "dot16 rc=$?"; grep -v "^    " "$OUT/dot16.txt" | tail -24 ;;
+  gluontests) timeout -s INT -k 15 "${TEST_TIMEOUT:-200}" python3 -m pytest -m gpu tests/test_gpu_e2e.py \
+           tests/test_kernels_quant_matmul.py -k "gluon or batched_decode_through" -q -n 8 -p no:cacheprovider -rfE \
+           > "$OUT/gpu_gluon.txt" 2>&1; echo "gluon tests rc=$?"; tail -6 "$OUT/gpu_gluon.txt" ;;
   dotab) for v in ${DOT_VALUES:-2 1 0}; do
            EXL2_DOT_TILE4=$v timeout ${BENCH_TIMEOUT:-100} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 \
              > "$OUT/bench_dot$v.txt" 2>&1; echo "bench EXL2_DOT_TILE4=$v rc=$?"; tail -3 "$OUT/bench_dot$v.txt"; done ;;
