@@ -290,8 +290,9 @@ def dot16_group_section(bw: float) -> None:
 
 
 def dot16_section(bw: float) -> None:
-    """M = 16 tensor-core kernel per Llama-3-8B shape: every inner loop (`qm.DOT_TILE4` 0, 1, 2) over tile sizes,
-    pipeline depths, warps and K splits, graph-timed on cold weights; the dispatcher's default first."""
+    """M = 16 per Llama-3-8B shape, graph-timed on cold weights: the dispatcher's default, then (DOT16_SWEEP) the
+    Gluon kernel over steps per iteration, tile width, K split and ring depth, and the Triton inner loops listed in
+    DOT16_LOOPS (`qm.DOT_TILE4` 0, 1, 2) over tile sizes, pipeline depths, warps and K splits."""
     C = qm.MatmulConfig
     cfgs = [C(bm=16, bs=bs, bn=bn, split=sp, num_warps=nw, num_stages=st)
             for bs, bn, nw, st in ((4, 64, 4, 4), (4, 64, 4, 2), (4, 64, 4, 3), (2, 64, 4, 4), (8, 64, 4, 3),

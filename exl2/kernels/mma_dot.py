@@ -11,7 +11,7 @@ lane's q = u0 + 2·u1 picks the code pair (q, q + 4) of every word j of its colu
 0x6400 exponent trick) and a packed subtract and multiply give both fp16 weights of one 32-bit fragment register,
 bit-exact with the reference dequantizer. Only the input tile goes through shared memory (once per program).
 
-GPU only (Gluon has no interpreter); `quant_matmul` uses it where `available()` and falls back to `_dot_kernel`.
+GPU only (Gluon has no interpreter); `quant_matmul` uses it where `supports()` and falls back to `_dot_kernel`.
 """
 from __future__ import annotations
 
@@ -32,35 +32,44 @@ except Exception:  # noqa: BLE001 - an older Triton (or none): the Triton kernel
 if HAVE_GLUON:
     # One instance per fragment register: the code pair (q, q + 4) of low word $1 (shifted right by $3) as two fp16
     # (1024 + code), minus 1024 + the zero point, times the scale, both fp16 pairs ($5, and $7 for the zeros): the
-    # low half is row-in-word q, the high half q + 4 (one fp16 rounding, as the reference dequantizer).
-    _PAIR_ASM = gl.constexpr("""
-    {
+    # low half is row-in-word q, the high half q + 4 (one fp16 rounding, as the reference dequantizer). The RAW
+    # variant leaves the scale to be applied after the mma.
+    _PAIR_CODES = """
     .reg .b32 t, z;
-    mov.b32 z, 0x64086408;
     shr.u32 t, $1, $3;
     lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+    """
+    _PAIR_ASM = gl.constexpr("{" + _PAIR_CODES + """
+    mov.b32 z, 0x64086408;
     sub.f16x2 t, t, z;
     mul.rn.f16x2 $0, t, $5;
-    }
-    """)
-    _PAIR_RAW_ASM = gl.constexpr("""
-    {
-    .reg .b32 t, z;
+    }""")
+    _PAIR_RAW_ASM = gl.constexpr("{" + _PAIR_CODES + """
     mov.b32 z, 0x64086408;
-    shr.u32 t, $1, $3;
-    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
     sub.f16x2 $0, t, z;
-    }
-    """)
-    _PAIR_ZERO_ASM = gl.constexpr("""
-    {
-    .reg .b32 t;
-    shr.u32 t, $1, $3;
-    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+    }""")
+    _PAIR_ZERO_ASM = gl.constexpr("{" + _PAIR_CODES + """
     sub.f16x2 t, t, $7;
     mul.rn.f16x2 $0, t, $5;
-    }
-    """)
+    }""")
+
+    # Register layouts of the cp.async copies (16 bytes a thread): words [BS·4, 32·V] int32, scales [BS, 32·V]
+    # fp16, input [16, 32·BS] fp16. The pointer tensors built once per program and the masks built per issue
+    # must share them.
+    @gluon.constexpr_function
+    def _copy_words(v):
+        v = int(getattr(v, "value", v))
+        return gl.BlockedLayout([1, 4], [4 // v, 8 * v], [4, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _copy_scales(v):
+        v = int(getattr(v, "value", v))
+        return gl.BlockedLayout([1, 8], [8 // v, 4 * v], [4, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _copy_input(bs):
+        t = min(32, 4 * int(getattr(bs, "value", bs)))
+        return gl.BlockedLayout([1, 8], [32 // t, t], [4, 1], [1, 0])
 
     @gluon.jit
     def _pair_bits(v):
@@ -85,9 +94,9 @@ if HAVE_GLUON:
         scale row [1, BN] of group `grp`, and the input [16, BS·32] (`x_ptrs` at s_lo's)."""
         V: gl.constexpr = BN // 32
         K: gl.constexpr = BS * 32
-        CW: gl.constexpr = gl.BlockedLayout([1, 4], [4 // V, 8 * V], [4, 1], [1, 0])
-        CS: gl.constexpr = gl.BlockedLayout([1, 8], [8 // V, 4 * V], [4, 1], [1, 0])
-        CX: gl.constexpr = gl.BlockedLayout([1, 8], [32 // min(32, 4 * BS), min(32, 4 * BS)], [4, 1], [1, 0])
+        CW: gl.constexpr = _copy_words(V)
+        CS: gl.constexpr = _copy_scales(V)
+        CX: gl.constexpr = _copy_input(BS)
         wr = gl.arange(0, BS * 4, layout=gl.SliceLayout(1, CW))
         wc = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CW))
         ok_w = gl.expand_dims(s0 + wr // 4 < s_hi, 1) & gl.expand_dims(wc < N, 0)
@@ -116,7 +125,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _groups(sg_ptr, s0, s_hi, BS: gl.constexpr, V: gl.constexpr, POST: gl.constexpr):
         """The group index of the iteration at s0 (POST: one, else one per step), for `_issue`."""
-        CS: gl.constexpr = gl.BlockedLayout([1, 8], [8 // V, 4 * V], [4, 1], [1, 0])
+        CS: gl.constexpr = _copy_scales(V)
         if POST:
             g = gl.load(sg_ptr + s0, mask=s0 < s_hi, other=0)
         else:
@@ -162,8 +171,8 @@ if HAVE_GLUON:
         sbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 1 if POST else BS, BN], PLAIN)
         zbuf = gl.allocate_shared_memory(gl.float16, [STAGES if HAS_ZEROS else 1, BS, BN], PLAIN)
         xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 16, K], XS)
-        CW: gl.constexpr = gl.BlockedLayout([1, 4], [4 // V, 8 * V], [4, 1], [1, 0])
-        CX: gl.constexpr = gl.BlockedLayout([1, 8], [32 // min(32, 4 * BS), min(32, 4 * BS)], [4, 1], [1, 0])
+        CW: gl.constexpr = _copy_words(V)
+        CX: gl.constexpr = _copy_input(BS)
         wr = gl.arange(0, BS * 4, layout=gl.SliceLayout(1, CW))
         wc = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CW))
         w_ptrs = (qw_ptr + (first_word + (s_lo - first_step) * 4).to(gl.int64) * N
@@ -291,6 +300,7 @@ if HAVE_GLUON:
                 _mma4_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1, fs1,
                            ns1, fw1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1)
 
+
 def supports(w, m: int) -> bool:
     """Whether `mma4` can run this call: 1-16 rows of a matrix that is a single 4-bit class with a width that
     keeps its scale rows 16-byte aligned, on a CUDA GPU with tensor cores (sm_80+) and Gluon."""
@@ -322,23 +332,28 @@ def groups_align(w, bs: int) -> bool:
     return w._cache[key]
 
 
+def _operands(xp: torch.Tensor, w, split: int, bs: int, post: bool | None):
+    """(output, split-K partials, bias, zeros, post) of one weight's launch; absent bias and zeros are stood in
+    for by the scales (the kernel never reads them)."""
+    m = xp.shape[0]
+    out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
+    part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device) if split > 1 else out
+    if post is None:
+        post = w.zeros is None and groups_align(w, bs)
+    return (out, part, w.bias if w.bias is not None else w.scales, w.zeros if w.zeros is not None else w.scales,
+            post)
+
+
 def mma4(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: int = 3,
          post: bool | None = None) -> torch.Tensor:
     """`xp · W + bias` for xp `[M ≤ 16, S·32]` fp16, the input permuted for w (`gather_input`); w a single 4-bit
     class. bs steps of 32 rows per iteration, 32·v columns per program, K split `split` ways, a ring of `stages`
     iterations in shared memory; `post` scales after the mma (None: where `groups_align` and w has no zeros)."""
-    m = xp.shape[0]
-    out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
+    out, part, bias, zeros, post = _operands(xp, w, split, bs, post)
     c = w.classes[0]
-    grid_n = triton.cdiv(w.n, 32 * v)
-    part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device) if split > 1 else out
-    if post is None:
-        post = w.zeros is None and groups_align(w, bs)
-    zeros = w.zeros if w.zeros is not None else w.scales
-    bias = w.bias if w.bias is not None else w.scales
-    _mma4_kernel[(grid_n, split)](
+    _mma4_kernel[(triton.cdiv(w.n, 32 * v), split)](
         xp, out, part, counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
-        m, w.n, xp.stride(0), out.stride(0), split, c.first_step, c.n_steps, c.first_word,
+        xp.shape[0], w.n, xp.stride(0), out.stride(0), split, c.first_step, c.n_steps, c.first_word,
         HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v, STAGES=stages,
         POST=post, num_warps=4)
     return out
@@ -357,17 +372,15 @@ def mma4_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=No
     for w, off, split in zip(ws, offsets, splits):
         c = w.classes[0]
         tiles = triton.cdiv(w.n, 32 * v)
-        out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
-        part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device) if split > 1 else out
-        args += [xp[:, off:], out, part, cnt[tile0:], w.bias if w.bias is not None else w.scales, w.qweight,
-                 w.scales, w.zeros if w.zeros is not None else w.scales, w.step_group, w.n, split, c.first_step,
-                 c.n_steps, c.first_word]
+        out, part, bias, zeros, post = _operands(xp, w, split, bs, None)
+        args += [xp[:, off:], out, part, cnt[tile0:], bias, w.qweight, w.scales, zeros, w.step_group, w.n, split,
+                 c.first_step, c.n_steps, c.first_word]
         programs.append(tiles * split)
         args.append(tiles * split)
         tile0 += tiles
         outs.append(out)
         flags.append(split > 1)
-        posts.append(w.zeros is None and groups_align(w, bs))
+        posts.append(post)
     three = len(ws) == 3
     if not three:  # a never-taken third slot
         args += args[-15:-1]
