@@ -97,9 +97,9 @@ def clone_weight(w: qweight.QuantWeight) -> qweight.QuantWeight:
                                w.classes, w.k, w.n, x_index=w.x_index.clone())
 
 
-def cold_weights(k: int, n: int, bits: int):
+def cold_weights(k: int, n: int, bits: int, mixed: bool = False):
     """A random layer, its bytes and enough copies of it (the first is the layer) to exceed L2 when cycled."""
-    w = make_weight(k, n, bits)
+    w = make_weight(k, n, bits, mixed)
     wbytes = w.weight_bytes()
     return w, wbytes, [w] + [clone_weight(w) for _ in range(max(0, -(-COLD_BYTES // wbytes) - 1))]
 
@@ -290,7 +290,8 @@ def dot16_group_section(bw: float) -> None:
 
 
 def dot16_section(bw: float) -> None:
-    """M = 16 per Llama-3-8B shape, graph-timed on cold weights: the dispatcher's default, then (DOT16_SWEEP) the
+    """M = 16 per Llama-3-8B shape (and the body shapes with mixed 8/5/4/3-bit classes), graph-timed on cold
+    weights: the dispatcher's default and the Triton kernel it replaces (EXL2_MMA4=0), then (DOT16_SWEEP) the
     Gluon kernel over steps per iteration, tile width, K split and ring depth, and the Triton inner loops listed in
     DOT16_LOOPS (`qm.DOT_TILE4` 0, 1, 2) over tile sizes, pipeline depths, warps and K splits."""
     C = qm.MatmulConfig
@@ -298,23 +299,31 @@ def dot16_section(bw: float) -> None:
             for bs, bn, nw, st in ((4, 64, 4, 4), (4, 64, 4, 2), (4, 64, 4, 3), (2, 64, 4, 4), (8, 64, 4, 3),
                                    (4, 128, 4, 3), (4, 128, 8, 3), (4, 32, 4, 4), (2, 128, 4, 4), (8, 128, 8, 3))
             for sp in (1, 4)]
-    for name, k, n, bits in SHAPES:
+    shapes = [s + (False,) for s in SHAPES] + [(f"{s[0]} mixed", *s[1:], True) for s in SHAPES[:4]]
+    for name, k, n, bits, mixed in shapes:
         if over_budget():
             break
-        w, wbytes, copies = cold_weights(k, n, bits)
+        w, wbytes, copies = cold_weights(k, n, bits, mixed)
         x = torch.randn(16, k, device="cuda").half()
         xp = qm.gather_input(x, [w])[0]
         ref = qweight.matmul_torch(x, w)
         path, cfg = qm.choose_config(16, w)
+        qm.MMA4 = False
+        try:
+            t0 = graph_us([lambda w_=w_: qm.permuted_matmul(xp, w_) for w_ in copies])
+            row(name, 16, "Triton kernel (EXL2_MMA4=0)", t0, wbytes, bw, None, rel_err(qm.permuted_matmul(xp, w), ref))
+        finally:
+            qm.MMA4 = True
         t = graph_us([lambda w_=w_: qm.permuted_matmul(xp, w_) for w_ in copies])
-        row(name, 16, "dispatcher default", t, wbytes, bw, None, rel_err(qm.permuted_matmul(xp, w), ref), str(cfg))
+        row(name, 16, "dispatcher default", t, wbytes, bw, t0, rel_err(qm.permuted_matmul(xp, w), ref),
+            f"{cfg}; vs_cublas column = Triton kernel / default")
         if mma_dot.supports(w, 16) and os.environ.get("DOT16_SWEEP", "1") == "1":
             grid = {v: triton.cdiv(n, 32 * v) for v in (1, 2, 4)}
             mcfg = [(bs, v, sp, st) for bs in (2, 4, 8) for v in (1, 2, 4) for st in (3, 4) for sp in (1, 2, 4, 8)
                     if sp == 1 or grid[v] * sp <= 6 * qm.sm_count(w.device)]
-            best = sweep(copies, x, lambda x_, w_, c: mma_dot.mma4(xp, w_, *c), mcfg, ref, f"{name} M=16 mma4")
+            best = sweep(copies, x, lambda x_, w_, c: mma_dot.mma(xp, w_, *c), mcfg, ref, f"{name} M=16 mma")
             if best:
-                row(name, 16, "gluon mma4 best", best[0], wbytes, bw, None, best[2], f"bs, v, split, stages = {best[1]}")
+                row(name, 16, "gluon mma best", best[0], wbytes, bw, None, best[2], f"bs, v, split, stages = {best[1]}")
         for loop in LOOPS:
             # a split only where the tiles alone leave SMs idle
             cands = [c for c in cfgs if c.split == 1 or triton.cdiv(n, c.bn) < 2 * qm.sm_count(w.device)]

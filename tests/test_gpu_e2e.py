@@ -72,21 +72,23 @@ def test_batched_graph_decode_matches_eager():
 
 
 @pytest.mark.parametrize("batch", [8, 16])
-def test_batched_decode_through_the_gluon_kernel_matches_the_twin(batch):
-    """A 4-bit Llama-shaped model decoding `batch` rows (the Gluon tensor-core kernel, grouped for q/k/v and
-    gate/up) against the same step through the PyTorch twins, and through the Triton kernel (EXL2_MMA4 off)."""
+@pytest.mark.parametrize("mixed", [False, True])
+def test_batched_decode_through_the_gluon_kernel_matches_the_twin(batch, mixed):
+    """A Llama-shaped model (4-bit body, or 5/4/3-bit groups in every matrix; 8/6-bit head) decoding `batch` rows
+    (the Gluon tensor-core kernel, grouped for q/k/v and gate/up) against the same step through the PyTorch twins,
+    and through the Triton kernel (EXL2_MMA4 off)."""
     from exl2.kernels import quant_matmul as qm
     from exl2.kernels.backend import force_torch
     from exl2.models.decoder import DecoderModel
     from exl2.models.registry import spec_from_config
-    from exl2.runtime.synthetic import LLAMA3_8B, DictSource, llama_exl2_tensors
+    from exl2.runtime.synthetic import BODY_OPTION, LLAMA3_8B, MIXED_BODY_OPTION, DictSource, llama_exl2_tensors
     from exl2.runtime.weights import WeightLoader
 
     cfg = dict(LLAMA3_8B, num_hidden_layers=2, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
                num_key_value_heads=2, vocab_size=4096)
+    tensors = DictSource(llama_exl2_tensors(cfg, "cuda", body=MIXED_BODY_OPTION if mixed else BODY_OPTION))
     with torch.inference_mode():
-        model = DecoderModel(spec_from_config(cfg), WeightLoader(DictSource(llama_exl2_tensors(cfg, "cuda")),
-                                                                 torch.device("cuda"), torch.float16)).eval()
+        model = DecoderModel(spec_from_config(cfg), WeightLoader(tensors, torch.device("cuda"), torch.float16)).eval()
     cache = PagedKVCache(model.spec, num_pages=batch + 1, page_size=64, device="cuda", dtype=torch.float16)
     table = torch.arange(batch, dtype=torch.int32, device="cuda").view(batch, 1)
     lens = [5 + 3 * b for b in range(batch)]

@@ -11,7 +11,11 @@ import pytest
 
 ATTENTION = [(128, 16), (192, 16), (96, 16), (128, 4)]
 GEMV = [(64, "HAS4"), (16, "HAS4"), (128, "HAS6")]
-MMA4 = [(4, 2, True, False), (1, 1, False, True), (8, 4, False, False), (2, 4, True, False)]
+# (width mask (bit i: qweight.WIDTHS[i]), steps an iteration, V, scale after the mma, zeros): the 4-bit body, GPTQ,
+# the 8/6-bit head, a mixed 5/4/3 body, every width in one matrix
+MMA = [(8, 4, 2, True, False), (8, 1, 1, False, True), (8, 8, 4, False, False), (8, 2, 4, True, False),
+       (3, 4, 2, True, False), (3, 4, 2, False, False), (28, 4, 2, True, False), (63, 2, 1, False, False),
+       (63, 4, 2, True, False)]
 
 
 def _compile_all() -> dict:
@@ -65,18 +69,16 @@ def _compile_all() -> dict:
     from exl2.kernels import mma_dot
     mptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
-    for bs, v, post, zeros in MMA4:
+    for mask, bs, v, post, zeros in MMA:
         for split in (False, True):
-            consts = dict(HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_ON=split, BS=bs, V=v, STAGES=3, POST=post)
-
-            def mma(consts=consts):
-                # the decoded tile must already sit in the mma operand layout (assert_trivial in the kernel)
-                text = ptx(mma_dot._mma4_kernel, mptrs, consts, 4, 1, div=("N", "stride_xm", "stride_om"))
-                return "ok" if "mma.sync" in text and "cp.async" in text else "no mma.sync / cp.async"
+            consts = dict(MASK=mask, HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_ON=split, BS=bs, V=v, STAGES=3, POST=post)
+            key = f"mma-{mask}-{bs}-{v}-{post}-{zeros}-{split}"
             try:
-                out[f"mma4-{bs}-{v}-{post}-{zeros}-{split}"] = mma()
+                # the decoded tile must already sit in the mma operand layout (assert_trivial in the kernel)
+                text = ptx(mma_dot._mma_kernel, mptrs, consts, 4, 1, div=("N", "stride_xm", "stride_om"))
+                out[key] = "ok" if "mma.sync" in text and "cp.async" in text else "no mma.sync / cp.async"
             except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
-                out[f"mma4-{bs}-{v}-{post}-{zeros}-{split}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                out[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     gptrs = {}
     for i in range(3):
         gptrs.update({f"x{i}": "*fp16", f"o{i}": "*fp16", f"p{i}": "*fp32", f"c{i}": "*i32", f"b{i}": "*fp16",
@@ -84,12 +86,12 @@ def _compile_all() -> dict:
     gptrs["x_ptr"] = "*fp16"
     for three in (True, False):
         consts = dict(THREE=three, HAS_ZEROS=False, HAS_BIAS=True, ON0=False, ON1=True, ON2=True, BS=4, V=2,
-                      STAGES=4, POST0=True, POST1=False, POST2=True)
+                      STAGES=4, POST0=True, POST1=False, POST2=True, MASK0=8, MASK1=28, MASK2=8)
         try:
-            text = ptx(mma_dot._mma4_group_kernel, gptrs, consts, 4, 1, div=("N0", "N1", "N2", "stride_xm"))
-            out[f"mma4-group-{three}"] = "ok" if text.count("mma.sync") >= 2 else "no mma.sync"
+            text = ptx(mma_dot._mma_group_kernel, gptrs, consts, 4, 1, div=("N0", "N1", "N2", "stride_xm"))
+            out[f"mma-group-{three}"] = "ok" if text.count("mma.sync") >= 2 else "no mma.sync"
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
-            out[f"mma4-group-{three}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            out[f"mma-group-{three}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return out
 
 
@@ -114,15 +116,15 @@ def test_gemv_prefetches_its_weights_before_its_wait(compiled, bn, width):
     assert compiled[f"gemv-{bn}-{width}"] == "ok"
 
 
-@pytest.mark.parametrize("bs,v,post,zeros", MMA4)
+@pytest.mark.parametrize("mask,bs,v,post,zeros", MMA)
 @pytest.mark.parametrize("split", [False, True])
-def test_gluon_mma4_compiles_with_its_fragment_layouts(compiled, bs, v, post, zeros, split):
-    assert compiled[f"mma4-{bs}-{v}-{post}-{zeros}-{split}"] == "ok"
+def test_gluon_mma_compiles_with_its_fragment_layouts(compiled, mask, bs, v, post, zeros, split):
+    assert compiled[f"mma-{mask}-{bs}-{v}-{post}-{zeros}-{split}"] == "ok"
 
 
 @pytest.mark.parametrize("three", [True, False])
-def test_gluon_mma4_group_compiles(compiled, three):
-    assert compiled[f"mma4-group-{three}"] == "ok"
+def test_gluon_mma_group_compiles(compiled, three):
+    assert compiled[f"mma-group-{three}"] == "ok"
 
 
 if __name__ == "__main__":

@@ -238,8 +238,8 @@ def test_stream_gemv_real_sizes_gpu(per_sm):
 
 
 def test_gluon_kernel_eligibility_and_group_alignment():
-    """Which weights the Gluon kernel takes (single 4-bit class, CUDA only) and where it may scale after the mma:
-    every aligned run of bs steps inside one group."""
+    """Which weights the Gluon kernel takes (CUDA only, at most 16 rows) and where it may scale after the mma:
+    every aligned run of bs steps of every class inside one group."""
     from exl2.kernels import mma_dot
 
     aligned = Exl2Weight.from_tensors(rand_exl2([(4, 128)] * 4, 64), "L")
@@ -249,6 +249,9 @@ def test_gluon_kernel_eligibility_and_group_alignment():
     assert [mma_dot.groups_align(aligned, bs) for bs in (1, 2, 4, 8)] == [True, True, True, False]
     assert [mma_dot.groups_align(odd, bs) for bs in (1, 2, 4)] == [True, True, False]  # 4 + 2 + 4 steps
     assert [mma_dot.groups_align(shifted, bs) for bs in (1, 2, 4)] == [True, False, False]  # 1 + 4 + 3
+    assert [mma_dot.groups_align(mixed, bs) for bs in (1, 2, 4, 8)] == [True, True, True, False]
+    assert not mma_dot.groups_align(Exl2Weight.from_tensors(rand_exl2([(5, 128), (4, 96)], 64), "L"), 4)
+    assert mma_dot.class_steps(mixed) == (0b1100, [0, 0, 4, 4, 0, 0])
     assert not mma_dot.supports(aligned, 8)  # on the CPU
     assert not mma_dot.supports(mixed, 8) and not mma_dot.supports(aligned, 17)
 
@@ -256,10 +259,11 @@ def test_gluon_kernel_eligibility_and_group_alignment():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [5, 16])
-def test_gluon_mma4_matches_twin_gpu(m):
-    """The Gluon tensor-core kernel of 4-bit matrices: EXL2 (with bias) and GPTQ (zeros, act order), a K whose
-    steps divide neither the iteration nor the split, a width that fills no tile, every tile/split variant, and
-    twice per variant (the split counters reset themselves)."""
+def test_gluon_mma_matches_twin_gpu(m):
+    """The Gluon tensor-core kernel: 4-bit EXL2 (with bias) and GPTQ (zeros, act order), a K whose steps divide
+    neither the iteration nor the split, a width that fills no tile, a matrix of every width (8/6/5/4/3/2-bit
+    groups of odd sizes), an 8/6-bit head-like one and a 5/4/3-bit body, every tile/split variant, and twice per
+    variant (the split counters reset themselves)."""
     from exl2.kernels import mma_dot
 
     layout = [(4, 128)] * 31 + [(4, 96)]
@@ -272,6 +276,10 @@ def test_gluon_mma4_matches_twin_gpu(m):
     t = pack_gptq(torch.randint(0, 16, (k, n), generator=g), torch.randint(1, 16, (groups, n), generator=g),
                   (torch.rand(groups, n, generator=g) * 0.02).half(), torch.randint(0, groups, (k,), generator=g))
     ws.append(GptqWeight.from_tensors({f"P.{key}": v.cuda() for key, v in t.items()}, "P", device="cuda"))
+    for layout, n in [(MIXED * 8, 520), ([(8, 128)] * 5 + [(6, 128)] * 27, 2048),
+                      ([(5, 128)] * 4 + [(4, 128)] * 22 + [(3, 128)] * 6, 1024)]:
+        ws.append(Exl2Weight.from_tensors(rand_exl2(layout, n, seed=m + n, device="cuda"), "L", device="cuda"))
+    assert [len(w.classes) for w in ws[3:]] == [6, 2, 3]
     for w in ws:
         assert mma_dot.supports(w, m)
         x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
@@ -279,16 +287,17 @@ def test_gluon_mma4_matches_twin_gpu(m):
         ref = qweight.matmul_torch(x, w)
         for bs, v, split, stages in [(4, 2, 1, 3), (2, 1, 3, 2), (8, 4, 5, 4), (4, 4, 2, 6), (1, 2, 1, 3)]:
             for _ in range(2):
-                _check_close(mma_dot.mma4(xp, w, bs, v, split, stages), ref)
+                _check_close(mma_dot.mma(xp, w, bs, v, split, stages), ref)
         _check_close(qm.quant_matmul(x, w), ref)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [5, 16])
-def test_gluon_mma4_group_matches_twin_gpu(m):
-    """q/k/v-like (three 4-bit weights with bias, one with groups that no iteration aligns with) and gate/up-like
-    (two) weights in one grouped launch, each against the twin, with and without a K split; twice each."""
+def test_gluon_mma_group_matches_twin_gpu(m):
+    """q/k/v-like (three 4-bit weights with bias, one with groups that no iteration aligns with), gate/up-like
+    (two) and mixed-width q/k/v-like weights in one grouped launch, each against the twin, with and without a K
+    split; twice each."""
     from exl2.kernels import mma_dot
 
     qkv = [Exl2Weight.from_tensors(rand_exl2(layout, n, seed=m + i, device="cuda"), "L", device="cuda")
@@ -296,14 +305,18 @@ def test_gluon_mma4_group_matches_twin_gpu(m):
                                             ([(4, 128)] * 16, 512)])]
     gu = [Exl2Weight.from_tensors(rand_exl2([(4, 128)] * 16, 4096, bias=False, seed=m + 5 + i, device="cuda"), "L",
                                   device="cuda") for i in range(2)]
-    for ws in (qkv, gu):
+    mixed = [Exl2Weight.from_tensors(rand_exl2(layout, n, seed=m + 9 + i, device="cuda"), "L", device="cuda")
+             for i, (layout, n) in enumerate([([(5, 128)] * 3 + [(4, 128)] * 11 + [(3, 128)] * 2, 2048),
+                                              ([(6, 128)] * 2 + [(4, 128)] * 14, 512),
+                                              ([(4, 128)] * 16, 512)])]
+    for ws in (qkv, gu, mixed):
         x = torch.randn(m, ws[0].k, dtype=torch.float16, device="cuda")
         refs = [qweight.matmul_torch(x, w) for w in ws]
         buf = qm.gather_input(x, ws, whole=True)
         offsets = [0, ws[0].x_index.numel(), ws[0].x_index.numel() + ws[1].x_index.numel()][:len(ws)]
         for splits in (None, [2, 4, 3][:len(ws)]):
             for _ in range(2):
-                for y, ref in zip(mma_dot.mma4_group(buf, ws, offsets, 4, 2, splits, 4), refs):
+                for y, ref in zip(mma_dot.mma_group(buf, ws, offsets, 4, 2, splits, 4), refs):
                     _check_close(y, ref)
         for y, ref in zip(qm.grouped_matmul(x, ws), refs):
             _check_close(y, ref)

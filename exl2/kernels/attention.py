@@ -28,7 +28,7 @@ import torch
 
 from exl2.kernels import kv_quant
 from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, next_pow2, pdl_args, pdl_sync, prefetch_l2,
-                                  sm_count, tl, triton, use_triton)
+                                  env_choice, sm_count, tl, triton, use_triton)
 from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 
 # Whether the last-arriving split merges (else a separate merge launch), and whether a key block's values are
@@ -37,6 +37,9 @@ from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 # 18.4 µs; batch 16, ctx 128: 10.7 → 11.9), and the load order made no difference (within 0.1 µs everywhere).
 FUSED_MERGE = False
 V_EARLY = False
+# Upper bound on the decode key splits the kernel picks itself (EXL2_ATTN_MAX_SPLITS): with one split a batch's
+# attention needs no merge launch, at the price of one program per (sequence, KV head) walking the whole context.
+MAX_SPLITS = env_choice("EXL2_ATTN_MAX_SPLITS", 32, range(1, 33))
 # (key block, warps) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md)
 TUNING = {("decode", "fp16"): (64, 8), ("decode", "quant"): (64, 4),
           ("prefill", "fp16"): (32, 4), ("prefill", "quant"): (32, 4)}
@@ -482,7 +485,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
     q_blocks = triton.cdiv(max_q_len, tq_per)
     if num_splits is None:
         progs = b * q_blocks * hkv
-        num_splits = 1 if not decode_like else max(1, min(32, triton.cdiv(2 * sm_count(q.device), progs)))
+        num_splits = 1 if not decode_like else max(1, min(MAX_SPLITS, triton.cdiv(2 * sm_count(q.device), progs)))
     split = int(num_splits)
     ks_rows = ks_rows if ks_rows is not None else q
     vs_rows = vs_rows if vs_rows is not None else q

@@ -1,15 +1,18 @@
-"""Tensor-core kernel for 5 to 16 input rows of a 4-bit EXL2/GPTQ matrix, written in Gluon (Triton's explicit-layout
-dialect) so the decoded weights land directly in the registers the tensor-core instruction reads.
+"""Tensor-core kernel for 5 to 16 input rows of an EXL2 (any mix of 2/3/4/5/6/8-bit classes) or 4-bit GPTQ matrix,
+written in Gluon (Triton's explicit-layout dialect) so the decoded weights land directly in the registers the
+tensor-core instruction reads.
 
 Plain Triton decodes into a layout of its choosing and then moves every fp16 weight through shared memory to
 reach the mma operand layout (benchmarks/RESULTS.md, session 7: 10-27 bytes of shared-memory traffic per weight,
 the kernel 5-7x off the bandwidth bound). Here each thread loads exactly the words whose codes its `mma.m16n8k16`
-B fragment holds. In the fragment a thread owns, per column n and per 16 rows of K, the rows
-2q, 2q + 1, 2q + 8, 2q + 9 (q = lane % 4). The permuted input of a 4-bit class (`qweight.PAIR_ORDER`) puts
-position 8j + 4·u1 + 2·u0 + u2 on row-in-word u = u0 + 2·u1 + 4·u2 of low word j, so with the positions as K the
-lane's q = u0 + 2·u1 picks the code pair (q, q + 4) of every word j of its column: one shift, one `lop3` (the
-0x6400 exponent trick) and a packed subtract and multiply give both fp16 weights of one 32-bit fragment register,
-bit-exact with the reference dequantizer. Only the input tile goes through shared memory (once per program).
+B fragment holds. In the fragment a thread owns, per column and per 16 rows of K, the rows 2q, 2q + 1, 2q + 8,
+2q + 9 (q = lane % 4): with the permuted input's positions as K, register j of a 32-row step holds positions
+8j + 2q and 8j + 2q + 1. Which stored rows those are depends on the class's input order (`qweight.x_index`:
+`PAIR_ORDER` for 4-bit, `PAIR_ORDER6` for 6-bit, stored order otherwise), and each width has a decoder that
+builds that register from the words holding them with a few shifts, byte permutes and `lop3`s, plus the 0x6400
+exponent trick and one packed subtract (and multiply by the scale): bit-exact with the reference dequantizer.
+`convert_layout(assert_trivial=True)` proves at compile time that the decoded tile is the fragment. Only the
+input tile goes through shared memory (once per program).
 
 GPU only (Gluon has no interpreter); `quant_matmul` uses it where `supports()` and falls back to `_dot_kernel`.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels.backend import INTERPRET, counters, triton
+from exl2.kernels.qweight import WIDTHS, split_bits
 
 try:
     from triton.experimental import gluon
@@ -29,35 +33,109 @@ try:
 except Exception:  # noqa: BLE001 - an older Triton (or none): the Triton kernel serves every shape
     HAVE_GLUON = False
 
-if HAVE_GLUON:
-    # One instance per fragment register: the code pair (q, q + 4) of low word $1 (shifted right by $3) as two fp16
-    # (1024 + code), minus 1024 + the zero point, times the scale, both fp16 pairs ($5, and $7 for the zeros): the
-    # low half is row-in-word q, the high half q + 4 (one fp16 rounding, as the reference dequantizer). The RAW
-    # variant leaves the scale to be applied after the mma.
-    _PAIR_CODES = """
-    .reg .b32 t, z;
-    shr.u32 t, $1, $3;
-    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-    """
-    _PAIR_ASM = gl.constexpr("{" + _PAIR_CODES + """
-    mov.b32 z, 0x64086408;
-    sub.f16x2 t, t, z;
-    mul.rn.f16x2 $0, t, $5;
-    }""")
-    _PAIR_RAW_ASM = gl.constexpr("{" + _PAIR_CODES + """
-    mov.b32 z, 0x64086408;
-    sub.f16x2 $0, t, z;
-    }""")
-    _PAIR_ZERO_ASM = gl.constexpr("{" + _PAIR_CODES + """
-    sub.f16x2 t, t, $7;
-    mul.rn.f16x2 $0, t, $5;
-    }""")
 
-    # Register layouts of the cp.async copies (16 bytes a thread): words [BS·4, 32·V] int32, scales [BS, 32·V]
-    # fp16, input [16, 32·BS] fp16. The pointer tensors built once per program and the masks built per issue
-    # must share them.
+def _asm(body: str, zero: int | None, scaled: bool) -> str:
+    """One fragment register from `body` (which leaves the two codes in the low 10 bits of each half of `t`, OR-ed
+    with 0x6400: fp16 1024 + code), minus 1024 + the class's zero point (or the zeros operand `$7`), times the
+    scale (the last operand) unless the scale is applied after the mma."""
+    sub = f"mov.b32 z, {0x64006400 | zero << 16 | zero:#x};\n    sub.f16x2 t, t, z;" if zero is not None else \
+        "sub.f16x2 t, t, $7;"
+    tail = "mul.rn.f16x2 $0, t, $SC;" if scaled else "mov.b32 $0, t;"
+    return "{\n    .reg .b32 t, z, u, y;\n    " + body.strip() + "\n    " + sub + "\n    " + tail + "\n}"
+
+
+# Decoders, one per width: operand registers are $1, $3, $5, ... (each operand is packed in pairs; the second
+# register of a pair is the same value). Register j of a step holds positions p = 8j + 2q + h (h the half).
+_BODIES = {
+    # PAIR_ORDER: p holds row 8j + q + 4h: the code pair (q, q + 4) of low word j, bits 4q and 4q + 16. ($1 word,
+    # $3 = 4q)
+    4: ("shr.u32 t, $1, $3;\n    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;", 2),
+    # stored order: rows 8j + 2q + h are bytes 2(q % 2) + h of word 2j + q / 2; one byte permute puts them under
+    # 0x64 bytes. ($1 word, $3 the selector)
+    8: ("mov.b32 u, 0x64646464;\n    prmt.b32 t, $1, u, $3;", 2),
+    # PAIR_ORDER6: p holds row r + 16h, r = 4j + q: its low nibble in low word j / 2 + 2h, byte 2(j % 2) + q / 2,
+    # nibble q % 2; its top 2 bits in high word h, byte j, bits 2q. ($1, $3 low words h = 0, 1; $5, $7 high words;
+    # $9 low-byte selector, $11 = 4(q % 2); $13 high-byte selector (to bytes 1, 3), $15 = 4 + 2q)
+    6: ("prmt.b32 t, $1, $3, $9;\n    shr.u32 t, t, $11;\n    prmt.b32 y, $5, $7, $13;\n    shr.u32 y, y, $15;\n"
+        "    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n    lop3.b32 t, y, 0x00300030, t, 0xEA;", 8),
+    # stored order: rows 8j + 2q + h: low nibbles are byte q of low word j; top bits are bits 8j + 2q + h of the
+    # high word. ($1 low word, $3 high word, $5 selector (byte q to bytes 0 and 2), $7 = 8j + 2q)
+    5: ("prmt.b32 t, $1, $1, $5;\n    shr.u32 y, t, 4;\n    lop3.b32 t, t, y, 0x0000FFFF, 0xE4;\n"
+        "    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n    shr.u32 u, $3, $7;\n    and.b32 u, u, 3;\n"
+        "    mul.lo.u32 u, u, 0x00080010;\n    lop3.b32 t, u, 0x00100010, t, 0xEA;", 4),
+    # stored order: rows 8j + 2q + h: low 2 bits at bit 16(j % 2) + 4q + 2h of low word j / 2; top bit at bit
+    # 8j + 2q + h of the high word. ($1 low word, $3 high word, $5 = 16(j % 2) + 4q, $7 = 8j + 2q)
+    3: ("shr.u32 t, $1, $5;\n    and.b32 t, t, 0xF;\n    mul.lo.u32 t, t, 0x4001;\n    shr.u32 u, $3, $7;\n"
+        "    and.b32 u, u, 3;\n    mul.lo.u32 u, u, 0x00020004;\n    lop3.b32 t, t, 0x00030003, 0x64006400, 0xEA;\n"
+        "    lop3.b32 t, u, 0x00040004, t, 0xEA;", 4),
+    # stored order, as the 3-bit low words. ($1 low word, $3 = 16(j % 2) + 4q)
+    2: ("shr.u32 t, $1, $3;\n    and.b32 t, t, 0xF;\n    mul.lo.u32 t, t, 0x4001;\n"
+        "    lop3.b32 t, t, 0x00030003, 0x64006400, 0xEA;", 2),
+}
+
+
+def _decoder(bits: int, scaled: bool, zeros: bool = False) -> str:
+    body, n_ops = _BODIES[bits]
+    return _asm(body, None if zeros else 1 << (bits - 1), scaled).replace("$SC", f"${2 * n_ops + 1}")
+
+
+if HAVE_GLUON:
+    _D8, _D8R = gl.constexpr(_decoder(8, True)), gl.constexpr(_decoder(8, False))
+    _D6, _D6R = gl.constexpr(_decoder(6, True)), gl.constexpr(_decoder(6, False))
+    _D5, _D5R = gl.constexpr(_decoder(5, True)), gl.constexpr(_decoder(5, False))
+    _D4, _D4R = gl.constexpr(_decoder(4, True)), gl.constexpr(_decoder(4, False))
+    _D3, _D3R = gl.constexpr(_decoder(3, True)), gl.constexpr(_decoder(3, False))
+    _D2, _D2R = gl.constexpr(_decoder(2, True)), gl.constexpr(_decoder(2, False))
+    # GPTQ (4-bit with zeros): the zeros operand ($5) replaces the class's zero point, the scale is $7
+    # GPTQ (4-bit with zeros): operands word, shift, scale ($5), zeros + 1024 ($7)
+    _D4Z = gl.constexpr(_decoder(4, True, zeros=True))
+
+    # The decoded tile's dimensions: [step s, jhi, jlo, qhi, qlo, column / V, column % V, half h], register
+    # j = 2·jhi + jlo of the step, lane q = 2·qhi + qlo (the fragment's k bits 1-2), columns / V on lanes 2-4 and
+    # the warps; s, j, the V adjacent columns and h in registers (h fastest: one packed fp16 pair).
+    @gluon.constexpr_function
+    def _tile_layout(v):
+        return gl.BlockedLayout([1, 1, 1, 1, 1, 1, int(getattr(v, "value", v)), 2], [1, 1, 1, 2, 2, 8, 1, 1], [1, 1, 1, 1, 1, 4, 1, 1],
+                                [7, 6, 4, 3, 2, 1, 0, 5])
+
+    @gluon.constexpr_function
+    def _sub(keep, v):
+        """`_tile_layout` with the dimensions not in the bit mask `keep` sliced away (what an operand that does
+        not depend on them is loaded or computed in; `_widen` puts them back)."""
+        lay = _tile_layout(v)
+        for d in reversed(range(8)):
+            if not int(getattr(keep, "value", keep)) >> d & 1:
+                lay = gl.SliceLayout(d, lay)
+        return lay
+
+    @gluon.jit
+    def _widen(t, KEEP: gl.constexpr):
+        for d in gl.static_range(8):
+            if (KEEP >> d) & 1 == 0:
+                t = gl.expand_dims(t, d)
+        return t
+
+    @gluon.jit
+    def _coord(D: gl.constexpr, V: gl.constexpr):
+        """0/1 along tile dimension D (jhi 1, jlo 2, qhi 3, qlo 4), size 1 elsewhere."""
+        return _widen(gl.arange(0, 2, layout=_sub(1 << D, V)), 1 << D)
+
+    @gluon.jit
+    def _words(view, KEEP: gl.constexpr, V: gl.constexpr):
+        """A [.., BS, 32·V] word view (leading word dims as in KEEP's order) loaded with each thread holding
+        what its fragment needs, widened to the tile's 8 dimensions."""
+        return _widen(view.load(_sub(KEEP, V)), KEEP)
+
+    # Register layouts of the cp.async copies (16 bytes a thread): words [rows, BS, 32·V] int32, scales
+    # [BS, 32·V] fp16, input [16, 32·BS] fp16. The pointer tensors built once per program and the masks built per
+    # issue must share them.
     @gluon.constexpr_function
     def _copy_words(v):
+        v = int(getattr(v, "value", v))
+        return gl.BlockedLayout([1, 1, 4], [1, 4 // v, 8 * v], [4, 1, 1], [2, 1, 0])
+
+    @gluon.constexpr_function
+    def _copy_row(v):
         v = int(getattr(v, "value", v))
         return gl.BlockedLayout([1, 4], [4 // v, 8 * v], [4, 1], [1, 0])
 
@@ -87,21 +165,56 @@ if HAVE_GLUON:
                                           warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, v])
 
     @gluon.jit
-    def _issue(wbuf, sbuf, zbuf, xbuf, stage, w_ptrs, x_ptrs, sc_ptr, zr_ptr, grp, s0, s_lo, s_hi, N, M, col0,
-               HAS_ZEROS: gl.constexpr, BS: gl.constexpr, BN: gl.constexpr, POST: gl.constexpr):
-        """cp.async of the iteration at step s0 into `stage` of the shared-memory rings (zeros past s_hi): words
-        [BS·4, BN] (`w_ptrs` point at s_lo's), scales (and zeros) [BS, BN] of groups `grp`, or with POST the one
-        scale row [1, BN] of group `grp`, and the input [16, BS·32] (`x_ptrs` at s_lo's)."""
-        V: gl.constexpr = BN // 32
+    def _copy_rows(buf, ptrs, s0, s_hi, N, col0, BS: gl.constexpr, V: gl.constexpr):
+        """cp.async of word rows [R, BS, 32·V] (or one row [BS, 32·V]) of the iteration at s0 (`ptrs` already at
+        it) into `buf`, zeros for the steps past s_hi and the columns past N."""
+        if len(ptrs.shape) == 3:
+            CW: gl.constexpr = _copy_words(V)
+            sr = gl.arange(0, BS, layout=gl.SliceLayout(0, gl.SliceLayout(2, CW)))
+            wc = col0 + gl.arange(0, 32 * V, layout=gl.SliceLayout(0, gl.SliceLayout(1, CW)))
+            ok = gl.expand_dims(gl.expand_dims(s0 + sr < s_hi, 0), 2) & gl.expand_dims(gl.expand_dims(wc < N, 0), 1)
+            ok = ok & (gl.zeros([ptrs.shape[0], 1, 1], gl.int32, CW) == 0)
+        else:
+            CR: gl.constexpr = _copy_row(V)
+            sr = gl.arange(0, BS, layout=gl.SliceLayout(1, CR))
+            wc = col0 + gl.arange(0, 32 * V, layout=gl.SliceLayout(0, CR))
+            ok = gl.expand_dims(s0 + sr < s_hi, 1) & gl.expand_dims(wc < N, 0)
+        async_copy.async_copy_global_to_shared(buf, ptrs, mask=ok)
+
+    @gluon.jit
+    def _word_ptrs(qw_ptr, word0, row0, col0, N, ROWS: gl.constexpr, BITS: gl.constexpr, BS: gl.constexpr,
+                   V: gl.constexpr):
+        """Pointers to words row0 + r (r < ROWS; ROWS = 0: the one row row0, 2-d) of each step s from word0, the
+        columns from col0: [ROWS, BS, 32·V] or [BS, 32·V]."""
+        if ROWS == 0:
+            CR: gl.constexpr = _copy_row(V)
+            s = gl.arange(0, BS, layout=gl.SliceLayout(1, CR))
+            c = col0 + gl.arange(0, 32 * V, layout=gl.SliceLayout(0, CR))
+            row = gl.expand_dims(row0 + s * BITS, 1)
+            ptrs = qw_ptr + word0.to(gl.int64) * N + row.to(gl.int64) * N + gl.expand_dims(c, 0)
+        else:
+            CW: gl.constexpr = _copy_words(V)
+            r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CW)))
+            s = gl.arange(0, BS, layout=gl.SliceLayout(0, gl.SliceLayout(2, CW)))
+            c = col0 + gl.arange(0, 32 * V, layout=gl.SliceLayout(0, gl.SliceLayout(1, CW)))
+            row = gl.expand_dims(gl.expand_dims(row0 + r, 1), 2) + gl.expand_dims(gl.expand_dims(s * BITS, 0), 2)
+            ptrs = qw_ptr + word0.to(gl.int64) * N + row.to(gl.int64) * N + gl.expand_dims(gl.expand_dims(c, 0), 1)
+        return ptrs
+
+    @gluon.jit
+    def _issue(wb, sbuf, zbuf, xbuf, stage, wp, x_ptrs, sc_ptr, zr_ptr, grp, s0, s_lo, s_hi, N, M, col0,
+               BITS: gl.constexpr, HAS_ZEROS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr, POST: gl.constexpr):
+        """cp.async of the iteration at step s0 into `stage` of the shared-memory rings (zeros past s_hi): the
+        class's word rings `wb` from the pointers `wp` (`_word_bufs`, pointing at s_lo's), scales (and zeros)
+        [BS, BN] of groups `grp`, or with POST the one scale row [1, BN] of group `grp`, and the input
+        [16, BS·32] (`x_ptrs` at s_lo's)."""
+        BN: gl.constexpr = 32 * V
         K: gl.constexpr = BS * 32
-        CW: gl.constexpr = _copy_words(V)
         CS: gl.constexpr = _copy_scales(V)
         CX: gl.constexpr = _copy_input(BS)
-        wr = gl.arange(0, BS * 4, layout=gl.SliceLayout(1, CW))
-        wc = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CW))
-        ok_w = gl.expand_dims(s0 + wr // 4 < s_hi, 1) & gl.expand_dims(wc < N, 0)
-        async_copy.async_copy_global_to_shared(wbuf.index(stage), w_ptrs + (s0 - s_lo).to(gl.int64) * 4 * N,
-                                               mask=ok_w)
+        step = (s0 - s_lo).to(gl.int64) * BITS * N
+        for i in gl.static_range(len(wb)):
+            _copy_rows(wb[i].index(stage), wp[i] + step, s0, s_hi, N, col0, BS, V)
         scn = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CS))
         if POST:
             g_off = gl.expand_dims(gl.zeros([1], gl.int64, gl.SliceLayout(1, CS)) + grp.to(gl.int64) * N, 1)
@@ -123,6 +236,44 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _word_bufs(qw_ptr, word0, col0, N, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
+                   STAGES: gl.constexpr):
+        """The class's shared-memory word rings and the pointers that fill them, one ring per run of words the
+        decoder views as one tensor: low words (6-bit: words 0-1 and 2-3), then each high word."""
+        BN: gl.constexpr = 32 * V
+        R3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        if BITS == 8:
+            wb = (gl.allocate_shared_memory(gl.int32, [STAGES, 8, BS, BN], R3),)
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 8, BITS, BS, V),)
+        elif BITS == 6:
+            wb = (gl.allocate_shared_memory(gl.int32, [STAGES, 2, BS, BN], R3),
+                  gl.allocate_shared_memory(gl.int32, [STAGES, 2, BS, BN], R3),
+                  gl.allocate_shared_memory(gl.int32, [STAGES, BS, BN], R2),
+                  gl.allocate_shared_memory(gl.int32, [STAGES, BS, BN], R2))
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),
+                  _word_ptrs(qw_ptr, word0, 2, col0, N, 2, BITS, BS, V),
+                  _word_ptrs(qw_ptr, word0, 4, col0, N, 0, BITS, BS, V),
+                  _word_ptrs(qw_ptr, word0, 5, col0, N, 0, BITS, BS, V))
+        elif BITS == 5:
+            wb = (gl.allocate_shared_memory(gl.int32, [STAGES, 4, BS, BN], R3),
+                  gl.allocate_shared_memory(gl.int32, [STAGES, BS, BN], R2))
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 4, BITS, BS, V),
+                  _word_ptrs(qw_ptr, word0, 4, col0, N, 0, BITS, BS, V))
+        elif BITS == 4:
+            wb = (gl.allocate_shared_memory(gl.int32, [STAGES, 4, BS, BN], R3),)
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 4, BITS, BS, V),)
+        elif BITS == 3:
+            wb = (gl.allocate_shared_memory(gl.int32, [STAGES, 2, BS, BN], R3),
+                  gl.allocate_shared_memory(gl.int32, [STAGES, BS, BN], R2))
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),
+                  _word_ptrs(qw_ptr, word0, 2, col0, N, 0, BITS, BS, V))
+        else:
+            wb = (gl.allocate_shared_memory(gl.int32, [STAGES, 2, BS, BN], R3),)
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),)
+        return wb, wp
+
+    @gluon.jit
     def _groups(sg_ptr, s0, s_hi, BS: gl.constexpr, V: gl.constexpr, POST: gl.constexpr):
         """The group index of the iteration at s0 (POST: one, else one per step), for `_issue`."""
         CS: gl.constexpr = _copy_scales(V)
@@ -134,100 +285,126 @@ if HAVE_GLUON:
         return g
 
     @gluon.jit
-    def _mma4_tile(pid_n, pid_k, x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
-                   M, N, stride_xm, stride_om, SPLIT, first_step, n_steps, first_word,
-                   HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
+    def _asm2(ASM: gl.constexpr, ops, full):
+        """One decoder over the tile: every operand broadcast to `full`, one packed fp16 pair per register."""
+        return gl.inline_asm_elementwise(ASM, "=r" + ",r" * (2 * len(ops)), [gl.broadcast(o, full)[0] for o in ops],
+                                         dtype=gl.float16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _decode(wb, stage, sc, zr, full, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
+                SCALED: gl.constexpr, HAS_ZEROS: gl.constexpr):
+        """The step tile [BS, 2, 2, 2, 2, 32, V, 2] of fp16 weights (see `_tile_layout`) from `stage` of the class's
+        word rings `wb` (`_word_bufs`); `sc` (`zr`) the packed scales (zeros) when SCALED."""
+        qhi = _coord(3, V)
+        qlo = _coord(4, V)
+        jhi = _coord(1, V)
+        jlo = _coord(2, V)
+        q = 2 * qhi + qlo
+        j = 2 * jhi + jlo
+        S: gl.constexpr = 1 | 1 << 5 | 1 << 6  # step and columns: what every word operand depends on
+        if BITS == 4:
+            w = _words(wb[0].index(stage).reshape([2, 2, BS, 32, V]).permute([2, 0, 1, 3, 4]), S | 6, V)
+            if HAS_ZEROS:
+                d = _asm2(_D4Z, (w, 4 * q, sc, zr), full)
+            elif SCALED:
+                d = _asm2(_D4, (w, 4 * q, sc), full)
+            else:
+                d = _asm2(_D4R, (w, 4 * q), full)
+        elif BITS == 8:
+            w = _words(wb[0].index(stage).reshape([2, 2, 2, BS, 32, V]).permute([3, 0, 1, 2, 4, 5]), S | 14, V)
+            if SCALED:
+                d = _asm2(_D8, (w, 0x4140 + qlo * 0x0202, sc), full)
+            else:
+                d = _asm2(_D8R, (w, 0x4140 + qlo * 0x0202), full)
+        elif BITS == 6:
+            lo0 = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            lo1 = _words(wb[1].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            hi0 = _words(wb[2].index(stage).reshape([BS, 32, V]), S, V)
+            hi1 = _words(wb[3].index(stage).reshape([BS, 32, V]), S, V)
+            k = 2 * jlo + qhi
+            sel_lo = ((4 + k) << 8) | k
+            sel_hi = ((4 + j) << 12) | (j << 4)
+            if SCALED:
+                d = _asm2(_D6, (lo0, lo1, hi0, hi1, sel_lo, 4 * qlo, sel_hi, 4 + 2 * q, sc), full)
+            else:
+                d = _asm2(_D6R, (lo0, lo1, hi0, hi1, sel_lo, 4 * qlo, sel_hi, 4 + 2 * q), full)
+        elif BITS == 5:
+            lo = _words(wb[0].index(stage).reshape([2, 2, BS, 32, V]).permute([2, 0, 1, 3, 4]), S | 6, V)
+            hi = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
+            if SCALED:
+                d = _asm2(_D5, (lo, hi, (q << 8) | q, 8 * j + 2 * q, sc), full)
+            else:
+                d = _asm2(_D5R, (lo, hi, (q << 8) | q, 8 * j + 2 * q), full)
+        elif BITS == 3:
+            lo = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            hi = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
+            if SCALED:
+                d = _asm2(_D3, (lo, hi, 16 * jlo + 4 * q, 8 * j + 2 * q, sc), full)
+            else:
+                d = _asm2(_D3R, (lo, hi, 16 * jlo + 4 * q, 8 * j + 2 * q), full)
+        else:
+            gl.static_assert(BITS == 2)
+            lo = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            if SCALED:
+                d = _asm2(_D2, (lo, 16 * jlo + 4 * q, sc), full)
+            else:
+                d = _asm2(_D2R, (lo, 16 * jlo + 4 * q), full)
+        return d
+
+    @gluon.jit
+    def _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
+                   pid_k, SPLIT, first_step, n_steps, first_word, BITS: gl.constexpr, HAS_ZEROS: gl.constexpr,
                    BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
-        """out[:M, tile] (or this split's partial) = x · W over a 4-bit class, BS steps of 32 rows per iteration
-        and a tile of BN = 32·V columns. Words, scales and input reach shared memory by cp.async, STAGES - 1
-        iterations ahead; each thread then reads the words of its fragment (a quad's lanes share them). The
-        fragment's column n is stored column (n % 32)·V + n // 32 of the tile, so each thread's V columns are
-        adjacent in memory (one V-word read per word row). POST (every iteration's steps share one group, no
-        zeros): the codes enter the mma as exact (code - 8) and each iteration's product is scaled in fp32
-        (4·V multiplies a thread instead of one packed multiply per weight pair)."""
-        gl.static_assert(gl.num_warps() == 4)
+        """acc += this program's share of x · W over one width class: BS steps of 32 rows per iteration, words,
+        scales and input brought to shared memory by cp.async STAGES - 1 iterations ahead. POST (every
+        iteration's steps share one group, no zeros): the codes enter the mma as exact (code - zero point) and
+        each iteration's product is scaled in fp32 (4·V multiplies a thread instead of one per weight pair)."""
         BN: gl.constexpr = 32 * V
         K: gl.constexpr = BS * 32
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        # [step, low word j, lane pair q, column / V, column % V, code pair]: q on lanes 0-1 (the fragment's k bits
-        # 1-2), columns / V on lanes 2-4 and the warps, the rest in registers.
-        W6: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, V, 2], [1, 1, 4, 8, 1, 1], [1, 1, 1, 4, 1, 1],
-                                            [5, 4, 2, 1, 0, 3])
-        L5: gl.constexpr = gl.SliceLayout(5, W6)  # [s, j, q, c, v]
-        L4: gl.constexpr = gl.SliceLayout(2, L5)  # [s, j, c, v]: the words (a quad's lanes read the same ones)
-        L3: gl.constexpr = gl.SliceLayout(1, L4)  # [s, c, v]: the scales
-        O_L: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        XS: gl.constexpr = gl.SwizzledSharedLayout(8, max(1, 64 // K), 8, [1, 0])
+        T8: gl.constexpr = _tile_layout(V)
+        CX: gl.constexpr = _copy_input(BS)
 
         nb = gl.cdiv(n_steps, BS)  # splits at iteration boundaries, so POST's iterations stay inside groups
         s_lo = first_step + (nb * pid_k) // SPLIT * BS
         s_hi = gl.minimum(first_step + (nb * (pid_k + 1)) // SPLIT * BS, first_step + n_steps)
-        col0 = pid_n * BN
-
-        wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BS * 4, BN], PLAIN)
-        sbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 1 if POST else BS, BN], PLAIN)
-        zbuf = gl.allocate_shared_memory(gl.float16, [STAGES if HAS_ZEROS else 1, BS, BN], PLAIN)
-        xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 16, K], XS)
-        CW: gl.constexpr = _copy_words(V)
-        CX: gl.constexpr = _copy_input(BS)
-        wr = gl.arange(0, BS * 4, layout=gl.SliceLayout(1, CW))
-        wc = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CW))
-        w_ptrs = (qw_ptr + (first_word + (s_lo - first_step) * 4).to(gl.int64) * N
-                  + gl.expand_dims(wr * N, 1) + gl.expand_dims(wc, 0))
+        word0 = first_word + (s_lo - first_step) * BITS
+        wb, wp = _word_bufs(qw_ptr, word0, col0, N, BITS, BS, V, STAGES)
         xm = gl.arange(0, 16, layout=gl.SliceLayout(1, CX))
         x_ptrs = (x_ptr + gl.expand_dims(xm * stride_xm, 1)
                   + gl.expand_dims(s_lo * 32 + gl.arange(0, K, layout=gl.SliceLayout(0, CX)), 0))
         for p in gl.static_range(STAGES - 1):
-            _issue(wbuf, sbuf, zbuf, xbuf, p, w_ptrs, x_ptrs, sc_ptr, zr_ptr,
-                   _groups(sg_ptr, s_lo + p * BS, s_hi, BS, V, POST), s_lo + p * BS, s_lo, s_hi, N, M, col0,
-                   HAS_ZEROS, BS, BN, POST)
+            _issue(wb, sbuf, zbuf, xbuf, p, wp, x_ptrs, sc_ptr, zr_ptr, _groups(sg_ptr, s_lo + p * BS, s_hi, BS, V, POST),
+                   s_lo + p * BS, s_lo, s_hi, N, M, col0, BITS, HAS_ZEROS, BS, V, POST)
         grp_n = _groups(sg_ptr, s_lo + (STAGES - 1) * BS, s_hi, BS, V, POST)
 
-        qq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4,
-                                                                                                          L5)))))
-        shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qq * 4, 0), 1), 3), 4),
-                               5)  # [1, 1, q, 1, 1, 1]
-        acc = gl.zeros([16, BN], gl.float32, MMA)
+        full = gl.full([BS, 2, 2, 2, 2, 32, V, 2], 0, gl.int32, T8)
         n_it = gl.cdiv(s_hi - s_lo, BS)
         for it in range(0, n_it):
             stage = it % STAGES
             async_copy.wait_group(STAGES - 2)
             _barrier()  # every warp's copies of this stage landed, and every warp is done with the stage reused next
             s_next = s_lo + (it + STAGES - 1) * BS
-            _issue(wbuf, sbuf, zbuf, xbuf, (it + STAGES - 1) % STAGES, w_ptrs, x_ptrs, sc_ptr, zr_ptr, grp_n, s_next,
-                   s_lo, s_hi, N, M, col0, HAS_ZEROS, BS, BN, POST)
+            _issue(wb, sbuf, zbuf, xbuf, (it + STAGES - 1) % STAGES, wp, x_ptrs, sc_ptr, zr_ptr, grp_n, s_next, s_lo,
+                   s_hi, N, M, col0, BITS, HAS_ZEROS, BS, V, POST)
             grp_n = _groups(sg_ptr, s_next + BS, s_hi, BS, V, POST)  # in flight until the next iteration's issue
-            w = wbuf.index(stage).reshape([BS, 4, 32, V]).load(L4)
             xt = xbuf.index(stage).load(A_L)
-
-            pair = gl.full([BS, 4, 4, 32, V, 2], 0, gl.int32, W6)
-            w6 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 5), pair)[0]
-            sh6 = gl.broadcast(shift, pair)[0]
             if POST:
                 row = sbuf.index(stage).reshape([32, V]).load(_row_layout(V))
                 row = gl.convert_layout(gl.reshape(gl.permute(row, (1, 0)), [BN]), gl.SliceLayout(0, MMA),
                                         assert_trivial=True)
-                d = gl.inline_asm_elementwise(_PAIR_RAW_ASM, "=r,r,r,r,r", [w6, sh6], dtype=gl.float16,
-                                              is_pure=True, pack=2)
-            elif HAS_ZEROS:
-                sc = sbuf.index(stage).reshape([BS, 32, V]).load(L3)
-                sc6 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(_pair_bits(sc), 1), 2), 5),
-                                   pair)[0]
-                z = zbuf.index(stage).reshape([BS, 32, V]).load(L3) + 1024.0
-                z6 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(_pair_bits(z), 1), 2), 5), pair)[0]
-                d = gl.inline_asm_elementwise(_PAIR_ZERO_ASM, "=r,r,r,r,r,r,r,r,r", [w6, sh6, sc6, z6],
-                                              dtype=gl.float16, is_pure=True, pack=2)
+                d = _decode(wb, stage, full, full, full, BITS, BS, V, False, False)
             else:
-                sc = sbuf.index(stage).reshape([BS, 32, V]).load(L3)
-                sc6 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(_pair_bits(sc), 1), 2), 5),
-                                   pair)[0]
-                d = gl.inline_asm_elementwise(_PAIR_ASM, "=r,r,r,r,r,r,r", [w6, sh6, sc6], dtype=gl.float16,
-                                              is_pure=True, pack=2)
-            # rows s·32 + 8j + 2q + pair (the input's positions), columns v·32 + c
-            b = gl.reshape(gl.permute(d, (0, 1, 2, 5, 4, 3)), [K, BN])
+                S: gl.constexpr = 1 | 1 << 5 | 1 << 6
+                sc = _widen(_pair_bits(sbuf.index(stage).reshape([BS, 32, V]).load(_sub(S, V))), S)
+                zr = sc
+                if HAS_ZEROS:
+                    zr = _widen(_pair_bits(zbuf.index(stage).reshape([BS, 32, V]).load(_sub(S, V)) + 1024.0), S)
+                d = _decode(wb, stage, sc, zr, full, BITS, BS, V, True, HAS_ZEROS)
+            # rows s·32 + 8j + 2q + h (the input's positions), columns v·32 + c
+            b = gl.reshape(gl.permute(d, (0, 1, 2, 3, 4, 7, 6, 5)), [K, BN])
             b = gl.convert_layout(b, B_L, assert_trivial=True)
             if POST:
                 part = mma_v2(xt, b, gl.zeros([16, BN], gl.float32, MMA))
@@ -235,6 +412,62 @@ if HAVE_GLUON:
             else:
                 acc = mma_v2(xt, b, acc)
         async_copy.wait_group(0)
+        _barrier()  # the next class reuses the rings
+        return acc
+
+    @gluon.jit
+    def _mma_tile(pid_n, pid_k, x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
+                  M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
+                  MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
+                  BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
+        """out[:M, tile] (or this split's partial) = x · W over a tile of BN = 32·V columns: each width class of
+        MASK (bit i: WIDTHS[i], n8..n2 their step counts, classes stored in that order) in turn, one accumulator.
+        The fragment's column n is stored column (n % 32)·V + n // 32 of the tile, so each thread's V columns are
+        adjacent in memory (one V-word read per word row)."""
+        gl.static_assert(gl.num_warps() == 4)
+        BN: gl.constexpr = 32 * V
+        K: gl.constexpr = BS * 32
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+        O_L: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        XS: gl.constexpr = gl.SwizzledSharedLayout(8, max(1, 64 // K), 8, [1, 0])
+
+        col0 = pid_n * BN
+        sbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 1 if POST else BS, BN], PLAIN)
+        zbuf = gl.allocate_shared_memory(gl.float16, [STAGES if HAS_ZEROS else 1, BS, BN], PLAIN)
+        xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 16, K], XS)
+
+        acc = gl.zeros([16, BN], gl.float32, MMA)
+        s0 = 0
+        w0 = 0
+        if MASK & 1:
+            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
+                             stride_xm, col0, pid_k, SPLIT, s0, n8, w0, 8, HAS_ZEROS, BS, V, STAGES, POST)
+        s0 += n8
+        w0 += n8 * 8
+        if MASK & 2:
+            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
+                             stride_xm, col0, pid_k, SPLIT, s0, n6, w0, 6, HAS_ZEROS, BS, V, STAGES, POST)
+        s0 += n6
+        w0 += n6 * 6
+        if MASK & 4:
+            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
+                             stride_xm, col0, pid_k, SPLIT, s0, n5, w0, 5, HAS_ZEROS, BS, V, STAGES, POST)
+        s0 += n5
+        w0 += n5 * 5
+        if MASK & 8:
+            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
+                             stride_xm, col0, pid_k, SPLIT, s0, n4, w0, 4, HAS_ZEROS, BS, V, STAGES, POST)
+        s0 += n4
+        w0 += n4 * 4
+        if MASK & 16:
+            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
+                             stride_xm, col0, pid_k, SPLIT, s0, n3, w0, 3, HAS_ZEROS, BS, V, STAGES, POST)
+        s0 += n3
+        w0 += n3 * 3
+        if MASK & 32:
+            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
+                             stride_xm, col0, pid_k, SPLIT, s0, n2, w0, 2, HAS_ZEROS, BS, V, STAGES, POST)
 
         res = gl.convert_layout(acc, O_L)
         om = gl.arange(0, 16, layout=gl.SliceLayout(1, O_L))
@@ -262,49 +495,71 @@ if HAVE_GLUON:
                 gl.atomic_xchg(cnt_ptr + pid_n, 0)
 
     @gluon.jit
-    def _mma4_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
-                     M, N, stride_xm, stride_om, SPLIT, first_step, n_steps, first_word,
-                     HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
-                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
-        _mma4_tile(gl.program_id(0), gl.program_id(1), x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr,
-                   zr_ptr, sg_ptr, M, N, stride_xm, stride_om, SPLIT, first_step, n_steps, first_word, HAS_ZEROS,
-                   HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST)
+    def _mma_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
+                    M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
+                    MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
+                    BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
+        _mma_tile(gl.program_id(0), gl.program_id(1), x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr,
+                  zr_ptr, sg_ptr, M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2, MASK, HAS_ZEROS,
+                  HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST)
 
     @gluon.jit
-    def _mma4_group_kernel(x_ptr, M, stride_xm,
-                           x0, o0, p0, c0, b0, q0, s0, z0, g0, N0, SP0, fs0, ns0, fw0, P0,
-                           x1, o1, p1, c1, b1, q1, s1, z1, g1, N1, SP1, fs1, ns1, fw1, P1,
-                           x2, o2, p2, c2, b2, q2, s2, z2, g2, N2, SP2, fs2, ns2, fw2,
-                           THREE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
-                           ON0: gl.constexpr, ON1: gl.constexpr, ON2: gl.constexpr, BS: gl.constexpr,
-                           V: gl.constexpr, STAGES: gl.constexpr, POST0: gl.constexpr, POST1: gl.constexpr,
-                           POST2: gl.constexpr):
-        """`_mma4_kernel` for 2-3 weights sharing one input (q/k/v, gate/up) in one launch: programs [0, P0) take
+    def _mma_group_kernel(x_ptr, M, stride_xm,
+                          x0, o0, p0, c0, b0, q0, s0, z0, g0, N0, SP0, n8_0, n6_0, n5_0, n4_0, n3_0, n2_0, P0,
+                          x1, o1, p1, c1, b1, q1, s1, z1, g1, N1, SP1, n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, P1,
+                          x2, o2, p2, c2, b2, q2, s2, z2, g2, N2, SP2, n8_2, n6_2, n5_2, n4_2, n3_2, n2_2,
+                          THREE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          ON0: gl.constexpr, ON1: gl.constexpr, ON2: gl.constexpr, BS: gl.constexpr,
+                          V: gl.constexpr, STAGES: gl.constexpr, POST0: gl.constexpr, POST1: gl.constexpr,
+                          POST2: gl.constexpr, MASK0: gl.constexpr, MASK1: gl.constexpr, MASK2: gl.constexpr):
+        """`_mma_kernel` for 2-3 weights sharing one input (q/k/v, gate/up) in one launch: programs [0, P0) take
         weight 0 (tile pid // SP0, split pid % SP0), [P0, P0 + P1) weight 1, the rest weight 2. x0..x2 point at
-        each weight's permuted input inside one buffer."""
+        each weight's permuted input inside one buffer; n8_i..n2_i weight i's step counts per width."""
         pid = gl.program_id(0)
         if pid < P0:
-            _mma4_tile(pid // SP0, pid % SP0, x0, o0, p0, c0, b0, q0, s0, z0, g0, M, N0, stride_xm, N0, SP0, fs0,
-                       ns0, fw0, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0)
+            _mma_tile(pid // SP0, pid % SP0, x0, o0, p0, c0, b0, q0, s0, z0, g0, M, N0, stride_xm, N0, SP0,
+                      n8_0, n6_0, n5_0, n4_0, n3_0, n2_0, MASK0, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0)
         else:
             pid -= P0
             if THREE:
                 if pid < P1:
-                    _mma4_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
-                               fs1, ns1, fw1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1)
+                    _mma_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
+                              n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1)
                 else:
                     pid -= P1
-                    _mma4_tile(pid // SP2, pid % SP2, x2, o2, p2, c2, b2, q2, s2, z2, g2, M, N2, stride_xm, N2, SP2,
-                               fs2, ns2, fw2, HAS_ZEROS, HAS_BIAS, ON2, BS, V, STAGES, POST2)
+                    _mma_tile(pid // SP2, pid % SP2, x2, o2, p2, c2, b2, q2, s2, z2, g2, M, N2, stride_xm, N2, SP2,
+                              n8_2, n6_2, n5_2, n4_2, n3_2, n2_2, MASK2, HAS_ZEROS, HAS_BIAS, ON2, BS, V, STAGES, POST2)
             else:
-                _mma4_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1, fs1,
-                           ns1, fw1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1)
+                _mma_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
+                          n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1)
+
+
+def class_steps(w) -> tuple[int, list[int]]:
+    """(MASK, step count per width of WIDTHS) of w's classes, as the kernels take them. The classes must be
+    stored in WIDTHS order from step 0 and word 0 (`qweight.build` does so)."""
+    mask, steps = 0, [0] * len(WIDTHS)
+    for c in w.classes:
+        i = WIDTHS.index(c.bits)
+        mask |= 1 << i
+        steps[i] = c.n_steps
+    return mask, steps
 
 
 def supports(w, m: int) -> bool:
-    """Whether `mma4` can run this call: 1-16 rows of a matrix that is a single 4-bit class with a width that
-    keeps its scale rows 16-byte aligned, on a CUDA GPU with tensor cores (sm_80+) and Gluon."""
-    if not HAVE_GLUON or not 0 < m <= 16 or len(w.classes) != 1 or w.classes[0].bits != 4 or w.n % 8:
+    """Whether `mma` can run this call: 1-16 rows of an EXL2 matrix (any widths) or a 4-bit GPTQ one (zeros), with
+    a width that keeps its scale rows 16-byte aligned, on a CUDA GPU with tensor cores (sm_80+) and Gluon."""
+    if not HAVE_GLUON or not 0 < m <= 16 or w.n % 8:
+        return False
+    if w.zeros is not None and (len(w.classes) != 1 or w.classes[0].bits != 4):
+        return False
+    if "mma_layout" not in w._cache:  # classes in WIDTHS order from step 0 and word 0, as the kernel walks them
+        step = word = 0
+        ok = True
+        for c in sorted(w.classes, key=lambda c: WIDTHS.index(c.bits)):
+            ok &= c.first_step == step and c.first_word == word
+            step, word = step + c.n_steps, word + c.n_steps * c.bits
+        w._cache["mma_layout"] = ok
+    if not w._cache["mma_layout"]:
         return False
     dev = w.qweight.device
     if dev.type != "cuda":
@@ -319,16 +574,18 @@ _SM80: dict[int, bool] = {}
 
 
 def groups_align(w, bs: int) -> bool:
-    """Whether every aligned run of `bs` steps of w's class lies in one quantization group (then the kernel scales
-    after the mma, `POST`). Checked once per (weight, bs) on the host; during CUDA graph capture an unchecked
-    weight answers False (the per-weight scaling is always correct)."""
+    """Whether every aligned run of `bs` steps of each of w's classes lies in one quantization group (then the
+    kernel scales after the mma, `POST`). Checked once per (weight, bs) on the host; during CUDA graph capture an
+    unchecked weight answers False (the per-weight scaling is always correct)."""
     key = ("groups_align", bs)
     if key not in w._cache:
         if w.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        c = w.classes[0]
-        sg = w.step_group[c.first_step:c.first_step + c.n_steps].cpu()
-        w._cache[key] = c.n_steps % bs == 0 and bool((sg.view(-1, bs) == sg.view(-1, bs)[:, :1]).all())
+        ok = True
+        for c in w.classes:
+            sg = w.step_group[c.first_step:c.first_step + c.n_steps].cpu()
+            ok &= c.n_steps % bs == 0 and bool((sg.view(-1, bs) == sg.view(-1, bs)[:, :1]).all())
+        w._cache[key] = ok
     return w._cache[key]
 
 
@@ -344,23 +601,23 @@ def _operands(xp: torch.Tensor, w, split: int, bs: int, post: bool | None):
             post)
 
 
-def mma4(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: int = 3,
-         post: bool | None = None) -> torch.Tensor:
-    """`xp · W + bias` for xp `[M ≤ 16, S·32]` fp16, the input permuted for w (`gather_input`); w a single 4-bit
-    class. bs steps of 32 rows per iteration, 32·v columns per program, K split `split` ways, a ring of `stages`
-    iterations in shared memory; `post` scales after the mma (None: where `groups_align` and w has no zeros)."""
+def mma(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: int = 3,
+        post: bool | None = None) -> torch.Tensor:
+    """`xp · W + bias` for xp `[M ≤ 16, S·32]` fp16, the input permuted for w (`gather_input`). bs steps of 32 rows
+    per iteration, 32·v columns per program, K split `split` ways, a ring of `stages` iterations in shared memory;
+    `post` scales after the mma (None: where `groups_align` and w has no zeros)."""
     out, part, bias, zeros, post = _operands(xp, w, split, bs, post)
-    c = w.classes[0]
-    _mma4_kernel[(triton.cdiv(w.n, 32 * v), split)](
+    mask, steps = class_steps(w)
+    _mma_kernel[(triton.cdiv(w.n, 32 * v), split)](
         xp, out, part, counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
-        xp.shape[0], w.n, xp.stride(0), out.stride(0), split, c.first_step, c.n_steps, c.first_word,
-        HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v, STAGES=stages,
-        POST=post, num_warps=4)
+        xp.shape[0], w.n, xp.stride(0), out.stride(0), split, *steps,
+        MASK=mask, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v,
+        STAGES=stages, POST=post, num_warps=4)
     return out
 
 
-def mma4_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=None, stages: int = 3
-               ) -> list[torch.Tensor]:
+def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=None, stages: int = 3
+              ) -> list[torch.Tensor]:
     """`[xp_i · W_i + bias_i]` for 2-3 weights `supports` accepts, in one launch: xp `[M ≤ 16, ...]` holds each
     weight's permuted input at column `offsets[i]` (`gather_input(whole=True)`); `splits` the K split of each
     (default 1). The weights must agree on zeros and bias being present."""
@@ -368,28 +625,31 @@ def mma4_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=No
     splits = list(splits or [1] * len(ws))
     cnt = counters(xp.device)
     args, tile0, programs = [], 0, []
-    outs, flags, posts = [], [], []
+    outs, flags, posts, masks = [], [], [], []
     for w, off, split in zip(ws, offsets, splits):
-        c = w.classes[0]
         tiles = triton.cdiv(w.n, 32 * v)
         out, part, bias, zeros, post = _operands(xp, w, split, bs, None)
+        mask, steps = class_steps(w)
         args += [xp[:, off:], out, part, cnt[tile0:], bias, w.qweight, w.scales, zeros, w.step_group, w.n, split,
-                 c.first_step, c.n_steps, c.first_word]
+                 *steps]
         programs.append(tiles * split)
         args.append(tiles * split)
         tile0 += tiles
         outs.append(out)
         flags.append(split > 1)
         posts.append(post)
+        masks.append(mask)
     three = len(ws) == 3
     if not three:  # a never-taken third slot
-        args += args[-15:-1]
+        args += args[-18:-1]
         flags.append(False)
         posts.append(False)
+        masks.append(masks[-1])
     else:
         args.pop()
-    _mma4_group_kernel[(sum(programs),)](
+    _mma_group_kernel[(sum(programs),)](
         xp, m, xp.stride(0), *args, THREE=three, HAS_ZEROS=ws[0].zeros is not None,
         HAS_BIAS=ws[0].bias is not None, ON0=flags[0], ON1=flags[1], ON2=flags[2], BS=bs, V=v, STAGES=stages,
-        POST0=posts[0], POST1=posts[1], POST2=posts[2], num_warps=4)
+        POST0=posts[0], POST1=posts[1], POST2=posts[2], MASK0=masks[0], MASK1=masks[1], MASK2=masks[2],
+        num_warps=4)
     return outs

@@ -1300,7 +1300,7 @@ def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | No
         offsets.append(offsets[-1] + w.x_index.numel())
     tiles = sum(triton.cdiv(w.n, 32 * MMA4_V) for w in ws)
     split = min(_auto_split(w, tiles, w.device, 4 * MMA4_BS, MMA4_PER_SM) for w in ws)
-    return mma_dot.mma4_group(buf, ws, offsets, MMA4_BS, MMA4_V, [split] * len(ws), MMA4_STAGES)
+    return mma_dot.mma_group(buf, ws, offsets, MMA4_BS, MMA4_V, [split] * len(ws), MMA4_STAGES)
 
 
 _FAST4: dict[torch.device, int] = {}
@@ -1351,12 +1351,12 @@ def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | N
 
 
 def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Tensor:
-    """The dot path on a permuted input: the Gluon kernel (`mma_dot`) for up to 16 rows of a 4-bit matrix where
-    it runs, the Triton tensor-core kernel otherwise."""
+    """The dot path on a permuted input: the Gluon kernel (`mma_dot`) for up to 16 rows where it runs (EXL2 of any
+    widths, 4-bit GPTQ), the Triton tensor-core kernel otherwise."""
     if MMA4 and xp.dtype == torch.float16 and mma_dot.supports(w, xp.shape[0]):
         grid = triton.cdiv(w.n, 32 * MMA4_V)
         split = _auto_split(w, grid, w.device, 4 * MMA4_BS, MMA4_PER_SM)
-        return mma_dot.mma4(xp, w, MMA4_BS, MMA4_V, split, MMA4_STAGES)
+        return mma_dot.mma(xp, w, MMA4_BS, MMA4_V, split, MMA4_STAGES)
     return _launch(_dot_kernel, xp, w, cfg, FAST4=None, TILE4=DOT_TILE4, STAGES=cfg.num_stages)
 
 
@@ -1404,7 +1404,7 @@ GEMV_DEPTH = env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
 # ahead (not yet measured).
 DOT_TILE4 = env_choice("EXL2_DOT_TILE4", 0, range(0, 3))
 
-# Up to 16 rows of a 4-bit matrix: the Gluon kernel (`mma_dot`), MMA4_BS steps per iteration, 32·MMA4_V columns
+# Up to 16 rows: the Gluon kernel (`mma_dot`), MMA4_BS steps per iteration, 32·MMA4_V columns
 # per program, a ring of MMA4_STAGES iterations, K split to about MMA4_PER_SM programs per SM. EXL2_MMA4=0 keeps
 # the Triton kernel.
 MMA4 = env_choice("EXL2_MMA4", 1, range(0, 2)) == 1

@@ -1,0 +1,138 @@
+"""The Gluon kernel's fragment decoders (`mma_dot._BODIES`), run on the CPU by a small interpreter of the PTX
+instructions they use: for every width, every register j of a step and lane q of a quad, the fp16 pair the
+decoder builds must be the dequantized weights at input positions 8j + 2q and 8j + 2q + 1 (the `mma.m16n8k16` B
+fragment's rows), bit for bit, where the stored row of each position comes from the class's input order
+(`qweight.x_index`) and the codes from `qweight.encode_steps`. The GPU runs the same asm text."""
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from exl2.kernels import mma_dot, qweight
+
+
+def _value(tok: str, regs: dict) -> int:
+    tok = tok.strip()
+    if tok in regs:
+        return regs[tok]
+    return int(tok, 0) & 0xFFFFFFFF
+
+
+def _halves(x: int) -> np.ndarray:
+    return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16)
+
+
+def _pack(h: np.ndarray) -> int:
+    u = h.astype(np.float16).view(np.uint16)
+    return int(u[0]) | int(u[1]) << 16
+
+
+def run_ptx(text: str, operands: list[int]) -> int:
+    """Execute one decoder: operands are $1, $2, ... (32-bit); returns $0."""
+    regs = {f"${i + 1}": v & 0xFFFFFFFF for i, v in enumerate(operands)}
+    for line in text.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        a = [s.strip() for s in args.split(",")]
+        v = [_value(s, regs) for s in a[1:]]
+        if op == "shr.u32":
+            r = v[0] >> v[1] if v[1] < 32 else 0
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "mul.lo.u32":
+            r = (v[0] * v[1]) & 0xFFFFFFFF
+        elif op == "mov.b32":
+            r = v[0]
+        elif op == "prmt.b32":
+            pool = v[0] | v[1] << 32
+            r = 0
+            for i in range(4):
+                sel = (v[2] >> (4 * i)) & 0x7
+                assert not (v[2] >> (4 * i)) & 0x8, "sign-replicating selectors are not used"
+                r |= ((pool >> (8 * sel)) & 0xFF) << (8 * i)
+        elif op == "lop3.b32":
+            lut = v[3]
+            r = 0
+            for bit in range(32):
+                idx = ((v[0] >> bit) & 1) << 2 | ((v[1] >> bit) & 1) << 1 | ((v[2] >> bit) & 1)
+                r |= ((lut >> idx) & 1) << bit
+        elif op == "sub.f16x2":
+            r = _pack(_halves(v[0]) - _halves(v[1]))
+        elif op == "mul.rn.f16x2":
+            r = _pack(_halves(v[0]) * _halves(v[1]))
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+        regs[a[0]] = r & 0xFFFFFFFF
+    return regs["$0"]
+
+
+def _operands(bits: int, words: list[int], j: int, q: int) -> list[int]:
+    """The decoder's operands for register j of lane q, as `mma_dot._decode` builds them (word choice and the
+    per-lane selectors/shifts), each given twice (the pair of a packed operand)."""
+    jhi, jlo, qhi, qlo = j // 2, j % 2, q // 2, q % 2
+    if bits == 4:
+        ops = [words[j], 4 * q]
+    elif bits == 8:
+        ops = [words[2 * j + qhi], 0x4140 + 0x0202 * qlo]
+    elif bits == 6:
+        k = 2 * jlo + qhi
+        ops = [words[jhi], words[jhi + 2], words[4], words[5], (4 + k) << 8 | k, 4 * qlo, (4 + j) << 12 | j << 4,
+               4 + 2 * q]
+    elif bits == 5:
+        ops = [words[j], words[4], q << 8 | q, 8 * j + 2 * q]
+    elif bits == 3:
+        ops = [words[jhi], words[2], 16 * jlo + 4 * q, 8 * j + 2 * q]
+    else:
+        ops = [words[jhi], 16 * jlo + 4 * q]
+    return [x for o in ops for x in (o, o)]
+
+
+@pytest.mark.parametrize("bits", [8, 6, 5, 4, 3, 2])
+def test_fragment_decoders_give_the_fragment_rows_bit_exact(bits):
+    g = torch.Generator().manual_seed(bits)
+    order = {4: qweight.PAIR_ORDER, 6: qweight.PAIR_ORDER6}.get(bits, tuple(range(32)))
+    zero = 1 << (bits - 1)
+    for trial in range(4):
+        codes = torch.randint(0, 1 << bits, (32, 1), generator=g, dtype=torch.uint8)
+        if trial == 0:
+            codes[:] = (1 << bits) - 1  # every bit set: nothing may leak between fields
+        words = [int(w) & 0xFFFFFFFF for w in qweight.encode_steps(codes, bits)[:, 0]]
+        assert len(words) == bits
+        scale = np.float16(np.random.default_rng(trial).uniform(0.001, 0.02))
+        sc = int(np.array([scale, scale], dtype=np.float16).view(np.uint32)[0])
+        for j in range(4):
+            for q in range(4):
+                ops = _operands(bits, words, j, q)
+                raw = _halves(run_ptx(mma_dot._decoder(bits, False), ops))
+                got = _halves(run_ptx(mma_dot._decoder(bits, True), ops + [sc, sc]))
+                for h in range(2):
+                    row = order[8 * j + 2 * q + h]
+                    c = int(codes[row, 0])
+                    assert raw[h] == np.float16(c - zero), (bits, j, q, h)
+                    want = np.float16(np.float16(c - zero) * scale)
+                    assert got[h].view(np.uint16) == want.view(np.uint16), (bits, j, q, h)
+
+
+def test_gptq_decoder_subtracts_the_zeros_operand():
+    codes = torch.randint(0, 16, (32, 1), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    words = [int(w) & 0xFFFFFFFF for w in qweight.encode_steps(codes, 4)[:, 0]]
+    scale, zero = np.float16(0.0123), np.float16(5.0)
+    pair = lambda v: int(np.array([v, v], dtype=np.float16).view(np.uint32)[0])  # noqa: E731
+    for j in range(4):
+        for q in range(4):
+            ops = _operands(4, words, j, q) + [pair(scale)] * 2 + [pair(np.float16(zero + 1024))] * 2
+            got = _halves(run_ptx(mma_dot._decoder(4, True, zeros=True), ops))
+            for h in range(2):
+                c = int(codes[qweight.PAIR_ORDER[8 * j + 2 * q + h], 0])
+                assert got[h] == np.float16(np.float16(c - zero) * scale)
+
+
+def test_decoder_text_uses_only_interpreted_instructions():
+    known = {"shr.u32", "and.b32", "mul.lo.u32", "mov.b32", "prmt.b32", "lop3.b32", "sub.f16x2", "mul.rn.f16x2"}
+    for bits in qweight.WIDTHS:
+        for scaled in (False, True):
+            ops = set(re.findall(r"^\s*([a-z][\w.]+)\s", mma_dot._decoder(bits, scaled), re.M)) - {".reg"}
+            assert ops <= known, ops
