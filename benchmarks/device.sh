@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls: kernel sweeps, ncu, end-to-end bench A/B runs (stream-K, PDL), GPU tests (all, or `quick`: the
 # kernel-level ones). Usage on the device machine, repo root: bash benchmarks/device.sh [STEP...]
+# b128 (bs 1 and 16, fp16 cache, ctx 128) reads BENCH_ARGS (e.g. --mixed) and TAG (output name).
 # dot16 reads DOT16_LOOPS (Triton loops to sweep, default "0 1 2") and DOT16_SWEEP (0: defaults only).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
@@ -53,6 +54,8 @@ for s in $steps; do
   gluontests) timeout -s INT -k 15 "${TEST_TIMEOUT:-200}" python3 -m pytest -m gpu tests/test_gpu_e2e.py \
            tests/test_kernels_quant_matmul.py -k "gluon or batched_decode_through" -q -n 8 -p no:cacheprovider -rfE \
            > "$OUT/gpu_gluon.txt" 2>&1; echo "gluon tests rc=$?"; tail -6 "$OUT/gpu_gluon.txt" ;;
+  b128) timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 $BENCH_ARGS \
+           > "$OUT/bench_b128${TAG}.txt" 2>&1; echo "bench fp16 ctx 128 $BENCH_ARGS $TAG rc=$?"; tail -4 "$OUT/bench_b128${TAG}.txt" ;;
   dotab) for v in ${DOT_VALUES:-2 1 0}; do
            EXL2_DOT_TILE4=$v timeout ${BENCH_TIMEOUT:-100} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 \
              > "$OUT/bench_dot$v.txt" 2>&1; echo "bench EXL2_DOT_TILE4=$v rc=$?"; tail -3 "$OUT/bench_dot$v.txt"; done ;;
