@@ -276,7 +276,7 @@ def test_gluon_mma_matches_twin_gpu(m):
     t = pack_gptq(torch.randint(0, 16, (k, n), generator=g), torch.randint(1, 16, (groups, n), generator=g),
                   (torch.rand(groups, n, generator=g) * 0.02).half(), torch.randint(0, groups, (k,), generator=g))
     ws.append(GptqWeight.from_tensors({f"P.{key}": v.cuda() for key, v in t.items()}, "P", device="cuda"))
-    for layout, n in [(MIXED * 8, 520), ([(8, 128)] * 5 + [(6, 128)] * 27, 2048),
+    for layout, n in [([g for g in MIXED for _ in range(8)], 520), ([(8, 128)] * 5 + [(6, 128)] * 27, 2048),
                       ([(5, 128)] * 4 + [(4, 128)] * 22 + [(3, 128)] * 6, 1024)]:
         ws.append(Exl2Weight.from_tensors(rand_exl2(layout, n, seed=m + n, device="cuda"), "L", device="cuda"))
     assert [len(w.classes) for w in ws[3:]] == [6, 2, 3]
