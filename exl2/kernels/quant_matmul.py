@@ -1274,7 +1274,7 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     inputs already gathered into one buffer."""
     if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= DOT_MAX_M):
         return None
-    if x.shape[0] > GEMV_MAX_M:
+    if x.shape[0] > GEMV_MAX_M or all(gemv_via_mma(w, x) for w in ws):
         return _mma_group(x, ws, xp)
     plan = stream_gemv(ws)
     if plan is not None:
@@ -1360,6 +1360,16 @@ def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Te
     return _launch(_dot_kernel, xp, w, cfg, FAST4=None, TILE4=DOT_TILE4, STAGES=cfg.num_stages)
 
 
+def gemv_via_mma(w: QuantWeight, x: torch.Tensor) -> bool:
+    """Whether 1-4 rows of x take the Gluon tensor-core kernel instead of the gemv: for matrices with a class the
+    gemv decodes with its portable loop (8, 5, 3, 2 bits; MMA_GEMV = 1), or always (2). The tensor-core kernel's
+    cost hardly depends on the row count, and the portable loop ran a 5/4/3-bit body at a fifth of the 4-bit
+    speed (benchmarks/RESULTS.md, session 8)."""
+    if not (MMA4 and MMA_GEMV and x.dtype == torch.float16 and mma_dot.supports(w, x.shape[0])):
+        return False
+    return MMA_GEMV == 2 or any(c.bits not in (4, 6) for c in w.classes)
+
+
 def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
     """fp16 `[K, N]` natural-order weight, bit-identical to `qweight.dequantize_torch`."""
     out = torch.zeros((w.k, w.n), dtype=torch.float16, device=w.device)
@@ -1412,6 +1422,8 @@ MMA4_BS = env_choice("EXL2_MMA4_BS", 4, (1, 2, 4, 8))
 MMA4_V = env_choice("EXL2_MMA4_V", 2, (1, 2, 4))
 MMA4_PER_SM = env_choice("EXL2_MMA4_PER_SM", 4, range(1, 9))
 MMA4_STAGES = env_choice("EXL2_MMA4_STAGES", 4, range(2, 9))
+# 1-4 rows: 1, matrices with 8/5/3/2-bit classes take the Gluon kernel (`gemv_via_mma`); 2, every matrix; 0, none.
+MMA_GEMV = env_choice("EXL2_MMA_GEMV", 1, range(0, 3))
 
 GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
@@ -1473,6 +1485,8 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     plan = stream_gemv([w]) if path == "gemv" else None
     if plan is not None:
         return plan(xp)[0]
+    if path == "gemv" and gemv_via_mma(w, xp):
+        return _dot_or_mma(xp, w, cfg)
     if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(None, w, cfg, xp=xp)
     if path != "gemv":
@@ -1497,6 +1511,8 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None
     plan = stream_gemv([w]) if path == "gemv" else None
     if plan is not None:
         y = plan(_permuted(x2, w, xp))[0]
+    elif path == "gemv" and gemv_via_mma(w, x2):
+        y = _dot_or_mma(_permuted(x2, w, xp), w, cfg)
     elif path == "gemv":
         y = gemv(x2, w, cfg, xp=xp)
     elif path == "dot":
