@@ -108,6 +108,10 @@ if HAVE_GLUON:
                 lay = gl.SliceLayout(d, lay)
         return lay
 
+    @gluon.constexpr_function
+    def _width(i):
+        return WIDTHS[int(getattr(i, "value", i))]
+
     @gluon.jit
     def _widen(t, KEEP: gl.constexpr):
         for d in gl.static_range(8):
@@ -438,36 +442,15 @@ if HAVE_GLUON:
         xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 16, K], XS)
 
         acc = gl.zeros([16, BN], gl.float32, MMA)
+        steps = (n8, n6, n5, n4, n3, n2)
         s0 = 0
         w0 = 0
-        if MASK & 1:
-            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
-                             stride_xm, col0, pid_k, SPLIT, s0, n8, w0, 8, HAS_ZEROS, BS, V, STAGES, POST)
-        s0 += n8
-        w0 += n8 * 8
-        if MASK & 2:
-            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
-                             stride_xm, col0, pid_k, SPLIT, s0, n6, w0, 6, HAS_ZEROS, BS, V, STAGES, POST)
-        s0 += n6
-        w0 += n6 * 6
-        if MASK & 4:
-            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
-                             stride_xm, col0, pid_k, SPLIT, s0, n5, w0, 5, HAS_ZEROS, BS, V, STAGES, POST)
-        s0 += n5
-        w0 += n5 * 5
-        if MASK & 8:
-            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
-                             stride_xm, col0, pid_k, SPLIT, s0, n4, w0, 4, HAS_ZEROS, BS, V, STAGES, POST)
-        s0 += n4
-        w0 += n4 * 4
-        if MASK & 16:
-            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
-                             stride_xm, col0, pid_k, SPLIT, s0, n3, w0, 3, HAS_ZEROS, BS, V, STAGES, POST)
-        s0 += n3
-        w0 += n3 * 3
-        if MASK & 32:
-            acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N,
-                             stride_xm, col0, pid_k, SPLIT, s0, n2, w0, 2, HAS_ZEROS, BS, V, STAGES, POST)
+        for c in gl.static_range(6):
+            if MASK >> c & 1:
+                acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
+                                 pid_k, SPLIT, s0, steps[c], w0, _width(c), HAS_ZEROS, BS, V, STAGES, POST)
+            s0 += steps[c]
+            w0 += steps[c] * _width(c)
 
         res = gl.convert_layout(acc, O_L)
         om = gl.arange(0, 16, layout=gl.SliceLayout(1, O_L))
