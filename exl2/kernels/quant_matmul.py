@@ -1274,7 +1274,7 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     inputs already gathered into one buffer."""
     if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= DOT_MAX_M):
         return None
-    if x.shape[0] > GEMV_MAX_M or all(gemv_via_mma(w, x) for w in ws):
+    if x.shape[0] > GEMV_MAX_M or all(gemv_via_mma(w, x.shape[0], x.dtype) for w in ws):
         return _mma_group(x, ws, xp)
     plan = stream_gemv(ws)
     if plan is not None:
@@ -1360,12 +1360,12 @@ def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Te
     return _launch(_dot_kernel, xp, w, cfg, FAST4=None, TILE4=DOT_TILE4, STAGES=cfg.num_stages)
 
 
-def gemv_via_mma(w: QuantWeight, x: torch.Tensor) -> bool:
-    """Whether 1-4 rows of x take the Gluon tensor-core kernel instead of the gemv: for matrices with a class the
+def gemv_via_mma(w: QuantWeight, m: int, dtype: torch.dtype) -> bool:
+    """Whether m ≤ 4 rows take the Gluon tensor-core kernel instead of the gemv: for matrices with a class the
     gemv decodes with its portable loop (8, 5, 3, 2 bits; MMA_GEMV = 1), or always (2). The tensor-core kernel's
     cost hardly depends on the row count, and the portable loop ran a 5/4/3-bit body at a fifth of the 4-bit
     speed (benchmarks/RESULTS.md, session 8)."""
-    if not (MMA4 and MMA_GEMV and x.dtype == torch.float16 and mma_dot.supports(w, x.shape[0])):
+    if not (MMA4 and MMA_GEMV and dtype == torch.float16 and mma_dot.supports(w, m)):
         return False
     return MMA_GEMV == 2 or any(c.bits not in (4, 6) for c in w.classes)
 
@@ -1444,10 +1444,11 @@ def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: 
     return split
 
 
-def choose_config(m: int, w: QuantWeight) -> tuple[str, MatmulConfig | None]:
+def choose_config(m: int, w: QuantWeight, dtype: torch.dtype = torch.float16) -> tuple[str, MatmulConfig | None]:
     """Pick the path and launch parameters for an [m, K] input (from H200 measurements, benchmarks/RESULTS.md):
-    the gemv up to 4 rows (one program per row), the tensor-core kernel up to 64, dequantize + cuBLAS beyond."""
-    if m <= GEMV_MAX_M:
+    the gemv up to 4 rows (one program per row) except for the matrices `gemv_via_mma` sends to the tensor-core
+    kernel, which takes up to 64, dequantize + cuBLAS beyond."""
+    if m <= GEMV_MAX_M and not gemv_via_mma(w, m, dtype):
         # Matrices of fewer 128-column tiles than SMs (o, down): 64-column tiles, K split to ~2 programs per SM
         # (o 8.4 → 6.8 µs, down 15.2 → 12.6 µs on the H200, run 13); wide ones (the head) keep 128 columns.
         bn = 64 if triton.cdiv(w.n, 128) < sm_count(w.device) else 128
@@ -1481,12 +1482,10 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         keep = idx >= 0
         x[:, idx[keep]] = xp[:, keep]
         return matmul_torch(x, w)
-    path, cfg = choose_config(m, w)
+    path, cfg = choose_config(m, w, xp.dtype)
     plan = stream_gemv([w]) if path == "gemv" else None
     if plan is not None:
         return plan(xp)[0]
-    if path == "gemv" and gemv_via_mma(w, xp):
-        return _dot_or_mma(xp, w, cfg)
     if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(None, w, cfg, xp=xp)
     if path != "gemv":
@@ -1507,12 +1506,10 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None
     x2 = x.reshape(-1, w.k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    path, cfg = choose_config(x2.shape[0], w)
+    path, cfg = choose_config(x2.shape[0], w, x2.dtype)
     plan = stream_gemv([w]) if path == "gemv" else None
     if plan is not None:
         y = plan(_permuted(x2, w, xp))[0]
-    elif path == "gemv" and gemv_via_mma(w, x2):
-        y = _dot_or_mma(_permuted(x2, w, xp), w, cfg)
     elif path == "gemv":
         y = gemv(x2, w, cfg, xp=xp)
     elif path == "dot":
