@@ -3,6 +3,7 @@
 # kernel-level ones). Usage on the device machine, repo root: bash benchmarks/device.sh [STEP...]
 # b128 (bs 1 and 16, fp16 cache, ctx 128) reads BENCH_ARGS (e.g. --mixed) and TAG (output name).
 # dot16 reads DOT16_LOOPS (Triton loops to sweep, default "0 1 2") and DOT16_SWEEP (0: defaults only).
+# envab runs the bench (BENCH_ARGS) once per environment in AB_SPECS ("A=1 B=2;A=2;": ';'-separated, empty = defaults).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -56,6 +57,10 @@ for s in $steps; do
            > "$OUT/gpu_gluon.txt" 2>&1; echo "gluon tests rc=$?"; tail -6 "$OUT/gpu_gluon.txt" ;;
   b128) timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 $BENCH_ARGS \
            > "$OUT/bench_b128${TAG}.txt" 2>&1; echo "bench fp16 ctx 128 $BENCH_ARGS $TAG rc=$?"; tail -4 "$OUT/bench_b128${TAG}.txt" ;;
+  envab) IFS=';' read -ra specs <<< "${AB_SPECS:-}"; i=0
+         for spec in "${specs[@]}"; do i=$((i+1))
+           env $spec timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench $BENCH_ARGS > "$OUT/bench_ab$i${TAG}.txt" 2>&1
+           echo "bench [$spec] $BENCH_ARGS rc=$?"; grep -E "^\| (decode|prefill)" "$OUT/bench_ab$i${TAG}.txt"; done ;;
   dotab) for v in ${DOT_VALUES:-2 1 0}; do
            EXL2_DOT_TILE4=$v timeout ${BENCH_TIMEOUT:-100} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 \
              > "$OUT/bench_dot$v.txt" 2>&1; echo "bench EXL2_DOT_TILE4=$v rc=$?"; tail -3 "$OUT/bench_dot$v.txt"; done ;;

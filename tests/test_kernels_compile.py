@@ -71,12 +71,17 @@ def _compile_all() -> dict:
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
     for mask, bs, v, post, zeros in MMA:
         for split in (False, True):
-            consts = dict(MASK=mask, HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_ON=split, BS=bs, V=v, STAGES=3, POST=post)
+            # the split variants are also the programmatic-dependent-launch ones (its wait comes first)
+            consts = dict(MASK=mask, HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_ON=split, BS=bs, V=v, STAGES=3, POST=post,
+                          PDL=split)
             key = f"mma-{mask}-{bs}-{v}-{post}-{zeros}-{split}"
             try:
                 # the decoded tile must already sit in the mma operand layout (assert_trivial in the kernel)
                 text = ptx(mma_dot._mma_kernel, mptrs, consts, 4, 1, div=("N", "stride_xm", "stride_om"))
-                out[key] = "ok" if "mma.sync" in text and "cp.async" in text else "no mma.sync / cp.async"
+                wait = text.find("griddepcontrol.wait")
+                pdl_ok = 0 <= wait < text.find("cp.async") if split else wait < 0
+                out[key] = ("ok" if "mma.sync" in text and "cp.async" in text and pdl_ok
+                            else "no mma.sync / cp.async, or the PDL wait misplaced")
             except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
                 out[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     gptrs = {}
@@ -86,10 +91,11 @@ def _compile_all() -> dict:
     gptrs["x_ptr"] = "*fp16"
     for three in (True, False):
         consts = dict(THREE=three, HAS_ZEROS=False, HAS_BIAS=True, ON0=False, ON1=True, ON2=True, BS=4, V=2,
-                      STAGES=4, POST0=True, POST1=False, POST2=True, MASK0=8, MASK1=28, MASK2=8)
+                      STAGES=4, POST0=True, POST1=False, POST2=True, MASK0=8, MASK1=28, MASK2=8, PDL=three)
         try:
             text = ptx(mma_dot._mma_group_kernel, gptrs, consts, 4, 1, div=("N0", "N1", "N2", "stride_xm"))
-            out[f"mma-group-{three}"] = "ok" if text.count("mma.sync") >= 2 else "no mma.sync"
+            pdl_ok = ("griddepcontrol.wait" in text) == three
+            out[f"mma-group-{three}"] = "ok" if text.count("mma.sync") >= 2 and pdl_ok else "no mma.sync, or PDL"
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[f"mma-group-{three}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return out

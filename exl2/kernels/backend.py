@@ -116,10 +116,9 @@ def counters(device: torch.device) -> torch.Tensor:
 # Programmatic dependent launch (sm_90+): a kernel launched with it may start while its predecessor in the stream
 # finishes; it waits (`pdl_sync`, its first statement) until the predecessor's writes are visible, so only the
 # launch and scheduling latency overlaps. On the H200 it sped decode up 4 % at batch 1 and slowed it 11 % at
-# batch 16 (benchmarks/RESULTS.md, run 13), so only launches of at most PDL_MAX_ROWS rows use it. EXL2_PDL=0
-# turns it off.
+# batch 16 (benchmarks/RESULTS.md, session 4 run 13), so only launches of at most PDL_MAX_ROWS rows
+# (EXL2_PDL_MAX_ROWS) use it. EXL2_PDL=0 turns it off.
 PDL = os.environ.get("EXL2_PDL", "1") == "1"
-PDL_MAX_ROWS = 4
 _PDL_OK: dict[int, bool] = {}
 
 
@@ -139,6 +138,8 @@ def _prefetch_rows() -> int:
         raise ConfigError(f"EXL2_PREFETCH must be 0 or a power of two up to 1024, not {rows}.")
     return rows
 
+
+PDL_MAX_ROWS = env_choice("EXL2_PDL_MAX_ROWS", 4, range(1, 4097))
 
 # What a kernel launched with PDL reads before its wait: the gemvs prefetch the first PREFETCH_ROWS word rows of
 # each width class of their share of the weights into L2, attention its first key/value block (neither depends on

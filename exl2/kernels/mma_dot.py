@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import INTERPRET, counters, triton
+from exl2.kernels.backend import INTERPRET, counters, pdl_args, triton
 from exl2.kernels.qweight import WIDTHS, split_bits
 
 try:
@@ -478,10 +478,21 @@ if HAVE_GLUON:
                 gl.atomic_xchg(cnt_ptr + pid_n, 0)
 
     @gluon.jit
+    def _pdl_sync():
+        """`backend.pdl_sync` in Gluon: wait for the previous kernel's writes, then let the next one launch."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _mma_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                     M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
                     MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
-                    BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
+                    BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
+                    PDL: gl.constexpr = False):
+        if PDL:
+            _pdl_sync()
         _mma_tile(gl.program_id(0), gl.program_id(1), x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr,
                   zr_ptr, sg_ptr, M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2, MASK, HAS_ZEROS,
                   HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST)
@@ -494,10 +505,13 @@ if HAVE_GLUON:
                           THREE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
                           ON0: gl.constexpr, ON1: gl.constexpr, ON2: gl.constexpr, BS: gl.constexpr,
                           V: gl.constexpr, STAGES: gl.constexpr, POST0: gl.constexpr, POST1: gl.constexpr,
-                          POST2: gl.constexpr, MASK0: gl.constexpr, MASK1: gl.constexpr, MASK2: gl.constexpr):
+                          POST2: gl.constexpr, MASK0: gl.constexpr, MASK1: gl.constexpr, MASK2: gl.constexpr,
+                          PDL: gl.constexpr = False):
         """`_mma_kernel` for 2-3 weights sharing one input (q/k/v, gate/up) in one launch: programs [0, P0) take
         weight 0 (tile pid // SP0, split pid % SP0), [P0, P0 + P1) weight 1, the rest weight 2. x0..x2 point at
         each weight's permuted input inside one buffer; n8_i..n2_i weight i's step counts per width."""
+        if PDL:
+            _pdl_sync()
         pid = gl.program_id(0)
         if pid < P0:
             _mma_tile(pid // SP0, pid % SP0, x0, o0, p0, c0, b0, q0, s0, z0, g0, M, N0, stride_xm, N0, SP0,
@@ -595,7 +609,7 @@ def mma(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: in
         xp, out, part, counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
         xp.shape[0], w.n, xp.stride(0), out.stride(0), split, *steps,
         MASK=mask, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v,
-        STAGES=stages, POST=post, num_warps=4)
+        STAGES=stages, POST=post, num_warps=4, **pdl_args(xp.device, xp.shape[0]))
     return out
 
 
@@ -634,5 +648,5 @@ def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=Non
         xp, m, xp.stride(0), *args, THREE=three, HAS_ZEROS=ws[0].zeros is not None,
         HAS_BIAS=ws[0].bias is not None, ON0=flags[0], ON1=flags[1], ON2=flags[2], BS=bs, V=v, STAGES=stages,
         POST0=posts[0], POST1=posts[1], POST2=posts[2], MASK0=masks[0], MASK1=masks[1], MASK2=masks[2],
-        num_warps=4)
+        num_warps=4, **pdl_args(xp.device, m))
     return outs
