@@ -71,7 +71,8 @@ def _compile_all() -> dict:
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
     for mask, bs, v, post, zeros in MMA:
         for split in (False, True):
-            # the split variants are also the programmatic-dependent-launch ones (its wait comes first)
+            # the split variants are also the programmatic-dependent-launch ones: the first weight copies are issued
+            # before the wait, the input's after it
             consts = dict(MASK=mask, HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_ON=split, BS=bs, V=v, STAGES=3, POST=post,
                           PDL=split)
             key = f"mma-{mask}-{bs}-{v}-{post}-{zeros}-{split}"
@@ -79,7 +80,7 @@ def _compile_all() -> dict:
                 # the decoded tile must already sit in the mma operand layout (assert_trivial in the kernel)
                 text = ptx(mma_dot._mma_kernel, mptrs, consts, 4, 1, div=("N", "stride_xm", "stride_om"))
                 wait = text.find("griddepcontrol.wait")
-                pdl_ok = 0 <= wait < text.find("cp.async") if split else wait < 0
+                pdl_ok = 0 <= text.find("cp.async") < wait < text.rfind("cp.async") if split else wait < 0
                 out[key] = ("ok" if "mma.sync" in text and "cp.async" in text and pdl_ok
                             else "no mma.sync / cp.async, or the PDL wait misplaced")
             except Exception as e:  # noqa: BLE001 - reported to the test as the case's result

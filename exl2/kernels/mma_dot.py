@@ -207,37 +207,40 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue(wb, sbuf, zbuf, xbuf, stage, wp, x_ptrs, sc_ptr, zr_ptr, grp, s0, s_lo, s_hi, N, M, col0,
-               BITS: gl.constexpr, HAS_ZEROS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr, POST: gl.constexpr):
+               BITS: gl.constexpr, HAS_ZEROS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr, POST: gl.constexpr,
+               PARTS: gl.constexpr = 3):
         """cp.async of the iteration at step s0 into `stage` of the shared-memory rings (zeros past s_hi): the
         class's word rings `wb` from the pointers `wp` (`_word_bufs`, pointing at s_lo's), scales (and zeros)
-        [BS, BN] of groups `grp`, or with POST the one scale row [1, BN] of group `grp`, and the input
-        [16, BS·32] (`x_ptrs` at s_lo's)."""
+        [BS, BN] of groups `grp`, or with POST the one scale row [1, BN] of group `grp` (PARTS bit 0), and the
+        input [16, BS·32] (`x_ptrs` at s_lo's) closing the commit group (bit 1)."""
         BN: gl.constexpr = 32 * V
         K: gl.constexpr = BS * 32
         CS: gl.constexpr = _copy_scales(V)
         CX: gl.constexpr = _copy_input(BS)
-        step = (s0 - s_lo).to(gl.int64) * BITS * N
-        for i in gl.static_range(len(wb)):
-            _copy_rows(wb[i].index(stage), wp[i] + step, s0, s_hi, N, col0, BS, V)
-        scn = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CS))
-        if POST:
-            g_off = gl.expand_dims(gl.zeros([1], gl.int64, gl.SliceLayout(1, CS)) + grp.to(gl.int64) * N, 1)
-            ok_s = gl.expand_dims(gl.full([1], 1, gl.int1, gl.SliceLayout(1, CS)) & (s0 < s_hi), 1) & \
-                gl.expand_dims(scn < N, 0)
-            async_copy.async_copy_global_to_shared(sbuf.index(stage), sc_ptr + g_off + gl.expand_dims(scn, 0),
-                                                   mask=ok_s)
-        else:
-            sr = gl.arange(0, BS, layout=gl.SliceLayout(1, CS))
-            g_off = gl.expand_dims(grp.to(gl.int64) * N, 1) + gl.expand_dims(scn, 0)
-            ok_s = gl.expand_dims(s0 + sr < s_hi, 1) & gl.expand_dims(scn < N, 0)
-            async_copy.async_copy_global_to_shared(sbuf.index(stage), sc_ptr + g_off, mask=ok_s)
-            if HAS_ZEROS:
-                async_copy.async_copy_global_to_shared(zbuf.index(stage), zr_ptr + g_off, mask=ok_s)
-        xm = gl.arange(0, 16, layout=gl.SliceLayout(1, CX))
-        xk = s0 * 32 + gl.arange(0, K, layout=gl.SliceLayout(0, CX))
-        ok_x = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk < s_hi * 32, 0)
-        async_copy.async_copy_global_to_shared(xbuf.index(stage), x_ptrs + (s0 - s_lo) * 32, mask=ok_x)
-        async_copy.commit_group()
+        if PARTS & 1:
+            step = (s0 - s_lo).to(gl.int64) * BITS * N
+            for i in gl.static_range(len(wb)):
+                _copy_rows(wb[i].index(stage), wp[i] + step, s0, s_hi, N, col0, BS, V)
+            scn = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CS))
+            if POST:
+                g_off = gl.expand_dims(gl.zeros([1], gl.int64, gl.SliceLayout(1, CS)) + grp.to(gl.int64) * N, 1)
+                ok_s = gl.expand_dims(gl.full([1], 1, gl.int1, gl.SliceLayout(1, CS)) & (s0 < s_hi), 1) & \
+                    gl.expand_dims(scn < N, 0)
+                async_copy.async_copy_global_to_shared(sbuf.index(stage), sc_ptr + g_off + gl.expand_dims(scn, 0),
+                                                       mask=ok_s)
+            else:
+                sr = gl.arange(0, BS, layout=gl.SliceLayout(1, CS))
+                g_off = gl.expand_dims(grp.to(gl.int64) * N, 1) + gl.expand_dims(scn, 0)
+                ok_s = gl.expand_dims(s0 + sr < s_hi, 1) & gl.expand_dims(scn < N, 0)
+                async_copy.async_copy_global_to_shared(sbuf.index(stage), sc_ptr + g_off, mask=ok_s)
+                if HAS_ZEROS:
+                    async_copy.async_copy_global_to_shared(zbuf.index(stage), zr_ptr + g_off, mask=ok_s)
+        if PARTS & 2:
+            xm = gl.arange(0, 16, layout=gl.SliceLayout(1, CX))
+            xk = s0 * 32 + gl.arange(0, K, layout=gl.SliceLayout(0, CX))
+            ok_x = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk < s_hi * 32, 0)
+            async_copy.async_copy_global_to_shared(xbuf.index(stage), x_ptrs + (s0 - s_lo) * 32, mask=ok_x)
+            async_copy.commit_group()
 
     @gluon.jit
     def _word_bufs(qw_ptr, word0, col0, N, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
@@ -358,11 +361,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
                    pid_k, SPLIT, first_step, n_steps, first_word, BITS: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                   BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
+                   BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
+                   PDL: gl.constexpr = False):
         """acc += this program's share of x · W over one width class: BS steps of 32 rows per iteration, words,
         scales and input brought to shared memory by cp.async STAGES - 1 iterations ahead. POST (every
         iteration's steps share one group, no zeros): the codes enter the mma as exact (code - zero point) and
-        each iteration's product is scaled in fp32 (4·V multiplies a thread instead of one per weight pair)."""
+        each iteration's product is scaled in fp32 (4·V multiplies a thread instead of one per weight pair).
+        With PDL (the kernel's first class) the first iterations' weights and scales, which no kernel writes, are
+        requested before waiting for the previous kernel, and only the input after."""
         BN: gl.constexpr = 32 * V
         K: gl.constexpr = BS * 32
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
@@ -381,7 +387,12 @@ if HAVE_GLUON:
                   + gl.expand_dims(s_lo * 32 + gl.arange(0, K, layout=gl.SliceLayout(0, CX)), 0))
         for p in gl.static_range(STAGES - 1):
             _issue(wb, sbuf, zbuf, xbuf, p, wp, x_ptrs, sc_ptr, zr_ptr, _groups(sg_ptr, s_lo + p * BS, s_hi, BS, V, POST),
-                   s_lo + p * BS, s_lo, s_hi, N, M, col0, BITS, HAS_ZEROS, BS, V, POST)
+                   s_lo + p * BS, s_lo, s_hi, N, M, col0, BITS, HAS_ZEROS, BS, V, POST, 1 if PDL else 3)
+        if PDL:
+            _pdl_sync()
+            for p in gl.static_range(STAGES - 1):
+                _issue(wb, sbuf, zbuf, xbuf, p, wp, x_ptrs, sc_ptr, zr_ptr, 0, s_lo + p * BS, s_lo, s_hi, N, M, col0,
+                       BITS, HAS_ZEROS, BS, V, POST, 2)
         grp_n = _groups(sg_ptr, s_lo + (STAGES - 1) * BS, s_hi, BS, V, POST)
 
         full = gl.full([BS, 2, 2, 2, 2, 32, V, 2], 0, gl.int32, T8)
@@ -423,9 +434,11 @@ if HAVE_GLUON:
     def _mma_tile(pid_n, pid_k, x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
                   M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
                   MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
-                  BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr):
+                  BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
+                  PDL: gl.constexpr = False):
         """out[:M, tile] (or this split's partial) = x · W over a tile of BN = 32·V columns: each width class of
-        MASK (bit i: WIDTHS[i], n8..n2 their step counts, classes stored in that order) in turn, one accumulator.
+        MASK (bit i: WIDTHS[i], n8..n2 their step counts, classes stored in that order) in turn, one accumulator;
+        PDL: launched as a programmatic dependent (the first class waits, see `_mma_class`).
         The fragment's column n is stored column (n % 32)·V + n // 32 of the tile, so each thread's V columns are
         adjacent in memory (one V-word read per word row)."""
         gl.static_assert(gl.num_warps() == 4)
@@ -448,7 +461,8 @@ if HAVE_GLUON:
         for c in gl.static_range(6):
             if MASK >> c & 1:
                 acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
-                                 pid_k, SPLIT, s0, steps[c], w0, _width(c), HAS_ZEROS, BS, V, STAGES, POST)
+                                 pid_k, SPLIT, s0, steps[c], w0, _width(c), HAS_ZEROS, BS, V, STAGES, POST,
+                                 PDL and (MASK & ((1 << c) - 1)) == 0)
             s0 += steps[c]
             w0 += steps[c] * _width(c)
 
@@ -491,11 +505,9 @@ if HAVE_GLUON:
                     MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
                     PDL: gl.constexpr = False):
-        if PDL:
-            _pdl_sync()
         _mma_tile(gl.program_id(0), gl.program_id(1), x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr,
                   zr_ptr, sg_ptr, M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2, MASK, HAS_ZEROS,
-                  HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST)
+                  HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST, PDL)
 
     @gluon.jit
     def _mma_group_kernel(x_ptr, M, stride_xm,
@@ -510,25 +522,26 @@ if HAVE_GLUON:
         """`_mma_kernel` for 2-3 weights sharing one input (q/k/v, gate/up) in one launch: programs [0, P0) take
         weight 0 (tile pid // SP0, split pid % SP0), [P0, P0 + P1) weight 1, the rest weight 2. x0..x2 point at
         each weight's permuted input inside one buffer; n8_i..n2_i weight i's step counts per width."""
-        if PDL:
-            _pdl_sync()
         pid = gl.program_id(0)
         if pid < P0:
             _mma_tile(pid // SP0, pid % SP0, x0, o0, p0, c0, b0, q0, s0, z0, g0, M, N0, stride_xm, N0, SP0,
-                      n8_0, n6_0, n5_0, n4_0, n3_0, n2_0, MASK0, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0)
+                      n8_0, n6_0, n5_0, n4_0, n3_0, n2_0, MASK0, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0, PDL)
         else:
             pid -= P0
             if THREE:
                 if pid < P1:
                     _mma_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
-                              n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1)
+                              n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES,
+                              POST1, PDL)
                 else:
                     pid -= P1
                     _mma_tile(pid // SP2, pid % SP2, x2, o2, p2, c2, b2, q2, s2, z2, g2, M, N2, stride_xm, N2, SP2,
-                              n8_2, n6_2, n5_2, n4_2, n3_2, n2_2, MASK2, HAS_ZEROS, HAS_BIAS, ON2, BS, V, STAGES, POST2)
+                              n8_2, n6_2, n5_2, n4_2, n3_2, n2_2, MASK2, HAS_ZEROS, HAS_BIAS, ON2, BS, V, STAGES,
+                              POST2, PDL)
             else:
                 _mma_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
-                          n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1)
+                          n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1,
+                          PDL)
 
 
 def class_steps(w) -> tuple[int, list[int]]:
