@@ -50,8 +50,10 @@ def test_golden_greedy_decode_matches_cpu(name, mode):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
 
 
-def test_batched_graph_decode_matches_eager():
-    """Batch 3 through the batch-4 graph (one padded row) equals eager decoding of the same rows."""
+@pytest.mark.parametrize("max_len", [None, 71])
+def test_batched_graph_decode_matches_eager(max_len):
+    """Batch 3 through the batch-4 graph (one padded row) equals eager decoding of the same rows; with `max_len`
+    through the one-split graph of short batches (no merge launch)."""
     gpu = load_model(GOLDEN / "b4.0_hb6", "cuda")
     cache = PagedKVCache(gpu.spec, num_pages=13, page_size=64, device="cuda", dtype=torch.float16)
     graphs = DecodeGraphs(gpu, cache, max_pages_per_seq=4, scratch_page=12)
@@ -64,7 +66,8 @@ def test_batched_graph_decode_matches_eager():
             gpu(torch.randint(0, 1024, (1, n), device="cuda"), cache, 0)
     ids = torch.randint(0, 1024, (3, 1), device="cuda")
     pos = torch.tensor(lens, device="cuda")
-    a = graphs.step(ids, pos, table).float()
+    assert 4 in graphs.short
+    a = graphs.step(ids, pos, table, max_len=max_len).float()
     cache.bind(table)
     with torch.inference_mode():
         b = gpu(ids, cache, pos, last_only=True)[:, -1].float()

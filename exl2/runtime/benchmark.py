@@ -77,13 +77,13 @@ def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contex
         for ctx in contexts:
             ids = torch.randint(0, vocab, (1, 1), device=dev)
             pos = torch.full((1,), ctx, device=dev)
-            dt = _time(lambda: graphs.step(ids, pos, table[:1]), iters)
+            dt = _time(lambda: graphs.step(ids, pos, table[:1], max_len=ctx + 1), iters)
             bound = COPY_BANDWIDTH / (wbytes + kv_token * ctx)
             rows.append(Row(f"decode bs=1 ctx={ctx} ({mode} cache)", 1 / dt, bound))
             log(rows[-1])
         ids = torch.randint(0, vocab, (big_batch, 1), device=dev)
         pos = torch.full((big_batch,), contexts[0], device=dev)
-        dt = _time(lambda: graphs.step(ids, pos, table), iters)
+        dt = _time(lambda: graphs.step(ids, pos, table, max_len=contexts[0] + 1), iters)
         bound = big_batch * COPY_BANDWIDTH / (wbytes + big_batch * kv_token * contexts[0])
         rows.append(Row(f"decode bs={big_batch} ctx={contexts[0]} ({mode} cache), total", big_batch / dt, bound))
         log(rows[-1])
@@ -108,11 +108,11 @@ def kernel_breakdown(model: DecoderModel, page_size: int = 256, ctx: int = 2048,
     ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     pos = torch.full((batch,), ctx, device=dev)
     for _ in range(3):
-        graphs.step(ids, pos, table)
+        graphs.step(ids, pos, table, max_len=ctx + 1)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            graphs.step(ids, pos, table)
+            graphs.step(ids, pos, table, max_len=ctx + 1)
         torch.cuda.synchronize()
     stats = {}
     for ev in prof.events():

@@ -2,15 +2,22 @@
 
 Each graph owns static input tensors (token ids, positions, block table); a step copies the live batch into the
 smallest graph that fits, padding spare rows with a scratch page, and replays it.
+
+Decode attention splits each sequence's keys over several programs and merges them in a second launch, with the
+split count fixed inside a graph. A batch whose sequences are all short (the caller says so with `max_len`)
+replays a second graph per batch size captured with one split: no merge launch, and one program per sequence
+and KV head walks its few key blocks (`SHORT_CONTEXT`, EXL2_SHORT_CTX; 0 captures no short graphs).
 """
 from __future__ import annotations
 
 import torch
 
+from exl2.kernels.backend import env_choice
 from exl2.models.decoder import DecoderModel
 from exl2.runtime.paged_cache import PagedKVCache
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
+SHORT_CONTEXT = env_choice("EXL2_SHORT_CTX", 512, range(0, 1 << 20))
 
 
 class DecodeGraphs:
@@ -20,6 +27,7 @@ class DecodeGraphs:
         self.max_pages, self.scratch = max_pages_per_seq, scratch_page
         self.enabled = model.device.type == "cuda"
         self.graphs: dict[int, tuple] = {}
+        self.short: dict[int, tuple] = {}  # one key split: batches of sequences of at most SHORT_CONTEXT tokens
         self.batch_sizes = tuple(sorted(batch_sizes))
         model.prepare_rope(max_pages_per_seq * cache.page_size)
 
@@ -43,20 +51,33 @@ class DecodeGraphs:
                 for _ in range(2):
                     self._forward(ids, pos, bt)
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), torch.inference_mode():
-                out = self._forward(ids, pos, bt)
-            self.graphs[bs] = (graph, ids, pos, bt, out)
+            self.graphs[bs] = self._capture_one(ids, pos, bt)
+            if SHORT_CONTEXT and self.cache.decode_splits is None:
+                self.cache.decode_splits = 1
+                try:
+                    self.short[bs] = self._capture_one(*self._inputs(bs))
+                finally:
+                    self.cache.decode_splits = None
 
-    def step(self, ids: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] for one new token per sequence (ids [B, 1], positions [B], block table [B, pages])."""
+    def _capture_one(self, ids, pos, bt) -> tuple:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.inference_mode():
+            out = self._forward(ids, pos, bt)
+        return graph, ids, pos, bt, out
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor,
+             max_len: int | None = None) -> torch.Tensor:
+        """Logits [B, V] for one new token per sequence (ids [B, 1], positions [B], block table [B, pages]).
+        `max_len`, the longest sequence's length including this token when the caller knows it on the host,
+        picks the one-split graph for short batches."""
         b = ids.shape[0]
         fit = next((s for s in self.batch_sizes if s >= b and s in self.graphs), None)
         if fit is None:
             with torch.inference_mode():
                 self.cache.bind(block_table)
                 return self.model(ids, self.cache, pos, last_only=True)[:, -1]
-        graph, s_ids, s_pos, s_bt, out = self.graphs[fit]
+        short = max_len is not None and max_len <= SHORT_CONTEXT and fit in self.short
+        graph, s_ids, s_pos, s_bt, out = (self.short if short else self.graphs)[fit]
         s_ids[:b].copy_(ids)
         s_pos[:b].copy_(pos)
         s_bt[:b, : block_table.shape[1]].copy_(block_table)

@@ -48,7 +48,7 @@ class Session:
         ids = token.view(1, 1).to(self.model.device)
         if self.graphs is not None:
             pos = torch.full((1,), self.length, dtype=torch.long, device=ids.device)
-            out = self.graphs.step(ids, pos, self.table)
+            out = self.graphs.step(ids, pos, self.table, max_len=self.length + 1)
         else:
             self.cache.bind(self.table)
             out = self.model(ids, self.cache, self.length, last_only=True)[:, -1]
