@@ -78,6 +78,12 @@ for s in $steps; do
   quick) timeout -s INT -k 15 "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_kernels_attention.py \
            tests/test_gpu_e2e.py -k "fast or attention or paged or prefill or group or graph" -q -n ${TEST_WORKERS:-8} \
            -p no:cacheprovider -rfE > "$OUT/gpu_quick.txt" 2>&1; echo "quick tests rc=$?"; tail -12 "$OUT/gpu_quick.txt" ;;
+  kvtests) timeout -s INT -k 15 "${TEST_TIMEOUT:-200}" python3 -m pytest -m gpu tests/test_kernels_kv_quant.py \
+           tests/test_gpu_e2e.py tests/test_kernels_attention.py -k "kv or golden or graph or paged" -q -n 8 \
+           -p no:cacheprovider -rfE > "$OUT/gpu_kv.txt" 2>&1; echo "kv tests rc=$?"; tail -8 "$OUT/gpu_kv.txt" ;;
+  q4break) EXL2_PDL=0 timeout 130 python3 -m exl2.cli.main bench --modes q4 --contexts 2048 --breakdown \
+           --breakdown-mode q4 > "$OUT/bench_q4_breakdown.txt" 2>&1; echo "bench q4 (PDL off) rc=$?"
+         tail -22 "$OUT/bench_q4_breakdown.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

@@ -111,7 +111,8 @@ def test_quantized_cache_rejects_small_heads(tmp_path):
 
 
 @pytest.mark.parametrize("args,word", [(["--modes", "q5"], "--modes"), (["--contexts", "12x"], "--contexts"),
-                                       (["--batch", "0"], "--batch"), (["--breakdown-batch", "3"], "--breakdown-batch")])
+                                       (["--batch", "0"], "--batch"), (["--breakdown-batch", "3"], "--breakdown-batch"),
+                                       (["--breakdown-mode", "q5"], "--breakdown-mode")])
 def test_bench_rejects_bad_options_in_one_sentence(args, word):
     """Checked before anything touches the GPU, so the same on machines with and without one."""
     assert_user_error(exl2("bench", *args), word)

@@ -163,6 +163,40 @@ def test_write_kv_quant_pair_one_launch_equals_twin(kb, vb, dk, dv):
         assert int(p.view(32, -1).sum()) == int(p0.long().sum())  # nothing written elsewhere
 
 
+@needs_triton
+@pytest.mark.parametrize("kb,vb,d,rd,interleaved", [(4, 4, 128, 128, False), (8, 4, 64, 64, True),
+                                                     (3, 2, 128, 64, False)])
+def test_rope_into_quantized_cache_one_launch_equals_rotary_then_write(kb, vb, d, rd, interleaved):
+    """A decode step's RoPE (q in place, keys on their way in; partial rotary passes the rest through) and the
+    quantized cache write in one launch against apply_rotary_torch + the quantize twin: the same codes and scales,
+    q rotated as the twin rotates it, k itself untouched."""
+    from exl2.kernels.rotary import apply_rotary_torch
+
+    g = torch.Generator().manual_seed(kb * 100 + rd)
+    t, hq, hk = 3, 8, 2
+    q = torch.randn(t, hq, d, generator=g).half().to(DEV)
+    k = torch.randn(t, hk, d, generator=g).half().to(DEV)
+    v = torch.randn(t, hk, d, generator=g).half().to(DEV)
+    ang = torch.rand(40, rd // 2, generator=g) * 6.0
+    cos, sin = torch.cos(ang).to(DEV), torch.sin(ang).to(DEV)
+    pos = torch.tensor([5, 39, 0], device=DEV)
+    slots = torch.tensor([3, 17, 30], device=DEV)
+
+    def cache(bits):
+        return (torch.zeros(4, 8, hk, kq.packed_dim(d, bits), dtype=torch.uint8, device=DEV),
+                torch.zeros(4, 8, hk, d // 32, dtype=torch.float16, device=DEV))
+    kc, vc = cache(kb), cache(vb)
+    q_ref, k_ref, k0 = q.clone(), k.clone(), k.clone()
+    apply_rotary_torch(q_ref, k_ref, cos, sin, pos, rd, interleaved)
+    with force_triton():
+        kq.write_kv_quant_pair(k, v, kc, vc, slots, kb, vb, rope=(q, cos, sin, pos, rd, interleaved))
+    assert torch.equal(q, q_ref) and torch.equal(k, k0)
+    for x, (p, s), bits in ((k_ref, kc, kb), (v, vc, vb)):
+        p0, s0 = kq.quantize_kv_torch(x, bits)
+        assert torch.equal(p.view(32, hk, -1)[slots], p0) and torch.equal(s.view(32, hk, -1)[slots], s0)
+        assert int(p.view(32, -1).sum()) == int(p0.long().sum())  # nothing written elsewhere
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])

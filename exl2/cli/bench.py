@@ -20,6 +20,8 @@ def register(sub) -> None:
     p.add_argument("--breakdown", action="store_true", help="also print per-kernel times of one decode step")
     p.add_argument("--breakdown-batch", dest="breakdown_batch", type=int, default=1,
                    help="batch size of the --breakdown step (default 1; 1, 2, 4, 8 or 16)")
+    p.add_argument("--breakdown-mode", dest="breakdown_mode", default="fp16",
+                   help="KV cache mode of the --breakdown step (default fp16)")
     p.set_defaults(func=run)
 
 
@@ -34,6 +36,8 @@ def run(args) -> int:
     bad = [m for m in modes if m not in KV_MODES]
     if not modes or bad:
         raise ConfigError(f"--modes takes cache modes from {', '.join(KV_MODES)}, not {args.modes!r}.")
+    if args.breakdown_mode not in KV_MODES:
+        raise ConfigError(f"--breakdown-mode takes one of {', '.join(KV_MODES)}, not {args.breakdown_mode!r}.")
     try:
         contexts = [int(c) for c in args.contexts.split(",")]
     except ValueError:
@@ -77,7 +81,9 @@ def run(args) -> int:
     print(format_table(rows))
     if args.breakdown:
         ctx = 2048 if args.breakdown_batch == 1 else 128
-        print(f"\nper-kernel time of one decode step (batch {args.breakdown_batch}, ctx {ctx}, fp16 cache):")
-        for name, calls, us, share in kernel_breakdown(model, ctx=ctx, batch=args.breakdown_batch):
+        print(f"\nper-kernel time of one decode step (batch {args.breakdown_batch}, ctx {ctx}, "
+              f"{args.breakdown_mode} cache):")
+        for name, calls, us, share in kernel_breakdown(model, ctx=ctx, batch=args.breakdown_batch,
+                                                       mode=args.breakdown_mode):
             print(f"  {name:<60} {calls:>5} {us:>10.1f} µs {share:>6.1%}")
     return 0

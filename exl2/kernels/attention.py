@@ -45,6 +45,11 @@ TUNING = {("decode", "fp16"): (64, 8), ("decode", "quant"): (64, 4),
           ("prefill", "fp16"): (32, 4), ("prefill", "quant"): (32, 4)}
 
 
+def decode_splits(programs: int, device: torch.device) -> int:
+    """The key splits decode attention takes when not told: enough for two programs per SM, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sm_count(device), programs)))
+
+
 @triton.jit
 def _load_v(v_ptr, vs_ptr, slot, nmask, dv, kvh, stride_vt, stride_vh, stride_vst, stride_vsh, DV, BDV: tl.constexpr,
             BN: tl.constexpr, V_BITS: tl.constexpr, VZERO: tl.constexpr):
@@ -484,8 +489,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
     tq_per = bm // group
     q_blocks = triton.cdiv(max_q_len, tq_per)
     if num_splits is None:
-        progs = b * q_blocks * hkv
-        num_splits = 1 if not decode_like else max(1, min(MAX_SPLITS, triton.cdiv(2 * sm_count(q.device), progs)))
+        num_splits = decode_splits(b * q_blocks * hkv, q.device) if decode_like else 1
     split = int(num_splits)
     ks_rows = ks_rows if ks_rows is not None else q
     vs_rows = vs_rows if vs_rows is not None else q

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
+from exl2.kernels.rotary import apply_rotary_torch, check_tables, rotate_heads, token_view
 
 KV_MODES = {"fp16": (16, 16), "q8": (8, 8), "q6": (8, 4), "q4": (4, 4), "q3": (3, 3), "q2": (2, 2)}
 KV_BITS = (8, 4, 3, 2)
@@ -244,24 +245,59 @@ def _kv_quant_pair_kernel(k_ptr, kp_ptr, ks_ptr, v_ptr, vp_ptr, vs_ptr, slot_ptr
                           stride_vt, stride_vh, stride_kpt, stride_kph, stride_kst, stride_ksh, stride_vpt, stride_vph,
                           stride_vst, stride_vsh, NB_K, NB_V, K_PROGS, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                           BT_K: tl.constexpr, NBP_K: tl.constexpr, BT_V: tl.constexpr, NBP_V: tl.constexpr,
+                          q_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, HQ=0, stride_qt=0, stride_qh=0,
+                          stride_cos=0, HALF_R=0, QBLOCKS=1, Q_PROGS=0, ROPE: tl.constexpr = False,
+                          INTERLEAVED: tl.constexpr = False, BLOCK_H: tl.constexpr = 16, BLOCK_R: tl.constexpr = 16,
                           PDL: tl.constexpr = False):
-    """Keys (the first K_PROGS programs) and values (the rest) of one write into their cache rows: one launch."""
+    """Keys and values of one write into their cache rows: one launch. With ROPE the first Q_PROGS programs
+    rotate q in place and the keys are rotated on their way into the cache (a decode step's RoPE and cache write
+    in one launch); then the key programs (K_PROGS), then the value programs."""
     if PDL:
         pdl_sync()
     pid = tl.program_id(0)
-    if pid < K_PROGS:
-        _quant_block(pid, k_ptr, kp_ptr, ks_ptr, slot_ptr, ROWS, H, stride_kt, stride_kh, stride_kpt, stride_kph,
-                     stride_kst, stride_ksh, NB_K, True, K_BITS, BT_K, NBP_K)
+    if ROPE and pid < Q_PROGS:
+        rotate_heads(q_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, (pid // QBLOCKS).to(tl.int64), pid % QBLOCKS, 0, HQ, 0,
+                     stride_qt, stride_qh, 0, 0, stride_cos, HALF_R, QBLOCKS, q_ptr, 0, INTERLEAVED, BLOCK_H, BLOCK_R,
+                     False, 16)
+    elif pid < Q_PROGS + K_PROGS:
+        _quant_block(pid - Q_PROGS, k_ptr, kp_ptr, ks_ptr, slot_ptr, ROWS, H, stride_kt, stride_kh, stride_kpt,
+                     stride_kph, stride_kst, stride_ksh, NB_K, True, K_BITS, BT_K, NBP_K, cos_ptr, sin_ptr, pos_ptr,
+                     stride_cos, HALF_R, ROPE, INTERLEAVED)
     else:
-        _quant_block(pid - K_PROGS, v_ptr, vp_ptr, vs_ptr, slot_ptr, ROWS, H, stride_vt, stride_vh, stride_vpt,
-                     stride_vph, stride_vst, stride_vsh, NB_V, True, V_BITS, BT_V, NBP_V)
+        _quant_block(pid - Q_PROGS - K_PROGS, v_ptr, vp_ptr, vs_ptr, slot_ptr, ROWS, H, stride_vt, stride_vh,
+                     stride_vpt, stride_vph, stride_vst, stride_vsh, NB_V, True, V_BITS, BT_V, NBP_V)
+
+
+@triton.jit
+def _rope_elements(x, x_rows, e, ok, pos_ptr, tok, cos_ptr, sin_ptr, stride_cos, HALF_R,
+                   INTERLEAVED: tl.constexpr):
+    """x [RT, 32] (elements `e` of the rows at `x_rows`) rotated by RoPE at each row's position, in fp32 and rounded
+    to x's type as `rotary.apply_rotary` does; features past the rotary ones pass through."""
+    if INTERLEAVED:
+        first = (e % 2) == 0
+        partner = e ^ 1
+        idx = e // 2
+    else:
+        first = e < HALF_R
+        partner = tl.where(first, e + HALF_R, e - HALF_R)
+        idx = tl.where(first, e, e - HALF_R)
+    rot = ok & (e < 2 * HALF_R)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)[:, None]
+    c = tl.load(cos_ptr + pos * stride_cos + idx, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_cos + idx, mask=rot, other=0.0).to(tl.float32)
+    xp = tl.load(x_rows[:, None] + partner, mask=rot, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    y = tl.where(first, xf * c - xp * s, xf * c + xp * s)
+    return tl.where(rot, y.to(x.dtype), x)
 
 
 @triton.jit
 def _quant_block(pid, x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_xh, stride_pt, stride_ph,
                  stride_st, stride_sh, NB, HAS_SLOTS: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr,
-                 NBP: tl.constexpr):
-    """Program `pid`'s BT rows (token, head) of x: rotate, quantize and store codes and scales."""
+                 NBP: tl.constexpr, cos_ptr=None, sin_ptr=None, pos_ptr=None, stride_cos=0, HALF_R=0,
+                 ROPE: tl.constexpr = False, INTERLEAVED: tl.constexpr = False):
+    """Program `pid`'s BT rows (token, head) of x: (with ROPE, apply RoPE first), rotate, quantize and store codes
+    and scales."""
     RT: tl.constexpr = BT * NBP * 2
     HALF: tl.constexpr = 1 << (BITS - 1)
     rho = tl.arange(0, RT)
@@ -274,7 +310,11 @@ def _quant_block(pid, x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_
     head = row % H
     j = tl.arange(0, 32)
     e = blk[:, None] * 64 + 2 * j[None, :] + par[:, None]
-    x = tl.load(x_ptr + tok[:, None] * stride_xt + head[:, None] * stride_xh + e, mask=valid[:, None], other=0.0)
+    x_rows = x_ptr + tok * stride_xt + head * stride_xh
+    x = tl.load(x_rows[:, None] + e, mask=valid[:, None], other=0.0)
+    if ROPE:
+        x = _rope_elements(x, x_rows, e, valid[:, None], pos_ptr, tl.where(valid, tok, 0), cos_ptr, sin_ptr,
+                           stride_cos, HALF_R, INTERLEAVED)
     y = _butterfly_tl(x.to(tl.float16), RT)
     a4 = tl.reshape(tl.abs(y), [RT // 2, 2, 2, 16])
     amax = tl.max(tl.max(a4, axis=3), axis=1)  # [RT/2, 2 halves]
@@ -396,12 +436,21 @@ def write_kv_quant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
 
 def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.Tensor, torch.Tensor],
                         v_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k_bits: int,
-                        v_bits: int) -> None:
+                        v_bits: int, rope: tuple | None = None) -> None:
     """`write_kv_quant` of keys and values `[T, H, D]` (widths may differ) in one launch; caches as (packed,
-    scales)."""
+    scales). `rope` (q, cos, sin, positions, rotary_dim, interleaved): in the same launch rotate q in place and the
+    keys on their way into the cache (`rotary.apply_rotary`'s arithmetic; k itself is left as it was)."""
     t, h, dk = k.shape
     dv = v.shape[-1]
+    if rope is not None:
+        q, cos, sin, positions, rotary_dim, interleaved = rope
+        rd = check_tables(q, k, cos, sin, positions, rotary_dim)
+        if positions.numel() != t:
+            raise ValueError(f"{t} key rows but {positions.numel()} positions.")
     if not use_triton(k) or t == 0:
+        if rope is not None:
+            k = k.clone()
+            apply_rotary_torch(q, k, cos, sin, positions, rotary_dim, interleaved)
         write_kv_quant(k, *k_cache, slot_mapping, k_bits)
         write_kv_quant(v, *v_cache, slot_mapping, v_bits)
         return
@@ -416,11 +465,23 @@ def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.T
         rows.append((x if x.stride(-1) == 1 else x.contiguous(), pk, sc) + _block_rows(d))
     (k2, kp, ks, bt_k, nbp_k), (v2, vp, vs, bt_v, nbp_v) = rows
     k_progs = triton.cdiv(t * h, bt_k)
-    _kv_quant_pair_kernel[(k_progs + triton.cdiv(t * h, bt_v),)](
+    extra, q_progs = {}, 0
+    if rope is not None:
+        q3 = token_view(q, t)
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        block_h = min(16, next_pow2(q3.shape[1]))
+        qblocks = triton.cdiv(q3.shape[1], block_h)
+        q_progs = t * qblocks
+        extra = dict(q_ptr=q3, cos_ptr=cos, sin_ptr=sin, pos_ptr=positions.reshape(-1), HQ=q3.shape[1],
+                     stride_qt=q3.stride(0), stride_qh=q3.stride(1), stride_cos=cos.stride(0), HALF_R=rd // 2,
+                     QBLOCKS=qblocks, Q_PROGS=q_progs, ROPE=True, INTERLEAVED=bool(interleaved), BLOCK_H=block_h,
+                     BLOCK_R=next_pow2(rd // 2))
+    _kv_quant_pair_kernel[(q_progs + k_progs + triton.cdiv(t * h, bt_v),)](
         k2, kp, ks, v2, vp, vs, slot_mapping.reshape(-1), t * h, h, k2.stride(0), k2.stride(1), v2.stride(0),
         v2.stride(1), kp.stride(0), kp.stride(1), ks.stride(0), ks.stride(1), vp.stride(0), vp.stride(1),
         vs.stride(0), vs.stride(1), dk // 64, dv // 64, k_progs, K_BITS=k_bits, V_BITS=v_bits, BT_K=bt_k,
-        NBP_K=nbp_k, BT_V=bt_v, NBP_V=nbp_v, num_warps=4, **pdl_args(k.device, t))
+        NBP_K=nbp_k, BT_V=bt_v, NBP_V=nbp_v, num_warps=4, **extra, **pdl_args(k.device, t))
 
 
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

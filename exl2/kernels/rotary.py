@@ -37,14 +37,14 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, HQ, HK, stride_qt, str
         val = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
         tl.store(vc_ptr + slot * (HK * DV) + offs_h[:, None] * DV + offs_d[None, :], val, mask=m)
     else:
-        _rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
-                      stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED, BLOCK_H, BLOCK_R, STORE, BLOCK_D)
+        rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
+                     stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED, BLOCK_H, BLOCK_R, STORE, BLOCK_D)
 
 
 @triton.jit
-def _rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
-                  stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_R: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr):
+def rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
+                 stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_R: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Block hb of the q heads, or (hb >= QBLOCKS) of the k heads: rotated in place, or for k with STORE into
     cache row `slot`."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -87,7 +87,8 @@ def _rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, 
         tl.store(p2, y2, mask=m)
 
 
-def _as_3d(x: torch.Tensor, tokens: int) -> torch.Tensor:
+def token_view(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """x as `[tokens, heads, head_dim]` (a view; the head dim must be contiguous)."""
     if x.dim() < 2:
         raise ValueError(f"expected [..., heads, head_dim], got shape {list(x.shape)}.")
     v = x.view(tokens, x.shape[-2], x.shape[-1]) if x.dim() != 3 else x
@@ -98,7 +99,8 @@ def _as_3d(x: torch.Tensor, tokens: int) -> torch.Tensor:
     return v
 
 
-def _check(q, k, cos, sin, positions, rotary_dim):
+def check_tables(q, k, cos, sin, positions, rotary_dim) -> int:
+    """The rotary dim after checking it and the cos/sin tables against q and k."""
     rd = rotary_dim or q.shape[-1]
     if rd % 2 or rd > q.shape[-1] or (k is not None and rd > k.shape[-1]):
         raise ValueError(f"rotary_dim {rd} must be even and at most the head dim.")
@@ -110,14 +112,14 @@ def _check(q, k, cos, sin, positions, rotary_dim):
 def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor, rotary_dim: int | None = None, interleaved: bool = False) -> None:
     """Rotate q and k (in place) by the angles of `positions` (see the module docstring)."""
-    rd = _check(q, k, cos, sin, positions, rotary_dim)
+    rd = check_tables(q, k, cos, sin, positions, rotary_dim)
     if not use_triton(q):
         return apply_rotary_torch(q, k, cos, sin, positions, rotary_dim, interleaved)
     t = positions.numel()
     if t == 0:
         return None
-    q3 = _as_3d(q, t)
-    k3 = _as_3d(k, t) if k is not None else q3
+    q3 = token_view(q, t)
+    k3 = token_view(k, t) if k is not None else q3
     hk = k3.shape[1] if k is not None else 0
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -136,9 +138,9 @@ def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     """`apply_rotary(q, k, ...)` and the fp16 cache write of k and v (`attention.write_kv`) in one launch: q is
     rotated in place, k is rotated into its cache rows (k itself is left as it was), v is copied into its rows.
     q, k, v `[T, H, D]`; caches `[pages, page_size, Hkv, D]` (or `[slots, Hkv, D]`); slots `[T]`."""
-    rd = _check(q, k, cos, sin, positions, rotary_dim)
+    rd = check_tables(q, k, cos, sin, positions, rotary_dim)
     t = positions.numel()
-    q3, k3, v3 = _as_3d(q, t), _as_3d(k, t), _as_3d(v, t)
+    q3, k3, v3 = token_view(q, t), token_view(k, t), token_view(v, t)
     hk, d, dv = k3.shape[1], k3.shape[2], v3.shape[2]
     if k_cache.shape[-2:] != (hk, d) or v_cache.shape[-2:] != (hk, dv):
         raise ValueError("new keys/values do not match the cache's row width.")
@@ -165,14 +167,14 @@ def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
 
 def apply_rotary_torch(q, k, cos, sin, positions, rotary_dim=None, interleaved=False) -> None:
     """The twin of `apply_rotary`."""
-    rd = _check(q, k, cos, sin, positions, rotary_dim)
+    rd = check_tables(q, k, cos, sin, positions, rotary_dim)
     pos = positions.reshape(-1).long()
     c = cos.index_select(0, pos).float()[:, None, :]
     s = sin.index_select(0, pos).float()[:, None, :]
     for x in (q, k):
         if x is None:
             continue
-        x3 = _as_3d(x, pos.numel())
+        x3 = token_view(x, pos.numel())
         r = x3[..., :rd]
         if interleaved:
             x1, x2 = r[..., 0::2], r[..., 1::2]

@@ -93,14 +93,14 @@ def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contex
 
 
 def kernel_breakdown(model: DecoderModel, page_size: int = 256, ctx: int = 2048, top: int = 15,
-                     batch: int = 1) -> list[tuple]:
-    """Per-kernel GPU time of one captured decode step of `batch` sequences at `ctx`: [(kernel, calls, µs,
-    share)]."""
+                     batch: int = 1, mode: str = "fp16") -> list[tuple]:
+    """Per-kernel GPU time of one captured decode step of `batch` sequences at `ctx` over a `mode` cache:
+    [(kernel, calls, µs, share)]."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = model.device
     pages = -(-(ctx + 64) // page_size)
-    cache = PagedKVCache(model.spec, num_pages=1 + batch * pages, page_size=page_size, device=dev,
+    cache = PagedKVCache(model.spec, num_pages=1 + batch * pages, page_size=page_size, mode=mode, device=dev,
                          dtype=model.dtype)
     graphs = DecodeGraphs(model, cache, pages)
     graphs.capture((batch,))

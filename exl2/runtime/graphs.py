@@ -5,19 +5,24 @@ smallest graph that fits, padding spare rows with a scratch page, and replays it
 
 Decode attention splits each sequence's keys over several programs and merges them in a second launch, with the
 split count fixed inside a graph. A batch whose sequences are all short (the caller says so with `max_len`)
-replays a second graph per batch size captured with one split: no merge launch, and one program per sequence
-and KV head walks its few key blocks (`SHORT_CONTEXT`, EXL2_SHORT_CTX; 0 captures no short graphs).
+replays a second graph captured with one split: no merge launch, and one program per sequence and KV head walks
+its few key blocks (`SHORT_CONTEXT`, EXL2_SHORT_CTX; 0 captures no short graphs). Only batch sizes that already
+fill the GPU with few splits (at most SHORT_MAX_SPLITS) get one, and only over an fp16 value cache: a small batch
+loses more to the serial walk than the merge launch costs, and quantized values are merged (un-rotated) anyway
+(H200, benchmarks/RESULTS.md session 9).
 """
 from __future__ import annotations
 
 import torch
 
+from exl2.kernels.attention import decode_splits
 from exl2.kernels.backend import env_choice
 from exl2.models.decoder import DecoderModel
 from exl2.runtime.paged_cache import PagedKVCache
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
-SHORT_CONTEXT = env_choice("EXL2_SHORT_CTX", 512, range(0, 1 << 20))
+SHORT_CONTEXT = env_choice("EXL2_SHORT_CTX", 256, range(0, 1 << 20))
+SHORT_MAX_SPLITS = 4
 
 
 class DecodeGraphs:
@@ -52,12 +57,17 @@ class DecodeGraphs:
                     self._forward(ids, pos, bt)
             torch.cuda.current_stream().wait_stream(stream)
             self.graphs[bs] = self._capture_one(ids, pos, bt)
-            if SHORT_CONTEXT and self.cache.decode_splits is None:
+            if self._wants_short(bs):
                 self.cache.decode_splits = 1
                 try:
                     self.short[bs] = self._capture_one(*self._inputs(bs))
                 finally:
                     self.cache.decode_splits = None
+
+    def _wants_short(self, bs: int) -> bool:
+        c = self.cache
+        return bool(SHORT_CONTEXT and c.decode_splits is None and c.v_bits == 16
+                    and decode_splits(bs * c.kv_heads, self.model.device) <= SHORT_MAX_SPLITS)
 
     def _capture_one(self, ids, pos, bt) -> tuple:
         graph = torch.cuda.CUDAGraph()

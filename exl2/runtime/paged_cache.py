@@ -92,13 +92,18 @@ class PagedKVCache:
                scale: float, window=None, chunk=None, softcap=None, out_index=None, rope=None) -> torch.Tensor:
         """Write the new keys/values, attend: `[B, T, H, Dv]`, or with `out_index` the rows `[B·T, H·Dv]` in that
         column order (`attention.scatter_columns`; decode writes them from the kernel). `rope` (cos, sin,
-        interleaved): rotate q and k first; a decode step into an fp16 cache does it in the cache-write launch."""
+        interleaved): rotate q and k first; a decode step does it in the cache-write launch."""
         b, t = q_pos.shape
         slots, seq_lens = self._slots_and_lens(q_pos)
         kf, vf = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
         if rope is not None and t == 1 and self.k_bits == 16 and self.v_bits == 16:
             rotary_store(q, k, v, rope[0], rope[1], q_pos, self.k[layer], self.v[layer], slots,
                          2 * rope[0].shape[-1], rope[2])
+        elif rope is not None and t == 1 and self.k_bits != 16 and self.v_bits != 16:
+            kv_quant.write_kv_quant_pair(kf, vf, (self.k[layer], self.k_scales[layer]),
+                                         (self.v[layer], self.v_scales[layer]), slots.reshape(-1), self.k_bits,
+                                         self.v_bits, rope=(q, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1],
+                                                            rope[2]))
         else:
             if rope is not None:
                 apply_rotary(q, k, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2])
