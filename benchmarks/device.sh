@@ -79,8 +79,10 @@ for s in $steps; do
            tests/test_gpu_e2e.py -k "fast or attention or paged or prefill or group or graph" -q -n ${TEST_WORKERS:-8} \
            -p no:cacheprovider -rfE > "$OUT/gpu_quick.txt" 2>&1; echo "quick tests rc=$?"; tail -12 "$OUT/gpu_quick.txt" ;;
   kvtests) timeout -s INT -k 15 "${TEST_TIMEOUT:-200}" python3 -m pytest -m gpu tests/test_kernels_kv_quant.py \
-           tests/test_gpu_e2e.py tests/test_kernels_attention.py -k "kv or golden or graph or paged" -q -n 8 \
+           tests/test_gpu_e2e.py tests/test_kernels_attention.py -k "${KV_TESTS:-kv or golden or graph or paged}" -q -n 8 \
            -p no:cacheprovider -rfE > "$OUT/gpu_kv.txt" 2>&1; echo "kv tests rc=$?"; tail -8 "$OUT/gpu_kv.txt" ;;
+  attnsweep) timeout ${SWEEP_TIMEOUT:-190} python3 benchmarks/kernels.py --only attention --sweep --budget ${SWEEP_BUDGET:-170} \
+           --json "$OUT/attn.json" > "$OUT/attn.txt" 2>&1; echo "attention sweep rc=$?"; grep -v "^    " "$OUT/attn.txt" | tail -24 ;;
   q4break) EXL2_PDL=0 timeout 130 python3 -m exl2.cli.main bench --modes q4 --contexts 2048 --breakdown \
            --breakdown-mode q4 > "$OUT/bench_q4_breakdown.txt" 2>&1; echo "bench q4 (PDL off) rc=$?"
          tail -22 "$OUT/bench_q4_breakdown.txt" ;;

@@ -481,7 +481,7 @@ def decode_attention_inputs(batch: int, ctx: int, hq: int, hkv: int, d: int, pag
 
 def attention_section(bw: float, sweep_on: bool) -> None:
     hq, hkv, d, page = 32, 8, 128, 256
-    for batch, ctx in ((1, 2048), (16, 2048), (1, 128)) if sweep_on else ((1, 2048), (16, 2048)):
+    for batch, ctx in ((1, 2048), (16, 128), (16, 2048)) if sweep_on else ((1, 2048), (16, 2048)):
         if over_budget():
             break
         bt, lens, q, k, v, kc, ks, vc, vs = decode_attention_inputs(batch, ctx, hq, hkv, d, page)
@@ -495,11 +495,13 @@ def attention_section(bw: float, sweep_on: bool) -> None:
                                            k_scales=tensors[2], v_scales=tensors[3])
             key = ("decode", "quant" if bits != 16 else "fp16")
             default = at.TUNING[key]
-            grid = [(bn, nw) for bn in (16, 32, 64) for nw in (4, 8)] if sweep_on else [default]
+            grid = [(bn, nw, ve) for bn in (16, 32, 64, 128) for nw in (4, 8) for ve in (False, True)] \
+                if sweep_on else [default + (at.V_EARLY,)]
             best = None
-            for bn, nw in grid:
-                at.TUNING[key] = (bn, nw)
-                for splits in ((None, 4, 8, 16, 32) if sweep_on else (None,)):
+            v_early = at.V_EARLY
+            for bn, nw, ve in grid:
+                at.TUNING[key], at.V_EARLY = (bn, nw), ve
+                for splits in ((None, 8, 16, 32) if sweep_on else (None,)):
                     if over_budget():
                         break
                     def call(c, splits=splits):
@@ -511,13 +513,14 @@ def attention_section(bw: float, sweep_on: bool) -> None:
                     except Exception as e:  # noqa: BLE001
                         log(f"  attention {mode} {bn}/{nw}/{splits} failed: {type(e).__name__}: {str(e)[:300]}")
                         continue
-                    log(f"    attn B={batch} ctx={ctx} {mode} bn={bn} warps={nw} splits={splits}: {us:.2f} us")
-                    if (bn, nw) == default and splits is None:
+                    log(f"    attn B={batch} ctx={ctx} {mode} bn={bn} warps={nw} v_early={ve} splits={splits}: "
+                        f"{us:.2f} us")
+                    if (bn, nw) == default and ve == v_early and splits is None:
                         row(f"attn B={batch} ctx={ctx}", batch, f"paged {mode} default", us, nbytes, bw, None, err,
                             f"bn={bn} warps={nw} splits=auto")
                     if best is None or us < best[0]:
-                        best = (us, f"bn={bn} warps={nw} splits={splits}", err)
-            at.TUNING[key] = default
+                        best = (us, f"bn={bn} warps={nw} v_early={ve} splits={splits}", err)
+            at.TUNING[key], at.V_EARLY = default, v_early
             if best:
                 best_t[mode] = best[0]
                 row(f"attn B={batch} ctx={ctx}", batch, f"paged {mode} best", best[0], nbytes, bw, None, best[2],
