@@ -54,10 +54,10 @@ def _compile_all() -> dict:
         ptrs = dict(aptrs, **({"k_ptr": "*u8", "v_ptr": "*u8"} if bits != 16 else {}))
         consts = dict(GROUP=4, DK=dk, DV=128, BDK=triton.next_power_of_2(dk), BDV=128, BM=16, BN=64, PAGED=True,
                       CAUSAL=True, HAS_WINDOW=False, HAS_SOFTCAP=False, K_BITS=bits, V_BITS=bits, KZERO=0.0,
-                      VZERO=0.0, SPLIT=32, PARTIAL=True, MERGE=False, MR=16, MCH=8, PERM=True, V_EARLY=False,
+                      VZERO=0.0, SPLIT=32, PARTIAL=True, MERGE=False, MR=16, MCH=8, PERM=True, V_EARLY=at.V_EARLY,
                       PDL=True, PREFETCH=True)
-        out[f"attention-{dk}-{bits}"] = verdict(
-            lambda: ptx(at._attn_kernel, ptrs, consts, 8 if bits == 16 else 4, 2))
+        warps = at.TUNING[("decode", "fp16" if bits == 16 else "quant")][1]
+        out[f"attention-{dk}-{bits}"] = verdict(lambda: ptx(at._attn_kernel, ptrs, consts, warps, 2))
     gptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     gptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
     for bn, width in GEMV:

@@ -96,7 +96,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "s
         block = min(2048, next_pow2(i))
         grid = (o2.shape[0], triton.cdiv(i, block))
         _glu_kernel[grid](g2, u2, o2, i, g2.stride(0), u2.stride(0), o2.stride(0), ACT=_ACT_ID[activation],
-                          BLOCK=block, num_warps=4, **pdl_args(g2.device, o2.shape[0]))
+                          BLOCK=block, num_warps=4, **pdl_args(g2.device, o2.shape[0], small=True))
     return out
 
 
@@ -114,7 +114,7 @@ def _glu_gather(g: torch.Tensor, u: torch.Tensor, activation: str, index: torch.
         _glu_kernel[(out.shape[0], triton.cdiv(p, block))](g2, u2, out, p, g2.stride(0), u2.stride(0), out.stride(0),
                                                            ACT=_ACT_ID[activation], BLOCK=block, idx_ptr=index,
                                                            GATHER=True, num_warps=4,
-                                                           **pdl_args(g2.device, out.shape[0]))
+                                                           **pdl_args(g2.device, out.shape[0], small=True))
     return out.view(*g.shape[:-1], p)
 
 

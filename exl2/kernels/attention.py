@@ -32,16 +32,17 @@ from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, next_po
 from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 
 # Whether the last-arriving split merges (else a separate merge launch), and whether a key block's values are
-# loaded before its first dot; module attributes so benchmarks/kernels.py can A/B them. Both off (H200,
-# benchmarks/RESULTS.md session 5): the fused merge doubled the decode attention (batch 1, ctx 2048, fp16: 9.6 →
-# 18.4 µs; batch 16, ctx 128: 10.7 → 11.9), and the load order made no difference (within 0.1 µs everywhere).
+# loaded before its first dot; module attributes so benchmarks/kernels.py can A/B them (H200, benchmarks/RESULTS.md).
+# The fused merge doubled the decode attention (session 5: batch 1, ctx 2048, fp16: 9.6 → 18.4 µs; batch 16,
+# ctx 128: 10.7 → 11.9). Early value loads are free for an fp16 cache and hide the q4 value decode behind the key
+# dot (session 10: batch 1, ctx 2048, q4: 16.1 → 13.5 µs).
 FUSED_MERGE = False
-V_EARLY = False
+V_EARLY = True
 # Upper bound on the decode key splits the kernel picks itself (EXL2_ATTN_MAX_SPLITS): with one split a batch's
 # attention needs no merge launch, at the price of one program per (sequence, KV head) walking the whole context.
 MAX_SPLITS = env_choice("EXL2_ATTN_MAX_SPLITS", 32, range(1, 33))
 # (key block, warps) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md)
-TUNING = {("decode", "fp16"): (64, 8), ("decode", "quant"): (64, 4),
+TUNING = {("decode", "fp16"): (64, 4), ("decode", "quant"): (64, 4),
           ("prefill", "fp16"): (32, 4), ("prefill", "quant"): (32, 4)}
 
 
@@ -384,7 +385,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             raise ValueError("new keys/values do not match the cache's row width.")
         block = min(1024, next_pow2(max(kw, vw)))
         _write_rows_kernel[(k2.shape[0], 2)](k2, v2, kc, vc, slots.reshape(-1), k2.stride(0), v2.stride(0), kw, vw,
-                                            BLOCK=block, num_warps=4, **pdl_args(k2.device, k2.shape[0]))
+                                            BLOCK=block, num_warps=4, **pdl_args(k2.device, k2.shape[0], small=True))
         return
     if k_bits != 16 and v_bits != 16:
         kv_quant.write_kv_quant_pair(k, v, (k_cache, k_scales), (v_cache, v_scales), slots.reshape(-1), k_bits,
@@ -520,11 +521,12 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
         SPLIT=split, PARTIAL=partial, MERGE=merge, MR=mr,
         MCH=max(1, min(next_pow2(split), 8192 // (mr * next_pow2(dv)))), PERM=out_index is not None,
-        V_EARLY=V_EARLY, num_warps=warps, num_stages=2, **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0))
+        V_EARLY=V_EARLY, num_warps=warps, num_stages=2,
+        **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0, small=True))
     if partial and not merge:
         _merge_kernel[(tq, hq)](o_part, lse, out, perm, split, *o_part.stride()[:3], *lse.stride(), *out_strides,
                                 DV=dv, BS=next_pow2(split), BDV=next_pow2(dv), V_ROT=v_bits != 16,
-                                PERM=out_index is not None, num_warps=4, **pdl_args(o_part.device, tq))
+                                PERM=out_index is not None, num_warps=4, **pdl_args(o_part.device, tq, small=True))
     return out
 
 

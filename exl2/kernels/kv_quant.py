@@ -431,7 +431,7 @@ def write_kv_quant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     _kv_quant_kernel[(triton.cdiv(rows, bt),)](
         x, pk, sc, slot_mapping if slot_mapping is not None else x, rows, h, x.stride(0), x.stride(1),
         pk.stride(0), pk.stride(1), sc.stride(0), sc.stride(1), d // 64, HAS_SLOTS=slot_mapping is not None,
-        BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(x.device, x.shape[0]))
+        BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(x.device, x.shape[0], small=True))
 
 
 def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.Tensor, torch.Tensor],
@@ -481,7 +481,7 @@ def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.T
         k2, kp, ks, v2, vp, vs, slot_mapping.reshape(-1), t * h, h, k2.stride(0), k2.stride(1), v2.stride(0),
         v2.stride(1), kp.stride(0), kp.stride(1), ks.stride(0), ks.stride(1), vp.stride(0), vp.stride(1),
         vs.stride(0), vs.stride(1), dk // 64, dv // 64, k_progs, K_BITS=k_bits, V_BITS=v_bits, BT_K=bt_k,
-        NBP_K=nbp_k, BT_V=bt_v, NBP_V=nbp_v, num_warps=4, **extra, **pdl_args(k.device, t))
+        NBP_K=nbp_k, BT_V=bt_v, NBP_V=nbp_v, num_warps=4, **extra, **pdl_args(k.device, t, small=True))
 
 
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -510,5 +510,5 @@ def dequantize_kv(packed: torch.Tensor, scales: torch.Tensor, bits: int, head_di
         bt, nbp = _block_rows(head_dim)
         _kv_dequant_kernel[(triton.cdiv(p.shape[0], bt),)](
             p, s, out, p.shape[0], head_dim // 64, p.stride(0), s.stride(0), out.stride(0), ZERO=_zero(bits),
-            BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(p.device, p.shape[0]))
+            BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(p.device, p.shape[0], small=True))
     return out.view(*packed.shape[:-1], head_dim)

@@ -135,7 +135,7 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
             counters(x.device), d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
             xp.stride(0), float(eps), ptrs[0], offs[1], ptrs[1], offs[2], ptrs[2], total,
             HAS_RES=r2 is not None, HAS_W=weight is not None, GEMMA=gemma, BLOCK=block, GBLOCK=gblock,
-            num_warps=min(16, max(4, block // 256)), **pdl_args(x2.device, x2.shape[0]))
+            num_warps=min(16, max(4, block // 256)), **pdl_args(x2.device, x2.shape[0], small=True))
     return out.view(x.shape), xp
 
 
@@ -157,7 +157,7 @@ def _norm_triton(x, weight, bias, eps, residual, gemma, layer):
             x2, r2 if r2 is not None else x2, weight if weight is not None else x2, bias if bias is not None else x2,
             out, d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0), float(eps),
             HAS_RES=r2 is not None, HAS_W=weight is not None, HAS_B=bias is not None, GEMMA=gemma, LAYER=layer,
-            BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_args(x2.device, x2.shape[0]))
+            BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_args(x2.device, x2.shape[0], small=True))
     out = out.view(x.shape)
     return (out, residual) if residual is not None else out
 

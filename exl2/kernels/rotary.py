@@ -128,7 +128,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
     grid = (t, qblocks + triton.cdiv(hk, block_h))
     _rope_kernel[grid](q3, k3, cos, sin, positions.reshape(-1), q3.shape[1], hk, q3.stride(0), q3.stride(1),
                        k3.stride(0), k3.stride(1), cos.stride(0), rd // 2, qblocks, INTERLEAVED=interleaved,
-                       BLOCK_H=block_h, BLOCK_R=next_pow2(rd // 2), num_warps=2, **pdl_args(q3.device, t))
+                       BLOCK_H=block_h, BLOCK_R=next_pow2(rd // 2), num_warps=2, **pdl_args(q3.device, t, small=True))
     return None
 
 
@@ -161,7 +161,7 @@ def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
         k3.stride(1), cos.stride(0), rd // 2, qblocks, INTERLEAVED=interleaved, BLOCK_H=block_h,
         BLOCK_R=next_pow2(rd // 2), v_ptr=v3, stride_vt=v3.stride(0), stride_vh=v3.stride(1), kc_ptr=k_cache,
         vc_ptr=v_cache, slot_ptr=slots.reshape(-1), D=d, DV=dv, KBLOCKS=kblocks, STORE=True,
-        BLOCK_D=next_pow2(max(dv, d - rd, 1)), num_warps=2, **pdl_args(q3.device, t))
+        BLOCK_D=next_pow2(max(dv, d - rd, 1)), num_warps=2, **pdl_args(q3.device, t, small=True))
     return None
 
 
