@@ -197,6 +197,45 @@ def test_rope_into_quantized_cache_one_launch_equals_rotary_then_write(kb, vb, d
         assert int(p.view(32, -1).sum()) == int(p0.long().sum())  # nothing written elsewhere
 
 
+@needs_triton
+@pytest.mark.parametrize("kb,vb,interleaved", [(4, 4, False), (8, 4, True)])
+def test_query_left_in_the_key_basis_gives_the_same_attention(kb, vb, interleaved):
+    """The decode write with `hadamard_q` leaves q in the quantized keys' rotated basis, and attention told so
+    (`q_rotated`) equals RoPE + the write twin + the reference attention over the same cache (fp16 tolerance)."""
+    from exl2.kernels import attention as at
+    from exl2.kernels.rotary import apply_rotary_torch
+
+    g = torch.Generator().manual_seed(kb + vb)
+    b, hq, hk, d, ps, ctx = 2, 8, 2, 128, 16, 40
+    k_old = torch.randn(4 * ps, hk, d, generator=g).half().to(DEV)
+    v_old = torch.randn(4 * ps, hk, d, generator=g).half().to(DEV)
+    q, k, v = (torch.randn(b, h, d, generator=g).half().to(DEV) for h in (hq, hk, hk))
+    ang = torch.rand(64, d // 2, generator=g) * 6.0
+    cos, sin = torch.cos(ang).to(DEV), torch.sin(ang).to(DEV)
+    pos = torch.tensor([ctx - 1, ctx - 8], device=DEV)
+    bt = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]], dtype=torch.int32, device=DEV)
+    slots = (bt[torch.arange(b), pos // ps].long() * ps + pos % ps).to(DEV)
+    lens = (pos + 1).to(torch.int32)
+
+    def caches():
+        kc = [t.view(4, ps, hk, -1) for t in kq.quantize_kv_torch(k_old, kb)]
+        vc = [t.view(4, ps, hk, -1) for t in kq.quantize_kv_torch(v_old, vb)]
+        return kc, vc
+    (kc0, vc0), (kc1, vc1) = caches(), caches()
+    q_ref, k_ref = q.clone(), k.clone()
+    apply_rotary_torch(q_ref, k_ref, cos, sin, pos, d, interleaved)
+    kq.write_kv_quant_pair(k_ref, v, kc0, vc0, slots, kb, vb)
+    ref = at.paged_attention_torch(q_ref, kc0[0], vc0[0], bt, lens, k_bits=kb, v_bits=vb, k_scales=kc0[1],
+                                   v_scales=vc0[1])
+    with force_triton():
+        rotated = kq.write_kv_quant_pair(k, v, kc1, vc1, slots, kb, vb, rope=(q, cos, sin, pos, d, interleaved),
+                                         hadamard_q=True)
+        out = at.paged_attention(q, kc1[0], vc1[0], bt, lens, k_bits=kb, v_bits=vb, k_scales=kc1[1],
+                                 v_scales=vc1[1], q_rotated=True)
+    assert rotated and not torch.allclose(q.float(), q_ref.float(), atol=1e-2)  # q really is in the other basis
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-3, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])

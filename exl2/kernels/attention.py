@@ -115,7 +115,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                  V_BITS: tl.constexpr, KZERO: tl.constexpr, VZERO: tl.constexpr, SPLIT: tl.constexpr,
                  PARTIAL: tl.constexpr, MERGE: tl.constexpr = False, MR: tl.constexpr = 16,
                  MCH: tl.constexpr = 1, PERM: tl.constexpr = False, V_EARLY: tl.constexpr = True,
-                 PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                 Q_ROT: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """One (query block, KV head, key split) program; with MERGE the split arriving last at its counter also
     merges the partials of its rows (no separate merge launch); with PERM outputs go to the columns `perm_ptr`
     gives (the permuted input of a quantized o_proj).
@@ -165,7 +165,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
             pdl_sync()
         # Quantized rows are stored rotated (per 64-block, H32 on even and odd elements). Work in the basis
         # d' = 64·blk + 32·par + j (element e = 64·blk + 2j + par), where the rotation is block-diagonal H32.
-        if K_BITS < 16:
+        # With Q_ROT the caller stored q in that basis already (the RoPE + cache-write launch does).
+        if K_BITS < 16 and not Q_ROT:
             RQ: tl.constexpr = BM * (BDK // 32)
             rr = tl.arange(0, RQ)
             rm = rr // (BDK // 32)
@@ -468,7 +469,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
 
 
 def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu_k, max_q_len, scale,
-            sliding_window, softcap, k_bits, v_bits, causal, num_splits, paged, page_size, out_index=None):
+            sliding_window, softcap, k_bits, v_bits, causal, num_splits, paged, page_size, out_index=None,
+            q_rotated=False):
     tq, hq, dk = q.shape
     hkv = k_rows.shape[1]
     dv = _head_dim(v_rows, v_bits)
@@ -521,7 +523,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
         SPLIT=split, PARTIAL=partial, MERGE=merge, MR=mr,
         MCH=max(1, min(next_pow2(split), 8192 // (mr * next_pow2(dv)))), PERM=out_index is not None,
-        V_EARLY=V_EARLY, num_warps=warps, num_stages=2,
+        V_EARLY=V_EARLY, Q_ROT=q_rotated, num_warps=warps, num_stages=2,
         **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0, small=True))
     if partial and not merge:
         _merge_kernel[(tq, hq)](o_part, lse, out, perm, split, *o_part.stride()[:3], *lse.stride(), *out_strides,
@@ -544,17 +546,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float | None = None, sliding_window: int = 0, softcap: float = 0.0, k_bits: int = 16,
                     v_bits: int = 16, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
                     causal: bool = True, num_splits: int | None = None,
-                    out_index: torch.Tensor | None = None) -> torch.Tensor:
+                    out_index: torch.Tensor | None = None, q_rotated: bool = False) -> torch.Tensor:
     """Attention of new queries over the paged cache (see the module docstring); returns `[Tq, Hq, Dv]`.
 
     `max_q_len` bounds the query tokens of any one sequence (1 for decode). `num_splits` fixes the number of
     key-range splits (None: enough programs to fill the GPU); fix it when capturing CUDA graphs. `out_index`
     (int32 `[Hq·Dv]`, a permutation) returns `[Tq, Hq·Dv]` rows with natural column c at `out_index[c]`
     instead (`scatter_columns`): the kernel then writes o_proj's permuted input, and no gather is needed.
+    `q_rotated`: q is already in a quantized key cache's rotated basis (`kv_quant.write_kv_quant_pair` with
+    `hadamard_q`; Triton path only).
     """
     _check(q, k_cache, v_cache, k_bits, v_bits, k_scales, v_scales)
     if out_index is not None and out_index.numel() != q.shape[1] * _head_dim(v_cache, v_bits):
         raise ValueError("out_index must have one entry per output column (heads x value dim).")
+    if q_rotated and (k_bits == 16 or not use_triton(q)):
+        raise ValueError("a query in the rotated basis needs a quantized key cache and the Triton path.")
     if not use_triton(q):
         out = paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_q_len,
                                     scale=scale, sliding_window=sliding_window, softcap=softcap, k_bits=k_bits,
@@ -566,7 +572,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                    _cache_rows(k_scales) if k_scales is not None else None,
                    _cache_rows(v_scales) if v_scales is not None else None,
                    block_table, seq_lens, cu_q, None, max_q_len, scale, sliding_window, softcap, k_bits, v_bits,
-                   causal, num_splits, True, k_cache.shape[1], out_index)
+                   causal, num_splits, True, k_cache.shape[1], out_index, q_rotated)
 
 
 # --------------------------------------------------------------------------------------------------- prefill

@@ -248,14 +248,18 @@ def _kv_quant_pair_kernel(k_ptr, kp_ptr, ks_ptr, v_ptr, vp_ptr, vs_ptr, slot_ptr
                           q_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, HQ=0, stride_qt=0, stride_qh=0,
                           stride_cos=0, HALF_R=0, QBLOCKS=1, Q_PROGS=0, ROPE: tl.constexpr = False,
                           INTERLEAVED: tl.constexpr = False, BLOCK_H: tl.constexpr = 16, BLOCK_R: tl.constexpr = 16,
-                          PDL: tl.constexpr = False):
+                          Q_HADAMARD: tl.constexpr = False, PDL: tl.constexpr = False):
     """Keys and values of one write into their cache rows: one launch. With ROPE the first Q_PROGS programs
     rotate q in place and the keys are rotated on their way into the cache (a decode step's RoPE and cache write
-    in one launch); then the key programs (K_PROGS), then the value programs."""
+    in one launch), with Q_HADAMARD also into the keys' rotated basis, BT_K rows (token, head) a program; then
+    the key programs (K_PROGS), then the value programs."""
     if PDL:
         pdl_sync()
     pid = tl.program_id(0)
-    if ROPE and pid < Q_PROGS:
+    if ROPE and Q_HADAMARD and pid < Q_PROGS:
+        _rotate_q_rows(pid, q_ptr, cos_ptr, sin_ptr, pos_ptr, ROWS // H * HQ, HQ, stride_qt, stride_qh, stride_cos,
+                       HALF_R, NB_K, BT_K, NBP_K, INTERLEAVED)
+    elif ROPE and pid < Q_PROGS:
         rotate_heads(q_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, (pid // QBLOCKS).to(tl.int64), pid % QBLOCKS, 0, HQ, 0,
                      stride_qt, stride_qh, 0, 0, stride_cos, HALF_R, QBLOCKS, q_ptr, 0, INTERLEAVED, BLOCK_H, BLOCK_R,
                      False, 16)
@@ -266,6 +270,29 @@ def _kv_quant_pair_kernel(k_ptr, kp_ptr, ks_ptr, v_ptr, vp_ptr, vs_ptr, slot_ptr
     else:
         _quant_block(pid - Q_PROGS - K_PROGS, v_ptr, vp_ptr, vs_ptr, slot_ptr, ROWS, H, stride_vt, stride_vh,
                      stride_vpt, stride_vph, stride_vst, stride_vsh, NB_V, True, V_BITS, BT_V, NBP_V)
+
+
+@triton.jit
+def _rotate_q_rows(pid, q_ptr, cos_ptr, sin_ptr, pos_ptr, ROWS, HQ, stride_qt, stride_qh, stride_cos, HALF_R, NB,
+                   BT: tl.constexpr, NBP: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Program `pid`'s BT query rows (token, head), in place: RoPE, then each 64-block's even and odd elements
+    times H32 / 32, stored in the basis d' = 64·blk + 32·par + j in which attention reads a quantized key cache
+    (the product attention would otherwise repeat in every key split)."""
+    RT: tl.constexpr = BT * NBP * 2
+    rho = tl.arange(0, RT)
+    blk = (rho // 2) % NBP
+    par = rho % 2
+    row = pid * BT + rho // (NBP * 2)
+    valid = (row < ROWS) & (blk < NB)
+    tok = (row // HQ).to(tl.int64)
+    j = tl.arange(0, 32)
+    e = blk[:, None] * 64 + 2 * j[None, :] + par[:, None]
+    rows = q_ptr + tok * stride_qt + (row % HQ) * stride_qh
+    x = tl.load(rows[:, None] + e, mask=valid[:, None], other=0.0)
+    x = _rope_elements(x, rows, e, valid[:, None], pos_ptr, tl.where(valid, tok, 0), cos_ptr, sin_ptr, stride_cos,
+                       HALF_R, INTERLEAVED)
+    y = tl.dot(x.to(tl.float16), h32_tl()) * 0.03125  # every load of these rows comes before the dot
+    tl.store(rows[:, None] + (blk * 64 + par * 32)[:, None] + j[None, :], y.to(x.dtype), mask=valid[:, None])
 
 
 @triton.jit
@@ -436,10 +463,12 @@ def write_kv_quant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
 
 def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.Tensor, torch.Tensor],
                         v_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k_bits: int,
-                        v_bits: int, rope: tuple | None = None) -> None:
+                        v_bits: int, rope: tuple | None = None, hadamard_q: bool = False) -> bool:
     """`write_kv_quant` of keys and values `[T, H, D]` (widths may differ) in one launch; caches as (packed,
     scales). `rope` (q, cos, sin, positions, rotary_dim, interleaved): in the same launch rotate q in place and the
-    keys on their way into the cache (`rotary.apply_rotary`'s arithmetic; k itself is left as it was)."""
+    keys on their way into the cache (`rotary.apply_rotary`'s arithmetic; k itself is left as it was); with
+    `hadamard_q` q is left in the keys' rotated basis as well (for `attention.paged_attention(q_rotated=True)`).
+    Returns whether it was (only the Triton path does it)."""
     t, h, dk = k.shape
     dv = v.shape[-1]
     if rope is not None:
@@ -453,7 +482,7 @@ def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.T
             apply_rotary_torch(q, k, cos, sin, positions, rotary_dim, interleaved)
         write_kv_quant(k, *k_cache, slot_mapping, k_bits)
         write_kv_quant(v, *v_cache, slot_mapping, v_bits)
-        return
+        return False
     rows = []
     for x, (packed, scales), bits in ((k, k_cache, k_bits), (v, v_cache, v_bits)):
         d = x.shape[-1]
@@ -472,16 +501,18 @@ def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.T
             cos, sin = cos.contiguous(), sin.contiguous()
         block_h = min(16, next_pow2(q3.shape[1]))
         qblocks = triton.cdiv(q3.shape[1], block_h)
-        q_progs = t * qblocks
+        hadamard_q = bool(hadamard_q) and q3.shape[2] == dk
+        q_progs = triton.cdiv(t * q3.shape[1], bt_k) if hadamard_q else t * qblocks
         extra = dict(q_ptr=q3, cos_ptr=cos, sin_ptr=sin, pos_ptr=positions.reshape(-1), HQ=q3.shape[1],
                      stride_qt=q3.stride(0), stride_qh=q3.stride(1), stride_cos=cos.stride(0), HALF_R=rd // 2,
                      QBLOCKS=qblocks, Q_PROGS=q_progs, ROPE=True, INTERLEAVED=bool(interleaved), BLOCK_H=block_h,
-                     BLOCK_R=next_pow2(rd // 2))
+                     BLOCK_R=next_pow2(rd // 2), Q_HADAMARD=hadamard_q)
     _kv_quant_pair_kernel[(q_progs + k_progs + triton.cdiv(t * h, bt_v),)](
         k2, kp, ks, v2, vp, vs, slot_mapping.reshape(-1), t * h, h, k2.stride(0), k2.stride(1), v2.stride(0),
         v2.stride(1), kp.stride(0), kp.stride(1), ks.stride(0), ks.stride(1), vp.stride(0), vp.stride(1),
         vs.stride(0), vs.stride(1), dk // 64, dv // 64, k_progs, K_BITS=k_bits, V_BITS=v_bits, BT_K=bt_k,
         NBP_K=nbp_k, BT_V=bt_v, NBP_V=nbp_v, num_warps=4, **extra, **pdl_args(k.device, t, small=True))
+    return rope is not None and hadamard_q
 
 
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,14 +96,15 @@ class PagedKVCache:
         b, t = q_pos.shape
         slots, seq_lens = self._slots_and_lens(q_pos)
         kf, vf = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
+        q_rotated = False
         if rope is not None and t == 1 and self.k_bits == 16 and self.v_bits == 16:
             rotary_store(q, k, v, rope[0], rope[1], q_pos, self.k[layer], self.v[layer], slots,
                          2 * rope[0].shape[-1], rope[2])
         elif rope is not None and t == 1 and self.k_bits != 16 and self.v_bits != 16:
-            kv_quant.write_kv_quant_pair(kf, vf, (self.k[layer], self.k_scales[layer]),
-                                         (self.v[layer], self.v_scales[layer]), slots.reshape(-1), self.k_bits,
-                                         self.v_bits, rope=(q, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1],
-                                                            rope[2]))
+            q_rotated = kv_quant.write_kv_quant_pair(
+                kf, vf, (self.k[layer], self.k_scales[layer]), (self.v[layer], self.v_scales[layer]),
+                slots.reshape(-1), self.k_bits, self.v_bits,
+                rope=(q, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2]), hadamard_q=chunk is None)
         else:
             if rope is not None:
                 apply_rotary(q, k, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2])
@@ -120,7 +121,7 @@ class PagedKVCache:
             out = paged_attention(qf, self.k[layer], self.v[layer], self.block_table, seq_lens,
                                   k_bits=self.k_bits, v_bits=self.v_bits, k_scales=self.k_scales[layer],
                                   v_scales=self.v_scales[layer], num_splits=self.decode_splits,
-                                  out_index=out_index, **opts)
+                                  out_index=out_index, q_rotated=q_rotated, **opts)
             if out_index is not None:
                 return out
         elif not bool((q_pos[:, 0] > 0).any()):  # fresh prompts: attention among the new tokens only
