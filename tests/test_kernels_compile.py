@@ -55,7 +55,7 @@ def _compile_all() -> dict:
         consts = dict(GROUP=4, DK=dk, DV=128, BDK=triton.next_power_of_2(dk), BDV=128, BM=16, BN=64, PAGED=True,
                       CAUSAL=True, HAS_WINDOW=False, HAS_SOFTCAP=False, K_BITS=bits, V_BITS=bits, KZERO=0.0,
                       VZERO=0.0, SPLIT=32, PARTIAL=True, MERGE=False, MR=16, MCH=8, PERM=True, V_EARLY=at.V_EARLY,
-                      PDL=True, PREFETCH=True)
+                      Q_ROT=bits != 16, PDL=True, PREFETCH=True)
         warps = at.TUNING[("decode", "fp16" if bits == 16 else "quant")][1]
         out[f"attention-{dk}-{bits}"] = verdict(lambda: ptx(at._attn_kernel, ptrs, consts, warps, 2))
     gptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
