@@ -16,6 +16,8 @@ GEMV = [(64, "HAS4"), (16, "HAS4"), (128, "HAS6")]
 MMA = [(8, 4, 2, True, False), (8, 1, 1, False, True), (8, 8, 4, False, False), (8, 2, 4, True, False),
        (3, 4, 2, True, False), (3, 4, 2, False, False), (28, 4, 2, True, False), (63, 2, 1, False, False),
        (63, 4, 2, True, False)]
+# the decode step's RoPE + quantized cache write: (key bits, value bits, q left in the keys' rotated basis)
+ROPE_WRITE = [(4, 4, True), (8, 4, True), (4, 4, False)]
 
 
 def _compile_all() -> dict:
@@ -99,6 +101,18 @@ def _compile_all() -> dict:
             out[f"mma-group-{three}"] = "ok" if text.count("mma.sync") >= 2 and pdl_ok else "no mma.sync, or PDL"
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[f"mma-group-{three}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    from exl2.kernels import kv_quant as kq
+    qptrs = {n: "*fp16" for n in ["k_ptr", "v_ptr", "q_ptr", "ks_ptr", "vs_ptr"]}
+    qptrs.update({"kp_ptr": "*u8", "vp_ptr": "*u8", "slot_ptr": "*i64", "pos_ptr": "*i64", "cos_ptr": "*fp32",
+                  "sin_ptr": "*fp32"})
+    for kb, vb, had in ROPE_WRITE:
+        consts = dict(K_BITS=kb, V_BITS=vb, BT_K=4, NBP_K=2, BT_V=4, NBP_V=2, ROPE=True, INTERLEAVED=False,
+                      BLOCK_H=16, BLOCK_R=64, Q_HADAMARD=had, PDL=True)
+        try:
+            text = ptx(kq._kv_quant_pair_kernel, qptrs, consts, 4, 1)
+            out[f"rope-write-{kb}-{vb}-{had}"] = "ok" if "griddepcontrol.wait" in text else "no PDL wait"
+        except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
+            out[f"rope-write-{kb}-{vb}-{had}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return out
 
 
@@ -132,6 +146,11 @@ def test_gluon_mma_compiles_with_its_fragment_layouts(compiled, mask, bs, v, pos
 @pytest.mark.parametrize("three", [True, False])
 def test_gluon_mma_group_compiles(compiled, three):
     assert compiled[f"mma-group-{three}"] == "ok"
+
+
+@pytest.mark.parametrize("kb,vb,hadamard", ROPE_WRITE)
+def test_rope_into_quantized_cache_compiles(compiled, kb, vb, hadamard):
+    assert compiled[f"rope-write-{kb}-{vb}-{hadamard}"] == "ok"
 
 
 if __name__ == "__main__":
