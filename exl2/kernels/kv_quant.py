@@ -278,21 +278,33 @@ def _rotate_q_rows(pid, q_ptr, cos_ptr, sin_ptr, pos_ptr, ROWS, HQ, stride_qt, s
     """Program `pid`'s BT query rows (token, head), in place: RoPE, then each 64-block's even and odd elements
     times H32 / 32, stored in the basis d' = 64·blk + 32·par + j in which attention reads a quantized key cache
     (the product attention would otherwise repeat in every key split)."""
-    RT: tl.constexpr = BT * NBP * 2
-    rho = tl.arange(0, RT)
+    x, _, blk, par, valid, _, _, rows = _load_rows(pid, q_ptr, ROWS, HQ, stride_qt, stride_qh, NB, BT, NBP, cos_ptr,
+                                                   sin_ptr, pos_ptr, stride_cos, HALF_R, True, INTERLEAVED)
+    y = tl.dot(x.to(tl.float16), h32_tl()) * 0.03125  # every load of these rows comes before the dot
+    tl.store(rows[:, None] + (blk * 64 + par * 32)[:, None] + tl.arange(0, 32)[None, :], y.to(x.dtype),
+             mask=valid[:, None])
+
+
+@triton.jit
+def _load_rows(pid, x_ptr, ROWS, H, stride_xt, stride_xh, NB, BT: tl.constexpr, NBP: tl.constexpr, cos_ptr, sin_ptr,
+               pos_ptr, stride_cos, HALF_R, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Program `pid`'s BT rows (token, head) of x as a [BT·NBP·2, 32] tile in the quantizer's order (tile row:
+    row, 64-block blk, parity par; column j: element e = 64·blk + 2j + par), RoPE applied with ROPE. Returns
+    (x, e, blk, par, valid, tok, head, the rows' pointers)."""
+    rho = tl.arange(0, BT * NBP * 2)
     blk = (rho // 2) % NBP
     par = rho % 2
     row = pid * BT + rho // (NBP * 2)
     valid = (row < ROWS) & (blk < NB)
-    tok = (row // HQ).to(tl.int64)
-    j = tl.arange(0, 32)
-    e = blk[:, None] * 64 + 2 * j[None, :] + par[:, None]
-    rows = q_ptr + tok * stride_qt + (row % HQ) * stride_qh
-    x = tl.load(rows[:, None] + e, mask=valid[:, None], other=0.0)
-    x = _rope_elements(x, rows, e, valid[:, None], pos_ptr, tl.where(valid, tok, 0), cos_ptr, sin_ptr, stride_cos,
-                       HALF_R, INTERLEAVED)
-    y = tl.dot(x.to(tl.float16), h32_tl()) * 0.03125  # every load of these rows comes before the dot
-    tl.store(rows[:, None] + (blk * 64 + par * 32)[:, None] + j[None, :], y.to(x.dtype), mask=valid[:, None])
+    tok = (row // H).to(tl.int64)
+    head = row % H
+    e = blk[:, None] * 64 + 2 * tl.arange(0, 32)[None, :] + par[:, None]
+    x_rows = x_ptr + tok * stride_xt + head * stride_xh
+    x = tl.load(x_rows[:, None] + e, mask=valid[:, None], other=0.0)
+    if ROPE:
+        x = _rope_elements(x, x_rows, e, valid[:, None], pos_ptr, tl.where(valid, tok, 0), cos_ptr, sin_ptr,
+                           stride_cos, HALF_R, INTERLEAVED)
+    return x, e, blk, par, valid, tok, head, x_rows
 
 
 @triton.jit
@@ -327,21 +339,9 @@ def _quant_block(pid, x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_
     and scales."""
     RT: tl.constexpr = BT * NBP * 2
     HALF: tl.constexpr = 1 << (BITS - 1)
-    rho = tl.arange(0, RT)
-    th = rho // (NBP * 2)
-    blk = (rho // 2) % NBP
-    par = rho % 2
-    row = pid * BT + th
-    valid = (row < ROWS) & (blk < NB)
-    tok = (row // H).to(tl.int64)
-    head = row % H
+    x, e, _, _, valid, tok, head, _ = _load_rows(pid, x_ptr, ROWS, H, stride_xt, stride_xh, NB, BT, NBP, cos_ptr,
+                                                 sin_ptr, pos_ptr, stride_cos, HALF_R, ROPE, INTERLEAVED)
     j = tl.arange(0, 32)
-    e = blk[:, None] * 64 + 2 * j[None, :] + par[:, None]
-    x_rows = x_ptr + tok * stride_xt + head * stride_xh
-    x = tl.load(x_rows[:, None] + e, mask=valid[:, None], other=0.0)
-    if ROPE:
-        x = _rope_elements(x, x_rows, e, valid[:, None], pos_ptr, tl.where(valid, tok, 0), cos_ptr, sin_ptr,
-                           stride_cos, HALF_R, INTERLEAVED)
     y = _butterfly_tl(x.to(tl.float16), RT)
     a4 = tl.reshape(tl.abs(y), [RT // 2, 2, 2, 16])
     amax = tl.max(tl.max(a4, axis=3), axis=1)  # [RT/2, 2 halves]
