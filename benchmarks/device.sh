@@ -57,6 +57,8 @@ for s in $steps; do
            > "$OUT/gpu_gluon.txt" 2>&1; echo "gluon tests rc=$?"; tail -6 "$OUT/gpu_gluon.txt" ;;
   b128) timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 $BENCH_ARGS \
            > "$OUT/bench_b128${TAG}.txt" 2>&1; echo "bench fp16 ctx 128 $BENCH_ARGS $TAG rc=$?"; tail -4 "$OUT/bench_b128${TAG}.txt" ;;
+  l2) timeout ${L2_TIMEOUT:-170} python3 benchmarks/kernels.py --only l2 --budget ${L2_BUDGET:-150} --json "$OUT/l2.json" \
+        > "$OUT/l2.txt" 2>&1; echo "l2 rc=$?"; grep -v "^  " "$OUT/l2.txt" | tail -80 ;;
   envab) IFS=';' read -ra specs <<< "${AB_SPECS:-}"; i=0
          for spec in "${specs[@]}"; do i=$((i+1))
            env $spec timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench $BENCH_ARGS > "$OUT/bench_ab$i${TAG}.txt" 2>&1
