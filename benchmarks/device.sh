@@ -57,8 +57,14 @@ for s in $steps; do
            > "$OUT/gpu_gluon.txt" 2>&1; echo "gluon tests rc=$?"; tail -6 "$OUT/gpu_gluon.txt" ;;
   b128) timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 $BENCH_ARGS \
            > "$OUT/bench_b128${TAG}.txt" 2>&1; echo "bench fp16 ctx 128 $BENCH_ARGS $TAG rc=$?"; tail -4 "$OUT/bench_b128${TAG}.txt" ;;
-  l2) timeout ${L2_TIMEOUT:-170} python3 benchmarks/kernels.py --only l2 --budget ${L2_BUDGET:-150} --json "$OUT/l2.json" \
-        > "$OUT/l2.txt" 2>&1; echo "l2 rc=$?"; grep -v "^  " "$OUT/l2.txt" | tail -80 ;;
+  ncugemv) for shape in ${NCU_SHAPES:-gate q}; do
+           timeout 60 ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 \
+             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+             --section SchedulerStats --section InstructionStats \
+             --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
+             python3 benchmarks/gemv_probe.py --shape $shape > "$OUT/ncu_gemv_$shape.txt" 2>&1; echo "ncu gemv $shape rc=$?"
+           grep -E "Duration|DRAM Throughput|Registers Per|Shared Memory Config|Achieved Occupancy|Theoretical Occ|Block Limit|Issue Slots Busy|Issued Warp|Eligible Warps|No Eligible|Warp Cycles Per Issued|Executed Instructions  |Grid Size|Waves" "$OUT/ncu_gemv_$shape.txt" | head -24
+           grep -E "stalled" "$OUT/ncu_gemv_$shape.txt" | sort -k3 -g -r | head -8; done ;;
   envab) IFS=';' read -ra specs <<< "${AB_SPECS:-}"; i=0
          for spec in "${specs[@]}"; do i=$((i+1))
            env $spec timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench $BENCH_ARGS > "$OUT/bench_ab$i${TAG}.txt" 2>&1

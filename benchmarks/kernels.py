@@ -23,15 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from exl2.kernels import attention as at  # noqa: E402
-from exl2.kernels import backend  # noqa: E402
 from exl2.kernels import kv_quant as kq  # noqa: E402
 from exl2.kernels import mma_dot  # noqa: E402
 from exl2.kernels import quant_matmul as qm  # noqa: E402
 from exl2.kernels import qweight  # noqa: E402
-from exl2.kernels.backend import pdl_sync  # noqa: E402
 
 SHAPES = [("gate/up 4096→14336", 4096, 14336, 4), ("q/o 4096→4096", 4096, 4096, 4), ("down 14336→4096", 14336, 4096, 4),
           ("k/v 4096→1024", 4096, 1024, 4), ("head 4096→128256", 4096, 128256, 6)]
@@ -577,65 +574,6 @@ def merge_section(bw: float) -> None:
         log(f"  (kernel statistics unavailable: {type(e).__name__}: {e})")
 
 
-@triton.jit
-def _spin_kernel(out_ptr, iters, PDL: tl.constexpr = False):
-    """A stand-in for the decode step's memory-light kernels (norm, attention): `iters` dependent FMAs per
-    program on every SM."""
-    if PDL:
-        pdl_sync()
-    x = tl.program_id(0).to(tl.float32)
-    for _ in range(iters):
-        x = x * 0.999 + 1.0
-    tl.store(out_ptr + tl.program_id(0), x)
-
-
-def l2_section(bw: float) -> None:
-    """M = 1 gemvs cold, L2-hot, and after an `L2Prefetch` of their weights issued before a memory-light kernel of
-    S µs (the window the decode step gives them): gemv µs = (prefetch, spin, gemv) - (spin alone)."""
-    from exl2.kernels.l2_prefetch import L2Prefetch, tensor_region
-
-    sm = torch.cuda.get_device_properties(0).multi_processor_count
-    sink = torch.empty(sm, device="cuda")
-    pdl = backend.pdl_args(sink.device, 1, small=True)
-
-    def spin(iters):
-        return lambda: _spin_kernel[(sm,)](sink, iters, **pdl)
-
-    base = graph_us([spin(1000)])
-    per_iter = max(base, 0.5) / 1000
-    log(f"spin: 1000 iterations {base:.2f} us")
-    shapes = (("o 4096→4096", 4096, (4096,)), ("q/k/v 4096→6144", 4096, (4096, 1024, 1024)),
-              ("gate/up 4096→2×14336", 4096, (14336, 14336)), ("down 14336→4096", 14336, (4096,)))
-    for name, k, ns in shapes:
-        if over_budget():
-            break
-        ws, wbytes, sets, x, refs, bufs = decode_inputs(k, ns, 4)
-        if len(ws) > 1:
-            runs = [qm.GemvGroup(s) for s in sets]
-            calls = [lambda g=g, b=b: g(b) for g, b in zip(runs, bufs)]
-        else:
-            calls = [lambda s=s, b=b: qm.permuted_matmul(b, s[0]) for s, b in zip(sets, bufs)]
-        t_cold = graph_us(calls)
-        t_hot = graph_us(calls[:1])
-        row(name, 1, "gemv cold", t_cold, wbytes, bw)
-        row(name, 1, "gemv L2-hot", t_hot, wbytes, bw, t_cold, cfg="vs_cublas column = cold / hot")
-        for frac, chunk in ((1.0, 1 << 16), (1.0, 1 << 18), (0.5, 1 << 16)):
-            pfs = [L2Prefetch([tensor_region(t, frac) for w in s for t in (w.qweight, w.scales)], x.device, chunk)
-                   for s in sets]
-            for target in (3.0, 8.0):
-                it = max(1, int(target / per_iter))
-                sp = spin(it)
-                t_spin = graph_us([sp])
-                t_pf_spin = graph_us([lambda p=p: (p(), sp()) for p in pfs])
-                t_a = graph_us([lambda c=c: (sp(), c()) for c in calls])
-                t_b = graph_us([lambda p=p, c=c: (p(), sp(), c()) for p, c in zip(pfs, calls)])
-                cfg = f"{frac:.0%} in {chunk >> 10} KB requests, spin {t_spin:.1f} us, pf+spin {t_pf_spin:.1f}"
-                row(name, 1, "spin + gemv", t_a - t_spin, wbytes, bw, cfg=cfg)
-                row(name, 1, "prefetch + spin + gemv", t_b - t_spin, wbytes, bw, t_a - t_spin, cfg=cfg)
-        del ws, sets, bufs, calls
-        torch.cuda.empty_cache()
-
-
 def table(rows) -> str:
     out = ["| shape | M | path | µs | GB/s | % copy BW | cuBLAS time / this | rel err | config |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -650,7 +588,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles", "merge", "dot16", "l2"),
+    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles", "merge", "dot16"),
                     default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
@@ -673,8 +611,6 @@ def main() -> None:
             tiles_section(bw)
         if args.only == "merge":
             merge_section(bw)
-        if args.only == "l2":
-            l2_section(bw)
         if args.only == "dot16":
             dot16_group_section(bw)
             dot16_section(bw)

@@ -14,9 +14,8 @@ from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, softc
 from exl2.kernels.attention import scatter_columns
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.spec import LayerSpec, ModelSpec
-from exl2.kernels import l2_prefetch
 from exl2.kernels.quant_matmul import uses_permuted_input
-from exl2.runtime.linear import permuted_indices, prefetcher, project
+from exl2.runtime.linear import permuted_indices, project
 
 
 class WeightProvider(Protocol):
@@ -83,8 +82,7 @@ class Attention(nn.Module):
         return permuted_indices((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None,
-                xp: Optional[torch.Tensor] = None, ahead=None) -> torch.Tensor:
-        """`ahead`: an L2 prefetch launch to issue before the cached attention (see `DecoderLayer.l2_ahead`)."""
+                xp: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, t, _ = x.shape
         s, layer = self.spec, self.layer
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), xp)
@@ -106,8 +104,6 @@ class Attention(nn.Module):
         if cache is None:
             return self.o_proj(attention(q, k, v, *args).reshape(b, t, -1))
         kw = {"rope": rope} if rope_in_cache else {}
-        if ahead is not None:
-            ahead()
         order = self._o_order(b * t, x)
         if order is not None:  # the attention writes o_proj's permuted input: no gather launch
             return self.o_proj.forward_permuted(cache.attend(self.idx, q, k, v, *args, out_index=order, **kw),
@@ -209,41 +205,22 @@ class DecoderLayer(nn.Module):
             if delta is not None:
                 x = x + delta
             return self.mlp_block(self.attn_block(x, q_pos, rope, cache)), None
-        pre_norm, pre_attn, pre_glu = self.l2_ahead(x) if cache is not None else (None, None, None)
-        if pre_norm is not None:
-            pre_norm()
-        kw_attn = {"ahead": pre_attn} if pre_attn is not None else {}
         if delta is None:
-            h = self.self_attn(self.input_layernorm(x), q_pos, rope, cache, **kw_attn)
+            h = self.self_attn(self.input_layernorm(x), q_pos, rope, cache)
         else:
-            h = self._norm_into(self.input_layernorm, delta, x, self.self_attn, q_pos, rope, cache, **kw_attn)
-        kw_mlp = {"ahead": pre_glu} if pre_glu is not None else {}
-        return x, self._norm_into(self.post_attention_layernorm, h, x, self.mlp, **kw_mlp)
-
-    def l2_ahead(self, x: torch.Tensor) -> tuple:
-        """The L2 prefetch launches of a small decode step (`l2_prefetch.AHEAD`): before the input norm, before
-        the attention, before the GLU; each an `L2Prefetch` or None."""
-        rows = x.numel() // x.shape[-1]
-        a, m = self.self_attn, self.mlp
-        if (not l2_prefetch.AHEAD or rows > l2_prefetch.AHEAD_ROWS or x.device.type != "cuda"
-                or not isinstance(a, Attention) or not isinstance(m, GatedMLP)):
-            return None, None, None
-        bits = l2_prefetch.AHEAD
-        during_attn = ([(a.o_proj, 1.0)] if bits & 2 else []) + \
-            ([(m.gate_proj, l2_prefetch.AHEAD_GATE_UP), (m.up_proj, l2_prefetch.AHEAD_GATE_UP)] if bits & 4 else [])
-        return (prefetcher([(p, 1.0) for p in (a.q_proj, a.k_proj, a.v_proj)]) if bits & 1 else None,
-                prefetcher(during_attn), prefetcher([(m.down_proj, l2_prefetch.AHEAD_DOWN)]) if bits & 8 else None)
+            h = self._norm_into(self.input_layernorm, delta, x, self.self_attn, q_pos, rope, cache)
+        return x, self._norm_into(self.post_attention_layernorm, h, x, self.mlp)
 
     @staticmethod
-    def _norm_into(norm: RMSNorm, delta: torch.Tensor, x: torch.Tensor, module: nn.Module, *args, **kw):
-        """module(norm(x += delta), *args, **kw); on the small-batch GPU path the norm kernel also writes the
-        permuted inputs of the module's quantized projections (one launch fewer per projection group)."""
+    def _norm_into(norm: RMSNorm, delta: torch.Tensor, x: torch.Tensor, module: nn.Module, *args):
+        """module(norm(x += delta), *args); on the small-batch GPU path the norm kernel also writes the permuted
+        inputs of the module's quantized projections (one launch fewer per projection group)."""
         rows = x.numel() // x.shape[-1]
         idx = module.permuted_indices() if hasattr(module, "permuted_indices") else None
         if idx is None or not uses_permuted_input(rows, x):
-            return module(norm.add_norm(delta, x), *args, **kw)
+            return module(norm.add_norm(delta, x), *args)
         h, xp = norm.add_norm(delta, x, gather=idx)
-        return module(h, *args, xp=xp, **kw)
+        return module(h, *args, xp=xp)
 
 
 def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> nn.Module:

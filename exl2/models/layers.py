@@ -74,11 +74,8 @@ class GatedMLP(nn.Module):
         """Input orders of gate/up for a norm that writes their permuted inputs (None: not quantized)."""
         return permuted_indices((self.gate_proj, self.up_proj))
 
-    def forward(self, x: torch.Tensor, xp: torch.Tensor | None = None, ahead=None) -> torch.Tensor:
-        """`ahead`: an L2 prefetch launch to issue before the GLU (see `DecoderLayer.l2_ahead`)."""
+    def forward(self, x: torch.Tensor, xp: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = project(x, (self.gate_proj, self.up_proj), xp)
-        if ahead is not None:
-            ahead()
         down = self.down_proj
         if permuted_indices((down,)) and uses_permuted_input(gate.numel() // gate.shape[-1], gate):
             # The GLU kernel writes the down projection's permuted input directly.

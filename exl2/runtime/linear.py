@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exl2.kernels.l2_prefetch import L2Prefetch, tensor_region
 from exl2.kernels.quant_matmul import (gather_input, grouped_matmul, permuted_matmul, quant_matmul,
                                        split_permuted, uses_permuted_input)
 
@@ -45,19 +44,6 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={self.info.get('format')}"
-
-
-def prefetcher(parts: Sequence[tuple[nn.Module, float]]) -> Optional[L2Prefetch]:
-    """One L2 prefetch launch for the first `fraction` of each (linear, fraction)'s quantized weights (codes and
-    scales, both in K order), cached on the first linear; None unless every linear is quantized."""
-    if not parts or not all(isinstance(m, Linear) and m.kernel is not None for m, _ in parts):
-        return None
-    cache = parts[0][0].__dict__.setdefault("_l2_prefetch", {})
-    key = tuple((id(m), f) for m, f in parts)
-    if key not in cache:
-        regions = [tensor_region(t, f) for m, f in parts for t in (m.kernel.qweight, m.kernel.scales) if f > 0]
-        cache[key] = L2Prefetch(regions, parts[0][0].kernel.device)
-    return cache[key]
 
 
 def permuted_indices(linears: Sequence[nn.Module]) -> Optional[list[torch.Tensor]]:
