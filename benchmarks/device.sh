@@ -31,7 +31,7 @@ for s in $steps; do
          grep -E "stalled|Issued Warp|Eligible" "$OUT/ncu_stalls_gate.txt" | sort -k3 -n -r | head -12 ;;
   merge) timeout 150 python3 benchmarks/kernels.py --only merge --budget 135 --json "$OUT/merge.json" \
            > "$OUT/merge.txt" 2>&1; echo "merge rc=$?"; grep -v "^    " "$OUT/merge.txt" | tail -40 ;;
-  tiles) timeout 105 python3 benchmarks/kernels.py --only tiles --budget 90 --json "$OUT/tiles.json" \
+  tiles) timeout ${TILES_TIMEOUT:-105} python3 benchmarks/kernels.py --only tiles --budget ${TILES_BUDGET:-90} --json "$OUT/tiles.json" \
            > "$OUT/tiles.txt" 2>&1; echo "tiles rc=$?"; grep -v "^    " "$OUT/tiles.txt" | tail -14 ;;
   breakdown) EXL2_PDL=0 timeout 130 python3 -m exl2.cli.main bench --modes fp16 --breakdown \
            > "$OUT/bench_nopdl_breakdown.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -24 "$OUT/bench_nopdl_breakdown.txt" ;;
