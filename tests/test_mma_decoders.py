@@ -1,8 +1,10 @@
-"""The Gluon kernel's fragment decoders (`mma_dot._BODIES`), run on the CPU by a small interpreter of the PTX
-instructions they use: for every width, every register j of a step and lane q of a quad, the fp16 pair the
+"""The packed decoders' PTX, run on the CPU by a small interpreter of the instructions they use. The Gluon
+kernel's fragment decoders (`mma_dot._BODIES`): for every width, every register j of a step and lane q of a quad, the fp16 pair the
 decoder builds must be the dequantized weights at input positions 8j + 2q and 8j + 2q + 1 (the `mma.m16n8k16` B
 fragment's rows), bit for bit, where the stored row of each position comes from the class's input order
-(`qweight.x_index`) and the codes from `qweight.encode_steps`. The GPU runs the same asm text."""
+(`qweight.x_index`) and the codes from `qweight.encode_steps`. The gemv's step decoders (`quant_matmul`
+`_words4_asm`, `_ptx_words6`): a step's dot product with its 32 permuted inputs, within the error of its fp16
+sums. The GPU runs the same asm text."""
 import re
 
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from exl2.kernels import mma_dot, qweight
+from exl2.kernels import quant_matmul as qm
 
 
 def _value(tok: str, regs: dict) -> int:
@@ -36,7 +39,16 @@ def run_ptx(text: str, operands: list[int]) -> int:
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
+        if args.startswith("{"):  # mov.b32 {lo, hi}, a: the two fp16 halves into 16-bit registers
+            lo, hi, src = re.findall(r"[\w$]+", args)
+            regs[lo], regs[hi] = regs[src] & 0xFFFF, regs[src] >> 16
+            continue
         a = [s.strip() for s in args.split(",")]
+        if op in ("cvt.f32.f16", "add.f32", "mov.f32"):
+            f = [float(np.uint16(regs[t]).view(np.float16)) if op == "cvt.f32.f16" else
+                 (regs[t] if t in regs else float(np.uint32(int(t[2:], 16)).view(np.float32))) for t in a[1:]]
+            regs[a[0]] = float(np.float32(sum(f)))
+            continue
         v = [_value(s, regs) for s in a[1:]]
         if op == "shr.u32":
             r = v[0] >> v[1] if v[1] < 32 else 0
@@ -63,6 +75,12 @@ def run_ptx(text: str, operands: list[int]) -> int:
             r = _pack(_halves(v[0]) - _halves(v[1]))
         elif op == "mul.rn.f16x2":
             r = _pack(_halves(v[0]) * _halves(v[1]))
+        elif op == "add.rn.f16x2":
+            r = _pack(_halves(v[0]) + _halves(v[1]))
+        elif op == "fma.rn.f16x2":  # one rounding: the fp16 product is exact in float64
+            r = _pack(_halves(v[0]).astype(np.float64) * _halves(v[1]) + _halves(v[2]))
+        elif op == "shl.b32":
+            r = v[0] << v[1] if v[1] < 32 else 0
         else:
             raise AssertionError(f"unexpected instruction {op}")
         regs[a[0]] = r & 0xFFFFFFFF
@@ -136,3 +154,24 @@ def test_decoder_text_uses_only_interpreted_instructions():
         for scaled in (False, True):
             ops = set(re.findall(r"^\s*([a-z][\w.]+)\s", mma_dot._decoder(bits, scaled), re.M)) - {".reg"}
             assert ops <= known, ops
+
+
+@pytest.mark.parametrize("acc16", [False, True])
+@pytest.mark.parametrize("bits", [4, 6])
+def test_gemv_step_decoders_give_the_step_dot_product(bits, acc16):
+    """Each packed gemv decoder returns sum_p (code of row order[p] - zero) * x[p] over one step's 32 permuted
+    inputs x (pair i = positions 2i, 2i+1); fp16 sums of 8 (per word) or 16 (per step, EXL2_GEMV_ACC16) products
+    per lane bound the error."""
+    order, zero = (qweight.PAIR_ORDER, 8) if bits == 4 else (qweight.PAIR_ORDER6, 32)
+    text = qm._words4_asm(acc16) if bits == 4 else qm._ptx_words6(acc16)
+    rng = np.random.default_rng(bits + 2 * acc16)
+    for trial in range(6):
+        codes = torch.from_numpy(rng.integers(0, 1 << bits, (32, 1), dtype=np.uint8))
+        if trial == 0:
+            codes[:] = (1 << bits) - 1
+        words = [int(w) & 0xFFFFFFFF for w in qweight.encode_steps(codes, bits)[:, 0]]
+        x = rng.standard_normal(32).astype(np.float16) * np.float16(4)
+        pairs = [_pack(x[2 * i: 2 * i + 2]) for i in range(16)]
+        terms = np.array([(int(codes[order[p], 0]) - zero) * float(x[p]) for p in range(32)])
+        got = run_ptx(text, words + pairs)
+        assert abs(got - terms.sum()) <= 4e-3 * np.abs(terms).sum() + 1e-3, (trial, got, terms.sum())

@@ -271,26 +271,33 @@ _PTX_UNPACK4_CONSTANTS = """
 mov.b32 z, 0x64086408;
 mov.b32 c, 0x2C002C00;
 mov.b32 d, 0xD480D480;"""
-_WORDS4_ASM = tl.constexpr("""
-{
-.reg .b32 q0, q1, q2, q3, s, a, z, c, d;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi, r;""" + _PTX_UNPACK4_CONSTANTS + """
-mov.f32 r, 0f00000000;
-""" + "".join(_ptx_unpack4(f"${1 + j}") + f"""
-mul.rn.f16x2 a, q0, ${5 + 4 * j};
-fma.rn.f16x2 a, q1, ${6 + 4 * j}, a;
-fma.rn.f16x2 a, q2, ${7 + 4 * j}, a;
-fma.rn.f16x2 a, q3, ${8 + 4 * j}, a;
-mov.b32 {{lo, hi}}, a;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 r, r, flo;
-add.f32 r, r, fhi;
-""" for j in range(4)) + """
-mov.f32 $0, r;
-}
-""")
+# EXL2_GEMV_ACC16=1: the packed gemv decoders sum a whole step (32 products, two fp16x2 chains of 16) before
+# converting to fp32, instead of every word (8): 12 of a 4-bit step's 68 instructions fewer. exllamav2's own
+# kernels sum at least as long in fp16. Off until measured (benchmarks/RESULTS.md, session 11).
+GEMV_ACC16 = env_choice("EXL2_GEMV_ACC16", 0, range(0, 2)) == 1
+
+
+def _words4_asm(acc16: bool) -> str:
+    """The 4-bit step decoder: $1-$4 the words, $5-$20 the input pairs (4 per word), $0 the fp32 sum."""
+    lines = ["{", ".reg .b32 q0, q1, q2, q3, s, a, b, z, c, d;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;",
+             _PTX_UNPACK4_CONSTANTS, "mov.f32 r, 0f00000000;"]
+    for j in range(4):
+        acc = ("a" if j < 2 else "b") if acc16 else "a"
+        first = j % 2 == 0 if acc16 else True
+        lines.append(_ptx_unpack4(f"${1 + j}"))
+        lines.append(f"mul.rn.f16x2 {acc}, q0, ${5 + 4 * j};" if first else f"fma.rn.f16x2 {acc}, q0, ${5 + 4 * j}, {acc};")
+        lines += [f"fma.rn.f16x2 {acc}, q{i}, ${5 + 4 * j + i}, {acc};" for i in (1, 2, 3)]
+        if not acc16:
+            lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 r, r, flo;",
+                      "add.f32 r, r, fhi;"]
+    if acc16:
+        lines += ["add.rn.f16x2 a, a, b;", "mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;",
+                  "add.f32 r, flo, fhi;"]
+    lines += ["mov.f32 $0, r;", "}"]
+    return "\n".join(lines)
+
+
+_WORDS4_ASM = tl.constexpr(_words4_asm(GEMV_ACC16))
 _WORDS4_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 20))
 
 
@@ -354,8 +361,8 @@ def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
 # two fp16 lanes (the odd row of the byte comes out 16x, as in the 4-bit decoder), one prmt per byte of the high
 # words does the same for the top two bits, a shift and a lop3 merge them under the exponent of 1024, and one
 # packed subtraction (or fma) removes 1024 + 32. ~3 instructions per weight instead of ~10.
-def _ptx_words6() -> str:
-    lines = ["{", ".reg .b32 a, b, c, t, acc, z, q, d;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;",
+def _ptx_words6(acc16: bool = False) -> str:
+    lines = ["{", ".reg .b32 a, b, c, t, acc, acc2, z, q, d;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;",
              "mov.b32 z, 0x64206420;", "mov.b32 q, 0x2C002C00;", "mov.b32 d, 0xD600D600;", "mov.f32 r, 0f00000000;"]
     for jp in range(2):
         for k in range(4):
@@ -371,18 +378,23 @@ def _ptx_words6() -> str:
                 lines.append(f"shl.b32 c, b, {shift};")
                 lines.append(f"lop3.b32 t, c, {hi_mask}, t, 0xEA;")
                 lines.append("sub.f16x2 t, t, z;" if e == 0 else "fma.rn.f16x2 t, t, q, d;")
-                if pair % 4 == 0:
-                    lines.append(f"mul.rn.f16x2 acc, t, ${7 + pair};")
+                run = 8 if acc16 else 4  # products summed in fp16 before the conversion
+                acc = "acc2" if acc16 and pair >= 8 else "acc"
+                if pair % run == 0:
+                    lines.append(f"mul.rn.f16x2 {acc}, t, ${7 + pair};")
                 else:
-                    lines.append(f"fma.rn.f16x2 acc, t, ${7 + pair}, acc;")
-                if pair % 4 == 3:
+                    lines.append(f"fma.rn.f16x2 {acc}, t, ${7 + pair}, {acc};")
+                if pair % 4 == 3 and not acc16:
                     lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;",
                               "add.f32 r, r, flo;", "add.f32 r, r, fhi;"]
+    if acc16:
+        lines += ["add.rn.f16x2 acc, acc, acc2;", "mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;",
+                  "cvt.f32.f16 fhi, hi;", "add.f32 r, flo, fhi;"]
     lines += ["mov.f32 $0, r;", "}"]
     return "\n".join(lines)
 
 
-_WORDS6_ASM = tl.constexpr(_ptx_words6())
+_WORDS6_ASM = tl.constexpr(_ptx_words6(GEMV_ACC16))
 _WORDS6_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 22))
 
 
@@ -1200,7 +1212,7 @@ class GemvGroup:
     MAX = 3
 
     def __init__(self, ws: Sequence[QuantWeight], bn: int = 64, bs: int = 8, stages: int | None = None,
-                 per_sm: int = 2, num_warps: int = 4):
+                 per_sm: int | None = None, num_warps: int = 4):
         """Defaults from the H200 sweep (benchmarks/RESULTS.md, run 13): 64-column tiles, up to ~2 programs per SM
         (q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns, ~1 per SM)."""
         if not self.accepts(ws):
@@ -1209,7 +1221,7 @@ class GemvGroup:
         self.ws = list(ws)
         self.BN, self.BS, self.num_warps = bn, bs, num_warps
         self.stages = GEMV_STAGES if stages is None else stages
-        self.per_sm = per_sm
+        self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
         self.mask = width_mask(self.ws)
         self._plans: dict[int, tuple] = {}
 
@@ -1426,6 +1438,8 @@ MMA4_STAGES = env_choice("EXL2_MMA4_STAGES", 4, range(2, 9))
 MMA_GEMV = env_choice("EXL2_MMA_GEMV", 1, range(0, 3))
 
 GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
+# K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM).
+GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 2, range(1, 9))
 # EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
 # STREAM_PER_SM programs per SM. Off: on the H200 it lost to the fixed-split kernels on every shape (run 11).
 GEMV_STREAM = env_choice("EXL2_GEMV_STREAM", 0, range(0, 2)) == 1
