@@ -271,10 +271,11 @@ _PTX_UNPACK4_CONSTANTS = """
 mov.b32 z, 0x64086408;
 mov.b32 c, 0x2C002C00;
 mov.b32 d, 0xD480D480;"""
-# EXL2_GEMV_ACC16=1: the packed gemv decoders sum a whole step (32 products, two fp16x2 chains of 16) before
-# converting to fp32, instead of every word (8): 12 of a 4-bit step's 68 instructions fewer. exllamav2's own
-# kernels sum at least as long in fp16. Off until measured (benchmarks/RESULTS.md, session 11).
-GEMV_ACC16 = env_choice("EXL2_GEMV_ACC16", 0, range(0, 2)) == 1
+# The packed gemv decoders sum a whole step (32 products, two fp16x2 chains of 16) before converting to fp32,
+# instead of every word (8): 12 of a 4-bit step's 68 instructions fewer, and the gemv is instruction-bound (H200,
+# batch 1: 392 -> 415 tok/s at ctx 2048, benchmarks/RESULTS.md session 11). exllamav2's kernels sum at least as
+# long in fp16. EXL2_GEMV_ACC16=0 restores the per-word sums.
+GEMV_ACC16 = env_choice("EXL2_GEMV_ACC16", 1, range(0, 2)) == 1
 
 
 def _words4_asm(acc16: bool) -> str:
@@ -1213,8 +1214,9 @@ class GemvGroup:
 
     def __init__(self, ws: Sequence[QuantWeight], bn: int = 64, bs: int = 8, stages: int | None = None,
                  per_sm: int | None = None, num_warps: int = 4):
-        """Defaults from the H200 sweep (benchmarks/RESULTS.md, run 13): 64-column tiles, up to ~2 programs per SM
-        (q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns, ~1 per SM)."""
+        """Defaults from the H200 sweeps (benchmarks/RESULTS.md, session 4 run 13 and session 11): 64-column tiles
+        (q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns), K split up to `GROUP_PER_SM`
+        programs per SM."""
         if not self.accepts(ws):
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
@@ -1438,8 +1440,9 @@ MMA4_STAGES = env_choice("EXL2_MMA4_STAGES", 4, range(2, 9))
 MMA_GEMV = env_choice("EXL2_MMA_GEMV", 1, range(0, 3))
 
 GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
-# K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM).
-GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 2, range(1, 9))
+# K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM):
+# 4 splits q/k/v 4 ways instead of 2 (9.1 -> 8.2 us on the H200) and leaves gate/up unsplit (session 11).
+GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
 # EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
 # STREAM_PER_SM programs per SM. Off: on the H200 it lost to the fixed-split kernels on every shape (run 11).
 GEMV_STREAM = env_choice("EXL2_GEMV_STREAM", 0, range(0, 2)) == 1
