@@ -143,25 +143,10 @@ PDL_MAX_ROWS = env_choice("EXL2_PDL_MAX_ROWS", 4, range(1, 4097))
 # the same bound for the small launches between the matmuls (norms, RoPE, cache writes, attention, activations)
 PDL_SMALL_ROWS = env_choice("EXL2_PDL_SMALL_ROWS", PDL_MAX_ROWS, range(1, 4097))
 
-# Matmul launches of more rows than this (EXL2_PDL_LATE_ROWS) let their dependents launch only after their main
-# loops (`mma_dot`, PDL 2): launched at once, the next kernel's waiting programs hold SM slots that a matmul grid
-# of several waves still needs (session 9: batch 16 with PDL, triggered at once, fell 17 %). With PDL_MAX_ROWS at
-# its default 4 this never applies; EXL2_PDL_MAX_ROWS=16 turns PDL on for batch 16 with it.
-PDL_LATE_ROWS = env_choice("EXL2_PDL_LATE_ROWS", 4, range(0, 4097))
-
 # What a kernel launched with PDL reads before its wait: the gemvs prefetch the first PREFETCH_ROWS word rows of
 # each width class of their share of the weights into L2, attention its first key/value block (neither depends on
 # the previous kernel, so their DRAM latency overlaps its tail). EXL2_PREFETCH=0 turns both off.
 PREFETCH_ROWS = _prefetch_rows()
-
-
-def matmul_pdl_args(device: torch.device, rows: int) -> dict:
-    """`pdl_args` for the Gluon matmuls, whose `PDL` is 1 (let the next kernel launch at once) or 2 (after the
-    main loops, above PDL_LATE_ROWS rows)."""
-    args = pdl_args(device, rows)
-    if args:
-        args["PDL"] = 2 if rows > PDL_LATE_ROWS else 1
-    return args
 
 
 def pdl_args(device: torch.device, rows: int, prefetch: int | bool | None = None, small: bool = False) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import INTERPRET, counters, matmul_pdl_args, triton
+from exl2.kernels.backend import INTERPRET, counters, pdl_args, triton
 from exl2.kernels.qweight import WIDTHS, split_bits
 
 try:
@@ -362,14 +362,13 @@ if HAVE_GLUON:
     def _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
                    pid_k, SPLIT, first_step, n_steps, first_word, BITS: gl.constexpr, HAS_ZEROS: gl.constexpr,
                    BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
-                   PDL: gl.constexpr = 0):
+                   PDL: gl.constexpr = False):
         """acc += this program's share of x · W over one width class: BS steps of 32 rows per iteration, words,
         scales and input brought to shared memory by cp.async STAGES - 1 iterations ahead. POST (every
         iteration's steps share one group, no zeros): the codes enter the mma as exact (code - zero point) and
         each iteration's product is scaled in fp32 (4·V multiplies a thread instead of one per weight pair).
         With PDL (the kernel's first class) the first iterations' weights and scales, which no kernel writes, are
-        requested before waiting for the previous kernel, and only the input after; PDL 1 then lets the next
-        kernel launch at once, PDL 2 leaves that to `_mma_tile`, after the main loops."""
+        requested before waiting for the previous kernel, and only the input after."""
         BN: gl.constexpr = 32 * V
         K: gl.constexpr = BS * 32
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
@@ -389,10 +388,8 @@ if HAVE_GLUON:
         for p in gl.static_range(STAGES - 1):
             _issue(wb, sbuf, zbuf, xbuf, p, wp, x_ptrs, sc_ptr, zr_ptr, _groups(sg_ptr, s_lo + p * BS, s_hi, BS, V, POST),
                    s_lo + p * BS, s_lo, s_hi, N, M, col0, BITS, HAS_ZEROS, BS, V, POST, 1 if PDL else 3)
-        if PDL != 0:
-            _pdl_wait()
-            if PDL == 1:
-                _pdl_trigger()
+        if PDL:
+            _pdl_sync()
             for p in gl.static_range(STAGES - 1):
                 _issue(wb, sbuf, zbuf, xbuf, p, wp, x_ptrs, sc_ptr, zr_ptr, 0, s_lo + p * BS, s_lo, s_hi, N, M, col0,
                        BITS, HAS_ZEROS, BS, V, POST, 2)
@@ -438,12 +435,10 @@ if HAVE_GLUON:
                   M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
                   MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
                   BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
-                  PDL: gl.constexpr = 0):
+                  PDL: gl.constexpr = False):
         """out[:M, tile] (or this split's partial) = x · W over a tile of BN = 32·V columns: each width class of
         MASK (bit i: WIDTHS[i], n8..n2 their step counts, classes stored in that order) in turn, one accumulator;
-        PDL: launched as a programmatic dependent (the first class waits, see `_mma_class`); 2: the next kernel may
-        launch only once this program's main loops are done, so its waiting programs never hold SM slots that this
-        kernel's later programs still need (a grid of several waves at 16 rows).
+        PDL: launched as a programmatic dependent (the first class waits, see `_mma_class`).
         The fragment's column n is stored column (n % 32)·V + n // 32 of the tile, so each thread's V columns are
         adjacent in memory (one V-word read per word row)."""
         gl.static_assert(gl.num_warps() == 4)
@@ -467,11 +462,9 @@ if HAVE_GLUON:
             if MASK >> c & 1:
                 acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
                                  pid_k, SPLIT, s0, steps[c], w0, _width(c), HAS_ZEROS, BS, V, STAGES, POST,
-                                 PDL * ((MASK & ((1 << c) - 1)) == 0))
+                                 PDL and (MASK & ((1 << c) - 1)) == 0)
             s0 += steps[c]
             w0 += steps[c] * _width(c)
-        if PDL == 2:
-            _pdl_trigger()
 
         res = gl.convert_layout(acc, O_L)
         om = gl.arange(0, 16, layout=gl.SliceLayout(1, O_L))
@@ -499,14 +492,10 @@ if HAVE_GLUON:
                 gl.atomic_xchg(cnt_ptr + pid_n, 0)
 
     @gluon.jit
-    def _pdl_wait():
-        """`backend.pdl_sync`'s wait in Gluon: the previous kernel's writes are visible after it."""
+    def _pdl_sync():
+        """`backend.pdl_sync` in Gluon: wait for the previous kernel's writes, then let the next one launch."""
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
-
-    @gluon.jit
-    def _pdl_trigger():
-        """Let the next kernel launch (programmatic dependent launch)."""
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
 
@@ -515,7 +504,7 @@ if HAVE_GLUON:
                     M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
                     MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
-                    PDL: gl.constexpr = 0):
+                    PDL: gl.constexpr = False):
         _mma_tile(gl.program_id(0), gl.program_id(1), x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr,
                   zr_ptr, sg_ptr, M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2, MASK, HAS_ZEROS,
                   HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST, PDL)
@@ -529,7 +518,7 @@ if HAVE_GLUON:
                           ON0: gl.constexpr, ON1: gl.constexpr, ON2: gl.constexpr, BS: gl.constexpr,
                           V: gl.constexpr, STAGES: gl.constexpr, POST0: gl.constexpr, POST1: gl.constexpr,
                           POST2: gl.constexpr, MASK0: gl.constexpr, MASK1: gl.constexpr, MASK2: gl.constexpr,
-                          PDL: gl.constexpr = 0):
+                          PDL: gl.constexpr = False):
         """`_mma_kernel` for 2-3 weights sharing one input (q/k/v, gate/up) in one launch: programs [0, P0) take
         weight 0 (tile pid // SP0, split pid % SP0), [P0, P0 + P1) weight 1, the rest weight 2. x0..x2 point at
         each weight's permuted input inside one buffer; n8_i..n2_i weight i's step counts per width."""
@@ -633,7 +622,7 @@ def mma(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: in
         xp, out, part, counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
         xp.shape[0], w.n, xp.stride(0), out.stride(0), split, *steps,
         MASK=mask, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v,
-        STAGES=stages, POST=post, num_warps=4, **matmul_pdl_args(xp.device, xp.shape[0]))
+        STAGES=stages, POST=post, num_warps=4, **pdl_args(xp.device, xp.shape[0]))
     return out
 
 
@@ -672,5 +661,5 @@ def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=Non
         xp, m, xp.stride(0), *args, THREE=three, HAS_ZEROS=ws[0].zeros is not None,
         HAS_BIAS=ws[0].bias is not None, ON0=flags[0], ON1=flags[1], ON2=flags[2], BS=bs, V=v, STAGES=stages,
         POST0=posts[0], POST1=posts[1], POST2=posts[2], MASK0=masks[0], MASK1=masks[1], MASK2=masks[2],
-        num_warps=4, **matmul_pdl_args(xp.device, m))
+        num_warps=4, **pdl_args(xp.device, m))
     return outs
