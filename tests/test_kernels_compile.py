@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ATTENTION = [(128, 16), (192, 16), (96, 16), (128, 4)]
-GEMV = [(64, "HAS4"), (16, "HAS4"), (128, "HAS6"), (128, "HAS8")]
+GEMV = [(64, "HAS4"), (16, "HAS4"), (128, "HAS6")]
 # (width mask (bit i: qweight.WIDTHS[i]), steps an iteration, V, scale after the mma, zeros): the 4-bit body, GPTQ,
 # the 8/6-bit head, a mixed 5/4/3 body, every width in one matrix
 MMA = [(8, 4, 2, True, False), (8, 1, 1, False, True), (8, 8, 4, False, False), (8, 2, 4, True, False),
@@ -64,7 +64,7 @@ def _compile_all() -> dict:
     gptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
     for bn, width in GEMV:
         consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=False, HAS3=False, HAS2=False, HAS_ZEROS=False,
-                      HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=7, DEPTH=0, STAGES=3, PDL=True,
+                      HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=3, DEPTH=0, STAGES=3, PDL=True,
                       PREFETCH=64)
         consts[width] = True
         out[f"gemv-{bn}-{width}"] = verdict(lambda: ptx(qm._gemv_kernel, gptrs, consts, 4, 3))

@@ -286,8 +286,7 @@ def _words4_asm(acc16: bool) -> str:
         acc = ("a" if j < 2 else "b") if acc16 else "a"
         first = j % 2 == 0 if acc16 else True
         lines.append(_ptx_unpack4(f"${1 + j}"))
-        lines.append(f"mul.rn.f16x2 {acc}, q0, ${5 + 4 * j};" if first
-                     else f"fma.rn.f16x2 {acc}, q0, ${5 + 4 * j}, {acc};")
+        lines.append(f"mul.rn.f16x2 {acc}, q0, ${5 + 4 * j};" if first else f"fma.rn.f16x2 {acc}, q0, ${5 + 4 * j}, {acc};")
         lines += [f"fma.rn.f16x2 {acc}, q{i}, ${5 + 4 * j + i}, {acc};" for i in (1, 2, 3)]
         if not acc16:
             lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 r, r, flo;",
@@ -421,7 +420,14 @@ def _gemv_class6_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
         h1 = tl.load(w_ptrs + 5 * N, mask=m2, other=0)
         grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
         sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _pairs16(x32_ptr, offs_s, mask_s)
+        xw = tl.load(x32_ptr + offs_s[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_s[:, None], other=0)
+        d0, d1 = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # pair p = 8a + 4b + 2c + d
+        c0d0, c1d0 = tl.split(d0)
+        c0d1, c1d1 = tl.split(d1)
+        x0, x4, x8, x12 = _by_word(c0d0)
+        x1, x5, x9, x13 = _by_word(c0d1)
+        x2, x6, x10, x14 = _by_word(c1d0)
+        x3, x7, x11, x15 = _by_word(c1d1)
         part = tl.inline_asm_elementwise(
             _WORDS6_ASM, _WORDS6_CONSTRAINTS,
             [w0, w1, w2, w3, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
@@ -431,97 +437,17 @@ def _gemv_class6_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
 
 
 @triton.jit
-def _pairs16(x32_ptr, offs_s, mask_s):
-    """Each step's 16 input pairs (int32: positions 2i, 2i + 1) as sixteen [BS, 1] tensors, i = 0..15."""
-    BS: tl.constexpr = offs_s.shape[0]
-    xw = tl.load(x32_ptr + offs_s[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_s[:, None], other=0)
-    d0, d1 = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # pair p = 8a + 4b + 2c + d
-    c0d0, c1d0 = tl.split(d0)
-    c0d1, c1d1 = tl.split(d1)
-    x0, x4, x8, x12 = _by_word(c0d0)
-    x1, x5, x9, x13 = _by_word(c0d1)
-    x2, x6, x10, x14 = _by_word(c1d0)
-    x3, x7, x11, x15 = _by_word(c1d1)
-    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
-
-
-# 8-bit classes: word j of a step holds rows 4j..4j+3, one byte each. Two byte permutes put rows (4j, 4j+1) and
-# (4j+2, 4j+3) under the fp16 exponent of 1024 (0x64 high bytes) and one packed subtraction each removes
-# 1024 + 128: 1.5 instructions per weight with the products, against the portable loop's fp32 decode.
-def _ptx_words8(acc16: bool = GEMV_ACC16) -> str:
-    """The 8-bit step decoder: $1-$8 the words, $9-$24 the input pairs (2j and 2j + 1 for word j), $0 the fp32
-    sum; fp16 sums of 8 products (16 with acc16) before fp32."""
-    lines = ["{", ".reg .b32 t0, t1, k, z, a, b;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;",
-             "mov.b32 k, 0x64646464;", "mov.b32 z, 0x64806480;", "mov.f32 r, 0f00000000;"]
-    run = 4 if acc16 else 2  # words summed in fp16 before the conversion
-    for j in range(8):
-        acc = ("a" if j < 4 else "b") if acc16 else "a"
-        lines += [f"prmt.b32 t0, ${1 + j}, k, 0x5140;", f"prmt.b32 t1, ${1 + j}, k, 0x5342;",
-                  "sub.f16x2 t0, t0, z;", "sub.f16x2 t1, t1, z;"]
-        lines.append(f"mul.rn.f16x2 {acc}, t0, ${9 + 2 * j};" if j % run == 0
-                     else f"fma.rn.f16x2 {acc}, t0, ${9 + 2 * j}, {acc};")
-        lines.append(f"fma.rn.f16x2 {acc}, t1, ${10 + 2 * j}, {acc};")
-        if not acc16 and j % run == run - 1:
-            lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 r, r, flo;",
-                      "add.f32 r, r, fhi;"]
-    if acc16:
-        lines += ["add.rn.f16x2 a, a, b;", "mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;",
-                  "add.f32 r, flo, fhi;"]
-    lines += ["mov.f32 $0, r;", "}"]
-    return "\n".join(lines)
-
-
-_WORDS8_ASM = tl.constexpr(_ptx_words8(GEMV_ACC16))
-_WORDS8_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 24))
-
-
-@triton.jit
-def _gemv_class8_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                      offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
-    """`_gemv_class4_pipe` for an 8-bit class without zero tensors (EXL2): a step's eight words and 16 input
-    pairs per asm call."""
-    s_lo = first_step + (n_steps * pid_k) // SPLIT
-    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
-    acc = tl.zeros([BS, BN], dtype=tl.float32)
-    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
-        offs_s = s0 + tl.arange(0, BS)
-        mask_s = offs_s < s_hi
-        m2 = mask_s[:, None] & mask_n[None, :]
-        w_ptrs = qw_ptr + (first_word + (offs_s - first_step) * 8)[:, None].to(tl.int64) * N + offs_n[None, :]
-        w0 = tl.load(w_ptrs, mask=m2, other=0)
-        w1 = tl.load(w_ptrs + N, mask=m2, other=0)
-        w2 = tl.load(w_ptrs + 2 * N, mask=m2, other=0)
-        w3 = tl.load(w_ptrs + 3 * N, mask=m2, other=0)
-        w4 = tl.load(w_ptrs + 4 * N, mask=m2, other=0)
-        w5 = tl.load(w_ptrs + 5 * N, mask=m2, other=0)
-        w6 = tl.load(w_ptrs + 6 * N, mask=m2, other=0)
-        w7 = tl.load(w_ptrs + 7 * N, mask=m2, other=0)
-        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
-        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _pairs16(x32_ptr, offs_s, mask_s)
-        part = tl.inline_asm_elementwise(
-            _WORDS8_ASM, _WORDS8_CONSTRAINTS,
-            [w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
-            dtype=tl.float32, is_pure=True, pack=1)
-        acc += part * sc.to(tl.float32)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
 def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, offs_n,
                 mask_n, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                 FAST4: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr):
-    """One width class's partial sums: the packed-fp16 decoders for EXL2 4, 6 and 8 bits, the portable one
-    otherwise (field widths as in `qweight.split_bits`). x32r is the permuted input row read as int32 pairs."""
+    """One width class's partial sums: the packed-fp16 decoder for EXL2 4-bit, the portable one otherwise (field
+    widths as in `qweight.split_bits`). x32r is the permuted input row read as int32 pairs."""
     LB: tl.constexpr = 2 if BITS <= 3 else (8 if BITS == 8 else 4)
     if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS and DEPTH == 0:
         return _gemv_class4_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                                  offs_n, mask_n, BS, BN, STAGES)
     elif BITS == 6 and (FAST4 & 2) != 0 and not HAS_ZEROS and DEPTH == 0:
         return _gemv_class6_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                                 offs_n, mask_n, BS, BN, STAGES)
-    elif BITS == 8 and (FAST4 & 4) != 0 and not HAS_ZEROS and DEPTH == 0:
-        return _gemv_class8_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                                  offs_n, mask_n, BS, BN, STAGES)
     elif BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
         return _gemv_class4_fast(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
@@ -1171,12 +1097,11 @@ def split_permuted(buf: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.T
 
 
 def _pairs_view(xp: torch.Tensor, fast4: bool | int | None) -> tuple[int, torch.Tensor]:
-    """Which packed decoders run on xp, as the kernels' FAST4 mask (1: 4-bit, 2: 6-bit, 4: 8-bit; True: all, None:
-    those whose self-check passed; they need fp16 input with an even row stride), and the int32 view of xp they
-    read."""
+    """Which packed decoders run on xp, as the kernels' FAST4 mask (1: 4-bit, 2: 6-bit; True: both, None: those
+    whose self-check passed; they need fp16 input with an even row stride), and the int32 view of xp they read."""
     if fast4 is None:
         fast4 = fast4_available(xp.device)
-    mask = (7 if fast4 is True else int(fast4 or 0)) if xp.dtype == torch.float16 and xp.stride(0) % 2 == 0 else 0
+    mask = (3 if fast4 is True else int(fast4 or 0)) if xp.dtype == torch.float16 and xp.stride(0) % 2 == 0 else 0
     return mask, (xp.view(torch.int32) if mask else xp)
 
 
@@ -1414,15 +1339,15 @@ def _packed_check(device: torch.device, bits: int, flag: int) -> bool:
 
 def fast4_available(device: torch.device) -> int:
     """The packed decoders (inline PTX) that compile and agree with the twin on this device, as the kernels'
-    FAST4 mask (1: 4-bit, 2: 6-bit, 4: 8-bit; checked once each, on a small random layer); the others use the
-    portable decoder."""
+    FAST4 mask (1: 4-bit, 2: 6-bit; checked once each, on a small random layer); the others use the portable
+    decoder."""
     if device.type != "cuda" or triton.__class__.__name__ == "_Stub":
         return 0
     ok = _FAST4.get(device)
     if ok is None:
         _FAST4[device] = 0  # in case the check itself recurses or fails
         ok = 0
-        for bits, flag in ((4, 1), (6, 2), (8, 4)):
+        for bits, flag in ((4, 1), (6, 2)):
             try:
                 ok |= flag if _packed_check(device, bits, flag) else 0
             except Exception:  # noqa: BLE001 - any compile/launch failure means "use the portable path"
@@ -1451,13 +1376,12 @@ def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Te
 
 def gemv_via_mma(w: QuantWeight, m: int, dtype: torch.dtype) -> bool:
     """Whether m ≤ 4 rows take the Gluon tensor-core kernel instead of the gemv: for matrices with a class the
-    gemv decodes with its portable loop (5, 3, 2 bits, and 8 without its packed decoder; MMA_GEMV = 1), or always
-    (2). The tensor-core kernel's cost hardly depends on the row count, and the portable loop ran a 5/4/3-bit body
-    at a fifth of the 4-bit speed (benchmarks/RESULTS.md, session 8)."""
+    gemv decodes with its portable loop (8, 5, 3, 2 bits; MMA_GEMV = 1), or always (2). The tensor-core kernel's
+    cost hardly depends on the row count, and the portable loop ran a 5/4/3-bit body at a fifth of the 4-bit
+    speed (benchmarks/RESULTS.md, session 8)."""
     if not (MMA4 and MMA_GEMV and dtype == torch.float16 and mma_dot.supports(w, m)):
         return False
-    packed = (4, 6, 8) if fast4_available(w.device) & 4 and PACKED8 else (4, 6)
-    return MMA_GEMV == 2 or any(c.bits not in packed for c in w.classes)
+    return MMA_GEMV == 2 or any(c.bits not in (4, 6) for c in w.classes)
 
 
 def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
@@ -1514,9 +1438,6 @@ MMA4_PER_SM = env_choice("EXL2_MMA4_PER_SM", 4, range(1, 9))
 MMA4_STAGES = env_choice("EXL2_MMA4_STAGES", 4, range(2, 9))
 # 1-4 rows: 1, matrices with 8/5/3/2-bit classes take the Gluon kernel (`gemv_via_mma`); 2, every matrix; 0, none.
 MMA_GEMV = env_choice("EXL2_MMA_GEMV", 1, range(0, 3))
-# 1-4 rows: matrices whose 8-bit classes the gemv decodes packed (`_gemv_class8_pipe`), such as the 8/6-bit
-# heads of EXL2 files, stay on the gemv (EXL2_GEMV_PACKED8=0 sends them to the Gluon kernel as before).
-PACKED8 = env_choice("EXL2_GEMV_PACKED8", 1, range(0, 2)) == 1
 
 GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM):
