@@ -259,7 +259,7 @@ def _kv_quant_pair_kernel(k_ptr, kp_ptr, ks_ptr, v_ptr, vp_ptr, vs_ptr, slot_ptr
     if ROPE and Q_HADAMARD and pid < Q_PROGS:
         _rotate_q_rows(pid, q_ptr, cos_ptr, sin_ptr, pos_ptr, ROWS // H * HQ, HQ, stride_qt, stride_qh, stride_cos,
                        HALF_R, NB_K, BT_K, NBP_K, INTERLEAVED)
-    elif ROPE and pid < Q_PROGS:
+    elif ROPE and not Q_HADAMARD and pid < Q_PROGS:
         rotate_heads(q_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, (pid // QBLOCKS).to(tl.int64), pid % QBLOCKS, 0, HQ, 0,
                      stride_qt, stride_qh, 0, 0, stride_cos, HALF_R, QBLOCKS, q_ptr, 0, INTERLEAVED, BLOCK_H, BLOCK_R,
                      False, 16)
@@ -499,14 +499,18 @@ def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.T
         q3 = token_view(q, t)
         if cos.stride(-1) != 1 or sin.stride() != cos.stride():
             cos, sin = cos.contiguous(), sin.contiguous()
-        block_h = min(16, next_pow2(q3.shape[1]))
-        qblocks = triton.cdiv(q3.shape[1], block_h)
         hadamard_q = bool(hadamard_q) and q3.shape[2] == dk
-        q_progs = triton.cdiv(t * q3.shape[1], bt_k) if hadamard_q else t * qblocks
+        if hadamard_q:  # BT_K query rows a program, as the keys; the plain RoPE's head blocking is unused
+            block_h, block_r, qblocks = 16, 16, 1
+            q_progs = triton.cdiv(t * q3.shape[1], bt_k)
+        else:
+            block_h, block_r = min(16, next_pow2(q3.shape[1])), next_pow2(rd // 2)
+            qblocks = triton.cdiv(q3.shape[1], block_h)
+            q_progs = t * qblocks
         extra = dict(q_ptr=q3, cos_ptr=cos, sin_ptr=sin, pos_ptr=positions.reshape(-1), HQ=q3.shape[1],
                      stride_qt=q3.stride(0), stride_qh=q3.stride(1), stride_cos=cos.stride(0), HALF_R=rd // 2,
                      QBLOCKS=qblocks, Q_PROGS=q_progs, ROPE=True, INTERLEAVED=bool(interleaved), BLOCK_H=block_h,
-                     BLOCK_R=next_pow2(rd // 2), Q_HADAMARD=hadamard_q)
+                     BLOCK_R=block_r, Q_HADAMARD=hadamard_q)
     _kv_quant_pair_kernel[(q_progs + k_progs + triton.cdiv(t * h, bt_v),)](
         k2, kp, ks, v2, vp, vs, slot_mapping.reshape(-1), t * h, h, k2.stride(0), k2.stride(1), v2.stride(0),
         v2.stride(1), kp.stride(0), kp.stride(1), ks.stride(0), ks.stride(1), vp.stride(0), vp.stride(1),
