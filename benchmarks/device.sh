@@ -4,6 +4,8 @@
 # b128 (bs 1 and 16, fp16 cache, ctx 128) reads BENCH_ARGS (e.g. --mixed) and TAG (output name).
 # dot16 reads DOT16_LOOPS (Triton loops to sweep, default "0 1 2") and DOT16_SWEEP (0: defaults only).
 # envab runs the bench (BENCH_ARGS) once per environment in AB_SPECS ("A=1 B=2;A=2;": ';'-separated, empty = defaults).
+# ncugemv / ncumma: ncu (occupancy, issue rate, stall reasons) of the M = 1 gemv / the M = 16 Gluon kernel on the
+# shapes in NCU_SHAPES (gemv_probe.py: gate, q, k, down, head).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -65,6 +67,15 @@ for s in $steps; do
              python3 benchmarks/gemv_probe.py --shape $shape > "$OUT/ncu_gemv_$shape.txt" 2>&1; echo "ncu gemv $shape rc=$?"
            grep -E "Duration|DRAM Throughput|Registers Per|Shared Memory Config|Achieved Occupancy|Theoretical Occ|Block Limit|Issue Slots Busy|Issued Warp|Eligible Warps|No Eligible|Warp Cycles Per Issued|Executed Instructions  |Grid Size|Waves" "$OUT/ncu_gemv_$shape.txt" | head -24
            grep -E "stalled" "$OUT/ncu_gemv_$shape.txt" | sort -k3 -g -r | head -8; done ;;
+  ncumma) for shape in ${NCU_SHAPES:-gate down}; do
+           timeout 90 ncu --clock-control none --kernel-name regex:_mma_kernel --launch-skip 3 --launch-count 1 \
+             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+             --section SchedulerStats --section InstructionStats \
+             --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
+             python3 benchmarks/gemv_probe.py --shape $shape --rows 16 > "$OUT/ncu_mma16_$shape.txt" 2>&1
+           echo "ncu mma M=16 $shape rc=$?"
+           grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Issued Warp|Eligible Warps|Warp Cycles Per Issued|Executed Instructions  |Grid Size|Waves" "$OUT/ncu_mma16_$shape.txt" | head -20
+           grep -E "stalled" "$OUT/ncu_mma16_$shape.txt" | sort -k3 -g -r | head -8; done ;;
   envab) IFS=';' read -ra specs <<< "${AB_SPECS:-}"; i=0
          for spec in "${specs[@]}"; do i=$((i+1))
            env $spec timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench $BENCH_ARGS > "$OUT/bench_ab$i${TAG}.txt" 2>&1

@@ -3,7 +3,8 @@
     ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 \
         python3 benchmarks/gemv_probe.py [--shape gate|q|k|down|head] [--rows M]
 
-With --rows 5..64 the tensor-core kernel runs instead (`--kernel-name regex:dot`).
+With --rows 5..16 the Gluon tensor-core kernel runs instead (`--kernel-name regex:_mma_kernel`, the `ncumma`
+step of benchmarks/device.sh), with 17..64 the Triton one (`regex:dot`).
 """
 from __future__ import annotations
 
