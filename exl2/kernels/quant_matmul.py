@@ -250,8 +250,8 @@ def _gemv_class4_fast(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
 # Word-at-a-time form of the decoder above (`_gemv_class4_pipe`): one asm block takes the four words of a step
 # for one column (32 codes under one scale) and 16 input pairs. Codes (u, u+4) leave a word with one lop3 each;
 # the odd ones (mask 0x00F000F0) come out 16x too large, which the fma by 1/16 that removes the offset also
-# undoes, so a word costs one shift instead of three. Each word's four packed products are summed in fp16 and
-# added in fp32, as above.
+# undoes, so a word costs one shift instead of three. The packed products are summed in fp16 (a step's, or with
+# EXL2_GEMV_ACC16=0 each word's) and added in fp32.
 def _ptx_unpack4(word: str) -> str:
     """PTX that leaves a 4-bit word's codes minus 8 as exact fp16 pairs: q0 = (0, 4), q1 = (1, 5), q2 = (2, 6),
     q3 = (3, 7). Needs registers q0-q3, s and the constants z = 1032 (x2), c = 1/16 (x2), d = -72 (x2)."""
@@ -286,7 +286,8 @@ def _words4_asm(acc16: bool) -> str:
         acc = ("a" if j < 2 else "b") if acc16 else "a"
         first = j % 2 == 0 if acc16 else True
         lines.append(_ptx_unpack4(f"${1 + j}"))
-        lines.append(f"mul.rn.f16x2 {acc}, q0, ${5 + 4 * j};" if first else f"fma.rn.f16x2 {acc}, q0, ${5 + 4 * j}, {acc};")
+        lines.append(f"mul.rn.f16x2 {acc}, q0, ${5 + 4 * j};" if first
+                     else f"fma.rn.f16x2 {acc}, q0, ${5 + 4 * j}, {acc};")
         lines += [f"fma.rn.f16x2 {acc}, q{i}, ${5 + 4 * j + i}, {acc};" for i in (1, 2, 3)]
         if not acc16:
             lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 r, r, flo;",
