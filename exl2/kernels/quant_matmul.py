@@ -278,6 +278,12 @@ mov.b32 d, 0xD480D480;"""
 GEMV_ACC16 = env_choice("EXL2_GEMV_ACC16", 1, range(0, 2)) == 1
 
 
+def _ptx_add_f32(acc: str, first: bool) -> list[str]:
+    """PTX adding both fp16 lanes of `acc` into the fp32 sum r (`first`: r is set instead)."""
+    lines = [f"mov.b32 {{lo, hi}}, {acc};", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;"]
+    return lines + (["add.f32 r, flo, fhi;"] if first else ["add.f32 r, r, flo;", "add.f32 r, r, fhi;"])
+
+
 def _words4_asm(acc16: bool) -> str:
     """The 4-bit step decoder: $1-$4 the words, $5-$20 the input pairs (4 per word), $0 the fp32 sum."""
     lines = ["{", ".reg .b32 q0, q1, q2, q3, s, a, b, z, c, d;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;",
@@ -290,11 +296,9 @@ def _words4_asm(acc16: bool) -> str:
                      else f"fma.rn.f16x2 {acc}, q0, ${5 + 4 * j}, {acc};")
         lines += [f"fma.rn.f16x2 {acc}, q{i}, ${5 + 4 * j + i}, {acc};" for i in (1, 2, 3)]
         if not acc16:
-            lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 r, r, flo;",
-                      "add.f32 r, r, fhi;"]
+            lines += _ptx_add_f32("a", False)
     if acc16:
-        lines += ["add.rn.f16x2 a, a, b;", "mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;",
-                  "add.f32 r, flo, fhi;"]
+        lines += ["add.rn.f16x2 a, a, b;"] + _ptx_add_f32("a", True)
     lines += ["mov.f32 $0, r;", "}"]
     return "\n".join(lines)
 
@@ -387,11 +391,9 @@ def _ptx_words6(acc16: bool = False) -> str:
                 else:
                     lines.append(f"fma.rn.f16x2 {acc}, t, ${7 + pair}, {acc};")
                 if pair % 4 == 3 and not acc16:
-                    lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;",
-                              "add.f32 r, r, flo;", "add.f32 r, r, fhi;"]
+                    lines += _ptx_add_f32("acc", False)
     if acc16:
-        lines += ["add.rn.f16x2 acc, acc, acc2;", "mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;",
-                  "cvt.f32.f16 fhi, hi;", "add.f32 r, flo, fhi;"]
+        lines += ["add.rn.f16x2 acc, acc, acc2;"] + _ptx_add_f32("acc", True)
     lines += ["mov.f32 $0, r;", "}"]
     return "\n".join(lines)
 
