@@ -5,7 +5,7 @@
 # dot16 reads DOT16_LOOPS (Triton loops to sweep, default "0 1 2") and DOT16_SWEEP (0: defaults only).
 # envab runs the bench (BENCH_ARGS) once per environment in AB_SPECS ("A=1 B=2;A=2;": ';'-separated, empty = defaults).
 # ncugemv / ncumma: ncu (occupancy, issue rate, stall reasons) of the M = 1 gemv / the M = 16 Gluon kernel on the
-# shapes in NCU_SHAPES (gemv_probe.py: gate, q, k, down, head).
+# shapes in NCU_SHAPES (gemv_probe.py: gate, q, k, down, head). pbreak: per-kernel times of one prefill.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -47,7 +47,10 @@ for s in $steps; do
              EXL2_PREFETCH=$pf timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes ${MODES:-fp16} \
                --contexts 2048 > "$OUT/bench_prefetch$pf.txt" 2>&1; echo "bench EXL2_PREFETCH=$pf rc=$?"
              tail -7 "$OUT/bench_prefetch$pf.txt"; done ;;
-  breakdown16) timeout 130 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --breakdown --breakdown-batch 16 \
+  pbreak) timeout ${BENCH_TIMEOUT:-150} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 --breakdown-prefill \
+           $BENCH_ARGS > "$OUT/bench_prefill_breakdown${TAG}.txt" 2>&1; echo "bench (prefill breakdown) rc=$?"
+         tail -22 "$OUT/bench_prefill_breakdown${TAG}.txt" ;;
+  breakdown16) timeout 130 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --breakdown --breakdown-batch 16 ${BREAKDOWN_ARGS:-} \
            > "$OUT/bench_breakdown16.txt" 2>&1; echo "bench (breakdown bs16) rc=$?"; tail -24 "$OUT/bench_breakdown16.txt" ;;
   dottests) timeout -s INT -k 15 "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_kernels_quant_matmul.py \
            tests/test_gpu_e2e.py -k "quant_matmul_real_sizes or fast_4bit_dot or grouped_gemv_real" -q -n 8 \

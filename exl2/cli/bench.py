@@ -18,6 +18,8 @@ def register(sub) -> None:
     p.add_argument("--mixed", action="store_true",
                    help="synthetic model: 5/4/3-bit groups in every matrix, like a real 4.0 bpw file")
     p.add_argument("--breakdown", action="store_true", help="also print per-kernel times of one decode step")
+    p.add_argument("--breakdown-prefill", dest="breakdown_prefill", action="store_true",
+                   help="also print per-kernel times of one prefill of --prefill tokens")
     p.add_argument("--breakdown-batch", dest="breakdown_batch", type=int, default=1,
                    help="batch size of the --breakdown step (default 1; 1, 2, 4, 8 or 16)")
     p.add_argument("--breakdown-mode", dest="breakdown_mode", default="fp16",
@@ -52,7 +54,8 @@ def run(args) -> int:
         raise ConfigError("exl2 bench needs a CUDA GPU; none is available here.")
     from exl2.models.decoder import DecoderModel
     from exl2.models.registry import read_config, spec_from_config
-    from exl2.runtime.benchmark import format_table, kernel_breakdown, run_benchmark, weight_bytes
+    from exl2.runtime.benchmark import (format_table, kernel_breakdown, prefill_breakdown, run_benchmark,
+                                        weight_bytes)
     from exl2.runtime.synthetic import LLAMA3_8B, MIXED_BODY_OPTION, BODY_OPTION, DictSource, llama_exl2_tensors
     from exl2.runtime.weights import WeightLoader
     from exl2.formats.safetensors_io import TensorSource
@@ -85,5 +88,9 @@ def run(args) -> int:
               f"{args.breakdown_mode} cache):")
         for name, calls, us, share in kernel_breakdown(model, ctx=ctx, batch=args.breakdown_batch,
                                                        mode=args.breakdown_mode):
+            print(f"  {name:<60} {calls:>5} {us:>10.1f} µs {share:>6.1%}")
+    if args.breakdown_prefill:
+        print(f"\nper-kernel time of one prefill of {args.prefill} tokens (fp16 cache):")
+        for name, calls, us, share in prefill_breakdown(model, length=args.prefill):
             print(f"  {name:<60} {calls:>5} {us:>10.1f} µs {share:>6.1%}")
     return 0

@@ -1389,7 +1389,10 @@ def gemv_via_mma(w: QuantWeight, m: int, dtype: torch.dtype) -> bool:
 
 def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
     """fp16 `[K, N]` natural-order weight, bit-identical to `qweight.dequantize_torch`."""
-    out = torch.zeros((w.k, w.n), dtype=torch.float16, device=w.device)
+    # Every row is written when the stored rows are a permutation of the input features; clearing the buffer
+    # first cost 4.3 ms of a 2,047-token prefill on the H200 (nearly as much as the dequantization itself).
+    alloc = torch.empty if w.scatter_index() is not None else torch.zeros
+    out = alloc((w.k, w.n), dtype=torch.float16, device=w.device)
     zeros = w.zeros if w.zeros is not None else w.scales
     for c in w.classes:
         lb, hb = split_bits(c.bits)

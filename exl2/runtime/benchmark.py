@@ -96,8 +96,6 @@ def kernel_breakdown(model: DecoderModel, page_size: int = 256, ctx: int = 2048,
                      batch: int = 1, mode: str = "fp16") -> list[tuple]:
     """Per-kernel GPU time of one captured decode step of `batch` sequences at `ctx` over a `mode` cache:
     [(kernel, calls, µs, share)]."""
-    from torch.profiler import ProfilerActivity, profile
-
     dev = model.device
     pages = -(-(ctx + 64) // page_size)
     cache = PagedKVCache(model.spec, num_pages=1 + batch * pages, page_size=page_size, mode=mode, device=dev,
@@ -110,19 +108,62 @@ def kernel_breakdown(model: DecoderModel, page_size: int = 256, ctx: int = 2048,
     for _ in range(3):
         graphs.step(ids, pos, table, max_len=ctx + 1)
     torch.cuda.synchronize()
+    return _profile_kernels(lambda: graphs.step(ids, pos, table, max_len=ctx + 1), 5, top)
+
+
+def prefill_breakdown(model: DecoderModel, length: int = 2047, page_size: int = 256, top: int = 15,
+                      mode: str = "fp16") -> list[tuple]:
+    """Per-kernel GPU time of one `length`-token prefill (eager, as `run_benchmark` times it), with a last row
+    `wall` holding the forward's wall-clock µs (above the GPU total: the GPU waited) and one `host` with the time
+    the host took to issue it (close to `wall`: the host is what the GPU waited for)."""
+    dev = model.device
+    pages = -(-(length + 64) // page_size)
+    cache = PagedKVCache(model.spec, num_pages=1 + pages, page_size=page_size, mode=mode, device=dev,
+                         dtype=model.dtype)
+    cache.bind((1 + torch.arange(pages, device=dev, dtype=torch.int32)).view(1, -1))
+    ids = torch.randint(0, model.spec.vocab_size, (1, length), device=dev)
+
+    def prefill():
+        with torch.inference_mode():
+            model(ids, cache, 0, last_only=True)
+    prefill()
+    wall = _time(prefill, 3) * 1e6
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    prefill()
+    host = (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize()
+    rows, prof = _profile_kernels(prefill, 1, top, keep=True)
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                   if ev.device_type.name == "CUDA")
+    gaps = sorted(((b[0] - a[1], f"gap after {a[2][:28]} before {b[2][:20]}") for a, b in zip(spans, spans[1:])),
+                  reverse=True)
+    extra = [(name, 0, g, 0.0) for g, name in gaps[:5]]
+    if spans:
+        extra.append(("GPU span (first start to last end)", 0, spans[-1][1] - spans[0][0], 0.0))
+    return rows + extra + [("wall", 0, wall, 0.0), ("host (launching only)", 0, host, 0.0)]
+
+
+def _profile_kernels(fn: Callable[[], object], iters: int, top: int, keep: bool = False):
+    """[(kernel, calls, µs, share)] per call of `fn`, the `top` largest and a `total` row (and the profile, with
+    `keep`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            graphs.step(ids, pos, table, max_len=ctx + 1)
+        for _ in range(iters):
+            fn()
         torch.cuda.synchronize()
     stats = {}
     for ev in prof.events():
         if ev.device_type.name != "CUDA":
             continue
         n, t = stats.get(ev.name, (0, 0.0))
-        stats[ev.name] = (n + 1, t + ev.device_time / 5)
+        stats[ev.name] = (n + 1, t + ev.device_time / iters)
     total = sum(t for _, t in stats.values()) or 1.0
-    rows = sorted(((k[:60], n // 5, t, t / total) for k, (n, t) in stats.items()), key=lambda r: -r[2])
-    return rows[:top] + [("total", sum(r[1] for r in rows), total, 1.0)]
+    rows = sorted(((k[:60], n // iters, t, t / total) for k, (n, t) in stats.items()), key=lambda r: -r[2])
+    rows = rows[:top] + [("total", sum(r[1] for r in rows), total, 1.0)]
+    return (rows, prof) if keep else rows
 
 
 def format_table(rows: list[Row]) -> str:
