@@ -357,6 +357,25 @@ def test_gather_input_matches_twin_for_several_weights():
 
 
 @needs_triton
+def test_project_large_batch_one_gemm_equals_separate_calls():
+    """Beyond DOT_MAX_M rows the weights of one input are dequantized side by side into one matrix and multiplied
+    once: each output equals its own dequantize + matmul (bias or not, padding rows or a full permutation)."""
+    from exl2.runtime.linear import Linear, project
+
+    for layouts in ([MIXED, MIXED, MIXED], [[(4, 128)] * 2, [(4, 128)] * 2]):
+        ws = [Exl2Weight.from_tensors(rand_exl2(mix, 32 * (i + 1), bias=i != 1, seed=i), "L", device=DEV)
+              for i, mix in enumerate(layouts)]
+        lin = [Linear(w.k, w.n, kernel=w) for w in ws]
+        x = torch.randn(1, qm.DOT_MAX_M + 6, ws[0].k, device=DEV).half()
+        with force_triton():
+            assert qm.uses_dequant(x.shape[1], x)
+            together = project(x, lin)
+            apart = [m(x) for m in lin]
+        for a, b, w in zip(together, apart, ws):
+            assert a.shape == (1, x.shape[1], w.n)
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
 def test_project_shares_one_gather_and_equals_separate_calls():
     from exl2.runtime.linear import Linear, project
 

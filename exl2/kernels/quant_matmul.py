@@ -1010,7 +1010,7 @@ def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc
 
 
 @triton.jit
-def _dequant_kernel(out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_step, n_steps, first_word,
+def _dequant_kernel(out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, stride_o, first_step, n_steps, first_word,
                     BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
                     BS: tl.constexpr, BN: tl.constexpr):
     offs_s = first_step + tl.program_id(0) * BS + tl.arange(0, BS)
@@ -1020,7 +1020,7 @@ def _dequant_kernel(out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, first_st
     deq = _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, first_word, offs_n, mask_n, N,
                        BITS, LB, HB, HAS_ZEROS, BS, BN)
     ridx = tl.load(ri_ptr + offs_s[:, None] * 32 + tl.arange(0, 32)[None, :], mask=mask_s[:, None], other=-1)
-    ptrs = out_ptr + ridx[:, :, None].to(tl.int64) * N + offs_n[None, None, :]
+    ptrs = out_ptr + ridx[:, :, None].to(tl.int64) * stride_o + offs_n[None, None, :]
     tl.store(ptrs, deq, mask=(ridx[:, :, None] >= 0) & mask_n[None, None, :])
 
 
@@ -1387,29 +1387,57 @@ def gemv_via_mma(w: QuantWeight, m: int, dtype: torch.dtype) -> bool:
     return MMA_GEMV == 2 or any(c.bits not in (4, 6) for c in w.classes)
 
 
-def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128) -> torch.Tensor:
-    """fp16 `[K, N]` natural-order weight, bit-identical to `qweight.dequantize_torch`."""
-    # Every row is written when the stored rows are a permutation of the input features; clearing the buffer
-    # first cost 4.3 ms of a 2,047-token prefill on the H200 (nearly as much as the dequantization itself).
-    alloc = torch.empty if w.scatter_index() is not None else torch.zeros
-    out = alloc((w.k, w.n), dtype=torch.float16, device=w.device)
+def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp16 `[K, N]` natural-order weight, bit-identical to `qweight.dequantize_torch`; into `out` (a `[K, N]`
+    view with unit column stride, e.g. a column slice of a wider matrix) when given."""
+    if out is None:
+        # Every row is written when the stored rows are a permutation of the input features; clearing the buffer
+        # first cost 4.3 ms of a 2,047-token prefill on the H200 (nearly as much as the dequantization itself).
+        alloc = torch.empty if w.scatter_index() is not None else torch.zeros
+        out = alloc((w.k, w.n), dtype=torch.float16, device=w.device)
     zeros = w.zeros if w.zeros is not None else w.scales
     for c in w.classes:
         lb, hb = split_bits(c.bits)
         grid = (triton.cdiv(c.n_steps, bs), triton.cdiv(w.n, bn))
-        _dequant_kernel[grid](out, w.qweight, w.scales, zeros, w.step_group, w.row_index, w.n, c.first_step,
-                              c.n_steps, c.first_word, BITS=c.bits, LB=lb, HB=hb, HAS_ZEROS=w.zeros is not None,
-                              BS=bs, BN=bn, num_warps=4)
+        _dequant_kernel[grid](out, w.qweight, w.scales, zeros, w.step_group, w.row_index, w.n, out.stride(0),
+                              c.first_step, c.n_steps, c.first_word, BITS=c.bits, LB=lb, HB=hb,
+                              HAS_ZEROS=w.zeros is not None, BS=bs, BN=bn, num_warps=4)
     return out
+
+
+def _cublas(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x.to(torch.float16), wd) if x.is_cuda else (x.float() @ wd.float())
 
 
 def dequant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """Large-M path: dequantize to fp16 with Triton, multiply with cuBLAS."""
-    wd = dequantize_triton(w)
-    y = torch.matmul(x.to(torch.float16), wd) if x.is_cuda else (x.float() @ wd.float())
+    y = _cublas(x, dequantize_triton(w))
     if w.bias is not None:
         y = y + w.bias.to(y.dtype)
     return y.to(x.dtype)
+
+
+def dequant_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
+    """`dequant_matmul` of 2-3 weights sharing the input x `[M, K]` (q/k/v, gate/up): dequantized side by side
+    into one fp16 matrix and multiplied in one cuBLAS call, so a prefill issues fewer, wider GEMMs (the host's
+    launch work was as long as the GPU's). Returns column views `[M, N_i]` of one output."""
+    if len({w.k for w in ws}) != 1 or x.shape[-1] != ws[0].k:
+        raise ValueError("grouped weights must share the input width of x.")
+    full = all(w.scatter_index() is not None for w in ws)
+    wd = (torch.empty if full else torch.zeros)((ws[0].k, sum(w.n for w in ws)), dtype=torch.float16,
+                                                device=ws[0].device)
+    offs = [0]
+    for w in ws:
+        dequantize_triton(w, out=wd[:, offs[-1]:offs[-1] + w.n])
+        offs.append(offs[-1] + w.n)
+    y = _cublas(x, wd)
+    outs = []
+    for w, o in zip(ws, offs):
+        yi = y[:, o:o + w.n]
+        if w.bias is not None:
+            yi += w.bias.to(y.dtype)
+        outs.append(yi)
+    return [yi.to(x.dtype) for yi in outs]
 
 
 # --------------------------------------------------------------------------------------------------- dispatch
@@ -1490,6 +1518,12 @@ def choose_config(m: int, w: QuantWeight, dtype: torch.dtype = torch.float16) ->
 def uses_permuted_input(m: int, x: torch.Tensor) -> bool:
     """Whether `quant_matmul` on `m` rows would read a permuted input (so callers may share one `gather_input`)."""
     return use_triton(x) and 0 < m <= DOT_MAX_M
+
+
+def uses_dequant(m: int, x: torch.Tensor) -> bool:
+    """Whether `quant_matmul` on `m` rows dequantizes and calls cuBLAS (so callers may group weights that share
+    the input through `dequant_matmul_group`)."""
+    return use_triton(x) and m > DOT_MAX_M
 
 
 def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:

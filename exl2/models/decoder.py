@@ -328,6 +328,9 @@ class DecoderModel(nn.Module):
                 last_only: bool = False) -> torch.Tensor:
         """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared)."""
         q_pos = self.positions(ids, start)
+        note = getattr(cache, "note_positions", None)
+        if note is not None:
+            note(q_pos, start == 0 if isinstance(start, int) else None)
         tables = self.rope_tables(q_pos)
         x, delta = self.embed(ids).contiguous(), None
         for i, layer in enumerate(self.layers):

@@ -113,9 +113,9 @@ def kernel_breakdown(model: DecoderModel, page_size: int = 256, ctx: int = 2048,
 
 def prefill_breakdown(model: DecoderModel, length: int = 2047, page_size: int = 256, top: int = 15,
                       mode: str = "fp16") -> list[tuple]:
-    """Per-kernel GPU time of one `length`-token prefill (eager, as `run_benchmark` times it), with a last row
-    `wall` holding the forward's wall-clock µs (above the GPU total: the GPU waited) and one `host` with the time
-    the host took to issue it (close to `wall`: the host is what the GPU waited for)."""
+    """Per-kernel GPU time of one `length`-token prefill (eager, as `run_benchmark` times it), then rows for the
+    forward's wall-clock µs, its GPU span (first to last kernel, events, no profiler: above the kernel
+    total by the time the GPU sat between kernels) and the time the host took to issue it."""
     dev = model.device
     pages = -(-(length + 64) // page_size)
     cache = PagedKVCache(model.spec, num_pages=1 + pages, page_size=page_size, mode=mode, device=dev,
@@ -129,24 +129,20 @@ def prefill_breakdown(model: DecoderModel, length: int = 2047, page_size: int = 
     prefill()
     wall = _time(prefill, 3) * 1e6
     torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
+    begin.record()
     prefill()
+    end.record()
     host = (time.perf_counter() - t0) * 1e6
     torch.cuda.synchronize()
-    rows, prof = _profile_kernels(prefill, 1, top, keep=True)
-    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
-                   if ev.device_type.name == "CUDA")
-    gaps = sorted(((b[0] - a[1], f"gap after {a[2][:28]} before {b[2][:20]}") for a, b in zip(spans, spans[1:])),
-                  reverse=True)
-    extra = [(name, 0, g, 0.0) for g, name in gaps[:5]]
-    if spans:
-        extra.append(("GPU span (first start to last end)", 0, spans[-1][1] - spans[0][0], 0.0))
-    return rows + extra + [("wall", 0, wall, 0.0), ("host (launching only)", 0, host, 0.0)]
+    span = begin.elapsed_time(end) * 1e3
+    return _profile_kernels(prefill, 2, top) + [("wall", 0, wall, 0.0), ("GPU span (events, not profiled)", 0, span, 0.0),
+                                                ("host (issuing only)", 0, host, 0.0)]
 
 
-def _profile_kernels(fn: Callable[[], object], iters: int, top: int, keep: bool = False):
-    """[(kernel, calls, µs, share)] per call of `fn`, the `top` largest and a `total` row (and the profile, with
-    `keep`)."""
+def _profile_kernels(fn: Callable[[], object], iters: int, top: int) -> list[tuple]:
+    """[(kernel, calls, µs, share)] per call of `fn`, the `top` largest and a `total` row."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -162,8 +158,7 @@ def _profile_kernels(fn: Callable[[], object], iters: int, top: int, keep: bool 
         stats[ev.name] = (n + 1, t + ev.device_time / iters)
     total = sum(t for _, t in stats.values()) or 1.0
     rows = sorted(((k[:60], n // iters, t, t / total) for k, (n, t) in stats.items()), key=lambda r: -r[2])
-    rows = rows[:top] + [("total", sum(r[1] for r in rows), total, 1.0)]
-    return (rows, prof) if keep else rows
+    return rows[:top] + [("total", sum(r[1] for r in rows), total, 1.0)]
 
 
 def format_table(rows: list[Row]) -> str:

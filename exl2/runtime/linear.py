@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exl2.kernels.quant_matmul import (gather_input, grouped_matmul, permuted_matmul, quant_matmul,
-                                       split_permuted, uses_permuted_input)
+from exl2.kernels.quant_matmul import (dequant_matmul_group, gather_input, grouped_matmul, permuted_matmul,
+                                       quant_matmul, split_permuted, uses_dequant, uses_permuted_input)
 
 
 class Linear(nn.Module):
@@ -55,11 +55,15 @@ def permuted_indices(linears: Sequence[nn.Module]) -> Optional[list[torch.Tensor
 
 
 def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    """Apply several linears to the same input (q/k/v, gate/up). On the small-batch GPU path the quantized ones
-    read x permuted into their own row order: `xp` holds those copies side by side when the producer of x wrote
-    them (see `permuted_indices`); otherwise one gather launch prepares them."""
+    """Apply several linears to the same input (q/k/v, gate/up). On the large-batch GPU path quantized ones
+    share one GEMM (`dequant_matmul_group`). On the small-batch path they read x permuted into their own row
+    order: `xp` holds those copies side by side when the producer of x wrote them (see `permuted_indices`);
+    otherwise one gather launch prepares them."""
     quant = [m for m in linears if isinstance(m, Linear) and m.kernel is not None]
     rows = x.numel() // max(1, x.shape[-1])
+    if xp is None and 1 < len(quant) == len(linears) and uses_dequant(rows, x):  # large batches: one GEMM
+        outs = dequant_matmul_group(x.reshape(rows, x.shape[-1]), [m.kernel for m in quant])
+        return [m.trim(y.view(*x.shape[:-1], y.shape[-1])) for m, y in zip(linears, outs)]
     if xp is None and (len(quant) < 2 or not uses_permuted_input(rows, x)):
         return [m(x) for m in linears]
     x2 = x.reshape(rows, x.shape[-1])

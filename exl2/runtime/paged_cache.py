@@ -90,6 +90,12 @@ class PagedKVCache:
             self._meta = (q_pos, slots, lens)
         return slots, lens
 
+    def note_positions(self, q_pos: torch.Tensor, fresh: bool | None) -> None:
+        """The forward's positions and whether they start every row at 0, when its caller knows (None: unknown),
+        so that no layer has to read it back from the GPU."""
+        if fresh is not None:
+            self._fresh_of = (q_pos, fresh)
+
     def _fresh(self, q_pos: torch.Tensor) -> bool:
         """Whether every row starts at position 0 (new prompts, no cached prefix). A host read, so it waits for
         the GPU: done once per forward, not once per layer (a wait per layer left the GPU idle ~15 % of a
