@@ -322,36 +322,6 @@ def test_gluon_mma_group_matches_twin_gpu(m):
             _check_close(y, ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [5, 16])
-def test_gluon_gate_up_with_glu_epilogue_matches_twin_gpu(m):
-    """gate/up in one launch whose last-arriving program applies act(gate)·up and writes the down projection's
-    permuted input: against the twins (matmul, glu, take_columns), SiLU and tanh-GELU, with and without a K split
-    (2·SPLIT arrivals a tile), twice each (the counters reset); mixed widths in gate; and through grouped_glu."""
-    from exl2.kernels import mma_dot
-    from exl2.kernels.activation import glu_torch
-
-    gate = Exl2Weight.from_tensors(rand_exl2([(5, 128)] * 4 + [(4, 128)] * 12, 3072, bias=False, seed=m,
-                                             device="cuda"), "L", device="cuda")
-    up = Exl2Weight.from_tensors(rand_exl2([(4, 128)] * 16, 3072, bias=False, seed=m + 1, device="cuda"), "L",
-                                 device="cuda")
-    down = Exl2Weight.from_tensors(rand_exl2([(4, 128)] * 24, 256, bias=False, seed=m + 2, device="cuda"), "L",
-                                   device="cuda")
-    x = torch.randn(m, gate.k, dtype=torch.float16, device="cuda")
-    g, u = qweight.matmul_torch(x, gate), qweight.matmul_torch(x, up)
-    buf = qm.gather_input(x, [gate, up], whole=True)
-    for act, name in ((0, "silu"), (1, "gelu_tanh")):
-        ref = glu_torch(g, u, name, index=down.x_index)
-        for split in (1, 3):
-            for _ in range(2):
-                h = mma_dot.mma_group_glu(buf, [gate, up], [0, gate.x_index.numel()], act, down.scatter_index(),
-                                          4, 2, split, 4)
-                _check_close(h, ref)
-        _check_close(qm.grouped_glu(x, [gate, up], down, act), ref)
-    assert qm.grouped_glu(x[:4], [gate, up], down, 0) is None  # 1-4 rows: the gemv and a GLU launch
-
-
 # ---------------------------------------------------------------------------------------------- permuted input
 def test_input_order_pairs_rows_of_4bit_words_and_6bit_steps():
     """x_index puts rows (u, u+4) of each 4-bit word and rows (r, r+16) of each 6-bit step side by side, and

@@ -435,17 +435,12 @@ if HAVE_GLUON:
                   M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
                   MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
                   BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
-                  PDL: gl.constexpr = False, GLU: gl.constexpr = 0, ACT: gl.constexpr = 0, glu_ptr=None,
-                  sidx_ptr=None):
+                  PDL: gl.constexpr = False):
         """out[:M, tile] (or this split's partial) = x · W over a tile of BN = 32·V columns: each width class of
         MASK (bit i: WIDTHS[i], n8..n2 their step counts, classes stored in that order) in turn, one accumulator;
         PDL: launched as a programmatic dependent (the first class waits, see `_mma_class`).
         The fragment's column n is stored column (n % 32)·V + n // 32 of the tile, so each thread's V columns are
-        adjacent in memory (one V-word read per word row).
-        GLU 1 / 2: this is the gate / up weight of a gated MLP. Both publish fp32 partials (gate's SPLIT at
-        glu_ptr, then up's) and count at the same tile counter; the last of the 2·SPLIT programs sums both,
-        applies act(gate)·up (ACT as `activation._ACT_ID`: 0 SiLU, 1 tanh-GELU) and writes column n to column
-        sidx[n] of out: the down projection's permuted input, so no GLU launch."""
+        adjacent in memory (one V-word read per word row)."""
         gl.static_assert(gl.num_warps() == 4)
         BN: gl.constexpr = 32 * V
         K: gl.constexpr = BS * 32
@@ -477,27 +472,7 @@ if HAVE_GLUON:
         on = pid_n * BN + (on_ % 32) * V + on_ // 32
         mask = gl.expand_dims(om < M, 1) & gl.expand_dims(on < N, 0)
         o_ptrs = out_ptr + gl.expand_dims(om, 1).to(gl.int64) * stride_om + gl.expand_dims(on, 0)
-        if GLU != 0:
-            p_off = gl.expand_dims(om, 1).to(gl.int64) * N + gl.expand_dims(on, 0)
-            gl.store(part_ptr + pid_k * M * N + p_off, res, mask=mask)
-            _barrier()
-            count = gl.atomic_add(cnt_ptr + pid_n, 1)
-            if count == 2 * SPLIT - 1:
-                g = gl.zeros([16, BN], gl.float32, O_L)
-                u = gl.zeros([16, BN], gl.float32, O_L)
-                for i in range(0, SPLIT):
-                    g += gl.load(glu_ptr + i * M * N + p_off, mask=mask, other=0.0, cache_modifier=".cg")
-                    u += gl.load(glu_ptr + (SPLIT + i) * M * N + p_off, mask=mask, other=0.0, cache_modifier=".cg")
-                if ACT == 0:
-                    a = g / (1.0 + gl.exp(-g))
-                else:
-                    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-                    a = g / (1.0 + gl.exp(-2.0 * z))
-                col = gl.load(sidx_ptr + on, mask=on < N, other=0)
-                h_ptrs = out_ptr + gl.expand_dims(om, 1).to(gl.int64) * stride_om + gl.expand_dims(col, 0)
-                gl.store(h_ptrs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(cnt_ptr + pid_n, 0)
-        elif not SPLIT_ON:
+        if not SPLIT_ON:
             if HAS_BIAS:
                 res += gl.expand_dims(gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32), 0)
             gl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
@@ -543,25 +518,12 @@ if HAVE_GLUON:
                           ON0: gl.constexpr, ON1: gl.constexpr, ON2: gl.constexpr, BS: gl.constexpr,
                           V: gl.constexpr, STAGES: gl.constexpr, POST0: gl.constexpr, POST1: gl.constexpr,
                           POST2: gl.constexpr, MASK0: gl.constexpr, MASK1: gl.constexpr, MASK2: gl.constexpr,
-                          PDL: gl.constexpr = False, GLU: gl.constexpr = False, ACT: gl.constexpr = 0,
-                          sidx_ptr=None):
+                          PDL: gl.constexpr = False):
         """`_mma_kernel` for 2-3 weights sharing one input (q/k/v, gate/up) in one launch: programs [0, P0) take
         weight 0 (tile pid // SP0, split pid % SP0), [P0, P0 + P1) weight 1, the rest weight 2. x0..x2 point at
-        each weight's permuted input inside one buffer; n8_i..n2_i weight i's step counts per width. GLU: weights 0
-        and 1 are gate and up and the output is act(gate)·up in the order sidx (see `_mma_tile`; p0 holds both
-        partials, c0 = c1 the tiles' counters, o0 = o1 the output)."""
+        each weight's permuted input inside one buffer; n8_i..n2_i weight i's step counts per width."""
         pid = gl.program_id(0)
-        if GLU:
-            if pid < P0:
-                _mma_tile(pid // SP0, pid % SP0, x0, o0, p0, c0, b0, q0, s0, z0, g0, M, N0, stride_xm, N0, SP0,
-                          n8_0, n6_0, n5_0, n4_0, n3_0, n2_0, MASK0, HAS_ZEROS, False, True, BS, V, STAGES, POST0,
-                          PDL, 1, ACT, p0, sidx_ptr)
-            else:
-                pid -= P0
-                _mma_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
-                          n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, False, True, BS, V, STAGES, POST1,
-                          PDL, 2, ACT, p0, sidx_ptr)
-        elif pid < P0:
+        if pid < P0:
             _mma_tile(pid // SP0, pid % SP0, x0, o0, p0, c0, b0, q0, s0, z0, g0, M, N0, stride_xm, N0, SP0,
                       n8_0, n6_0, n5_0, n4_0, n3_0, n2_0, MASK0, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0, PDL)
         else:
@@ -662,39 +624,6 @@ def mma(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: in
         MASK=mask, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v,
         STAGES=stages, POST=post, num_warps=4, **pdl_args(xp.device, xp.shape[0]))
     return out
-
-
-def mma_group_glu(xp: torch.Tensor, ws, offsets, act: int, sidx: torch.Tensor, bs: int = 4, v: int = 2,
-                  split: int = 1, stages: int = 3) -> torch.Tensor:
-    """`act(xp_0 · gate) · (xp_1 · up)` for a gate and an up weight of one width N without bias, in one launch
-    (`_mma_group_kernel` with GLU): `[M, N]` fp16 with column n at column sidx[n] (sidx int32 `[N]`, a
-    permutation: the down projection's `scatter_index`). act: 0 SiLU, 1 tanh-GELU."""
-    m = xp.shape[0]
-    gate, up = ws
-    n = gate.n
-    if up.n != n or sidx.numel() != n or gate.bias is not None or up.bias is not None or act not in (0, 1):
-        raise ValueError("mma_group_glu takes a gate and an up weight of one width, no bias, SiLU or tanh-GELU.")
-    if triton.cdiv(n, 32 * v) > counters(xp.device).numel():
-        raise ValueError("more column tiles than arrival counters.")
-    h = torch.empty((m, n), dtype=xp.dtype, device=xp.device)
-    part = torch.empty((2, split, m, n), dtype=torch.float32, device=xp.device)
-    cnt = counters(xp.device)
-    tiles = triton.cdiv(n, 32 * v)
-    args, posts, masks = [], [], []
-    for i, (w, off) in enumerate(zip(ws, offsets)):
-        zeros = w.zeros if w.zeros is not None else w.scales
-        mask, steps = class_steps(w)
-        args += [xp[:, off:], h, part[i], cnt, w.scales, w.qweight, w.scales, zeros, w.step_group, n, split, *steps,
-                 tiles * split]
-        posts.append(w.zeros is None and groups_align(w, bs))
-        masks.append(mask)
-    args += args[-18:-1]  # the never-taken third slot
-    _mma_group_kernel[(2 * tiles * split,)](
-        xp, m, xp.stride(0), *args, THREE=False, HAS_ZEROS=gate.zeros is not None, HAS_BIAS=False, ON0=True,
-        ON1=True, ON2=False, BS=bs, V=v, STAGES=stages, POST0=posts[0], POST1=posts[1], POST2=False,
-        MASK0=masks[0], MASK1=masks[1], MASK2=masks[1], GLU=True, ACT=act, sidx_ptr=sidx, num_warps=4,
-        **pdl_args(xp.device, m))
-    return h
 
 
 def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=None, stages: int = 3

@@ -1304,17 +1304,13 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     return group(gather_input(x, ws, whole=True) if xp is None else xp)
 
 
-def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None,
-               check_only: bool = False) -> list[torch.Tensor] | None:
-    """`grouped_matmul` for 5-16 rows: one launch of the Gluon kernel where it takes every weight, else None
-    (`check_only`: [] instead of launching). The K split is the one a single matrix as wide as all of them would
-    get."""
+def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None) -> list[torch.Tensor] | None:
+    """`grouped_matmul` for 5-16 rows: one launch of the Gluon kernel where it takes every weight, else None. The
+    K split is the one a single matrix as wide as all of them would get."""
     m = x.shape[0]
     if not (MMA4 and 1 < len(ws) <= 3 and x.dtype == torch.float16 and all(mma_dot.supports(w, m) for w in ws)
             and len({w.zeros is None for w in ws}) == 1 and len({w.bias is None for w in ws}) == 1):
         return None
-    if check_only:
-        return []
     buf = gather_input(x, ws, whole=True) if xp is None else xp
     offsets = [0]
     for w in ws[:-1]:
@@ -1322,25 +1318,6 @@ def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | No
     tiles = sum(triton.cdiv(w.n, 32 * MMA4_V) for w in ws)
     split = min(_auto_split(w, tiles, w.device, 4 * MMA4_BS, MMA4_PER_SM) for w in ws)
     return mma_dot.mma_group(buf, ws, offsets, MMA4_BS, MMA4_V, [split] * len(ws), MMA4_STAGES)
-
-
-def grouped_glu(x: torch.Tensor, ws: Sequence[QuantWeight], down: QuantWeight, activation: int,
-                xp: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`act(x · gate) · (x · up)` for 5-16 rows in one Gluon launch whose epilogue applies the activation and
-    writes the down projection's permuted input (no GLU launch): `[M, down.k]`, or None where that launch does
-    not apply (other row counts, bias, exact GELU, a padded down input; EXL2_GLU_FUSED=0)."""
-    m = x.shape[0]
-    if not (GLU_FUSED and 4 < m <= 16 and activation in (0, 1) and len(ws) == 2
-            and all(w.bias is None for w in ws) and ws[0].n == ws[1].n == down.k):
-        return None
-    sidx = down.scatter_index()
-    if sidx is None or _mma_group(x, ws, xp, check_only=True) is None:
-        return None
-    buf = gather_input(x, ws, whole=True) if xp is None else xp
-    tiles = 2 * triton.cdiv(ws[0].n, 32 * MMA4_V)
-    split = min(_auto_split(w, tiles, w.device, 4 * MMA4_BS, MMA4_PER_SM) for w in ws)
-    return mma_dot.mma_group_glu(buf, ws, [0, ws[0].x_index.numel()], activation, sidx, MMA4_BS, MMA4_V, split,
-                                 MMA4_STAGES)
 
 
 _FAST4: dict[torch.device, int] = {}
@@ -1493,9 +1470,6 @@ MMA4_BS = env_choice("EXL2_MMA4_BS", 4, (1, 2, 4, 8))
 MMA4_V = env_choice("EXL2_MMA4_V", 2, (1, 2, 4))
 MMA4_PER_SM = env_choice("EXL2_MMA4_PER_SM", 4, range(1, 9))
 MMA4_STAGES = env_choice("EXL2_MMA4_STAGES", 4, range(2, 9))
-# 5-16 rows of a gated MLP: gate/up in one Gluon launch whose epilogue applies the GLU (`grouped_glu`);
-# EXL2_GLU_FUSED=0 keeps the separate GLU launch.
-GLU_FUSED = env_choice("EXL2_GLU_FUSED", 1, range(0, 2)) == 1
 # 1-4 rows: 1, matrices with 8/5/3/2-bit classes take the Gluon kernel (`gemv_via_mma`); 2, every matrix; 0, none.
 MMA_GEMV = env_choice("EXL2_MMA_GEMV", 1, range(0, 3))
 

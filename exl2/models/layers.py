@@ -8,7 +8,7 @@ from torch import nn
 from exl2.kernels.activation import glu
 from exl2.kernels.norm import rms_norm, rms_norm_gather
 from exl2.kernels.quant_matmul import uses_permuted_input
-from exl2.runtime.linear import permuted_indices, project, project_glu
+from exl2.runtime.linear import permuted_indices, project
 
 
 class RMSNorm(nn.Module):
@@ -75,11 +75,8 @@ class GatedMLP(nn.Module):
         return permuted_indices((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor, xp: torch.Tensor | None = None) -> torch.Tensor:
-        down = self.down_proj
-        h = project_glu(x, self.gate_proj, self.up_proj, down, self.act_name, xp)
-        if h is not None:  # the gate/up launch applied the GLU and wrote the down projection's permuted input
-            return down.forward_permuted(h, x.shape[:-1])
         gate, up = project(x, (self.gate_proj, self.up_proj), xp)
+        down = self.down_proj
         if permuted_indices((down,)) and uses_permuted_input(gate.numel() // gate.shape[-1], gate):
             # The GLU kernel writes the down projection's permuted input directly.
             h = glu(gate, up, self.act_name, index=down.kernel.x_index)

@@ -7,10 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exl2.kernels.activation import ACTIVATIONS
-from exl2.kernels.quant_matmul import (dequant_matmul_group, gather_input, grouped_glu, grouped_matmul,
-                                       permuted_matmul, quant_matmul, split_permuted, uses_dequant,
-                                       uses_permuted_input)
+from exl2.kernels.quant_matmul import (dequant_matmul_group, gather_input, grouped_matmul, permuted_matmul,
+                                       quant_matmul, split_permuted, uses_dequant, uses_permuted_input)
 
 
 class Linear(nn.Module):
@@ -82,20 +80,3 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Te
         raise ValueError("a permuted input buffer needs every linear to be quantized.")
     xps = dict(zip(map(id, quant), gather_input(x2, kernels)))
     return [m(x, xps[id(m)]) if id(m) in xps else m(x) for m in linears]
-
-
-def project_glu(x: torch.Tensor, gate: nn.Module, up: nn.Module, down: nn.Module, activation: str,
-                xp: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """`act(gate(x)) * up(x)` as the down projection's permuted input `[rows, down.in]`, from one launch that
-    also applies the activation (`grouped_glu`), when all three are quantized and the batch is on that path;
-    else None (the caller projects and applies the GLU itself)."""
-    layers = (gate, up, down)
-    if not all(isinstance(m, Linear) and m.kernel is not None for m in layers) or activation not in ACTIVATIONS:
-        return None
-    rows = x.numel() // max(1, x.shape[-1])
-    if not uses_permuted_input(rows, x):
-        return None
-    x2 = x.reshape(rows, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return grouped_glu(x2, (gate.kernel, up.kernel), down.kernel, ACTIVATIONS.index(activation), xp)
