@@ -82,12 +82,16 @@ def test_quantized_cache_decode_stays_close(model64, mode, tol):
 
 
 def test_chunked_prefill_matches_one_shot(model):
-    """Prefill in two chunks (the second attends to the paged prefix) equals a one-shot prefill."""
+    """Prefill in two chunks (the second attends to the paged prefix) equals a one-shot prefill, whether the
+    chunk's start is an int (the forward tells the cache whether it is a fresh prompt) or a per-row tensor (the
+    cache reads it back)."""
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
-    cache = PagedKVCache(model.spec, num_pages=8, page_size=8, device="cpu", dtype=torch.float32)
-    cache.bind(torch.tensor([[3, 1, 4, 0, 5, 7]], dtype=torch.int32))
     with torch.no_grad():
-        a = model(ids[:, :17], cache, 0)
-        b = model(ids[:, 17:], cache, 17)
         ref = model(ids)
-    assert torch.allclose(torch.cat([a, b], 1), ref, atol=1e-5)
+    for start0, start1 in ((0, 17), (torch.tensor([0]), torch.tensor([17]))):
+        cache = PagedKVCache(model.spec, num_pages=8, page_size=8, device="cpu", dtype=torch.float32)
+        cache.bind(torch.tensor([[3, 1, 4, 0, 5, 7]], dtype=torch.int32))
+        with torch.no_grad():
+            a = model(ids[:, :17], cache, start0)
+            b = model(ids[:, 17:], cache, start1)
+        assert torch.allclose(torch.cat([a, b], 1), ref, atol=1e-5)
