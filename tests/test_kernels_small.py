@@ -217,9 +217,10 @@ def test_rms_norm_gather_real_size_gpu():
 
 
 @pytest.mark.parametrize("interleaved,rd", [(False, 32), (True, 32), (False, 16)])
-def test_rotary_store_matches_rotary_then_cache_write(interleaved, rd):
+@pytest.mark.parametrize("keep_k", [False, True])
+def test_rotary_store_matches_rotary_then_cache_write(interleaved, rd, keep_k):
     """One launch for RoPE and the fp16 cache write (partial rotary: the other features pass through) against
-    apply_rotary + index_copy; k itself is left unrotated, q is rotated in place."""
+    apply_rotary + index_copy; q is rotated in place, k too with keep_k (a prefill), else left as it was."""
     from exl2.kernels.rotary import apply_rotary_torch, rotary_store
 
     torch.manual_seed(4)
@@ -236,7 +237,11 @@ def test_rotary_store_matches_rotary_then_cache_write(interleaved, rd):
     vc_ref.view(-1, hk, d)[slots] = v
     k0 = k.clone()
     with force_triton():
-        rotary_store(q, k, v, cos, sin, pos, kc, vc, slots, rd, interleaved)
+        rotary_store(q, k, v, cos, sin, pos, kc, vc, slots, rd, interleaved, keep_k=keep_k)
     torch.testing.assert_close(q.float(), q_ref.float(), atol=2e-3, rtol=0)
     torch.testing.assert_close(kc.float(), kc_ref.float(), atol=2e-3, rtol=0)
-    assert torch.equal(vc, vc_ref) and torch.equal(k, k0)
+    assert torch.equal(vc, vc_ref)
+    if keep_k:
+        assert torch.equal(k, kc.view(-1, hk, d)[slots])
+    else:
+        assert torch.equal(k, k0)

@@ -5,6 +5,7 @@ import torch
 from tiny_models import build_tiny
 
 from exl2.runtime.loader import load_model
+from exl2.kernels.backend import force_triton, triton_usable
 from exl2.runtime.paged_cache import PagedKVCache
 
 
@@ -95,3 +96,18 @@ def test_chunked_prefill_matches_one_shot(model):
             a = model(ids[:, :17], cache, start0)
             b = model(ids[:, 17:], cache, start1)
         assert torch.allclose(torch.cat([a, b], 1), ref, atol=1e-5)
+
+
+@pytest.mark.skipif(not triton_usable(), reason="needs Triton (interpreter)")
+def test_chunked_prefill_through_the_kernels_matches_the_twins(model):
+    """The same two-chunk prefill with the Triton kernels (interpreter): the first chunk's RoPE and cache write are
+    one launch that also keeps the rotated keys for its own attention, the second attends to the pages."""
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(ids)
+        cache = PagedKVCache(model.spec, num_pages=8, page_size=8, device="cpu", dtype=torch.float32)
+        cache.bind(torch.tensor([[3, 1, 4, 0]], dtype=torch.int32))
+        with force_triton():
+            a = model(ids[:, :13], cache, 0)
+            b = model(ids[:, 13:], cache, 13)
+    torch.testing.assert_close(torch.cat([a, b], 1), ref, atol=1e-3, rtol=1e-3)

@@ -20,9 +20,10 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, HQ, HK, stride_qt, str
                  stride_cos, HALF, QBLOCKS, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_R: tl.constexpr, v_ptr=None, stride_vt=0, stride_vh=0, kc_ptr=None, vc_ptr=None,
                  slot_ptr=None, D=0, DV=0, KBLOCKS=0, STORE: tl.constexpr = False, BLOCK_D: tl.constexpr = 16,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, KEEP_K: tl.constexpr = False):
     """Rotate q and k in place; with STORE, k is rotated into its cache row instead (slot_ptr, rows of HK·D
-    fp16) and v copied into its own (HK·DV), so a decode step needs one launch for RoPE and the cache write."""
+    fp16; with KEEP_K in place as well) and v copied into its own (HK·DV), so a decode step or a prefill needs one
+    launch for RoPE and the cache write."""
     if PDL:
         pdl_sync()
     t = tl.program_id(0).to(tl.int64)
@@ -38,15 +39,16 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, HQ, HK, stride_qt, str
         tl.store(vc_ptr + slot * (HK * DV) + offs_h[:, None] * DV + offs_d[None, :], val, mask=m)
     else:
         rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
-                     stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED, BLOCK_H, BLOCK_R, STORE, BLOCK_D)
+                     stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED, BLOCK_H, BLOCK_R, STORE, BLOCK_D,
+                     KEEP_K)
 
 
 @triton.jit
 def rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
                  stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_R: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_R: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr, KEEP_K: tl.constexpr = False):
     """Block hb of the q heads, or (hb >= QBLOCKS) of the k heads: rotated in place, or for k with STORE into
-    cache row `slot`."""
+    cache row `slot` (and with KEEP_K in place too)."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < HALF
@@ -82,6 +84,9 @@ def rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, s
         offs_p = 2 * HALF + tl.arange(0, BLOCK_D)  # features past the rotary ones pass through
         mp = hmask[:, None] & (offs_p < D)[None, :]
         tl.store(row + offs_p[None, :], tl.load(base + offs_h[:, None] * hstride + offs_p[None, :], mask=mp), mask=mp)
+        if KEEP_K:
+            tl.store(p1, y1, mask=m)
+            tl.store(p2, y2, mask=m)
     else:
         tl.store(p1, y1, mask=m)
         tl.store(p2, y2, mask=m)
@@ -134,9 +139,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
 
 def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 rotary_dim: int | None = None, interleaved: bool = False) -> None:
+                 rotary_dim: int | None = None, interleaved: bool = False, keep_k: bool = False) -> None:
     """`apply_rotary(q, k, ...)` and the fp16 cache write of k and v (`attention.write_kv`) in one launch: q is
-    rotated in place, k is rotated into its cache rows (k itself is left as it was), v is copied into its rows.
+    rotated in place, k is rotated into its cache rows (k itself is left as it was unless `keep_k`: a prefill
+    attends to the new keys directly), v is copied into its rows.
     q, k, v `[T, H, D]`; caches `[pages, page_size, Hkv, D]` (or `[slots, Hkv, D]`); slots `[T]`."""
     rd = check_tables(q, k, cos, sin, positions, rotary_dim)
     t = positions.numel()
@@ -161,7 +167,7 @@ def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
         k3.stride(1), cos.stride(0), rd // 2, qblocks, INTERLEAVED=interleaved, BLOCK_H=block_h,
         BLOCK_R=next_pow2(rd // 2), v_ptr=v3, stride_vt=v3.stride(0), stride_vh=v3.stride(1), kc_ptr=k_cache,
         vc_ptr=v_cache, slot_ptr=slots.reshape(-1), D=d, DV=dv, KBLOCKS=kblocks, STORE=True,
-        BLOCK_D=next_pow2(max(dv, d - rd, 1)), num_warps=2, **pdl_args(q3.device, t, small=True))
+        BLOCK_D=next_pow2(max(dv, d - rd, 1)), KEEP_K=keep_k, num_warps=2, **pdl_args(q3.device, t, small=True))
     return None
 
 

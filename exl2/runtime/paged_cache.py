@@ -115,9 +115,9 @@ class PagedKVCache:
         slots, seq_lens = self._slots_and_lens(q_pos)
         kf, vf = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
         q_rotated = False
-        if rope is not None and t == 1 and self.k_bits == 16 and self.v_bits == 16:
+        if rope is not None and self.k_bits == 16 and self.v_bits == 16:  # RoPE and the cache write: one launch
             rotary_store(q, k, v, rope[0], rope[1], q_pos, self.k[layer], self.v[layer], slots,
-                         2 * rope[0].shape[-1], rope[2])
+                         2 * rope[0].shape[-1], rope[2], keep_k=t > 1)
         elif rope is not None and t == 1 and self.k_bits != 16 and self.v_bits != 16:
             q_rotated = kv_quant.write_kv_quant_pair(
                 kf, vf, (self.k[layer], self.k_scales[layer]), (self.v[layer], self.v_scales[layer]),
