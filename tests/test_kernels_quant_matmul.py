@@ -359,10 +359,12 @@ def test_gather_input_matches_twin_for_several_weights():
 @needs_triton
 def test_project_large_batch_one_gemm_equals_separate_calls():
     """Beyond DOT_MAX_M rows the weights of one input are dequantized side by side into one matrix and multiplied
-    once: each output equals its own dequantize + matmul (bias or not, padding rows or a full permutation)."""
+    once: each output equals its own dequantize + matmul (bias or not, padding rows or a full permutation; one
+    dequantization launch per class for weights of one class layout, one per weight otherwise)."""
     from exl2.runtime.linear import Linear, project
 
-    for layouts in ([MIXED, MIXED, MIXED], [[(4, 128)] * 2, [(4, 128)] * 2]):
+    for layouts in ([MIXED, MIXED, MIXED], [[(4, 128)] * 2, [(4, 128)] * 2], [[(4, 128)] * 2, [(6, 128), (4, 128)]],
+                    [[(4, 128)] * 2, [(4, 128)] * 2, [(8, 128), (4, 128)]]):
         ws = [Exl2Weight.from_tensors(rand_exl2(mix, 32 * (i + 1), bias=i != 1, seed=i), "L", device=DEV)
               for i, mix in enumerate(layouts)]
         lin = [Linear(w.k, w.n, kernel=w) for w in ws]

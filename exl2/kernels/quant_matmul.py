@@ -1010,18 +1010,46 @@ def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc
 
 
 @triton.jit
-def _dequant_kernel(out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, stride_o, first_step, n_steps, first_word,
-                    BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    BS: tl.constexpr, BN: tl.constexpr):
+def _dequant_tile(pid_n, out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, stride_o, first_step, n_steps,
+                  first_word, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                  BS: tl.constexpr, BN: tl.constexpr):
+    """BS steps (program_id(0)) × BN columns (tile pid_n) of one class, stored at their natural rows of out."""
     offs_s = first_step + tl.program_id(0) * BS + tl.arange(0, BS)
     mask_s = offs_s < first_step + n_steps
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     deq = _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, first_word, offs_n, mask_n, N,
                        BITS, LB, HB, HAS_ZEROS, BS, BN)
     ridx = tl.load(ri_ptr + offs_s[:, None] * 32 + tl.arange(0, 32)[None, :], mask=mask_s[:, None], other=-1)
     ptrs = out_ptr + ridx[:, :, None].to(tl.int64) * stride_o + offs_n[None, None, :]
     tl.store(ptrs, deq, mask=(ridx[:, :, None] >= 0) & mask_n[None, None, :])
+
+
+@triton.jit
+def _dequant_kernel(out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, stride_o, first_step, n_steps, first_word,
+                    BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    BS: tl.constexpr, BN: tl.constexpr):
+    _dequant_tile(tl.program_id(1), out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, stride_o, first_step,
+                  n_steps, first_word, BITS, LB, HB, HAS_ZEROS, BS, BN)
+
+
+@triton.jit
+def _dequant_group_kernel(out_ptr, stride_o, first_step, n_steps, first_word,
+                          qw0, sc0, zr0, sg0, ri0, N0, qw1, sc1, zr1, sg1, ri1, N1, qw2, sc2, zr2, sg2, ri2, N2,
+                          T0, T1, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                          BS: tl.constexpr, BN: tl.constexpr):
+    """`_dequant_kernel` for one class of 2-3 weights with the same class layout, side by side in out (columns
+    [0, N0), [N0, N0 + N1), then the third): column tiles [0, T0) are weight 0's, [T0, T0 + T1) weight 1's."""
+    pid = tl.program_id(1)
+    if pid < T0:
+        _dequant_tile(pid, out_ptr, qw0, sc0, zr0, sg0, ri0, N0, stride_o, first_step, n_steps, first_word,
+                      BITS, LB, HB, HAS_ZEROS, BS, BN)
+    elif pid < T0 + T1:
+        _dequant_tile(pid - T0, out_ptr + N0, qw1, sc1, zr1, sg1, ri1, N1, stride_o, first_step, n_steps,
+                      first_word, BITS, LB, HB, HAS_ZEROS, BS, BN)
+    else:
+        _dequant_tile(pid - T0 - T1, out_ptr + N0 + N1, qw2, sc2, zr2, sg2, ri2, N2, stride_o, first_step, n_steps,
+                      first_word, BITS, LB, HB, HAS_ZEROS, BS, BN)
 
 
 # --------------------------------------------------------------------------------------------------- launch
@@ -1405,6 +1433,22 @@ def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128, out: torch.Ten
     return out
 
 
+def _dequant_group(out: torch.Tensor, ws: Sequence[QuantWeight], bs: int = 4, bn: int = 128) -> None:
+    """`dequantize_triton` of 2-3 weights with the same class layout into `out` `[K, ΣN]` side by side, one
+    launch per class (a prefill issues fewer launches: its host work was as long as the GPU's)."""
+    members = list(ws) + [ws[-1]] * (3 - len(ws))
+    args = []
+    for w in members:
+        args += [w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, w.step_group, w.row_index, w.n]
+    tiles = [triton.cdiv(w.n, bn) for w in ws]
+    for c in ws[0].classes:
+        lb, hb = split_bits(c.bits)
+        grid = (triton.cdiv(c.n_steps, bs), sum(tiles))
+        _dequant_group_kernel[grid](out, out.stride(0), c.first_step, c.n_steps, c.first_word, *args, tiles[0],
+                                    tiles[1], BITS=c.bits, LB=lb, HB=hb, HAS_ZEROS=ws[0].zeros is not None, BS=bs,
+                                    BN=bn, num_warps=4)
+
+
 def _cublas(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.to(torch.float16), wd) if x.is_cuda else (x.float() @ wd.float())
 
@@ -1428,8 +1472,13 @@ def dequant_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[tor
                                                 device=ws[0].device)
     offs = [0]
     for w in ws:
-        dequantize_triton(w, out=wd[:, offs[-1]:offs[-1] + w.n])
         offs.append(offs[-1] + w.n)
+    layouts = {tuple((c.bits, c.first_step, c.n_steps, c.first_word) for c in w.classes) for w in ws}
+    if 2 <= len(ws) <= 3 and len(layouts) == 1 and len({w.zeros is None for w in ws}) == 1:
+        _dequant_group(wd, ws)  # one launch per class for all of them
+    else:
+        for w, o in zip(ws, offs):
+            dequantize_triton(w, out=wd[:, o:o + w.n])
     y = _cublas(x, wd)
     outs = []
     for w, o in zip(ws, offs):
