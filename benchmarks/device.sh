@@ -6,6 +6,7 @@
 # envab runs the bench (BENCH_ARGS) once per environment in AB_SPECS ("A=1 B=2;A=2;": ';'-separated, empty = defaults).
 # ncugemv / ncumma: ncu (occupancy, issue rate, stall reasons) of the M = 1 gemv / the M = 16 Gluon kernel on the
 # shapes in NCU_SHAPES (gemv_probe.py: gate, q, k, down, head). pbreak: per-kernel times of one prefill.
+# s13: the GPU tests of session 12's unmeasured prefill changes, then pbreak and final.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -47,6 +48,11 @@ for s in $steps; do
              EXL2_PREFETCH=$pf timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes ${MODES:-fp16} \
                --contexts 2048 > "$OUT/bench_prefetch$pf.txt" 2>&1; echo "bench EXL2_PREFETCH=$pf rc=$?"
              tail -7 "$OUT/bench_prefetch$pf.txt"; done ;;
+  s13) timeout -s INT -k 10 "${TEST_TIMEOUT:-170}" python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_kernels_attention.py \
+         tests/test_kernels_quant_matmul.py -k "golden or prefill or dequant_group or batched_decode_through" -q -n 8 \
+         -p no:cacheprovider -rA > "$OUT/gpu_s13.txt" 2>&1; echo "s13 tests rc=$?"
+       grep -cE "^PASSED" "$OUT/gpu_s13.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_s13.txt" | cut -c1-150; tail -1 "$OUT/gpu_s13.txt"
+       bash "$0" pbreak final ;;
   pbreak) timeout ${BENCH_TIMEOUT:-150} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 --breakdown-prefill \
            $BENCH_ARGS > "$OUT/bench_prefill_breakdown${TAG}.txt" 2>&1; echo "bench (prefill breakdown) rc=$?"
          tail -22 "$OUT/bench_prefill_breakdown${TAG}.txt" ;;

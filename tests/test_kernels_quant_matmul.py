@@ -216,6 +216,22 @@ def test_quant_matmul_real_sizes_gpu(m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dequant_group_real_sizes_gpu():
+    """The prefill's shared-input GEMM at Llama-3-8B sizes: q/k/v (one class layout: one dequantization launch per
+    class), gate/up, and q/k/v of different layouts (one launch per weight), each output against the twin."""
+    mixed = [(6, 128)] * 2 + [(5, 128)] * 4 + [(4, 128)] * 20 + [(3, 128)] * 6
+    cases = [([[(4, 128)] * 32] * 3, (4096, 1024, 1024)), ([[(4, 128)] * 32] * 2, (14336, 14336)),
+             ([mixed, [(4, 128)] * 32, mixed], (4096, 1024, 1024))]
+    for seed, (layouts, ns) in enumerate(cases):
+        ws = [Exl2Weight.from_tensors(rand_exl2(lay, n, bias=False, seed=seed * 3 + i, device="cuda"), "L",
+                                      device="cuda") for i, (lay, n) in enumerate(zip(layouts, ns))]
+        x = torch.randn(300, ws[0].k, dtype=torch.float16, device="cuda")
+        for y, w in zip(qm.dequant_matmul_group(x, ws), ws):
+            _check_close(y, qweight.matmul_torch(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("per_sm", [1, 2, 4])
 def test_stream_gemv_real_sizes_gpu(per_sm):
     """Stream-K at Llama-3-8B sizes with the packed 4-bit decoder: q/k/v and gate/up grouped, a mixed-width down
