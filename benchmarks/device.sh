@@ -6,7 +6,8 @@
 # envab runs the bench (BENCH_ARGS) once per environment in AB_SPECS ("A=1 B=2;A=2;": ';'-separated, empty = defaults).
 # ncugemv / ncumma: ncu (occupancy, issue rate, stall reasons) of the M = 1 gemv / the M = 16 Gluon kernel on the
 # shapes in NCU_SHAPES (gemv_probe.py: gate, q, k, down, head). pbreak: per-kernel times of one prefill.
-# s13: the GPU tests of session 12's unmeasured prefill changes, then pbreak and final.
+# s13: the GPU tests of session 12's unmeasured prefill changes, then pbreak and final. dequant: the prefill's
+# dequantization over tile sizes (kernels.py --only dequant).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -34,6 +35,8 @@ for s in $steps; do
          grep -E "stalled|Issued Warp|Eligible" "$OUT/ncu_stalls_gate.txt" | sort -k3 -n -r | head -12 ;;
   merge) timeout 150 python3 benchmarks/kernels.py --only merge --budget 135 --json "$OUT/merge.json" \
            > "$OUT/merge.txt" 2>&1; echo "merge rc=$?"; grep -v "^    " "$OUT/merge.txt" | tail -40 ;;
+  dequant) timeout ${DEQUANT_TIMEOUT:-150} python3 benchmarks/kernels.py --only dequant --budget ${DEQUANT_BUDGET:-130} \
+           --json "$OUT/dequant.json" > "$OUT/dequant.txt" 2>&1; echo "dequant rc=$?"; grep -v "^    " "$OUT/dequant.txt" | tail -12 ;;
   tiles) timeout ${TILES_TIMEOUT:-105} python3 benchmarks/kernels.py --only tiles --budget ${TILES_BUDGET:-90} --json "$OUT/tiles.json" \
            > "$OUT/tiles.txt" 2>&1; echo "tiles rc=$?"; grep -v "^    " "$OUT/tiles.txt" | tail -14 ;;
   breakdown) EXL2_PDL=0 timeout 130 python3 -m exl2.cli.main bench --modes fp16 --breakdown \

@@ -442,6 +442,51 @@ def tiles_section(bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+def dequant_section(bw: float) -> None:
+    """The prefill's dequantization to fp16 (the large-M path, before cuBLAS) at Llama-3-8B shapes, q/k/v and
+    gate/up as one launch into one matrix (`_dequant_group`): bytes moved (codes and scales read, fp16 written)
+    against the copy bandwidth, over tile sizes (steps, columns, warps); every result bit-equal to the default's."""
+    cfgs = [(4, 128, 4)] + [(bs, bn, nw) for bs in (2, 4, 8) for bn in (64, 128, 256) for nw in (4, 8)
+                            if (bs, bn, nw) != (4, 128, 4)]
+    for name, k, ns in (("q/k/v", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
+                        ("gate/up", 4096, (14336, 14336)), ("down", 14336, (4096,))):
+        if over_budget():
+            break
+        ws = [make_weight(k, n, 4) for n in ns]
+        nbytes = sum(w.weight_bytes() for w in ws) + k * sum(ns) * 2
+        out = torch.empty((k, sum(ns)), dtype=torch.float16, device="cuda")
+
+        def run(cfg):
+            bs, bn, nw = cfg
+            if len(ws) > 1:
+                qm._dequant_group(out, ws, bs, bn, nw)
+            else:
+                qm.dequantize_triton(ws[0], bs, bn, out=out, num_warps=nw)
+        run(cfgs[0])
+        ref = out.clone()
+        best = None
+        for cfg in cfgs:
+            if over_budget():
+                break
+            try:
+                out.zero_()
+                run(cfg)
+                ok = torch.equal(out, ref)
+                t = graph_us([lambda cfg=cfg: run(cfg)])
+            except Exception as e:  # noqa: BLE001 - report and go on with the other configs
+                log(f"  dequant {name} {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            log(f"    dequant {name} bs, bn, warps = {cfg}: {t:.1f} us{'' if ok else '  WRONG RESULT'}")
+            if cfg == cfgs[0]:
+                row(name, 2047, "dequantize, default tiles", t, nbytes, bw, None, 0.0, str(cfg))
+            if ok and (best is None or t < best[0]):
+                best = (t, cfg)
+        if best:
+            row(name, 2047, "dequantize, best tiles", best[0], nbytes, bw, None, 0.0, str(best[1]))
+        del ws, out, ref
+        torch.cuda.empty_cache()
+
+
 def norm_section(bw: float) -> None:
     """The RMSNorm that feeds the quantized projections, at decode sizes: the norm alone, the norm + one
     `gather_input` launch for the permuted copies, and `rms_norm_gather` (the copies written by the norm's own
@@ -591,8 +636,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles", "merge", "dot16"),
-                    default=None)
+    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles", "merge", "dot16",
+                                       "dequant"), default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -614,6 +659,8 @@ def main() -> None:
             tiles_section(bw)
         if args.only == "merge":
             merge_section(bw)
+        if args.only == "dequant":
+            dequant_section(bw)
         if args.only == "dot16":
             dot16_group_section(bw)
             dot16_section(bw)

@@ -1415,7 +1415,8 @@ def gemv_via_mma(w: QuantWeight, m: int, dtype: torch.dtype) -> bool:
     return MMA_GEMV == 2 or any(c.bits not in (4, 6) for c in w.classes)
 
 
-def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128, out: torch.Tensor | None = None,
+                      num_warps: int = 4) -> torch.Tensor:
     """fp16 `[K, N]` natural-order weight, bit-identical to `qweight.dequantize_torch`; into `out` (a `[K, N]`
     view with unit column stride, e.g. a column slice of a wider matrix) when given."""
     if out is None:
@@ -1429,11 +1430,12 @@ def dequantize_triton(w: QuantWeight, bs: int = 4, bn: int = 128, out: torch.Ten
         grid = (triton.cdiv(c.n_steps, bs), triton.cdiv(w.n, bn))
         _dequant_kernel[grid](out, w.qweight, w.scales, zeros, w.step_group, w.row_index, w.n, out.stride(0),
                               c.first_step, c.n_steps, c.first_word, BITS=c.bits, LB=lb, HB=hb,
-                              HAS_ZEROS=w.zeros is not None, BS=bs, BN=bn, num_warps=4)
+                              HAS_ZEROS=w.zeros is not None, BS=bs, BN=bn, num_warps=num_warps)
     return out
 
 
-def _dequant_group(out: torch.Tensor, ws: Sequence[QuantWeight], bs: int = 4, bn: int = 128) -> None:
+def _dequant_group(out: torch.Tensor, ws: Sequence[QuantWeight], bs: int = 4, bn: int = 128,
+                   num_warps: int = 4) -> None:
     """`dequantize_triton` of 2-3 weights with the same class layout into `out` `[K, ΣN]` side by side, one
     launch per class (a prefill issues fewer launches: its host work was as long as the GPU's)."""
     members = list(ws) + [ws[-1]] * (3 - len(ws))
@@ -1446,7 +1448,7 @@ def _dequant_group(out: torch.Tensor, ws: Sequence[QuantWeight], bs: int = 4, bn
         grid = (triton.cdiv(c.n_steps, bs), sum(tiles))
         _dequant_group_kernel[grid](out, out.stride(0), c.first_step, c.n_steps, c.first_word, *args, tiles[0],
                                     tiles[1], BITS=c.bits, LB=lb, HB=hb, HAS_ZEROS=ws[0].zeros is not None, BS=bs,
-                                    BN=bn, num_warps=4)
+                                    BN=bn, num_warps=num_warps)
 
 
 def _cublas(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
