@@ -12,6 +12,8 @@ Three paths, chosen per shape (`choose_config`):
   its own register layout, bit-exact with the reference dequantizer (EXL2 4-bit: all eight rows of a word per
   packed-fp16 asm call).
 * **dequant** (larger M): a Triton kernel writes the fp16 weight in natural order, then cuBLAS multiplies.
+  Weights sharing an input (q/k/v, gate/up) are dequantized side by side into one matrix (one launch per class
+  when their class layouts agree) and multiplied in one cuBLAS call (`dequant_matmul_group`).
 
 The gemv and dot kernels read the input already permuted into the weight's stored row order (`x_index`): one
 `gather_input` launch per input shared by several weights, or written directly by the kernel producing the input
