@@ -7,7 +7,7 @@
 # ncugemv / ncumma: ncu (occupancy, issue rate, stall reasons) of the M = 1 gemv / the M = 16 Gluon kernel on the
 # shapes in NCU_SHAPES (gemv_probe.py: gate, q, k, down, head). pbreak: per-kernel times of one prefill.
 # s13: the GPU tests of session 12's unmeasured prefill changes, then pbreak and final. dequant: the prefill's
-# dequantization over tile sizes (kernels.py --only dequant).
+# dequantization over tile sizes (kernels.py --only dequant). int8: benchmarks/int8_gemv.py (the dp4a gemv experiment).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -37,6 +37,8 @@ for s in $steps; do
            > "$OUT/merge.txt" 2>&1; echo "merge rc=$?"; grep -v "^    " "$OUT/merge.txt" | tail -40 ;;
   dequant) timeout ${DEQUANT_TIMEOUT:-150} python3 benchmarks/kernels.py --only dequant --budget ${DEQUANT_BUDGET:-130} \
            --json "$OUT/dequant.json" > "$OUT/dequant.txt" 2>&1; echo "dequant rc=$?"; grep -v "^    " "$OUT/dequant.txt" | tail -12 ;;
+  int8) timeout ${INT8_TIMEOUT:-120} python3 benchmarks/int8_gemv.py > "$OUT/int8_gemv.txt" 2>&1; echo "int8 gemv rc=$?"
+        tail -8 "$OUT/int8_gemv.txt" ;;
   tiles) timeout ${TILES_TIMEOUT:-105} python3 benchmarks/kernels.py --only tiles --budget ${TILES_BUDGET:-90} --json "$OUT/tiles.json" \
            > "$OUT/tiles.txt" 2>&1; echo "tiles rc=$?"; grep -v "^    " "$OUT/tiles.txt" | tail -14 ;;
   breakdown) EXL2_PDL=0 timeout 130 python3 -m exl2.cli.main bench --modes fp16 --breakdown \

@@ -31,6 +31,10 @@ def _pack(h: np.ndarray) -> int:
     return int(u[0]) | int(u[1]) << 16
 
 
+def _signed(x: int, bits: int = 32) -> int:
+    return x - (1 << bits) if x >> (bits - 1) & 1 else x
+
+
 def run_ptx(text: str, operands: list[int]) -> int:
     """Execute one decoder: operands are $1, $2, ... (32-bit); returns $0."""
     regs = {f"${i + 1}": v & 0xFFFFFFFF for i, v in enumerate(operands)}
@@ -81,6 +85,10 @@ def run_ptx(text: str, operands: list[int]) -> int:
             r = _pack(_halves(v[0]).astype(np.float64) * _halves(v[1]) + _halves(v[2]))
         elif op == "shl.b32":
             r = v[0] << v[1] if v[1] < 32 else 0
+        elif op == "dp4a.u32.s32":  # unsigned bytes of a times signed bytes of b, plus c
+            r = _signed(v[2]) + sum(((v[0] >> 8 * i) & 0xFF) * _signed((v[1] >> 8 * i) & 0xFF, 8) for i in range(4))
+        elif op == "mad.lo.s32":
+            r = _signed(v[0]) * _signed(v[1]) + _signed(v[2])
         else:
             raise AssertionError(f"unexpected instruction {op}")
         regs[a[0]] = r & 0xFFFFFFFF
@@ -175,3 +183,36 @@ def test_gemv_step_decoders_give_the_step_dot_product(bits, acc16):
         terms = np.array([(int(codes[order[p], 0]) - zero) * float(x[p]) for p in range(32)])
         got = run_ptx(text, words + pairs)
         assert abs(got - terms.sum()) <= 4e-3 * np.abs(terms).sum() + 1e-3, (trial, got, terms.sum())
+
+
+def test_int8_gemv_experiment_step_is_the_integer_dot_product():
+    """benchmarks/int8_gemv.py: the dp4a step decoder on the packing its `quantize_input` writes returns
+    sum over a step's 32 stored rows of (code - 8) * q exactly, q the int8 input of that row; and the dequantized
+    input it returns is q times the step's scale at each row's input feature."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "int8_gemv.py"
+    spec = importlib.util.spec_from_file_location("int8_gemv", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    g = torch.Generator().manual_seed(7)
+    k, n = 256, 4
+    codes = torch.randint(0, 16, (k, n), dtype=torch.uint8, generator=g)
+    codes[:32] = 15  # the largest codes (stored rows 0-31) against the largest inputs
+    w = qweight.build(codes, [(4, 128)] * 2, torch.ones(2, n).half(), None, torch.randperm(k, generator=g))
+    x = torch.randn(k, generator=g).half()
+    x[w.row_index[:32].long()] = 100.0
+    xq, xs, xsum, deq = mod.quantize_input(x, w)
+    q = torch.round(x.float()[w.row_index.long()].view(-1, 32) / xs[:, None]).clamp(-127, 127).long()
+    assert torch.equal(q.sum(1).int(), xsum)
+    assert torch.allclose(deq[w.row_index.long()].view(-1, 32), q.float() * xs[:, None])
+    qw = w.qweight.long() & 0xFFFFFFFF
+    for s in range(k // 32):
+        for col in range(n):
+            words = [int(qw[4 * s + j, col]) for j in range(4)]
+            stored = [(words[r // 8] >> 4 * (r % 8)) & 15 for r in range(32)]
+            assert stored == [int(codes[32 * s + r, col]) for r in range(32)]  # `build` takes stored-order codes
+            got = _signed(run_ptx(mod.DP4A_STEP, words + [int(v) & 0xFFFFFFFF for v in xq[s]] + [int(xsum[s])]))
+            want = sum(((words[r // 8] >> 4 * (r % 8)) & 15) * int(q[s, r]) - 8 * int(q[s, r]) for r in range(32))
+            assert got == want, (s, col, got, want)

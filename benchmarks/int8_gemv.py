@@ -1,0 +1,140 @@
+"""Experiment for batch-1 decode: a 4-bit EXL2 gemv on int8 activations with integer dot products (`dp4a`),
+timed against the library's fp16 gemv on the same weights. Not used by the library yet.
+
+The fp16 gemv is instruction-bound (benchmarks/RESULTS.md, session 11: ~1.75 decode and product instructions a
+weight). With the input quantized per 32-row step (int8 codes, one fp32 scale, the codes' sum), a word of eight
+4-bit codes costs 5 instructions (two masks, a shift, two `dp4a`) instead of ~14, and the step's zero point is
+one multiply-add: code - 8 summed against x is dot(codes, x) - 8·sum(x). Here the input is quantized by the host;
+in the library the kernel producing it (norm-gather, GLU) would write it.
+
+    python3 benchmarks/int8_gemv.py        # GPU: error against float64 and µs per call, both kernels
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from exl2.kernels import quant_matmul as qm  # noqa: E402
+from exl2.kernels import qweight  # noqa: E402
+from exl2.kernels.quant_matmul import _by_word  # noqa: E402
+from exl2.kernels.backend import tl, triton  # noqa: E402
+
+# One step of one column: $1-$4 the words (code i of word j at bits 4i, row 8j + i), $5-$12 the input codes of
+# word j as two int32 (rows 8j + 0, 2, 4, 6 and 8j + 1, 3, 5, 7, one signed byte each), $13 the step's code sum.
+DP4A_STEP = "\n".join(
+    ["{", ".reg .b32 lo, hi, t, d;", "mov.b32 d, 0;"]
+    + [line for j in range(4) for line in (
+        f"and.b32 lo, ${1 + j}, 0x0F0F0F0F;",
+        f"shr.u32 t, ${1 + j}, 4;",
+        "and.b32 hi, t, 0x0F0F0F0F;",
+        f"dp4a.u32.s32 d, lo, ${5 + 2 * j}, d;",
+        f"dp4a.u32.s32 d, hi, ${6 + 2 * j}, d;")]
+    + ["mad.lo.s32 $0, $13, -8, d;", "}"])
+
+
+@triton.jit
+def _gemv4_int8_kernel(xq_ptr, xs_ptr, xsum_ptr, qw_ptr, sc_ptr, sg_ptr, out_ptr, N, n_steps, SPLIT,
+                       ASM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+    """out[n] += Σ over this program's share of the steps of xs·scale·(dot(codes, xq) - 8·xsum) (out fp32,
+    zeroed by the caller; K split SPLIT ways through atomics)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    s_lo = (n_steps * pid_k) // SPLIT
+    s_hi = (n_steps * (pid_k + 1)) // SPLIT
+    acc = tl.zeros([BS, BN], dtype=tl.float32)
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
+        offs_s = s0 + tl.arange(0, BS)
+        mask_s = offs_s < s_hi
+        m2 = mask_s[:, None] & mask_n[None, :]
+        w_ptrs = qw_ptr + (offs_s * 4)[:, None].to(tl.int64) * N + offs_n[None, :]
+        w0 = tl.load(w_ptrs, mask=m2, other=0)
+        w1 = tl.load(w_ptrs + N, mask=m2, other=0)
+        w2 = tl.load(w_ptrs + 2 * N, mask=m2, other=0)
+        w3 = tl.load(w_ptrs + 3 * N, mask=m2, other=0)
+        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
+        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
+        xw = tl.load(xq_ptr + offs_s[:, None] * 8 + tl.arange(0, 8)[None, :], mask=mask_s[:, None], other=0)
+        ev, od = tl.split(tl.reshape(xw, [BS, 4, 2]))  # each word's even-row and odd-row codes
+        e0, e1, e2, e3 = _by_word(tl.reshape(ev, [BS, 2, 2]))
+        o0, o1, o2, o3 = _by_word(tl.reshape(od, [BS, 2, 2]))
+        xs = tl.load(xs_ptr + offs_s, mask=mask_s, other=0.0)
+        xsum = tl.load(xsum_ptr + offs_s, mask=mask_s, other=0)
+        dot = tl.inline_asm_elementwise(
+            ASM, "=r," + ",".join(["r"] * 13),
+            [w0, w1, w2, w3, e0, o0, e1, o1, e2, o2, e3, o3, xsum[:, None]], dtype=tl.int32, is_pure=True, pack=1)
+        acc += dot.to(tl.float32) * (sc.to(tl.float32) * xs[:, None])
+    tl.atomic_add(out_ptr + offs_n, tl.sum(acc, axis=0), mask=mask_n)
+
+
+def quantize_input(x: torch.Tensor, w: qweight.QuantWeight) -> tuple[torch.Tensor, ...]:
+    """x `[K]` in w's stored row order, quantized per 32-row step: (codes packed as int32 `[S, 8]` in the
+    kernel's order, fp32 scales `[S]`, int32 code sums `[S]`, the dequantized input in natural order)."""
+    xr = x.float()[w.row_index.long()].view(-1, 32)
+    scale = xr.abs().amax(1).clamp(min=1e-8) / 127.0
+    q = torch.round(xr / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    words = q.view(-1, 4, 8)
+    packed = torch.stack([words[:, :, 0::2], words[:, :, 1::2]], 2).contiguous()  # [S, word, even/odd, 4]
+    xq = packed.view(torch.uint8).view(-1, 8, 4).view(torch.int32).view(-1, 8)
+    deq = torch.zeros(w.k, dtype=torch.float32, device=x.device)
+    deq[w.row_index.long()] = (q.float() * scale[:, None]).view(-1)
+    return xq.contiguous(), scale.contiguous(), q.int().sum(1).contiguous(), deq
+
+
+def gemv4_int8(xq, xs, xsum, w: qweight.QuantWeight, bs: int = 8, bn: int = 64, split: int = 1,
+               stages: int = 3) -> torch.Tensor:
+    if len(w.classes) != 1 or w.classes[0].bits != 4 or w.zeros is not None:
+        raise ValueError("the experiment takes 4-bit EXL2 weights of one class.")
+    out = torch.zeros(w.n, dtype=torch.float32, device=xq.device)
+    grid = (triton.cdiv(w.n, bn), split)
+    _gemv4_int8_kernel[grid](xq, xs, xsum, w.qweight, w.scales, w.step_group, out, w.n, w.n_steps, split,
+                             ASM=DP4A_STEP, BS=bs, BN=bn, STAGES=stages, num_warps=4)
+    return out
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernels import graph_us, make_weight  # noqa: E402 - the same timing as benchmarks/kernels.py
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/int8_gemv.py needs a CUDA GPU.")
+    torch.manual_seed(0)
+    print("| shape | fp16 gemv µs | int8 gemv µs | speed-up | int8 config | fp16 err | int8 err (vs its input) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, k, n in (("gate/up", 4096, 14336), ("q/o", 4096, 4096), ("down", 14336, 4096)):
+        ws = [make_weight(k, n, 4) for _ in range(max(1, (256 << 20) // (k * n // 2)))]
+        w = ws[0]
+        x = torch.randn(k, device="cuda").half()
+        xq, xs, xsum, deq = quantize_input(x, w)
+        wd = qweight.dequantize_torch(w).double()
+        ref = x.double() @ wd
+        y16 = qm.quant_matmul(x.view(1, -1), w).view(-1)
+        err16 = float((y16.double() - ref).norm() / ref.norm())
+        best = None
+        for bs, bn, split in ((8, 64, 1), (8, 64, 2), (8, 128, 1), (16, 64, 1), (8, 64, 4)):
+            y8 = gemv4_int8(xq, xs, xsum, w, bs, bn, split)
+            # against the same int8 input; the fp16 weights' one rounding (which the kernel skips) is ~3e-4
+            err8 = float((y8.double() - deq.double() @ wd).norm() / ref.norm())
+            if err8 > 2e-3:
+                print(f"  {name} int8 {(bs, bn, split)}: WRONG RESULT (rel err {err8:.1e})")
+                continue
+            t = graph_us([lambda v=v, c=(bs, bn, split): gemv4_int8(xq, xs, xsum, v, *c) for v in ws])
+            if best is None or t < best[0]:
+                best = (t, (bs, bn, split), err8)
+        xp = qm.gather_input(x.view(1, -1), [w])[0]
+        t16 = graph_us([lambda v=v: qm.permuted_matmul(xp, v) for v in ws])
+        if best:
+            print(f"| {name} {k}→{n} | {t16:.2f} | {best[0]:.2f} | {t16 / best[0]:.2f} | {best[1]} | {err16:.1e} | "
+                  f"{best[2]:.1e} |")
+        quant_err = float((deq.double() @ wd - ref).norm() / ref.norm())
+        print(f"  ({name}: the int8 input itself is off by {quant_err:.1e} relative; int8 times include the output "
+              "zeroing)")
+
+
+if __name__ == "__main__":
+    main()
