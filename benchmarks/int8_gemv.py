@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exl2.kernels import quant_matmul as qm  # noqa: E402
 from exl2.kernels import qweight  # noqa: E402
-from exl2.kernels.quant_matmul import _by_word  # noqa: E402
+from exl2.kernels.quant_matmul import _by_word, step_words4  # noqa: E402
 from exl2.kernels.backend import tl, triton  # noqa: E402
 
 # One step of one column: $1-$4 the words (code i of word j at bits 4i, row 8j + i), $5-$12 the input codes of
@@ -51,14 +51,7 @@ def _gemv4_int8_kernel(xq_ptr, xs_ptr, xsum_ptr, qw_ptr, sc_ptr, sg_ptr, out_ptr
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         offs_s = s0 + tl.arange(0, BS)
         mask_s = offs_s < s_hi
-        m2 = mask_s[:, None] & mask_n[None, :]
-        w_ptrs = qw_ptr + (offs_s * 4)[:, None].to(tl.int64) * N + offs_n[None, :]
-        w0 = tl.load(w_ptrs, mask=m2, other=0)
-        w1 = tl.load(w_ptrs + N, mask=m2, other=0)
-        w2 = tl.load(w_ptrs + 2 * N, mask=m2, other=0)
-        w3 = tl.load(w_ptrs + 3 * N, mask=m2, other=0)
-        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
-        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
+        w0, w1, w2, w3, sc = step_words4(qw_ptr, sc_ptr, sg_ptr, N, 0, 0, offs_s, mask_s, offs_n, mask_n)
         xw = tl.load(xq_ptr + offs_s[:, None] * 8 + tl.arange(0, 8)[None, :], mask=mask_s[:, None], other=0)
         ev, od = tl.split(tl.reshape(xw, [BS, 4, 2]))  # each word's even-row and odd-row codes
         e0, e1, e2, e3 = _by_word(tl.reshape(ev, [BS, 2, 2]))

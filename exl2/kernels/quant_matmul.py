@@ -332,6 +332,30 @@ def _step_pairs(x32_ptr, offs_s, mask_s):
 
 
 @triton.jit
+def step_rows(qw_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n, BITS: tl.constexpr):
+    """For the steps offs_s of a class of BITS words a step: pointers [BS, BN] to each step's first word row (word
+    i is `+ i·N`) and the mask of those loads."""
+    m2 = mask_s[:, None] & mask_n[None, :]
+    return qw_ptr + (first_word + (offs_s - first_step) * BITS)[:, None].to(tl.int64) * N + offs_n[None, :], m2
+
+
+@triton.jit
+def step_scales(sc_ptr, sg_ptr, N, offs_s, mask_s, offs_n, m2):
+    """The scales [BS, BN] of the steps offs_s (their groups' rows)."""
+    grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
+    return tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
+
+
+@triton.jit
+def step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n):
+    """A 4-bit class's four words [BS, BN] of the steps offs_s (zeros past the masks) and their scales."""
+    w_ptrs, m2 = step_rows(qw_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n, 4)
+    w0, w1 = tl.load(w_ptrs, mask=m2, other=0), tl.load(w_ptrs + N, mask=m2, other=0)
+    w2, w3 = tl.load(w_ptrs + 2 * N, mask=m2, other=0), tl.load(w_ptrs + 3 * N, mask=m2, other=0)
+    return w0, w1, w2, w3, step_scales(sc_ptr, sg_ptr, N, offs_s, mask_s, offs_n, m2)
+
+
+@triton.jit
 def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                       offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
     """`_gemv_class4_fast` as a plain loop that Triton software-pipelines (STAGES tiles in flight through shared
@@ -343,14 +367,8 @@ def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         offs_s = s0 + tl.arange(0, BS)
         mask_s = offs_s < s_hi
-        m2 = mask_s[:, None] & mask_n[None, :]
-        w_ptrs = qw_ptr + (first_word + (offs_s - first_step) * 4)[:, None].to(tl.int64) * N + offs_n[None, :]
-        w0 = tl.load(w_ptrs, mask=m2, other=0)
-        w1 = tl.load(w_ptrs + N, mask=m2, other=0)
-        w2 = tl.load(w_ptrs + 2 * N, mask=m2, other=0)
-        w3 = tl.load(w_ptrs + 3 * N, mask=m2, other=0)
-        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
-        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
+        w0, w1, w2, w3, sc = step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_s, offs_n,
+                                         mask_n)
         k0, k1, k2, k3 = _step_pairs(x32_ptr, offs_s, mask_s)
         x00, x10, x20, x30 = _by_word(k0)
         x01, x11, x21, x31 = _by_word(k1)
@@ -415,16 +433,11 @@ def _gemv_class6_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         offs_s = s0 + tl.arange(0, BS)
         mask_s = offs_s < s_hi
-        m2 = mask_s[:, None] & mask_n[None, :]
-        w_ptrs = qw_ptr + (first_word + (offs_s - first_step) * 6)[:, None].to(tl.int64) * N + offs_n[None, :]
-        w0 = tl.load(w_ptrs, mask=m2, other=0)
-        w1 = tl.load(w_ptrs + N, mask=m2, other=0)
-        w2 = tl.load(w_ptrs + 2 * N, mask=m2, other=0)
-        w3 = tl.load(w_ptrs + 3 * N, mask=m2, other=0)
-        h0 = tl.load(w_ptrs + 4 * N, mask=m2, other=0)
-        h1 = tl.load(w_ptrs + 5 * N, mask=m2, other=0)
-        grp = tl.load(sg_ptr + offs_s, mask=mask_s, other=0)
-        sc = tl.load(sc_ptr + grp[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0.0)
+        w_ptrs, m2 = step_rows(qw_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n, 6)
+        w0, w1 = tl.load(w_ptrs, mask=m2, other=0), tl.load(w_ptrs + N, mask=m2, other=0)
+        w2, w3 = tl.load(w_ptrs + 2 * N, mask=m2, other=0), tl.load(w_ptrs + 3 * N, mask=m2, other=0)
+        h0, h1 = tl.load(w_ptrs + 4 * N, mask=m2, other=0), tl.load(w_ptrs + 5 * N, mask=m2, other=0)
+        sc = step_scales(sc_ptr, sg_ptr, N, offs_s, mask_s, offs_n, m2)
         xw = tl.load(x32_ptr + offs_s[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_s[:, None], other=0)
         d0, d1 = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # pair p = 8a + 4b + 2c + d
         c0d0, c1d0 = tl.split(d0)
