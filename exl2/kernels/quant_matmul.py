@@ -1466,22 +1466,15 @@ def _dequant_group(out: torch.Tensor, ws: Sequence[QuantWeight], bs: int = 4, bn
                                     BN=bn, num_warps=num_warps)
 
 
-def _cublas(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(x.to(torch.float16), wd) if x.is_cuda else (x.float() @ wd.float())
-
-
 def dequant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """Large-M path: dequantize to fp16 with Triton, multiply with cuBLAS."""
-    y = _cublas(x, dequantize_triton(w))
-    if w.bias is not None:
-        y = y + w.bias.to(y.dtype)
-    return y.to(x.dtype)
+    return dequant_matmul_group(x, [w])[0]
 
 
 def dequant_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
-    """`dequant_matmul` of 2-3 weights sharing the input x `[M, K]` (q/k/v, gate/up): dequantized side by side
-    into one fp16 matrix and multiplied in one cuBLAS call, so a prefill issues fewer, wider GEMMs (the host's
-    launch work was as long as the GPU's). Returns column views `[M, N_i]` of one output."""
+    """`dequant_matmul` of weights sharing the input x `[M, K]` (q/k/v, gate/up): dequantized side by side into
+    one fp16 matrix and multiplied in one cuBLAS call, so a prefill issues fewer, wider GEMMs (the host's launch
+    work was as long as the GPU's). Returns column views `[M, N_i]` of one output."""
     if len({w.k for w in ws}) != 1 or x.shape[-1] != ws[0].k:
         raise ValueError("grouped weights must share the input width of x.")
     full = all(w.scatter_index() is not None for w in ws)
@@ -1496,14 +1489,14 @@ def dequant_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[tor
     else:
         for w, o in zip(ws, offs):
             dequantize_triton(w, out=wd[:, o:o + w.n])
-    y = _cublas(x, wd)
+    y = torch.matmul(x.to(torch.float16), wd) if x.is_cuda else (x.float() @ wd.float())
     outs = []
     for w, o in zip(ws, offs):
         yi = y[:, o:o + w.n]
         if w.bias is not None:
             yi += w.bias.to(y.dtype)
-        outs.append(yi)
-    return [yi.to(x.dtype) for yi in outs]
+        outs.append(yi.to(x.dtype))
+    return outs
 
 
 # --------------------------------------------------------------------------------------------------- dispatch
