@@ -137,8 +137,9 @@ def prefill_breakdown(model: DecoderModel, length: int = 2047, page_size: int = 
     host = (time.perf_counter() - t0) * 1e6
     torch.cuda.synchronize()
     span = begin.elapsed_time(end) * 1e3
-    return _profile_kernels(prefill, 2, top) + [("wall", 0, wall, 0.0), ("GPU span (events, not profiled)", 0, span, 0.0),
-                                                ("host (issuing only)", 0, host, 0.0)]
+    timing = [("wall", 0, wall, 0.0), ("GPU span (events, not profiled)", 0, span, 0.0),
+              ("host (issuing only)", 0, host, 0.0)]
+    return _profile_kernels(prefill, 2, top) + timing
 
 
 def _profile_kernels(fn: Callable[[], object], iters: int, top: int) -> list[tuple]:

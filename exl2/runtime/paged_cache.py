@@ -98,8 +98,7 @@ class PagedKVCache:
 
     def _fresh(self, q_pos: torch.Tensor) -> bool:
         """Whether every row starts at position 0 (new prompts, no cached prefix). A host read, so it waits for
-        the GPU: done once per forward, not once per layer (a wait per layer left the GPU idle ~15 % of a
-        prefill while the host caught up)."""
+        the GPU: done once per forward, not once per layer (it was 32 waits a forward of the 8B model)."""
         key, fresh = self._fresh_of
         if key is not q_pos:
             fresh = not bool((q_pos[:, 0] > 0).any())
