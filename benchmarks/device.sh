@@ -58,6 +58,8 @@ for s in $steps; do
          -p no:cacheprovider -rA > "$OUT/gpu_s13.txt" 2>&1; echo "s13 tests rc=$?"
        grep -cE "^PASSED" "$OUT/gpu_s13.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_s13.txt" | cut -c1-150; tail -1 "$OUT/gpu_s13.txt"
        bash "$0" pbreak final ;;
+  gaps) timeout ${GAPS_TIMEOUT:-150} python3 benchmarks/prefill_host.py --top 15 --gaps --graph > "$OUT/prefill_gaps.txt" 2>&1
+        echo "prefill gaps rc=$?"; grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ " "$OUT/prefill_gaps.txt" | tail -40 ;;
   pbreak) timeout ${BENCH_TIMEOUT:-150} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 --breakdown-prefill \
            $BENCH_ARGS > "$OUT/bench_prefill_breakdown${TAG}.txt" 2>&1; echo "bench (prefill breakdown) rc=$?"
          tail -22 "$OUT/bench_prefill_breakdown${TAG}.txt" ;;

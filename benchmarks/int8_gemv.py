@@ -34,6 +34,7 @@ DP4A_STEP = "\n".join(
         f"dp4a.u32.s32 d, lo, ${5 + 2 * j}, d;",
         f"dp4a.u32.s32 d, hi, ${6 + 2 * j}, d;")]
     + ["mad.lo.s32 $0, $13, -8, d;", "}"])
+_DP4A_CONSTRAINTS = tl.constexpr("=r," + ",".join(["r"] * 13))
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def _gemv4_int8_kernel(xq_ptr, xs_ptr, xsum_ptr, qw_ptr, sc_ptr, sg_ptr, out_ptr
         xs = tl.load(xs_ptr + offs_s, mask=mask_s, other=0.0)
         xsum = tl.load(xsum_ptr + offs_s, mask=mask_s, other=0)
         dot = tl.inline_asm_elementwise(
-            ASM, "=r," + ",".join(["r"] * 13),
+            ASM, _DP4A_CONSTRAINTS,
             [w0, w1, w2, w3, e0, o0, e1, o1, e2, o2, e3, o3, xsum[:, None]], dtype=tl.int32, is_pure=True, pack=1)
         acc += dot.to(tl.float32) * (sc.to(tl.float32) * xs[:, None])
     tl.atomic_add(out_ptr + offs_n, tl.sum(acc, axis=0), mask=mask_n)
