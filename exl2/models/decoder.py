@@ -286,18 +286,26 @@ class DecoderModel(nn.Module):
                             for name, r in ropes.items() if r is not None and r.static}
         self._rope_len = length
 
-    def rope_tables(self, q_pos: torch.Tensor) -> dict:
-        """cos/sin tables [positions, dim/2] covering q_pos, per RoPE table in use."""
+    def rope_tables(self, q_pos: torch.Tensor, end: int | None = None) -> dict:
+        """cos/sin tables [positions, dim/2] covering q_pos, per RoPE table in use.
+
+        `end` (one past the last position, when the host knows it) avoids reading q_pos back from the GPU.
+        Static tables are kept and grown by doubling, so a forward does not rebuild them on the CPU."""
         s = self.spec
-        cached = getattr(self, "_rope_cache", {})
+        static = [r.static for r in (s.rope, s.local_rope) if r is not None]
+        cached = getattr(self, "_rope_cache", None)
+        if end is None and (cached is None or not all(static)):
+            end = int(q_pos.max()) + 1
+        if all(static) and end is not None and (cached is None or end > self._rope_len):
+            DecoderModel.prepare_rope(self, max(256, 1 << (end - 1).bit_length(), 2 * getattr(self, "_rope_len", 0)))
+            cached = self._rope_cache
         tables = {}
         for name, r in (("global", s.rope), ("local", s.local_rope)):
             if r is None:
                 continue
-            if name in cached:
+            if cached and name in cached:
                 tables[name] = cached[name]
             else:
-                end = int(q_pos.max()) + 1
                 tables[name] = (*r.table(end, self.device), r.interleaved)
         return tables
 
@@ -331,7 +339,7 @@ class DecoderModel(nn.Module):
         note = getattr(cache, "note_positions", None)
         if note is not None:
             note(q_pos, start == 0 if isinstance(start, int) else None)
-        tables = self.rope_tables(q_pos)
+        tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
         x, delta = self.embed(ids).contiguous(), None
         for i, layer in enumerate(self.layers):
             x, delta = layer.fused_step(x, delta, q_pos, self.layer_rope(tables, i), cache)

@@ -108,7 +108,7 @@ class SourceModel:
         """(q_pos [B, T], the layer's rope argument) for rows that start at position 0."""
         q_pos = torch.arange(length, device=self.device).expand(batch, length)
         if length not in self._tables:
-            self._tables[length] = DecoderModel.rope_tables(self._ns, q_pos)
+            self._tables[length] = DecoderModel.rope_tables(self._ns, q_pos, length)
         return q_pos, DecoderModel.layer_rope(self._ns, self._tables[length], layer)
 
 
