@@ -8,6 +8,8 @@
 # shapes in NCU_SHAPES (gemv_probe.py: gate, q, k, down, head). pbreak: per-kernel times of one prefill.
 # s13: the GPU tests of session 12's unmeasured prefill changes, then pbreak and final. dequant: the prefill's
 # dequantization over tile sizes (kernels.py --only dequant). int8: benchmarks/int8_gemv.py (the dp4a gemv experiment).
+# hostvar: the prefill's host issue time over 5 forwards, plain, after the bench's decode-graph capture, and pinned
+# to HOSTVAR_PIN (a taskset CPU list) when set. chunks: dequantize + cuBLAS in L2-sized column chunks (kernels.py).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -60,6 +62,14 @@ for s in $steps; do
        bash "$0" pbreak final ;;
   gaps) timeout ${GAPS_TIMEOUT:-150} python3 benchmarks/prefill_host.py --top 15 --gaps --graph > "$OUT/prefill_gaps.txt" 2>&1
         echo "prefill gaps rc=$?"; grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ " "$OUT/prefill_gaps.txt" | tail -40 ;;
+  hostvar) lscpu | grep -E "^(Model name|NUMA node)"; nvidia-smi topo -m 2>/dev/null | grep -E "^GPU0" | tr -s ' \t' ' '
+        for v in "" "--bench-setup" ${HOSTVAR_PIN:+"taskset -c $HOSTVAR_PIN"}; do
+          case $v in taskset*) cmd="$v python3 benchmarks/prefill_host.py"; tag=pin ;;
+                     *) cmd="python3 benchmarks/prefill_host.py $v"; tag=${v:+setup} ;; esac
+          timeout 120 $cmd --repeat 5 --top 14 > "$OUT/prefill_host_${tag:-plain}.txt" 2>&1
+          echo "prefill_host [$v] rc=$?"; grep -E "^host|function calls" "$OUT/prefill_host_${tag:-plain}.txt"; done ;;
+  chunks) timeout ${CHUNKS_TIMEOUT:-150} python3 benchmarks/kernels.py --only chunks --budget ${CHUNKS_BUDGET:-130} \
+           --json "$OUT/chunks.json" > "$OUT/chunks.txt" 2>&1; echo "chunks rc=$?"; grep -E "^  chunks|^\| " "$OUT/chunks.txt" | tail -40 ;;
   pbreak) timeout ${BENCH_TIMEOUT:-150} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 --breakdown-prefill \
            $BENCH_ARGS > "$OUT/bench_prefill_breakdown${TAG}.txt" 2>&1; echo "bench (prefill breakdown) rc=$?"
          tail -22 "$OUT/bench_prefill_breakdown${TAG}.txt" ;;

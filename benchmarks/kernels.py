@@ -487,6 +487,56 @@ def dequant_section(bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+def chunks_section(bw: float) -> None:
+    """Whether the prefill's dequantize + cuBLAS pays when done in column chunks small enough to stay in L2 (a
+    reused [K, C] buffer, dequantized then multiplied before the next chunk overwrites it): the fp16 weight's DRAM
+    write and read-back would go. Per shape at M = 2047: the engine's path, its GEMM alone on a ready fp16
+    weight, its dequantization alone, then chunk sizes C (N / C distinct random weights, so no codes are L2-hot)."""
+    m = 2047
+    for name, k, n, sizes in (("gate/up", 4096, 28672, (1024, 2048, 3584, 4096, 7168)),
+                              ("down", 14336, 4096, (512, 1024, 2048)),
+                              ("q/k/v", 4096, 6144, (1024, 2048, 3072)),
+                              ("o", 4096, 4096, (1024, 2048))):
+        if over_budget():
+            break
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        w = make_weight(k, n, 4)
+        wd = qm.dequantize_triton(w)
+        flops = 2 * m * k * n
+        t_full = graph_us([lambda: qm.dequant_matmul(x, w)], reps=10)
+        t_gemm = graph_us([lambda: torch.matmul(x, wd)], reps=10)
+        t_deq = graph_us([lambda: qm.dequantize_triton(w, out=wd)], reps=10)
+        log(f"  chunks {name}: engine {t_full:.0f} us, GEMM alone {t_gemm:.0f} us ({flops / t_gemm / 1e6:.0f} TFLOPS), "
+            f"dequantize alone {t_deq:.0f} us")
+        record(shape=name, path="engine (dequantize all, one GEMM)", c=n, us=t_full, tflops=flops / t_full / 1e6)
+        record(shape=name, path="GEMM alone", c=n, us=t_gemm, tflops=flops / t_gemm / 1e6)
+        record(shape=name, path="dequantize alone", c=n, us=t_deq, tflops=0.0)
+        del wd
+        for c in sizes:
+            if over_budget():
+                break
+            parts = [make_weight(k, c, 4) for _ in range(n // c)]
+            buf = torch.empty(k, c, dtype=torch.float16, device="cuda")
+            ys = [torch.empty(m, c, dtype=torch.float16, device="cuda") for _ in parts]
+
+            def chunked():
+                for p, y in zip(parts, ys):
+                    qm.dequantize_triton(p, out=buf)
+                    torch.matmul(x, buf, out=y)
+
+            def deq_only():
+                for p in parts:
+                    qm.dequantize_triton(p, out=buf)
+            t = graph_us([chunked], reps=4)
+            td = graph_us([deq_only], reps=4)
+            log(f"  chunks {name} C={c}: {t:.0f} us ({t_full / t:.2f}x the engine), dequantize only {td:.0f} us")
+            record(shape=name, path="chunked", c=c, us=t, tflops=flops / t / 1e6)
+            record(shape=name, path="chunked, dequantize only", c=c, us=td, tflops=0.0)
+            del parts, buf, ys
+        del x, w
+        torch.cuda.empty_cache()
+
+
 def norm_section(bw: float) -> None:
     """The RMSNorm that feeds the quantized projections, at decode sizes: the norm alone, the norm + one
     `gather_input` launch for the permuted copies, and `rms_norm_gather` (the copies written by the norm's own
@@ -625,7 +675,7 @@ def merge_section(bw: float) -> None:
 def table(rows) -> str:
     out = ["| shape | M | path | µs | GB/s | % copy BW | cuBLAS time / this | rel err | config |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
+    for r in (r for r in rows if "gbs" in r):
         out.append(f"| {r['shape']} | {r['m']} | {r['path']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_bw']:.0f} | "
                    f"{r['vs_cublas']:.2f} | {r['err']:.1e} | {r['cfg']} |")
     return "\n".join(out)
@@ -637,7 +687,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
     ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles", "merge", "dot16",
-                                       "dequant"), default=None)
+                                       "dequant", "chunks"), default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -661,6 +711,8 @@ def main() -> None:
             merge_section(bw)
         if args.only == "dequant":
             dequant_section(bw)
+        if args.only == "chunks":
+            chunks_section(bw)
         if args.only == "dot16":
             dot16_group_section(bw)
             dot16_section(bw)
@@ -676,6 +728,11 @@ def main() -> None:
     finally:
         log(f"\n(total {time.time() - T0:.0f} s)\n")
         log(table(ROWS))
+        chunk_rows = [r for r in ROWS if "tflops" in r]
+        if chunk_rows:
+            log("\n| shape | path | columns a chunk | µs | TFLOPS |\n| --- | --- | --- | --- | --- |")
+            for r in chunk_rows:
+                log(f"| {r['shape']} | {r['path']} | {r['c']} | {r['us']:.0f} | {r['tflops']:.0f} |")
         if args.json:
             Path(args.json).write_text(json.dumps({"bw_tbs": bw, "rows": ROWS}, indent=1))
 

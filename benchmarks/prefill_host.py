@@ -3,7 +3,8 @@ the end), next to its wall and GPU-synchronized time. Prints the functions with 
 where the GPU sat idle between kernels (from the profiler's kernel timestamps), `--graph` the forward replayed as
 one CUDA graph (the GPU time with no host in the way).
 
-    python3 benchmarks/prefill_host.py [--tokens 2047] [--layers 32] [--top 25] [--gaps] [--graph]
+    python3 benchmarks/prefill_host.py [--tokens 2047] [--layers 32] [--top 25] [--gaps] [--graph] [--bench-setup]
+                                       [--repeat N]
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exl2.models.decoder import DecoderModel  # noqa: E402
 from exl2.models.registry import spec_from_config  # noqa: E402
+from exl2.runtime.graphs import DecodeGraphs  # noqa: E402
 from exl2.runtime.paged_cache import PagedKVCache  # noqa: E402
 from exl2.runtime.synthetic import LLAMA3_8B, DictSource, llama_exl2_tensors  # noqa: E402
 from exl2.runtime.weights import WeightLoader  # noqa: E402
@@ -32,6 +34,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--gaps", action="store_true")
     p.add_argument("--graph", action="store_true")
+    p.add_argument("--bench-setup", action="store_true",
+                   help="first capture the decode graphs for batch 1-16 as `exl2 bench` does before its prefill")
+    p.add_argument("--repeat", type=int, default=1, help="time this many forwards (host and wall each)")
     a = p.parse_args()
     dev = torch.device("cuda")
     cfg = dict(LLAMA3_8B, num_hidden_layers=a.layers)
@@ -42,21 +47,27 @@ def main() -> None:
         cache = PagedKVCache(model.spec, num_pages=1 + pages, page_size=256, mode="fp16", device=dev,
                              dtype=model.dtype)
         cache.bind((1 + torch.arange(pages, device=dev, dtype=torch.int32)).view(1, -1))
+        if a.bench_setup:
+            graphs = DecodeGraphs(model, PagedKVCache(model.spec, num_pages=1 + 16 * pages, page_size=256,
+                                                      mode="fp16", device=dev, dtype=model.dtype), pages)
+            graphs.capture()
+            cache.bind((1 + torch.arange(pages, device=dev, dtype=torch.int32)).view(1, -1))
         ids = torch.randint(0, model.spec.vocab_size, (1, a.tokens), device=dev)
         for _ in range(2):
             model(ids, cache, 0, last_only=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model(ids, cache, 0, last_only=True)
-        host = time.perf_counter() - t0
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        for _ in range(a.repeat):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(ids, cache, 0, last_only=True)
+            host = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            print(f"host (issuing) {host * 1e3:.2f} ms, wall {wall * 1e3:.2f} ms, {a.tokens / wall:,.0f} tok/s")
         prof = cProfile.Profile()
         prof.enable()
         model(ids, cache, 0, last_only=True)
         prof.disable()
         torch.cuda.synchronize()
-    print(f"host (issuing) {host * 1e3:.2f} ms, wall {wall * 1e3:.2f} ms, {a.tokens / wall:,.0f} tok/s")
     pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
     if a.gaps:
         with torch.inference_mode():
