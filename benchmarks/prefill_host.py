@@ -51,7 +51,6 @@ def main() -> None:
             graphs = DecodeGraphs(model, PagedKVCache(model.spec, num_pages=1 + 16 * pages, page_size=256,
                                                       mode="fp16", device=dev, dtype=model.dtype), pages)
             graphs.capture()
-            cache.bind((1 + torch.arange(pages, device=dev, dtype=torch.int32)).view(1, -1))
         ids = torch.randint(0, model.spec.vocab_size, (1, a.tokens), device=dev)
         for _ in range(2):
             model(ids, cache, 0, last_only=True)

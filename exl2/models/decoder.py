@@ -292,11 +292,11 @@ class DecoderModel(nn.Module):
         `end` (one past the last position, when the host knows it) avoids reading q_pos back from the GPU.
         Static tables are kept and grown by doubling, so a forward does not rebuild them on the CPU."""
         s = self.spec
-        static = [r.static for r in (s.rope, s.local_rope) if r is not None]
+        static = all(r.static for r in (s.rope, s.local_rope) if r is not None)
         cached = getattr(self, "_rope_cache", None)
-        if end is None and (cached is None or not all(static)):
+        if end is None and (cached is None or not static):
             end = int(q_pos.max()) + 1
-        if all(static) and end is not None and (cached is None or end > self._rope_len):
+        if static and end is not None and (cached is None or end > self._rope_len):
             DecoderModel.prepare_rope(self, max(256, 1 << (end - 1).bit_length(), 2 * getattr(self, "_rope_len", 0)))
             cached = self._rope_cache
         tables = {}
