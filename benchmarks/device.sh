@@ -10,6 +10,8 @@
 # dequantization over tile sizes (kernels.py --only dequant). int8: benchmarks/int8_gemv.py (the dp4a gemv experiment).
 # hostvar: the prefill's host issue time over 5 forwards, plain, after the bench's decode-graph capture, and pinned
 # to HOSTVAR_PIN (a taskset CPU list) when set. chunks: dequantize + cuBLAS in L2-sized column chunks (kernels.py).
+# attnsweep2: benchmarks/attn_probe.py --sweep (decode attention variants). ncuattn: ncu of decode attention on the
+# ATTN_SHAPES ("batch:ctx:mode:splits ...", splits 0 = the kernel picks).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -70,6 +72,17 @@ for s in $steps; do
           echo "prefill_host [$v] rc=$?"; grep -E "^host|function calls" "$OUT/prefill_host_${tag:-plain}.txt"; done ;;
   chunks) timeout ${CHUNKS_TIMEOUT:-150} python3 benchmarks/kernels.py --only chunks --budget ${CHUNKS_BUDGET:-130} \
            --json "$OUT/chunks.json" > "$OUT/chunks.txt" 2>&1; echo "chunks rc=$?"; grep -E "^  chunks|^\| " "$OUT/chunks.txt" | tail -40 ;;
+  attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
+           echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
+  ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"
+           timeout 90 ncu --clock-control none --kernel-name regex:_attn_kernel --launch-skip 3 --launch-count 1 \
+             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+             --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+             --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
+             python3 benchmarks/attn_probe.py --batch $ab --ctx $actx --mode $amode --splits $asp \
+             > "$OUT/ncu_attn_${ab}_${actx}_${amode}.txt" 2>&1; echo "ncu attn $shape rc=$?"
+           grep -E "Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Issued Warp|Eligible Warps|Warp Cycles Per Issued|Executed Instructions  |Grid Size|Waves|L2 Hit|L1/TEX Hit" "$OUT/ncu_attn_${ab}_${actx}_${amode}.txt" | head -24
+           grep -E "stalled" "$OUT/ncu_attn_${ab}_${actx}_${amode}.txt" | sort -k3 -g -r | head -8; done ;;
   pbreak) timeout ${BENCH_TIMEOUT:-150} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 --breakdown-prefill \
            $BENCH_ARGS > "$OUT/bench_prefill_breakdown${TAG}.txt" 2>&1; echo "bench (prefill breakdown) rc=$?"
          tail -22 "$OUT/bench_prefill_breakdown${TAG}.txt" ;;

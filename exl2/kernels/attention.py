@@ -38,6 +38,10 @@ from exl2.kernels.kv_quant import h32_tl, kv_rows_rotated
 # dot (session 10: batch 1, ctx 2048, q4: 16.1 → 13.5 µs).
 FUSED_MERGE = False
 V_EARLY = True
+# Decode launches (one query a sequence) skip the query-offset loads; False restores them (an A/B switch).
+ONE_Q = True
+# Software-pipelining stages of the attention loop (a module attribute so benchmarks/attn_probe.py can sweep it).
+STAGES = 2
 # Upper bound on the decode key splits the kernel picks itself (EXL2_ATTN_MAX_SPLITS): with one split a batch's
 # attention needs no merge launch, at the price of one program per (sequence, KV head) walking the whole context.
 MAX_SPLITS = env_choice("EXL2_ATTN_MAX_SPLITS", 32, range(1, 33))
@@ -115,7 +119,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                  V_BITS: tl.constexpr, KZERO: tl.constexpr, VZERO: tl.constexpr, SPLIT: tl.constexpr,
                  PARTIAL: tl.constexpr, MERGE: tl.constexpr = False, MR: tl.constexpr = 16,
                  MCH: tl.constexpr = 1, PERM: tl.constexpr = False, V_EARLY: tl.constexpr = True,
-                 Q_ROT: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                 Q_ROT: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                 ONE_Q: tl.constexpr = False):
     """One (query block, KV head, key split) program; with MERGE the split arriving last at its counter also
     merges the partials of its rows (no separate merge launch); with PERM outputs go to the columns `perm_ptr`
     gives (the permuted input of a quantized o_proj).
@@ -130,8 +135,12 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
     pid_s = tl.program_id(2)
     b = pid_q // Q_BLOCKS
     t0 = (pid_q % Q_BLOCKS) * TQ
-    q_start = tl.load(cuq_ptr + b)
-    q_len = tl.load(cuq_ptr + b + 1) - q_start
+    if ONE_Q:
+        q_start = b
+        q_len = 1
+    else:
+        q_start = tl.load(cuq_ptr + b)
+        q_len = tl.load(cuq_ptr + b + 1) - q_start
     if t0 < q_len:
         seq_len = tl.load(seq_ptr + b)
         if PAGED:
@@ -470,7 +479,7 @@ def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
 
 def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu_k, max_q_len, scale,
             sliding_window, softcap, k_bits, v_bits, causal, num_splits, paged, page_size, out_index=None,
-            q_rotated=False):
+            q_rotated=False, one_q=False):
     tq, hq, dk = q.shape
     hkv = k_rows.shape[1]
     dv = _head_dim(v_rows, v_bits)
@@ -523,7 +532,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
         SPLIT=split, PARTIAL=partial, MERGE=merge, MR=mr,
         MCH=max(1, min(next_pow2(split), 8192 // (mr * next_pow2(dv)))), PERM=out_index is not None,
-        V_EARLY=V_EARLY, Q_ROT=q_rotated, num_warps=warps, num_stages=2,
+        V_EARLY=V_EARLY, Q_ROT=q_rotated, ONE_Q=one_q and ONE_Q, num_warps=warps, num_stages=STAGES,
         **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0, small=True))
     if partial and not merge:
         _merge_kernel[(tq, hq)](o_part, lse, out, perm, split, *o_part.stride()[:3], *lse.stride(), *out_strides,
@@ -572,7 +581,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                    _cache_rows(k_scales) if k_scales is not None else None,
                    _cache_rows(v_scales) if v_scales is not None else None,
                    block_table, seq_lens, cu_q, None, max_q_len, scale, sliding_window, softcap, k_bits, v_bits,
-                   causal, num_splits, True, k_cache.shape[1], out_index, q_rotated)
+                   causal, num_splits, True, k_cache.shape[1], out_index, q_rotated, cu_seqlens_q is None)
 
 
 # --------------------------------------------------------------------------------------------------- prefill

@@ -1,0 +1,111 @@
+"""Decode attention over a paged cache, for profilers to attach to and for variant timings.
+
+    ncu --clock-control none --kernel-name regex:_attn_kernel --launch-skip 3 --launch-count 1 \
+        python3 benchmarks/attn_probe.py [--batch 16 --ctx 128 --mode fp16 --splits 1]
+    python3 benchmarks/attn_probe.py --sweep    # graph-timed table of kernel variants, cold caches
+
+Shapes are Llama-3-8B's (32 query / 8 KV heads of 128, pages of 256 tokens). `--splits 1` is what the batch-16
+short-context graph runs; None lets the kernel pick. The sweep varies the key block, warps, pipelining stages and
+whether decode launches skip the query-offset loads (`attention.ONE_Q`).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from exl2.kernels import attention as at  # noqa: E402
+from kernels import COLD_BYTES, decode_attention_inputs, graph_us, rel_err  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 256
+SHORT = False  # --short: only the batch-16 one-split cases, and a few configs
+
+
+def inputs(batch: int, ctx: int, mode: str):
+    bt, lens, q, k, v, kc, ks, vc, vs = decode_attention_inputs(batch, ctx, HQ, HKV, D, PAGE)
+    tensors, bits = ((k, v, None, None), 16) if mode == "fp16" else ((kc, vc, ks, vs), 4)
+    return bt, lens, q, tensors, bits
+
+
+def call(q, c, bt, lens, bits, splits, perm=None):
+    return at.paged_attention(q, c[0], c[1], bt, lens, k_bits=bits, v_bits=bits, k_scales=c[2], v_scales=c[3],
+                              num_splits=splits, out_index=perm)
+
+
+def sweep() -> None:
+    key_of = {16: ("decode", "fp16"), 4: ("decode", "quant")}
+    saved = dict(at.TUNING), at.STAGES, at.ONE_Q
+    print("| batch | ctx | cache | splits | pages | out | bn | warps | stages | one_q | µs | GB/s | rel err |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    # "perm": the output in o_proj's permuted input order, as the decoder asks for it; "contiguous": each
+    # sequence's pages in order, as the bench's decode step lays them out
+    for batch, ctx, mode, splits, layout, out in (
+            (16, 128, "fp16", 1, "random", "plain"), (16, 128, "fp16", 1, "random", "perm"),
+            (16, 128, "fp16", 1, "contiguous", "perm"), (16, 128, "q4", None, "random", "plain"),
+            (1, 2048, "fp16", None, "random", "plain"), (16, 2048, "fp16", None, "random", "plain")):
+        if SHORT and (batch, ctx, splits) != (16, 128, 1):
+            continue
+        bt, lens, q, tensors, bits = inputs(batch, ctx, mode)
+        if layout == "contiguous":
+            bt = torch.arange(bt.numel(), dtype=torch.int32, device=bt.device).view_as(bt)
+        perm = torch.randperm(HQ * D, device=q.device).int() if out == "perm" else None
+        nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        copies = [tensors] + [tuple(None if t is None else t.clone() for t in tensors)
+                              for _ in range(max(1, -(-COLD_BYTES // nbytes)) - 1)]
+        ref = at.paged_attention_torch(q, tensors[0], tensors[1], bt, lens, k_bits=bits, v_bits=bits,
+                                       k_scales=tensors[2], v_scales=tensors[3])
+        default = saved[0][key_of[bits]]
+        grid = [(default[0], default[1], s, o) for s in (1, 2, 3) for o in (False, True)]
+        grid += [(bn, nw, saved[1], True) for bn, nw in itertools.product((32, 64, 128), (2, 4, 8))
+                 if (bn, nw) != default]
+        if SHORT:
+            grid = [(default[0], default[1], saved[1], True), (128, 8, 1, True), (128, 8, 2, True), (128, 4, 1, True)]
+        for bn, nw, stages, one_q in grid:
+            at.TUNING[key_of[bits]], at.STAGES, at.ONE_Q = (bn, nw), stages, one_q
+            try:
+                got = call(q, copies[0], bt, lens, bits, splits, perm)
+                if perm is not None:
+                    got = got[:, perm.long()].view_as(ref)
+                err = rel_err(got, ref)
+                us = graph_us([lambda c=c: call(q, c, bt, lens, bits, splits, perm) for c in copies])
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
+                print(f"| {batch} | {ctx} | {mode} | {splits} | {layout} | {out} | {bn} | {nw} | {stages} | {one_q} | failed: "
+                      f"{type(e).__name__}: {str(e)[:120]} | | |")
+                continue
+            print(f"| {batch} | {ctx} | {mode} | {splits} | {layout} | {out} | {bn} | {nw} | {stages} | {one_q} | {us:.2f} | "
+                  f"{nbytes / us / 1e3:.0f} | {err:.1e} |", flush=True)
+        at.TUNING.clear()
+        at.TUNING.update(saved[0])
+        at.STAGES, at.ONE_Q = saved[1], saved[2]
+        del copies
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=128)
+    p.add_argument("--mode", default="fp16", choices=("fp16", "q4"))
+    p.add_argument("--splits", type=int, default=1, help="key splits (0: the kernel picks)")
+    p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--short", action="store_true", help="with --sweep: the batch-16 one-split cases only")
+    a = p.parse_args()
+    global SHORT
+    SHORT = a.short
+    if a.sweep:
+        sweep()
+        return
+    bt, lens, q, tensors, bits = inputs(a.batch, a.ctx, a.mode)
+    for _ in range(a.calls):
+        call(q, tensors, bt, lens, bits, a.splits or None)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
