@@ -594,11 +594,11 @@ def attention_section(bw: float, sweep_on: bool) -> None:
             key = ("decode", "quant" if bits != 16 else "fp16")
             default = at.TUNING[key]
             grid = [(bn, nw, ve) for bn in (16, 32, 64, 128) for nw in (4, 8) for ve in (False, True)] \
-                if sweep_on else [default + (at.V_EARLY,)]
+                if sweep_on else [default[:2] + (at.V_EARLY,)]
             best = None
             v_early = at.V_EARLY
             for bn, nw, ve in grid:
-                at.TUNING[key], at.V_EARLY = (bn, nw), ve
+                at.TUNING[key], at.V_EARLY = (bn, nw, default[2]), ve
                 for splits in ((None, 8, 16, 32) if sweep_on else (None,)):
                     if over_budget():
                         break
@@ -613,7 +613,7 @@ def attention_section(bw: float, sweep_on: bool) -> None:
                         continue
                     log(f"    attn B={batch} ctx={ctx} {mode} bn={bn} warps={nw} v_early={ve} splits={splits}: "
                         f"{us:.2f} us")
-                    if (bn, nw) == default and ve == v_early and splits is None:
+                    if (bn, nw) == default[:2] and ve == v_early and splits is None:
                         row(f"attn B={batch} ctx={ctx}", batch, f"paged {mode} default", us, nbytes, bw, None, err,
                             f"bn={bn} warps={nw} splits=auto")
                     if best is None or us < best[0]:

@@ -40,14 +40,15 @@ FUSED_MERGE = False
 V_EARLY = True
 # Decode launches (one query a sequence) skip the query-offset loads; False restores them (an A/B switch).
 ONE_Q = True
-# Software-pipelining stages of the attention loop (a module attribute so benchmarks/attn_probe.py can sweep it).
-STAGES = 2
 # Upper bound on the decode key splits the kernel picks itself (EXL2_ATTN_MAX_SPLITS): with one split a batch's
 # attention needs no merge launch, at the price of one program per (sequence, KV head) walking the whole context.
 MAX_SPLITS = env_choice("EXL2_ATTN_MAX_SPLITS", 32, range(1, 33))
-# (key block, warps) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md)
-TUNING = {("decode", "fp16"): (64, 4), ("decode", "quant"): (64, 4),
-          ("prefill", "fp16"): (32, 4), ("prefill", "quant"): (32, 4)}
+# (key block, warps, pipelining stages) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md).
+# "short": decode asked for one split over fp16 values, which the short-context graphs do (at most
+# graphs.SHORT_CONTEXT keys, one or two blocks a program, so nothing to pipeline): batch 16, ctx 128, the output in
+# o_proj's order, 9.2 → 7.6 µs (session 15).
+TUNING = {("decode", "fp16"): (64, 4, 2), ("decode", "quant"): (64, 4, 2), ("short", "fp16"): (128, 4, 1),
+          ("prefill", "fp16"): (32, 4, 2), ("prefill", "quant"): (32, 4, 2)}
 
 
 def decode_splits(programs: int, device: torch.device) -> int:
@@ -166,6 +167,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
         per = tl.cdiv(tl.cdiv(hi - lo, SPLIT), BN) * BN
         start = lo + pid_s * per
         end = tl.minimum(hi, start + per)
+        omask = row_ok[:, None] & (dv[None, :] < DV)
+        if PERM and not PARTIAL:
+            # o_proj's column order is fixed (no kernel writes it): loaded now, its latency hides behind the keys'
+            cols = tl.load(perm_ptr + head[:, None] * DV + dv[None, :], mask=omask, other=0)
         if PDL:
             if PREFETCH:
                 _prefetch_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, b, stride_bt, page_size, kv_base, start, end, kvh,
@@ -231,7 +236,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
 
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
-        omask = row_ok[:, None] & (dv[None, :] < DV)
         o_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         if PARTIAL:
             tl.store(o_ptr + pid_s * stride_os + o_off, o, mask=omask)
@@ -241,25 +245,51 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                 tl.debug_barrier()  # this program's partials are written before its arrival is counted
                 count = tl.atomic_add(cnt_ptr + pid_q * tl.num_programs(1) + kvh, 1)
                 if count == SPLIT - 1:
-                    _merge_rows(o_ptr, lse_ptr, out_ptr, perm_ptr, q_start + t0, kvh * GROUP, GROUP,
-                                tl.minimum(q_len - t0, TQ) * GROUP, SPLIT, stride_os, stride_ot, stride_oh,
-                                stride_ls, stride_lt, stride_lh, stride_xt, stride_xh, DV, MR, BDV, MCH,
-                                V_BITS != 16, PERM)
+                    m_rows = tl.minimum(q_len - t0, TQ) * GROUP
+                    out_off, out_mask = _merge_out(perm_ptr, q_start + t0, kvh * GROUP, GROUP, m_rows, stride_xt,
+                                                   stride_xh, DV, MR, BDV, V_BITS != 16, PERM)
+                    _merge_rows(o_ptr, lse_ptr, out_ptr, out_off, out_mask, q_start + t0, kvh * GROUP, GROUP,
+                                m_rows, SPLIT, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, DV,
+                                MR, BDV, MCH, V_BITS != 16)
                     tl.atomic_xchg(cnt_ptr + pid_q * tl.num_programs(1) + kvh, 0)
         elif PERM:
-            cols = tl.load(perm_ptr + head[:, None] * DV + dv[None, :], mask=omask, other=0)
             tl.store(out_ptr + q_rows[:, None] * stride_xt + cols, o.to(out_ptr.dtype.element_ty), mask=omask)
         else:
             tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
-def _merge_rows(o_ptr, lse_ptr, out_ptr, perm_ptr, t_base, h_base, G, rows, SPLIT, stride_os, stride_ot, stride_oh,
-                stride_ls, stride_lt, stride_lh, stride_xt, stride_xh, DV, R: tl.constexpr, BDV: tl.constexpr,
-                CH: tl.constexpr, V_ROT: tl.constexpr, PERM: tl.constexpr):
+def _merge_out(perm_ptr, t_base, h_base, G, rows, stride_xt, stride_xh, DV, R: tl.constexpr, BDV: tl.constexpr,
+               V_ROT: tl.constexpr, PERM: tl.constexpr):
+    """(offsets, mask) of the merged rows' outputs in `out` (see `_merge_rows`): data-independent, and with PERM
+    the column order is a fixed load, so callers issue it before waiting on anything."""
+    if V_ROT:
+        NB: tl.constexpr = R * BDV // 32
+        r = tl.arange(0, NB)
+        blk = r % (BDV // 32)
+        ri = r // (BDV // 32)
+        e = (blk // 2)[:, None] * 64 + 2 * tl.arange(0, 32)[None, :] + (blk % 2)[:, None]
+        tok = (t_base + ri // G).to(tl.int64)[:, None]
+        col = (h_base + ri % G)[:, None] * stride_xh + e
+        mask = (ri < rows)[:, None] & (e < DV)
+    else:
+        i = tl.arange(0, R)
+        dv = tl.arange(0, BDV)
+        tok = (t_base + i // G).to(tl.int64)[:, None]
+        col = (h_base + i % G)[:, None] * stride_xh + dv[None, :]
+        mask = (i < rows)[:, None] & (dv < DV)[None, :]
+    if PERM:
+        col = tl.load(perm_ptr + col, mask=mask, other=0)
+    return tok * stride_xt + col, mask
+
+
+@triton.jit
+def _merge_rows(o_ptr, lse_ptr, out_ptr, out_off, out_mask, t_base, h_base, G, rows, SPLIT, stride_os, stride_ot,
+                stride_oh, stride_ls, stride_lt, stride_lh, DV, R: tl.constexpr, BDV: tl.constexpr,
+                CH: tl.constexpr, V_ROT: tl.constexpr):
     """Combine the SPLIT partial outputs (normalised, with their log2-sum-exp) of `rows` (< R) output rows, row i
-    being token t_base + i // G, head h_base + i % G; CH splits per load. Rotated values (basis
-    d' = 64·blk + 32·par + j) are un-rotated once, on the merged rows."""
+    being token t_base + i // G, head h_base + i % G; CH splits per load; stored at `out_off` (`_merge_out`).
+    Rotated values (basis d' = 64·blk + 32·par + j) are un-rotated once, on the merged rows."""
     i = tl.arange(0, R)
     tok = (t_base + i // G).to(tl.int64)
     head = h_base + i % G
@@ -289,24 +319,10 @@ def _merge_rows(o_ptr, lse_ptr, out_ptr, perm_ptr, t_base, h_base, G, rows, SPLI
         NB: tl.constexpr = R * BDV // 32
         r2 = tl.reshape(res, [NB, 32])
         if NB >= 16:
-            x = tl.dot(r2, h32_tl().to(tl.float32), input_precision="ieee") * 0.03125
+            res = tl.dot(r2, h32_tl().to(tl.float32), input_precision="ieee") * 0.03125
         else:
-            x = tl.sum(r2[:, :, None] * h32_tl().to(tl.float32)[None, :, :], axis=1) * 0.03125
-        r = tl.arange(0, NB)
-        blk = r % (BDV // 32)
-        ri = r // (BDV // 32)
-        e = (blk // 2)[:, None] * 64 + 2 * tl.arange(0, 32)[None, :] + (blk % 2)[:, None]
-        res = x
-        tok = (t_base + ri // G).to(tl.int64)[:, None]
-        col = (h_base + ri % G)[:, None] * stride_xh + e
-        mask = (ri < rows)[:, None] & (e < DV)
-    else:
-        tok = tok[:, None]
-        col = head[:, None] * stride_xh + dv[None, :]
-        mask = r_ok[:, None] & (dv < DV)[None, :]
-    if PERM:
-        col = tl.load(perm_ptr + col, mask=mask, other=0)
-    tl.store(out_ptr + tok * stride_xt + col, res.to(out_ptr.dtype.element_ty), mask=mask)
+            res = tl.sum(r2[:, :, None] * h32_tl().to(tl.float32)[None, :, :], axis=1) * 0.03125
+    tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -314,11 +330,12 @@ def _merge_kernel(o_ptr, lse_ptr, out_ptr, perm_ptr, SPLIT, stride_os, stride_ot
                   stride_lh, stride_xt, stride_xh, DV: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr,
                   V_ROT: tl.constexpr, PERM: tl.constexpr = False, PDL: tl.constexpr = False):
     """The merge as its own launch, one (token, head) per program (where the fused merge does not apply)."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    out_off, out_mask = _merge_out(perm_ptr, t, h, 1, 1, stride_xt, stride_xh, DV, 1, BDV, V_ROT, PERM)
     if PDL:
         pdl_sync()
-    _merge_rows(o_ptr, lse_ptr, out_ptr, perm_ptr, tl.program_id(0), tl.program_id(1), 1, 1, SPLIT, stride_os,
-                stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, stride_xt, stride_xh, DV, 1, BDV, BS, V_ROT,
-                PERM)
+    _merge_rows(o_ptr, lse_ptr, out_ptr, out_off, out_mask, t, h, 1, 1, SPLIT, stride_os, stride_ot, stride_oh,
+                stride_ls, stride_lt, stride_lh, DV, 1, BDV, BS, V_ROT)
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -496,7 +513,9 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
     decode_like = max_q_len * group <= 16
     bm = max(16, next_pow2(group)) if decode_like else max(64, next_pow2(group))
     quant = k_bits != 16 or v_bits != 16
-    bn, warps = TUNING[("decode" if decode_like else "prefill", "quant" if quant else "fp16")]
+    short = decode_like and num_splits == 1 and v_bits == 16 and k_bits == 16
+    bn, warps, stages = TUNING[("short" if short else "decode" if decode_like else "prefill",
+                                "quant" if quant else "fp16")]
     bm = max(bm, next_pow2(group) * min(next_pow2(max_q_len), max(1, bm // next_pow2(group))))
     tq_per = bm // group
     q_blocks = triton.cdiv(max_q_len, tq_per)
@@ -532,7 +551,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
         SPLIT=split, PARTIAL=partial, MERGE=merge, MR=mr,
         MCH=max(1, min(next_pow2(split), 8192 // (mr * next_pow2(dv)))), PERM=out_index is not None,
-        V_EARLY=V_EARLY, Q_ROT=q_rotated, ONE_Q=one_q and ONE_Q, num_warps=warps, num_stages=STAGES,
+        V_EARLY=V_EARLY, Q_ROT=q_rotated, ONE_Q=one_q and ONE_Q, num_warps=warps, num_stages=stages,
         **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0, small=True))
     if partial and not merge:
         _merge_kernel[(tq, hq)](o_part, lse, out, perm, split, *o_part.stride()[:3], *lse.stride(), *out_strides,
