@@ -73,10 +73,10 @@ def _compile_all() -> dict:
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
     for mask, bs, v, post, zeros in MMA:
         for split in (False, True):
-            # the split variants are also the programmatic-dependent-launch ones: the first weight copies are issued
-            # before the wait, the input's after it
+            # the split variants are also the programmatic-dependent-launch ones (the first weight copies are issued
+            # before the wait, the input's after it) and the ones with the loop unrolled by the ring
             consts = dict(MASK=mask, HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_ON=split, BS=bs, V=v, STAGES=3, POST=post,
-                          PDL=split)
+                          PDL=split, UNROLL=split)
             key = f"mma-{mask}-{bs}-{v}-{post}-{zeros}-{split}"
             try:
                 # the decoded tile must already sit in the mma operand layout (assert_trivial in the kernel)
@@ -94,7 +94,8 @@ def _compile_all() -> dict:
     gptrs["x_ptr"] = "*fp16"
     for three in (True, False):
         consts = dict(THREE=three, HAS_ZEROS=False, HAS_BIAS=True, ON0=False, ON1=True, ON2=True, BS=4, V=2,
-                      STAGES=4, POST0=True, POST1=False, POST2=True, MASK0=8, MASK1=28, MASK2=8, PDL=three)
+                      STAGES=4, POST0=True, POST1=False, POST2=True, MASK0=8, MASK1=28, MASK2=8, PDL=three,
+                      UNROLL=three)
         try:
             text = ptx(mma_dot._mma_group_kernel, gptrs, consts, 4, 1, div=("N0", "N1", "N2", "stride_xm"))
             pdl_ok = ("griddepcontrol.wait" in text) == three
