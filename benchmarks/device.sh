@@ -11,7 +11,9 @@
 # hostvar: the prefill's host issue time over 5 forwards, plain, after the bench's decode-graph capture, and pinned
 # to HOSTVAR_PIN (a taskset CPU list) when set. chunks: dequantize + cuBLAS in L2-sized column chunks (kernels.py).
 # attnsweep2: benchmarks/attn_probe.py --sweep (decode attention variants). ncuattn: ncu of decode attention on the
-# ATTN_SHAPES ("batch:ctx:mode:splits ...", splits 0 = the kernel picks).
+# ATTN_SHAPES ("batch:ctx:mode:splits ...", splits 0 = the kernel picks). s16: the checks session 15 could not run
+# (no device was lent after its third call): the Gluon tests with the unrolled loop, the A/B of EXL2_MMA4_UNROLL and
+# EXL2_SHARED_INPUT on the bs 1/16 bench, then final.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -72,6 +74,10 @@ for s in $steps; do
           echo "prefill_host [$v] rc=$?"; grep -E "^host|function calls" "$OUT/prefill_host_${tag:-plain}.txt"; done ;;
   chunks) timeout ${CHUNKS_TIMEOUT:-150} python3 benchmarks/kernels.py --only chunks --budget ${CHUNKS_BUDGET:-130} \
            --json "$OUT/chunks.json" > "$OUT/chunks.txt" 2>&1; echo "chunks rc=$?"; grep -E "^  chunks|^\| " "$OUT/chunks.txt" | tail -40 ;;
+  s16) EXL2_MMA4_UNROLL=1 TAG=_unroll bash "$0" gluontests
+       AB_SPECS="EXL2_MMA4_UNROLL=0 EXL2_SHARED_INPUT=0;EXL2_MMA4_UNROLL=1 EXL2_SHARED_INPUT=0;EXL2_MMA4_UNROLL=0;EXL2_MMA4_UNROLL=1" \
+         BENCH_ARGS="--modes fp16 --contexts 128,2048 --prefill 64" bash "$0" envab
+       bash "$0" final ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"
@@ -95,7 +101,9 @@ for s in $steps; do
            --json "$OUT/dot16.json" > "$OUT/dot16.txt" 2>&1; echo "dot16 rc=$?"; grep -v "^    " "$OUT/dot16.txt" | tail -24 ;;
   gluontests) timeout -s INT -k 15 "${TEST_TIMEOUT:-200}" python3 -m pytest -m gpu tests/test_gpu_e2e.py \
            tests/test_kernels_quant_matmul.py -k "gluon or batched_decode_through" -q -n 8 -p no:cacheprovider -rfE \
-           > "$OUT/gpu_gluon.txt" 2>&1; echo "gluon tests rc=$?"; tail -6 "$OUT/gpu_gluon.txt" ;;
+           > "$OUT/gpu_gluon${TAG}.txt" 2>&1; echo "gluon tests rc=$?"; tail -6 "$OUT/gpu_gluon${TAG}.txt"
+           timeout -s INT -k 15 120 python3 -m pytest tests/test_shared_input.py -q -p no:cacheprovider -rfE \
+           > "$OUT/gpu_shared${TAG}.txt" 2>&1; echo "shared-input tests (cuda) rc=$?"; tail -3 "$OUT/gpu_shared${TAG}.txt" ;;
   b128) timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 $BENCH_ARGS \
            > "$OUT/bench_b128${TAG}.txt" 2>&1; echo "bench fp16 ctx 128 $BENCH_ARGS $TAG rc=$?"; tail -4 "$OUT/bench_b128${TAG}.txt" ;;
   ncugemv) for shape in ${NCU_SHAPES:-gate q}; do

@@ -302,8 +302,9 @@ def test_gluon_mma_matches_twin_gpu(m):
         xp = qm.gather_input(x, [w])[0]
         ref = qweight.matmul_torch(x, w)
         for bs, v, split, stages in [(4, 2, 1, 3), (2, 1, 3, 2), (8, 4, 5, 4), (4, 4, 2, 6), (1, 2, 1, 3)]:
-            for _ in range(2):
-                _check_close(mma_dot.mma(xp, w, bs, v, split, stages), ref)
+            for unroll in (False, True):  # the ring-unrolled loop (EXL2_MMA4_UNROLL) too
+                for _ in range(2):
+                    _check_close(mma_dot.mma(xp, w, bs, v, split, stages, unroll=unroll), ref)
         _check_close(qm.quant_matmul(x, w), ref)
 
 
@@ -329,10 +330,10 @@ def test_gluon_mma_group_matches_twin_gpu(m):
         x = torch.randn(m, ws[0].k, dtype=torch.float16, device="cuda")
         refs = [qweight.matmul_torch(x, w) for w in ws]
         buf = qm.gather_input(x, ws, whole=True)
-        offsets = [0, ws[0].x_index.numel(), ws[0].x_index.numel() + ws[1].x_index.numel()][:len(ws)]
-        for splits in (None, [2, 4, 3][:len(ws)]):
+        offsets = qm.input_layout(ws)[1]
+        for splits, unroll in [(s, u) for s in (None, [2, 4, 3][:len(ws)]) for u in (False, True)]:
             for _ in range(2):
-                for y, ref in zip(mma_dot.mma_group(buf, ws, offsets, 4, 2, splits, 4), refs):
+                for y, ref in zip(mma_dot.mma_group(buf, ws, offsets, 4, 2, splits, 4, unroll), refs):
                     _check_close(y, ref)
         for y, ref in zip(qm.grouped_matmul(x, ws), refs):
             _check_close(y, ref)

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import COUNTER_POOL, counters, pdl_args, pdl_sync, sm_count, tl, triton
-from exl2.kernels.quant_matmul import _class_args, _gemv_widths, _pairs_view, width_mask
+from exl2.kernels.quant_matmul import _class_args, _gemv_widths, _pairs_view, input_layout, width_mask
 from exl2.kernels.qweight import QuantWeight
 
 
@@ -141,15 +141,14 @@ class StreamGemv:
         """(metadata, programs, units per program, total units, total tiles, slots per tile), cached."""
         if self._plan is not None:
             return self._plan
-        rows, unit, tile, xoff = [], 0, 0, 0
-        for w in self.ws:
+        rows, unit, tile = [], 0, 0
+        for w, xoff in zip(self.ws, input_layout(self.ws)[1]):
             cls, _ = _class_args(w)
             tiles = triton.cdiv(w.n, self.bn)
             words = w.qweight.shape[0]
             rows.append(cls + [w.n, tiles, words, unit, tile, xoff])
             unit += tiles * words
             tile += tiles
-            xoff += w.x_index.numel()
         programs = max(1, min(self.programs_per_sm * sm_count(device), unit))
         per = triton.cdiv(unit, programs)
         programs = triton.cdiv(unit, per)
@@ -159,8 +158,10 @@ class StreamGemv:
         return self._plan
 
     def __call__(self, xp: torch.Tensor, fast4: bool | None = None) -> list[torch.Tensor]:
-        """Outputs `[M, N_i]` for permuted inputs `xp` `[M, Σ S_i·32]` (the buffer `gather_input(whole=True)`
-        returns, or one weight's permuted input)."""
+        """Outputs `[M, N_i]` for permuted inputs `xp` `[M, total]` laid out by `input_layout` (the buffer
+        `gather_input(whole=True)` returns, or one weight's permuted input)."""
+        if xp.shape[-1] != input_layout(self.ws)[2]:
+            raise ValueError("the permuted-input buffer does not match the weights' layout (input_layout).")
         m = xp.shape[0]
         outs = [torch.empty((m, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
         if m == 0:

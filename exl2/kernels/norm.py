@@ -107,7 +107,8 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
                     gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm` (with the residual update if `residual` is given) that also returns the normed rows gathered by
     each of 1–3 index vectors (`QuantWeight.x_index`: -1 gives 0) side by side, `[rows, Σ len(index)]` — the
-    permuted inputs of the quantized projections that read this norm, without a separate gather launch."""
+    permuted inputs of the quantized projections that read this norm, without a separate gather launch. Pass
+    each distinct vector once (`runtime.linear.permuted_indices`, laid out as `quant_matmul.input_layout`)."""
     _check(x, residual)
     if not 0 < len(indices) <= 3:
         raise ValueError("rms_norm_gather takes one to three index vectors.")

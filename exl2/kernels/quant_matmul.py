@@ -36,8 +36,8 @@ from exl2.errors import ConfigError
 from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync,
                                   prefetch_l2, sm_count, tl, triton, use_triton)
 from exl2.kernels import mma_dot
-from exl2.kernels.permute import gather_block
-from exl2.kernels.qweight import WIDTHS, QuantWeight, gather_torch, matmul_torch, split_bits
+from exl2.kernels.permute import gather_block, take_columns
+from exl2.kernels.qweight import WIDTHS, QuantWeight, matmul_torch, split_bits
 
 
 # --------------------------------------------------------------------------------------------------- kernels
@@ -1104,42 +1104,84 @@ def width_mask(ws: Sequence[QuantWeight]) -> int:
     return sum(1 << (len(WIDTHS) - 1 - i) for i, b in enumerate(WIDTHS) if any(w.class_of(b) for w in ws))
 
 
+def input_layout(ws: Sequence[QuantWeight]) -> tuple[list[torch.Tensor], list[int], int]:
+    """Layout of the shared permuted-input buffer of weights that read one input: (the distinct `x_index`
+    tensors in first-appearance order, each weight's column offset, the buffer width). Weights whose x_index is
+    the same tensor object (aliased at load by `share_input_orders`) read one copy. Identity only: no device
+    sync, so it is free and CUDA-graph safe."""
+    unique: list[torch.Tensor] = []
+    offsets: list[int] = []
+    seen: dict[int, int] = {}
+    total = 0
+    for w in ws:
+        off = seen.get(id(w.x_index))
+        if off is None:
+            off = seen[id(w.x_index)] = total
+            unique.append(w.x_index)
+            total += w.x_index.numel()
+        offsets.append(off)
+    return unique, offsets, total
+
+
+def share_input_orders(ws: Sequence[QuantWeight]) -> int:
+    """Point the `x_index` of each weight that equals (`torch.equal`) an earlier one's at that tensor, so the
+    producers and consumers of their shared input (`input_layout`) write and read one permuted copy instead of
+    one per weight. For weights reading one input (q/k/v, gate/up), once at load: the comparison syncs the
+    device. Drops the cached launch plans that hold offsets into the buffer. Returns how many were aliased."""
+    aliased = 0
+    for i, w in enumerate(ws):
+        for first in ws[:i]:
+            if first.x_index is w.x_index:
+                break
+            a, b = first.x_index, w.x_index
+            if a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b):
+                w.x_index = a
+                aliased += 1
+                break
+    if aliased:
+        for w in ws:
+            for key in [k for k in w._cache if isinstance(k, tuple) and k[0] in ("group", "stream")]:
+                del w._cache[key]
+    return aliased
+
+
 def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight], whole: bool = False):
     """Each weight's permuted input (`QuantWeight.x_index` order) for x `[M, K]`, from one launch for up to four
-    weights that share x (q/k/v, gate/up): the small-batch kernels then read plain contiguous rows. `whole=True`
-    returns the one `[M, Σ S_i·32]` buffer instead of the per-weight views."""
+    distinct input orders of weights that share x (q/k/v, gate/up): the small-batch kernels then read plain
+    contiguous rows. Weights with one x_index tensor share one copy (`input_layout`). `whole=True` returns the
+    one `[M, total]` buffer instead of the per-weight views."""
     if not ws:
         return []
+    unique, _, total = input_layout(ws)
     if not use_triton(x):
-        parts = [gather_torch(x, w) for w in ws]
-        return torch.cat(parts, dim=1) if whole else [p.contiguous() for p in parts]
-    if len(ws) > 4:
+        parts = {id(idx): take_columns(x, idx).contiguous() for idx in unique}
+        return torch.cat(list(parts.values()), dim=1) if whole else [parts[id(w.x_index)] for w in ws]
+    if len(unique) > 4:
         if whole:
-            raise ValueError("one gather buffer holds at most four weights' inputs.")
+            raise ValueError("one gather buffer holds at most four distinct input orders.")
         return gather_input(x, ws[:4]) + gather_input(x, ws[4:])
-    sizes = [w.x_index.numel() for w in ws]
-    offs = [sum(sizes[:i]) for i in range(len(ws))]
+    sizes = [idx.numel() for idx in unique]
+    offs = [sum(sizes[:i]) for i in range(len(unique))]
     m = x.shape[0]
-    out = torch.empty((m, sum(sizes)), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, total), dtype=x.dtype, device=x.device)
     if m:
         args = []
         for i in range(4):
-            j = min(i, len(ws) - 1)
-            args += [ws[j].x_index, offs[j], sizes[j]]
+            j = min(i, len(unique) - 1)
+            args += [unique[j], offs[j], sizes[j]]
         block = 1024
-        _gather_kernel[(triton.cdiv(max(sizes), block), m, len(ws))](x, x.stride(0), out, out.stride(0), *args,
-                                                                     BLOCK=block, num_warps=4, **pdl_args(x.device, m))
+        _gather_kernel[(triton.cdiv(max(sizes), block), m, len(unique))](
+            x, x.stride(0), out, out.stride(0), *args, BLOCK=block, num_warps=4, **pdl_args(x.device, m))
     return out if whole else split_permuted(out, ws)
 
 
 def split_permuted(buf: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
-    """Each weight's view of a `[M, Σ S_i·32]` buffer of permuted inputs (from `gather_input(whole=True)` or a
-    kernel that writes them, such as `rms_norm_gather`)."""
-    views, start = [], 0
-    for w in ws:
-        views.append(buf[:, start:start + w.x_index.numel()])
-        start += w.x_index.numel()
-    return views
+    """Each weight's view of a `[M, total]` buffer of permuted inputs laid out by `input_layout` (from
+    `gather_input(whole=True)` or a kernel that writes them, such as `rms_norm_gather`)."""
+    _, offsets, total = input_layout(ws)
+    if buf.shape[-1] != total:
+        raise ValueError(f"the permuted-input buffer is {buf.shape[-1]} wide, the weights' layout {total}.")
+    return [buf[:, o:o + w.x_index.numel()] for w, o in zip(ws, offsets)]
 
 
 def _pairs_view(xp: torch.Tensor, fast4: bool | int | None) -> tuple[int, torch.Tensor]:
@@ -1285,15 +1327,14 @@ class GemvGroup:
             return cached
         tiles = [triton.cdiv(w.n, self.BN) for w in self.ws]
         total = sum(tiles) * m
-        rows, start, tile_base, xoff, part = [], 0, 0, 0, 0
+        rows, start, tile_base, part = [], 0, 0, 0
         max_split = 1
-        for w, t in zip(self.ws, tiles):
+        for w, t, xoff in zip(self.ws, tiles, input_layout(self.ws)[1]):
             split = _auto_split(w, total, w.device, 8, self.per_sm)
             cls, _ = _class_args(w)
             rows.append(cls + [w.n, t, split, start, tile_base, xoff, part])
             start += t * split
             tile_base += t * m
-            xoff += w.x_index.numel()
             part += split * m * w.n if split > 1 else 0
             max_split = max(max_split, split)
         meta = torch.tensor(rows, dtype=torch.int32, device=device).contiguous()
@@ -1302,8 +1343,10 @@ class GemvGroup:
         return self._plans[m]
 
     def __call__(self, xp: torch.Tensor, fast4: bool | None = None) -> list[torch.Tensor]:
-        """Outputs `[M, N_i]` for the permuted inputs `xp` `[M, Σ S_i·32]` (the buffer `gather_input` returns
-        its views of)."""
+        """Outputs `[M, N_i]` for the permuted inputs `xp` `[M, total]` laid out by `input_layout` (the buffer
+        `gather_input` returns its views of)."""
+        if xp.shape[-1] != input_layout(self.ws)[2]:
+            raise ValueError("the permuted-input buffer does not match the weights' layout (input_layout).")
         m = xp.shape[0]
         outs = [torch.empty((m, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
         if m == 0:
@@ -1355,9 +1398,9 @@ def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | No
             and len({w.zeros is None for w in ws}) == 1 and len({w.bias is None for w in ws}) == 1):
         return None
     buf = gather_input(x, ws, whole=True) if xp is None else xp
-    offsets = [0]
-    for w in ws[:-1]:
-        offsets.append(offsets[-1] + w.x_index.numel())
+    _, offsets, total = input_layout(ws)
+    if buf.shape[-1] != total:
+        raise ValueError("the permuted-input buffer does not match the weights' layout (input_layout).")
     tiles = sum(triton.cdiv(w.n, 32 * MMA4_V) for w in ws)
     split = min(_auto_split(w, tiles, w.device, 4 * MMA4_BS, MMA4_PER_SM) for w in ws)
     return mma_dot.mma_group(buf, ws, offsets, MMA4_BS, MMA4_V, [split] * len(ws), MMA4_STAGES)
@@ -1509,6 +1552,10 @@ CHUNKED_MIXED = os.environ.get("EXL2_CHUNKED_MIXED", "0") == "1"
 # against 22.1 µs as three launches, gate/up the same either way (benchmarks/RESULTS.md, run 8).
 # EXL2_FUSE_SHARED_INPUT=0 turns it off; correct either way (tests compare with the twin).
 FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "1") == "1"
+# Weights reading one input whose input orders are equal (q/k/v and gate/up of exllamav2 files share one act-order
+# permutation) get one x_index tensor at load (`share_input_orders`), so the small-batch path writes and reads one
+# permuted copy for them instead of one each. EXL2_SHARED_INPUT=0 keeps a copy per weight (for A/B runs).
+SHARED_INPUT = env_choice("EXL2_SHARED_INPUT", 1, range(0, 2)) == 1
 # How the gemv keeps loads in flight (MatmulConfig.depth / num_stages); EXL2_GEMV_DEPTH / EXL2_GEMV_STAGES
 # override them for end-to-end A/B runs of `exl2 bench`.
 GEMV_DEPTH = env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))

@@ -15,7 +15,7 @@ from exl2.kernels.attention import scatter_columns
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.spec import LayerSpec, ModelSpec
 from exl2.kernels.quant_matmul import uses_permuted_input
-from exl2.runtime.linear import permuted_indices, project
+from exl2.runtime.linear import permuted_indices, project, share_inputs
 
 
 class WeightProvider(Protocol):
@@ -77,9 +77,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(w.tensor(f"{prefix}.k_norm.weight"), spec.norm_eps, spec.norm_offset)
         self.scale = spec.attn_scale if spec.attn_scale is not None else d ** -0.5
 
+    def shared_input_linears(self) -> tuple[nn.Module, ...]:
+        """The projections that read this block's input (their equal input orders are aliased at load)."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def permuted_indices(self):
-        """Input orders of q/k/v for a norm that writes their permuted inputs (None: not quantized)."""
-        return permuted_indices((self.q_proj, self.k_proj, self.v_proj))
+        """Distinct input orders of q/k/v for a norm that writes their permuted inputs (None: not quantized)."""
+        return permuted_indices(self.shared_input_linears())
 
     def forward(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None,
                 xp: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -264,6 +268,9 @@ class DecoderModel(nn.Module):
             self.lm_head = w.linear("model.embed_tokens", spec.hidden_size, spec.vocab_size, False)
         else:
             self.lm_head = w.linear("lm_head", spec.hidden_size, spec.vocab_size, False)
+        # q/k/v (and gate/up) of exllamav2 files share one act-order permutation: one permuted copy of their input
+        # where their input orders are equal (EXL2_SHARED_INPUT=0: one per weight)
+        share_inputs(self)
 
     @property
     def dtype(self) -> torch.dtype:

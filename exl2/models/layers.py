@@ -70,9 +70,13 @@ class GatedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate, up, down
         self.act_name = act
 
+    def shared_input_linears(self) -> tuple[nn.Module, ...]:
+        """The projections that read this block's input (their equal input orders are aliased at load)."""
+        return self.gate_proj, self.up_proj
+
     def permuted_indices(self):
-        """Input orders of gate/up for a norm that writes their permuted inputs (None: not quantized)."""
-        return permuted_indices((self.gate_proj, self.up_proj))
+        """Distinct input orders of gate/up for a norm that writes their permuted inputs (None: not quantized)."""
+        return permuted_indices(self.shared_input_linears())
 
     def forward(self, x: torch.Tensor, xp: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = project(x, (self.gate_proj, self.up_proj), xp)

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exl2.kernels.quant_matmul import (dequant_matmul_group, gather_input, grouped_matmul, permuted_matmul,
-                                       quant_matmul, split_permuted, uses_dequant, uses_permuted_input)
+from exl2.kernels import quant_matmul as qm
+from exl2.kernels.quant_matmul import (dequant_matmul_group, gather_input, grouped_matmul, input_layout,
+                                       permuted_matmul, quant_matmul, share_input_orders, split_permuted,
+                                       uses_dequant, uses_permuted_input)
 
 
 class Linear(nn.Module):
@@ -47,18 +49,36 @@ class Linear(nn.Module):
 
 
 def permuted_indices(linears: Sequence[nn.Module]) -> Optional[list[torch.Tensor]]:
-    """Each linear's input order (`QuantWeight.x_index`) when all 1–3 of them are quantized, so that the kernel
-    producing their shared input can also write the permuted copies (`rms_norm_gather`); else None."""
+    """The distinct input orders (`QuantWeight.x_index`, in `input_layout` order) of 1–3 linears that are all
+    quantized, so that the kernel producing their shared input can also write the permuted copies, one per
+    distinct order (`rms_norm_gather`); else None."""
     if 0 < len(linears) <= 3 and all(isinstance(m, Linear) and m.kernel is not None for m in linears):
-        return [m.kernel.x_index for m in linears]
+        return input_layout([m.kernel for m in linears])[0]
     return None
+
+
+def share_inputs(model: nn.Module, enabled: Optional[bool] = None) -> int:
+    """Alias equal input orders of the quantized linears that read one input (`share_input_orders` on every
+    module's `shared_input_linears()`: q/k/v, gate/up, experts' gate/up), once after the weights are loaded.
+    `enabled` None follows EXL2_SHARED_INPUT. Returns how many weights now share an earlier one's order."""
+    if not (qm.SHARED_INPUT if enabled is None else enabled):
+        return 0
+    aliased = 0
+    for mod in model.modules():
+        group = getattr(mod, "shared_input_linears", None)
+        if group is None:
+            continue
+        kernels = [m.kernel for m in group() if isinstance(m, Linear) and m.kernel is not None]
+        if len(kernels) > 1:
+            aliased += share_input_orders(kernels)
+    return aliased
 
 
 def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """Apply several linears to the same input (q/k/v, gate/up). On the large-batch GPU path quantized ones
     share one GEMM (`dequant_matmul_group`). On the small-batch path they read x permuted into their own row
-    order: `xp` holds those copies side by side when the producer of x wrote them (see `permuted_indices`);
-    otherwise one gather launch prepares them."""
+    order: `xp` holds those copies side by side, one per distinct order (`input_layout`), when the producer of x
+    wrote them (see `permuted_indices`); otherwise one gather launch prepares them."""
     quant = [m for m in linears if isinstance(m, Linear) and m.kernel is not None]
     rows = x.numel() // max(1, x.shape[-1])
     if xp is None and 1 < len(quant) == len(linears) and uses_dequant(rows, x):  # large batches: one GEMM

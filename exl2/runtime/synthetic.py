@@ -19,8 +19,10 @@ MIXED_BODY_OPTION = ([5, 4, 3], [0.1, 0.7, 0.2], [128, 128, 128])
 HEAD_OPTION = ([8, 6], [0.15, 0.85], [128, 128])
 
 
-def random_exl2_layer(k: int, n: int, option=BODY_OPTION, device="cpu", generator=None) -> dict[str, torch.Tensor]:
-    """On-disk EXL2 tensors of a random layer [K in, N out] with weights of a realistic magnitude."""
+def random_exl2_layer(k: int, n: int, option=BODY_OPTION, device="cpu", generator=None,
+                      perm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """On-disk EXL2 tensors of a random layer [K in, N out] with weights of a realistic magnitude; `perm` the
+    act-order permutation (None: a random one, drawn after the codes and scales)."""
     bits, prop, gs = option
     groups = group_layout(k, bits, prop, gs)
     codes = torch.empty(k, n, dtype=torch.uint8, device=device)
@@ -31,7 +33,8 @@ def random_exl2_layer(k: int, n: int, option=BODY_OPTION, device="cpu", generato
         row += rows
     scale_codes = torch.randint(8, 17, (len(groups), n), generator=generator, device=device)
     scale_max = torch.tensor([0.02 / 2.0 ** (b - 1) for b, _ in groups], dtype=torch.float16, device=device)
-    perm = torch.randperm(k, generator=generator, device=device)
+    if perm is None:
+        perm = torch.randperm(k, generator=generator, device=device)
     return {key: t.to(device) for key, t in pack(codes, groups, scale_codes, scale_max, perm).items()}
 
 
@@ -47,20 +50,28 @@ def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0, body=
         "model.norm.weight": torch.ones(h, dtype=torch.float16, device=device),
     }
 
-    def add(prefix, k, n, option=body):
-        for key, t in random_exl2_layer(k, n, option, device, g).items():
+    def add(prefix, k, n, option=body, perm=None):
+        for key, t in random_exl2_layer(k, n, option, device, g, perm).items():
             out[f"{prefix}.{key}"] = t
+
+    def shared_perm(prefix):
+        """The permutation `add` drew for `prefix` (q_invperm is its inverse)."""
+        return torch.argsort(out[f"{prefix}.q_invperm"].long())
 
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.float16, device=device)
         out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.float16, device=device)
+        # exllamav2 gives the matrices that read one input one act-order permutation: q_invperm is equal within
+        # q/k/v and within gate/up in every layer of ../shared/testdata/exl2-golden/*; k/v and up reuse q's and
+        # gate's (drawn as before, so the rest of the generator sequence only loses those draws)
         add(f"{p}.self_attn.q_proj", h, h)
-        add(f"{p}.self_attn.k_proj", h, kv)
-        add(f"{p}.self_attn.v_proj", h, kv)
+        qkv_perm = shared_perm(f"{p}.self_attn.q_proj")
+        add(f"{p}.self_attn.k_proj", h, kv, perm=qkv_perm)
+        add(f"{p}.self_attn.v_proj", h, kv, perm=qkv_perm)
         add(f"{p}.self_attn.o_proj", h, h)
         add(f"{p}.mlp.gate_proj", h, i)
-        add(f"{p}.mlp.up_proj", h, i)
+        add(f"{p}.mlp.up_proj", h, i, perm=shared_perm(f"{p}.mlp.gate_proj"))
         add(f"{p}.mlp.down_proj", i, h)
     add("lm_head", h, v, HEAD_OPTION)
     return out
