@@ -102,6 +102,25 @@ def _compile_all() -> dict:
             out[f"mma-group-{three}"] = "ok" if text.count("mma.sync") >= 2 and pdl_ok else "no mma.sync, or PDL"
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[f"mma-group-{three}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    from exl2.kernels import activation as act
+    from exl2.kernels import norm
+
+    def constants_first(make):
+        """The index (and norm weight) loads before the wait, the loads of what the previous kernel wrote after."""
+        try:
+            text = make()
+        except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        wait = text.find("griddepcontrol.wait")
+        return "ok" if 0 <= text.find("ld.global") < wait < text.rfind("ld.global") else "no load before the wait"
+
+    nptrs = {n: "*fp16" for n in ["x_ptr", "res_ptr", "w_ptr", "out_ptr", "xp_ptr"]}
+    nptrs.update({"cnt_ptr": "*i32", "i0": "*i32", "i1": "*i32", "i2": "*i32", "eps": "fp32"})
+    out["norm-gather"] = constants_first(lambda: ptx(norm._norm_gather_kernel, nptrs, dict(
+        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True), 16, 1))
+    out["glu-gather"] = constants_first(lambda: ptx(act._glu_kernel, {
+        "g_ptr": "*fp16", "u_ptr": "*fp16", "o_ptr": "*fp16", "idx_ptr": "*i32"}, dict(
+        ACT=0, BLOCK=512, GATHER=True, PDL=True), 4, 1))
     from exl2.kernels import kv_quant as kq
     qptrs = {n: "*fp16" for n in ["k_ptr", "v_ptr", "q_ptr", "ks_ptr", "vs_ptr"]}
     qptrs.update({"kp_ptr": "*u8", "vp_ptr": "*u8", "slot_ptr": "*i64", "pos_ptr": "*i64", "cos_ptr": "*fp32",
@@ -147,6 +166,11 @@ def test_gluon_mma_compiles_with_its_fragment_layouts(compiled, mask, bs, v, pos
 @pytest.mark.parametrize("three", [True, False])
 def test_gluon_mma_group_compiles(compiled, three):
     assert compiled[f"mma-group-{three}"] == "ok"
+
+
+@pytest.mark.parametrize("kernel", ["norm-gather", "glu-gather"])
+def test_constant_loads_come_before_the_pdl_wait(compiled, kernel):
+    assert compiled[kernel] == "ok"
 
 
 @pytest.mark.parametrize("kb,vb,hadamard", ROPE_WRITE)

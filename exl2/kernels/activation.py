@@ -19,9 +19,8 @@ _ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
 @triton.jit
 def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr,
                 idx_ptr=None, GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Output column p of a row is act(g[c])·u[c] with c = p, or c = idx[p] (0 where idx[p] < 0) with GATHER."""
-    if PDL:
-        pdl_sync()
+    """Output column p of a row is act(g[c])·u[c] with c = p, or c = idx[p] (0 where idx[p] < 0) with GATHER.
+    The index, which no kernel writes, is read before the PDL wait (its latency overlaps the previous kernel's)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -31,6 +30,8 @@ def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.co
     else:
         col = offs
         src = mask
+    if PDL:
+        pdl_sync()
     g = tl.load(g_ptr + row * stride_g + col, mask=src, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + col, mask=src, other=0.0).to(tl.float32)
     if ACT == 0:

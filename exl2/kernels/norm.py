@@ -50,9 +50,8 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stri
     (gathers, one GBLOCK chunk of the concatenated copies per program) run on several SMs at once. Each program
     reduces the whole row itself (two coalesced loads); program 0 writes the normed row. With a residual, every
     program reads the old residual, so the new one is written by the program that arrives last at the row's
-    counter, after all reads."""
-    if PDL:
-        pdl_sync()
+    counter, after all reads. The index vectors and the norm weight, which no kernel writes, are read before the
+    PDL wait, so with PDL their latency overlaps the previous kernel's tail and only the row's loads follow it."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -67,6 +66,14 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stri
     idx = tl.where(p < o1, idx, tl.load(i1 + (p - o1), mask=live & (p >= o1) & (p < o2), other=-1))
     idx = tl.where(p < o2, idx, tl.load(i2 + (p - o2), mask=live & (p >= o2), other=-1))
     ok = idx >= 0
+    if HAS_W:  # this program's weights
+        w_row = tl.load(w_ptr + offs, mask=mask & (part == 0), other=0.0).to(tl.float32)
+        w_idx = tl.load(w_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+        if GEMMA:
+            w_row += 1.0
+            w_idx += 1.0
+    if PDL:
+        pdl_sync()
     v = tl.load(x_row + idx, mask=ok, other=0.0).to(tl.float32)
     if HAS_RES:
         v = (v + tl.load(r_row + idx, mask=ok, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
@@ -75,12 +82,6 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stri
     if HAS_RES:
         s = (x + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
         x = s.to(tl.float32)
-    if HAS_W:  # this program's weights, also loaded before the reduction
-        w_row = tl.load(w_ptr + offs, mask=mask & (part == 0), other=0.0).to(tl.float32)
-        w_idx = tl.load(w_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-        if GEMMA:
-            w_row += 1.0
-            w_idx += 1.0
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     if part == 0:
         y_row = x * rstd
