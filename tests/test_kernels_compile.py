@@ -115,9 +115,9 @@ def _compile_all() -> dict:
         return "ok" if 0 <= text.find("ld.global") < wait < text.rfind("ld.global") else "no load before the wait"
 
     nptrs = {n: "*fp16" for n in ["x_ptr", "res_ptr", "w_ptr", "out_ptr", "xp_ptr"]}
-    nptrs.update({"cnt_ptr": "*i32", "i0": "*i32", "i1": "*i32", "i2": "*i32", "eps": "fp32"})
+    nptrs.update({"cnt_ptr": "*i32", "i0": "*i32", "i1": "*i32", "i2": "*i32", "eps": "fp32", "ro_ptr": "*fp16"})
     out["norm-gather"] = constants_first(lambda: ptx(norm._norm_gather_kernel, nptrs, dict(
-        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True), 16, 1))
+        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, RES_OUT=True), 16, 1))
     out["glu-gather"] = constants_first(lambda: ptx(act._glu_kernel, {
         "g_ptr": "*fp16", "u_ptr": "*fp16", "o_ptr": "*fp16", "idx_ptr": "*i32"}, dict(
         ACT=0, BLOCK=512, GATHER=True, PDL=True), 4, 1))

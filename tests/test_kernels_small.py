@@ -179,6 +179,19 @@ def test_rms_norm_gather_matches_twin(with_residual):
             torch.testing.assert_close(r1, r2, atol=0, rtol=0)
         if g > 1:
             assert (xp[:, 2 * d:2 * d + 32] == 0).all()  # the second index's padding positions
+        if res is not None:  # the sum into a buffer of its own: same results, the old residual untouched
+            r3, new = res.clone(), torch.full_like(res, float("nan"))
+            with force_triton():
+                out3, xp3 = rms_norm_gather(x, w, 1e-5, idx[:g], residual=r3, residual_out=new)
+            torch.testing.assert_close(new, r2, atol=0, rtol=0)
+            torch.testing.assert_close(r3, res, atol=0, rtol=0)
+            torch.testing.assert_close(out3, out, atol=0, rtol=0)
+            torch.testing.assert_close(xp3, xp, atol=0, rtol=0)
+            r4, new4 = res.clone(), torch.empty_like(res)
+            twin_out, _ = rms_norm_gather(x, w, 1e-5, idx[:g], residual=r4, residual_out=new4)
+            torch.testing.assert_close(new4, r2, atol=0, rtol=0)
+            torch.testing.assert_close(r4, res, atol=0, rtol=0)
+            torch.testing.assert_close(twin_out, ref_out, atol=0, rtol=0)
 
 
 @needs_triton
@@ -206,9 +219,15 @@ def test_rms_norm_gather_real_size_gpu():
     w = torch.rand(d, device="cuda").half() + 0.5
     res = torch.randn(2, d, device="cuda").half()
     idx = [torch.randperm(d, device="cuda").int() for _ in range(3)]
-    for _ in range(3):
+    for i in range(4):
         r1, r2 = res.clone(), res.clone()
-        out, xp = norm.rms_norm_gather(x, w, 1e-5, idx, residual=r1)
+        if i % 2:  # the sum into its own buffer (no arrival counter), the old residual only read
+            new = torch.full_like(res, float("nan"))
+            out, xp = norm.rms_norm_gather(x, w, 1e-5, idx, residual=r1, residual_out=new)
+            torch.testing.assert_close(r1, res, atol=0, rtol=0)
+            r1 = new
+        else:
+            out, xp = norm.rms_norm_gather(x, w, 1e-5, idx, residual=r1)
         ref_out, _ = norm.rms_norm_torch(x, w, 1e-5, residual=r2)
         torch.testing.assert_close(r1, r2, atol=0, rtol=0)
         torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)

@@ -45,12 +45,14 @@ def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, s
 @triton.jit
 def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stride_x, stride_r, stride_o,
                         stride_xp, eps, i0, o1, i1, o2, i2, TOTAL, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
-                        GEMMA: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                        GEMMA: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                        ro_ptr=None, stride_ro=0, RES_OUT: tl.constexpr = False):
     """RMSNorm of one row spread over 1 + ceil(TOTAL / GBLOCK) programs (grid axis 1), so the permuted copies
     (gathers, one GBLOCK chunk of the concatenated copies per program) run on several SMs at once. Each program
     reduces the whole row itself (two coalesced loads); program 0 writes the normed row. With a residual, every
     program reads the old residual, so the new one is written by the program that arrives last at the row's
-    counter, after all reads. The index vectors and the norm weight, which no kernel writes, are read before the
+    counter, after all reads; with RES_OUT program 0 writes it to a buffer of its own instead (no counter, no
+    tail). The index vectors and the norm weight, which no kernel writes, are read before the
     PDL wait, so with PDL their latency overlaps the previous kernel's tail and only the row's loads follow it."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -88,12 +90,14 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stri
         if HAS_W:
             y_row = y_row * w_row
         tl.store(out_ptr + row * stride_o + offs, y_row.to(out_ptr.dtype.element_ty), mask=mask)
+        if RES_OUT:
+            tl.store(ro_ptr + row * stride_ro + offs, s, mask=mask)
     else:
         y_copy = v * rstd
         if HAS_W:
             y_copy = y_copy * w_idx
         tl.store(xp_ptr + row * stride_xp + p, tl.where(ok, y_copy, 0.0).to(xp_ptr.dtype.element_ty), mask=live)
-    if HAS_RES:
+    if HAS_RES and not RES_OUT:
         tl.debug_barrier()  # all of this program's residual reads happen before its arrival is counted
         count = tl.atomic_add(cnt_ptr + row, 1)
         if count == tl.num_programs(1) - 1:
@@ -105,15 +109,23 @@ _MAX_GATHER_ROWS = 4096  # one arrival counter per row (backend.counters)
 
 
 def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, indices, residual=None,
-                    gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    gemma: bool = False, residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm` (with the residual update if `residual` is given) that also returns the normed rows gathered by
     each of 1–3 index vectors (`QuantWeight.x_index`: -1 gives 0) side by side, `[rows, Σ len(index)]` — the
     permuted inputs of the quantized projections that read this norm, without a separate gather launch. Pass
-    each distinct vector once (`runtime.linear.permuted_indices`, laid out as `quant_matmul.input_layout`)."""
+    each distinct vector once (`runtime.linear.permuted_indices`, laid out as `quant_matmul.input_layout`).
+    With `residual_out` (shaped as `residual`) the sum goes there and `residual` is only read: the kernel then
+    needs no arrival counter to order the residual's reads before its overwrite."""
     _check(x, residual)
+    if residual_out is not None:
+        if residual is None:
+            raise ValueError("residual_out needs a residual to add.")
+        _check(x, residual_out)
     if not 0 < len(indices) <= 3:
         raise ValueError("rms_norm_gather takes one to three index vectors.")
     if not use_triton(x):
+        if residual_out is not None:
+            residual = residual_out.copy_(residual)
         out = _norm_torch(x, weight, None, eps, residual, gemma, False)
         normed = out[0] if residual is not None else out
         rows = normed.reshape(-1, normed.shape[-1])
@@ -130,6 +142,7 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     xp = torch.empty((m, total), dtype=x.dtype, device=x.device)
     r2 = residual.view(-1, d) if residual is not None else None  # a view: updated in place
+    ro = residual_out.view(-1, d) if residual_out is not None else None
     if m:
         block, gblock = next_pow2(d), 1024
         _norm_gather_kernel[(m, 1 + triton.cdiv(total, gblock))](
@@ -137,7 +150,9 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
             counters(x.device), d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
             xp.stride(0), float(eps), ptrs[0], offs[1], ptrs[1], offs[2], ptrs[2], total,
             HAS_RES=r2 is not None, HAS_W=weight is not None, GEMMA=gemma, BLOCK=block, GBLOCK=gblock,
-            num_warps=min(16, max(4, block // 256)), **pdl_args(x2.device, x2.shape[0], small=True))
+            num_warps=min(16, max(4, block // 256)), ro_ptr=ro if ro is not None else x2,
+            stride_ro=ro.stride(0) if ro is not None else 0, RES_OUT=ro is not None,
+            **pdl_args(x2.device, x2.shape[0], small=True))
     return out.view(x.shape), xp
 
 

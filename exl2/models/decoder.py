@@ -212,19 +212,21 @@ class DecoderLayer(nn.Module):
         if delta is None:
             h = self.self_attn(self.input_layernorm(x), q_pos, rope, cache)
         else:
-            h = self._norm_into(self.input_layernorm, delta, x, self.self_attn, q_pos, rope, cache)
-        return x, self._norm_into(self.post_attention_layernorm, h, x, self.mlp)
+            h, x = self._norm_into(self.input_layernorm, delta, x, self.self_attn, q_pos, rope, cache)
+        out, x = self._norm_into(self.post_attention_layernorm, h, x, self.mlp)
+        return x, out
 
     @staticmethod
     def _norm_into(norm: RMSNorm, delta: torch.Tensor, x: torch.Tensor, module: nn.Module, *args):
-        """module(norm(x += delta), *args); on the small-batch GPU path the norm kernel also writes the permuted
-        inputs of the module's quantized projections (one launch fewer per projection group)."""
+        """(module(norm(x + delta), *args), x + delta): the sum in place in x, or on the small-batch GPU path in a
+        new tensor from the norm kernel that also writes the permuted inputs of the module's quantized projections
+        (one launch fewer per projection group)."""
         rows = x.numel() // x.shape[-1]
         idx = module.permuted_indices() if hasattr(module, "permuted_indices") else None
         if idx is None or not uses_permuted_input(rows, x):
-            return module(norm.add_norm(delta, x), *args)
-        h, xp = norm.add_norm(delta, x, gather=idx)
-        return module(h, *args, xp=xp)
+            return module(norm.add_norm(delta, x), *args), x
+        h, xp, x = norm.add_norm(delta, x, gather=idx)
+        return module(h, *args, xp=xp), x
 
 
 def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> nn.Module:

@@ -24,10 +24,14 @@ class RMSNorm(nn.Module):
 
     def add_norm(self, delta: torch.Tensor, residual: torch.Tensor, gather=None):
         """residual += delta (in place); return norm(residual). One fused kernel on the GPU. With `gather` (index
-        vectors from `permuted_indices`) return `(normed, permuted copies)` from that same kernel."""
+        vectors from `permuted_indices`) return `(normed, permuted copies, residual + delta)` from that same kernel,
+        the sum in a new tensor and `residual` left as it was (the kernel then ends without ordering its reads of
+        the residual before an overwrite)."""
         if gather:
-            return rms_norm_gather(delta.contiguous(), self.weight, self.eps, gather, residual=residual,
-                                   gemma=bool(self.offset))
+            new = torch.empty_like(residual)
+            normed, xp = rms_norm_gather(delta.contiguous(), self.weight, self.eps, gather, residual=residual,
+                                         gemma=bool(self.offset), residual_out=new)
+            return normed, xp, new
         normed, _ = rms_norm(delta.contiguous(), self.weight, self.eps, residual=residual, gemma=bool(self.offset))
         return normed
 
