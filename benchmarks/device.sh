@@ -14,7 +14,7 @@
 # ATTN_SHAPES ("batch:ctx:mode:splits ...", splits 0 = the kernel picks). s16: the checks session 15 could not run
 # (no device was lent after its third call): the Gluon tests with the unrolled loop, the A/B of EXL2_MMA4_UNROLL and
 # EXL2_SHARED_INPUT on the bs 1/16 bench, then final. s17: session 16's GPU tests, then the bench (BENCH_ARGS) of the
-# baseline tree in .base/base.tar (carried; `git archive REF exl2`) against this tree with several switches.
+# trees in .base/*.tar (carried; `git archive REF exl2` each) against this tree with several switches.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -83,7 +83,7 @@ for s in $steps; do
          -q -n 8 -p no:cacheprovider -rfE > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests.txt"
        timeout 80 python3 -m pytest tests/test_shared_input.py -q -p no:cacheprovider -rfE > "$OUT/gpu_shared.txt" 2>&1
        echo "shared-input tests (cuda) rc=$?"; tail -n 2 "$OUT/gpu_shared.txt"
-       BASE_SPEC=1 AB_SPECS="EXL2_SHARED_INPUT=0;;EXL2_MMA4_UNROLL=1;EXL2_GEMV_GROUP_PER_SM=8;EXL2_MMA4_PER_SM=8" \
+       BASE_SPEC=1 AB_SPECS="${S17_SPECS:-EXL2_SHARED_INPUT=0;;EXL2_MMA4_UNROLL=1;EXL2_GEMV_GROUP_PER_SM=8}" \
          bash "$0" envab ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
@@ -131,10 +131,11 @@ for s in $steps; do
            grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Issued Warp|Eligible Warps|Warp Cycles Per Issued|Executed Instructions  |Grid Size|Waves" "$OUT/ncu_mma16_$shape.txt" | head -20
            grep -E "stalled" "$OUT/ncu_mma16_$shape.txt" | sort -k3 -g -r | head -8; done ;;
   envab) IFS=';' read -ra specs <<< "${AB_SPECS:-}"; i=0
-         if [ -n "${BASE_SPEC:-}" ] && [ -f .base/base.tar ]; then  # the baseline: .base/base.tar (git archive REF exl2)
-           rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf .base/base.tar -C /tmp/base
-           (cd /tmp/base && timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench $BENCH_ARGS) > "$OUT/bench_ab0${TAG}.txt" 2>&1
-           echo "bench [baseline .base/base.tar] $BENCH_ARGS rc=$?"; grep -E "^\| (decode|prefill)" "$OUT/bench_ab0${TAG}.txt"; fi
+         if [ -n "${BASE_SPEC:-}" ]; then  # baselines: each .base/NAME.tar (git archive REF exl2), as bench_NAME.txt
+           for tarf in .base/*.tar; do name=$(basename "$tarf" .tar)
+             rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf "$tarf" -C /tmp/base
+             (cd /tmp/base && timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench $BENCH_ARGS) > "$OUT/bench_$name${TAG}.txt" 2>&1
+             echo "bench [tree $tarf] $BENCH_ARGS rc=$?"; grep -E "^\| (decode|prefill)" "$OUT/bench_$name${TAG}.txt"; done; fi
          for spec in "${specs[@]}"; do i=$((i+1))
            env $spec timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench $BENCH_ARGS > "$OUT/bench_ab$i${TAG}.txt" 2>&1
            echo "bench [$spec] $BENCH_ARGS rc=$?"; grep -E "^\| (decode|prefill)" "$OUT/bench_ab$i${TAG}.txt"; done ;;
