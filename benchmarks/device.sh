@@ -91,7 +91,7 @@ for s in $steps; do
         bash "$0" breakdown16 | grep -E "^  _|^  total|rc=" | head -12
         AB_SPECS="${S17B_SPECS:-;EXL2_PDL_SMALL_ROWS=16;EXL2_PDL_MAX_ROWS=16;EXL2_MMA4_PER_SM=3;EXL2_MMA4_PER_SM=6;EXL2_MMA4_PER_SM=8;EXL2_MMA4_STAGES=3;EXL2_MMA4_STAGES=6;EXL2_ATTN_MAX_SPLITS=16;EXL2_PREFETCH=0;}" \
           bash "$0" envab ;;
-  s17c) AB_SPECS=";EXL2_PDL_MAX_ROWS=16;EXL2_PDL_MAX_ROWS=16 EXL2_PDL_SMALL_ROWS=4;EXL2_PDL_MAX_ROWS=16;" TAG=_b16 \
+  s17c) AB_SPECS=";EXL2_PDL_MAX_ROWS=16;EXL2_PDL_MAX_ROWS=16 EXL2_PDL_SMALL_ROWS=4;EXL2_PDL_MAX_ROWS=16; " TAG=_b16 \
           BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 2047" bash "$0" envab
         AB_SPECS=";EXL2_PDL_MAX_ROWS=16" TAG=_b8 BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64 --batch 8" bash "$0" envab ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
