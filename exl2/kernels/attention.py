@@ -552,11 +552,12 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         SPLIT=split, PARTIAL=partial, MERGE=merge, MR=mr,
         MCH=max(1, min(next_pow2(split), 8192 // (mr * next_pow2(dv)))), PERM=out_index is not None,
         V_EARLY=V_EARLY, Q_ROT=q_rotated, ONE_Q=one_q and ONE_Q, num_warps=warps, num_stages=stages,
-        **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0, small=True))
+        **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0, small=True, split=partial))
     if partial and not merge:
         _merge_kernel[(tq, hq)](o_part, lse, out, perm, split, *o_part.stride()[:3], *lse.stride(), *out_strides,
                                 DV=dv, BS=next_pow2(split), BDV=next_pow2(dv), V_ROT=v_bits != 16,
-                                PERM=out_index is not None, num_warps=4, **pdl_args(o_part.device, tq, small=True))
+                                PERM=out_index is not None, num_warps=4,
+                                **pdl_args(o_part.device, tq, small=True, split=True))
     return out
 
 

@@ -142,6 +142,8 @@ def _prefetch_rows() -> int:
 PDL_MAX_ROWS = env_choice("EXL2_PDL_MAX_ROWS", 4, range(1, 4097))
 # the same bound for the small launches between the matmuls (norms, RoPE, cache writes, attention, activations)
 PDL_SMALL_ROWS = env_choice("EXL2_PDL_SMALL_ROWS", PDL_MAX_ROWS, range(1, 4097))
+# and for decode attention split over the keys (partials, then a merge) and its merge launch
+PDL_SPLIT_ROWS = env_choice("EXL2_PDL_SPLIT_ROWS", min(4, PDL_SMALL_ROWS), range(1, 4097))
 
 # What a kernel launched with PDL reads before its wait: the gemvs prefetch the first PREFETCH_ROWS word rows of
 # each width class of their share of the weights into L2, attention its first key/value block (neither depends on
@@ -149,13 +151,14 @@ PDL_SMALL_ROWS = env_choice("EXL2_PDL_SMALL_ROWS", PDL_MAX_ROWS, range(1, 4097))
 PREFETCH_ROWS = _prefetch_rows()
 
 
-def pdl_args(device: torch.device, rows: int, prefetch: int | bool | None = None, small: bool = False) -> dict:
+def pdl_args(device: torch.device, rows: int, prefetch: int | bool | None = None, small: bool = False,
+             split: bool = False) -> dict:
     """Launch keyword arguments for a kernel with a `PDL` flag working on `rows` tokens (or input rows):
     programmatic dependent launch where it exists and the launch is decode-sized (`small`: one of the launches
-    between the matmuls), with the kernel's `PREFETCH` constexpr set to `prefetch` (when given) since only a
-    dependent launch has anything to overlap."""
-    if not PDL or rows > (PDL_SMALL_ROWS if small else PDL_MAX_ROWS) or device.type != "cuda" or INTERPRET \
-            or gdc_wait is None:
+    between the matmuls; `split`: split decode attention or its merge), with the kernel's `PREFETCH` constexpr set
+    to `prefetch` (when given) since only a dependent launch has anything to overlap."""
+    limit = PDL_SPLIT_ROWS if split else PDL_SMALL_ROWS if small else PDL_MAX_ROWS
+    if not PDL or rows > limit or device.type != "cuda" or INTERPRET or gdc_wait is None:
         return {}
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _PDL_OK.get(idx)
