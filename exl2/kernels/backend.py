@@ -115,9 +115,10 @@ def counters(device: torch.device) -> torch.Tensor:
 
 # Programmatic dependent launch (sm_90+): a kernel launched with it may start while its predecessor in the stream
 # finishes; it waits (`pdl_sync`, its first statement) until the predecessor's writes are visible, so only the
-# launch and scheduling latency overlaps. On the H200 it sped decode up 4 % at batch 1 and slowed it 11 % at
-# batch 16 (benchmarks/RESULTS.md, session 4 run 13), so only launches of at most PDL_MAX_ROWS rows
-# (EXL2_PDL_MAX_ROWS) use it. EXL2_PDL=0 turns it off.
+# launch and scheduling latency overlaps. Launches of at most PDL_MAX_ROWS rows (EXL2_PDL_MAX_ROWS) use it, except
+# decode attention split over the keys and its merge, which stop at PDL_SPLIT_ROWS: on the H200 (session 16, run 5)
+# that took batch 16 from 4,965 to 5,336 tok/s (q4 cache 4,440 → 4,648) and batch 8 from 2,626 to 2,743, where PDL
+# for the split attention too lost 10 % at q4. EXL2_PDL=0 turns it off.
 PDL = os.environ.get("EXL2_PDL", "1") == "1"
 _PDL_OK: dict[int, bool] = {}
 
@@ -139,7 +140,7 @@ def _prefetch_rows() -> int:
     return rows
 
 
-PDL_MAX_ROWS = env_choice("EXL2_PDL_MAX_ROWS", 4, range(1, 4097))
+PDL_MAX_ROWS = env_choice("EXL2_PDL_MAX_ROWS", 16, range(1, 4097))
 # the same bound for the small launches between the matmuls (norms, RoPE, cache writes, attention, activations)
 PDL_SMALL_ROWS = env_choice("EXL2_PDL_SMALL_ROWS", PDL_MAX_ROWS, range(1, 4097))
 # and for decode attention split over the keys (partials, then a merge) and its merge launch
