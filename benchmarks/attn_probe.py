@@ -3,6 +3,7 @@
     ncu --clock-control none --kernel-name regex:_attn_kernel --launch-skip 3 --launch-count 1 \
         python3 benchmarks/attn_probe.py [--batch 16 --ctx 128 --mode fp16 --splits 1]
     python3 benchmarks/attn_probe.py --sweep    # graph-timed table of kernel variants, cold caches
+    python3 benchmarks/attn_probe.py --split-sweep --batch 1 --ctx 2048 --mode q4   # splits x tiles, one shape
 
 Shapes are Llama-3-8B's (32 query / 8 KV heads of 128, pages of 256 tokens). `--splits 1` is what the batch-16
 short-context graph runs; None lets the kernel pick. The sweep varies the key block, warps, pipelining stages and
@@ -38,14 +39,47 @@ def call(q, c, bt, lens, bits, splits, perm=None):
                               num_splits=splits, out_index=perm)
 
 
+def _case(batch: int, ctx: int, mode: str, layout: str, out: str):
+    """Inputs of one shape, enough copies of the cache for cold timings, the reference output and the byte count.
+    "perm": the output in o_proj's permuted input order, as the decoder asks for it; "contiguous": each
+    sequence's pages in order, as the bench's decode step lays them out."""
+    bt, lens, q, tensors, bits = inputs(batch, ctx, mode)
+    if layout == "contiguous":
+        bt = torch.arange(bt.numel(), dtype=torch.int32, device=bt.device).view_as(bt)
+    perm = torch.randperm(HQ * D, device=q.device).int() if out == "perm" else None
+    nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    copies = [tensors] + [tuple(None if t is None else t.clone() for t in tensors)
+                          for _ in range(max(1, -(-COLD_BYTES // nbytes)) - 1)]
+    ref = at.paged_attention_torch(q, tensors[0], tensors[1], bt, lens, k_bits=bits, v_bits=bits,
+                                   k_scales=tensors[2], v_scales=tensors[3])
+    return bt, lens, q, copies, bits, perm, ref, nbytes
+
+
+def _row(cells: str, case, splits) -> None:
+    """Time the current `attention.TUNING`/`ONE_Q` on a `_case` and print its table row (attention and merge)."""
+    bt, lens, q, copies, bits, perm, ref, nbytes = case
+    try:
+        got = call(q, copies[0], bt, lens, bits, splits, perm)
+        if perm is not None:
+            got = got[:, perm.long()].view_as(ref)
+        err = rel_err(got, ref)
+        us = graph_us([lambda c=c: call(q, c, bt, lens, bits, splits, perm) for c in copies])
+    except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
+        print(f"{cells} failed: {type(e).__name__}: {str(e)[:120]} | | |")
+        return
+    print(f"{cells} {us:.2f} | {nbytes / us / 1e3:.0f} | {err:.1e} |", flush=True)
+
+
+def _header() -> None:
+    print("| batch | ctx | cache | splits | pages | out | bn | warps | stages | one_q | µs | GB/s | rel err |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
 def sweep() -> None:
     key_of = {16: ("decode", "fp16"), 4: ("decode", "quant")}
     short_key = ("short", "fp16")
     saved = dict(at.TUNING), at.ONE_Q
-    print("| batch | ctx | cache | splits | pages | out | bn | warps | stages | one_q | µs | GB/s | rel err |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    # "perm": the output in o_proj's permuted input order, as the decoder asks for it; "contiguous": each
-    # sequence's pages in order, as the bench's decode step lays them out
+    _header()
     for batch, ctx, mode, splits, layout, out in (
             (16, 128, "fp16", 1, "random", "plain"), (16, 128, "fp16", 1, "random", "perm"),
             (16, 128, "fp16", 1, "contiguous", "perm"), (16, 128, "q4", None, "random", "plain"),
@@ -53,16 +87,8 @@ def sweep() -> None:
             (1, 2048, "fp16", None, "random", "perm"), (16, 128, "q4", None, "random", "perm")):
         if SHORT and out != "perm":
             continue
-        bt, lens, q, tensors, bits = inputs(batch, ctx, mode)
-        if layout == "contiguous":
-            bt = torch.arange(bt.numel(), dtype=torch.int32, device=bt.device).view_as(bt)
-        perm = torch.randperm(HQ * D, device=q.device).int() if out == "perm" else None
-        nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        copies = [tensors] + [tuple(None if t is None else t.clone() for t in tensors)
-                              for _ in range(max(1, -(-COLD_BYTES // nbytes)) - 1)]
-        ref = at.paged_attention_torch(q, tensors[0], tensors[1], bt, lens, k_bits=bits, v_bits=bits,
-                                       k_scales=tensors[2], v_scales=tensors[3])
-        key = short_key if splits == 1 and bits == 16 else key_of[bits]
+        case = _case(batch, ctx, mode, layout, out)
+        key = short_key if splits == 1 and case[4] == 16 else key_of[case[4]]
         default = saved[0][key]
         grid = [(default[0], default[1], s, o) for s in (1, 2, 3) for o in (False, True)]
         grid += [(bn, nw, default[2], True) for bn, nw in itertools.product((32, 64, 128), (2, 4, 8))
@@ -72,21 +98,27 @@ def sweep() -> None:
                     (128, 8, 1, True)]
         for bn, nw, stages, one_q in grid:
             at.TUNING[key], at.ONE_Q = (bn, nw, stages), one_q
-            cells = f"| {batch} | {ctx} | {mode} | {splits} | {layout} | {out} | {bn} | {nw} | {stages} | {one_q} |"
-            try:
-                got = call(q, copies[0], bt, lens, bits, splits, perm)
-                if perm is not None:
-                    got = got[:, perm.long()].view_as(ref)
-                err = rel_err(got, ref)
-                us = graph_us([lambda c=c: call(q, c, bt, lens, bits, splits, perm) for c in copies])
-            except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
-                print(f"{cells} failed: {type(e).__name__}: {str(e)[:120]} | | |")
-                continue
-            print(f"{cells} {us:.2f} | {nbytes / us / 1e3:.0f} | {err:.1e} |", flush=True)
+            _row(f"| {batch} | {ctx} | {mode} | {splits} | {layout} | {out} | {bn} | {nw} | {stages} | {one_q} |",
+                 case, splits)
         at.TUNING.clear()
         at.TUNING.update(saved[0])
         at.ONE_Q = saved[1]
-        del copies
+        del case
+
+
+def split_sweep(batch: int, ctx: int, mode: str) -> None:
+    """Key splits (the kernel's pick first) × key block × warps × stages for one decode shape, output in o_proj's
+    order: what tunes a batch-1 long-context step (the q4 cache at ctx 2048 is 11 % behind fp16, session 16)."""
+    key = ("decode", "fp16" if mode == "fp16" else "quant")
+    saved = dict(at.TUNING)
+    case = _case(batch, ctx, mode, "random", "perm")
+    _header()
+    for splits in (None, 4, 8, 16, 32):
+        for bn, nw, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2)):
+            at.TUNING[key] = (bn, nw, stages)
+            _row(f"| {batch} | {ctx} | {mode} | {splits} | random | perm | {bn} | {nw} | {stages} | {at.ONE_Q} |",
+                 case, splits)
+        at.TUNING.update(saved)
 
 
 def main() -> None:
@@ -98,11 +130,16 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--short", action="store_true", help="with --sweep: the permuted-output cases, a few configs")
+    p.add_argument("--split-sweep", dest="split_sweep", action="store_true",
+                   help="sweep splits, key block, warps and stages for --batch/--ctx/--mode")
     a = p.parse_args()
     global SHORT
     SHORT = a.short
     if a.sweep:
         sweep()
+        return
+    if a.split_sweep:
+        split_sweep(a.batch, a.ctx, a.mode)
         return
     bt, lens, q, tensors, bits = inputs(a.batch, a.ctx, a.mode)
     for _ in range(a.calls):

@@ -17,6 +17,7 @@
 # trees in .base/*.tar (carried; `git archive REF exl2` each) against this tree with several switches. s17b: bs 1
 # and bs 16 breakdowns, then the bench over switches (S17B_SPECS). s17c: PDL at batch 16 (and 8) against the default.
 # s17d: PDL at batch 8/16 with and without it for split attention and its merge (EXL2_PDL_SPLIT_ROWS).
+# q4attn: attention + merge at batch 1, ctx 2048 over splits x tiles (q4 and fp16), then fp16/q4 benches three times.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -99,6 +100,10 @@ for s in $steps; do
           TAG=_b16 BENCH_ARGS="--modes fp16,q4 --contexts 128 --prefill 64" bash "$0" envab
         AB_SPECS=";EXL2_PDL_MAX_ROWS=16 EXL2_PDL_SPLIT_ROWS=4;EXL2_PDL_MAX_ROWS=16 EXL2_PDL_SPLIT_ROWS=16" TAG=_b8 \
           BENCH_ARGS="--modes fp16,q4 --contexts 128 --prefill 64 --batch 8" bash "$0" envab ;;
+  q4attn) for mode in q4 fp16; do timeout ${SWEEP_TIMEOUT:-150} python3 benchmarks/attn_probe.py --split-sweep --batch 1 \
+            --ctx 2048 --mode $mode > "$OUT/attn_split_$mode.txt" 2>&1; echo "split sweep $mode rc=$?"
+            sort -t'|' -k12 -n "$OUT/attn_split_$mode.txt" | grep -E "^\| 1 " | head -5; done
+          AB_SPECS=";;" TAG=_q4 BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 1" bash "$0" envab ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"
