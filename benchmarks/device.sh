@@ -103,7 +103,7 @@ for s in $steps; do
   q4attn) for mode in q4 fp16; do timeout ${SWEEP_TIMEOUT:-150} python3 benchmarks/attn_probe.py --split-sweep --batch 1 \
             --ctx 2048 --mode $mode > "$OUT/attn_split_$mode.txt" 2>&1; echo "split sweep $mode rc=$?"
             sort -t'|' -k12 -n "$OUT/attn_split_$mode.txt" | grep -E "^\| 1 " | head -5; done
-          AB_SPECS=";;" TAG=_q4 BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 1" bash "$0" envab ;;
+          AB_SPECS=";; " TAG=_q4 BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"
