@@ -24,8 +24,20 @@ def test_golden_greedy_decode_matches_cpu(name, mode):
     The CPU path (float32, dequantized weights) teacher-forces the same tokens. Tolerance: logits within 3 % of
     their range (fp16 activations and the fp16/quantized cache), and ≥ 90 % of greedy choices equal (near-ties in
     a random tiny model may flip)."""
+    _golden_decode(name, mode)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_greedy_decode_with_split_sums(name):
+    """The same with o_proj and down leaving their K-split partial sums to the norm-gather (EXL2_SPLIT_SUM)."""
+    _golden_decode(name, "fp16", split_sum=True)
+
+
+def _golden_decode(name: str, mode: str, split_sum: bool = False) -> None:
     ids = load_file(GOLDEN / "src" / "reference_logits_fp16_hf.safetensors")["input_ids"][:, :96]
     gpu = load_model(GOLDEN / name, "cuda")
+    if split_sum:
+        assert gpu.route_split_sums(True) > 0
     cpu = load_model(GOLDEN / name, "cpu")
     page = 64
     cache = PagedKVCache(gpu.spec, num_pages=5, page_size=page, mode=mode, device="cuda", dtype=torch.float16)

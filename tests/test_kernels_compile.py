@@ -65,7 +65,7 @@ def _compile_all() -> dict:
     for bn, width in GEMV:
         consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=False, HAS3=False, HAS2=False, HAS_ZEROS=False,
                       HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=3, DEPTH=0, STAGES=3, PDL=True,
-                      PREFETCH=64)
+                      PREFETCH=64, PART_ONLY=False)
         consts[width] = True
         out[f"gemv-{bn}-{width}"] = verdict(lambda: ptx(qm._gemv_kernel, gptrs, consts, 4, 3))
     from exl2.kernels import mma_dot
@@ -117,7 +117,15 @@ def _compile_all() -> dict:
     nptrs = {n: "*fp16" for n in ["x_ptr", "res_ptr", "w_ptr", "out_ptr", "xp_ptr"]}
     nptrs.update({"cnt_ptr": "*i32", "i0": "*i32", "i1": "*i32", "i2": "*i32", "eps": "fp32", "ro_ptr": "*fp16"})
     out["norm-gather"] = constants_first(lambda: ptx(norm._norm_gather_kernel, nptrs, dict(
-        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, RES_OUT=True), 16, 1))
+        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, RES_OUT=True, NPART=0), 16, 1))
+    out["norm-gather-parts"] = constants_first(lambda: ptx(norm._norm_gather_kernel, dict(nptrs, x_ptr="*fp32"), dict(
+        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, RES_OUT=True, NPART=4), 16, 1))
+    consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=True, HAS3=False, HAS2=False, HAS_ZEROS=False,
+                  HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=64, RED=4, FAST4=3, DEPTH=0, STAGES=3, PDL=True,
+                  PREFETCH=64, PART_ONLY=True)
+    gemv_ptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
+    gemv_ptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
+    out["gemv-part-only"] = verdict(lambda: ptx(qm._gemv_kernel, gemv_ptrs, consts, 4, 3))
     out["glu-gather"] = constants_first(lambda: ptx(act._glu_kernel, {
         "g_ptr": "*fp16", "u_ptr": "*fp16", "o_ptr": "*fp16", "idx_ptr": "*i32"}, dict(
         ACT=0, BLOCK=512, GATHER=True, PDL=True), 4, 1))
@@ -168,9 +176,13 @@ def test_gluon_mma_group_compiles(compiled, three):
     assert compiled[f"mma-group-{three}"] == "ok"
 
 
-@pytest.mark.parametrize("kernel", ["norm-gather", "glu-gather"])
+@pytest.mark.parametrize("kernel", ["norm-gather", "norm-gather-parts", "glu-gather"])
 def test_constant_loads_come_before_the_pdl_wait(compiled, kernel):
     assert compiled[kernel] == "ok"
+
+
+def test_gemv_leaving_its_partials_compiles(compiled):
+    assert compiled["gemv-part-only"] == "ok"
 
 
 @pytest.mark.parametrize("kb,vb,hadamard", ROPE_WRITE)

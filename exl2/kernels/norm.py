@@ -10,6 +10,7 @@ import torch
 
 from exl2.kernels.backend import counters, next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 from exl2.kernels.permute import take_columns
+from exl2.kernels.quant_matmul import SplitSum
 
 
 @triton.jit
@@ -43,16 +44,30 @@ def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_r, s
 
 
 @triton.jit
+def _sum_parts(row_ptr, cols, mask, stride_s, NPART: tl.constexpr):
+    """Columns `cols` of a row in fp32: the row itself (NPART 0) or the sum of its NPART partial rows."""
+    if NPART == 0:
+        v = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        v = tl.load(row_ptr + cols, mask=mask, other=0.0)
+        for i in tl.static_range(1, NPART):
+            v += tl.load(row_ptr + i * stride_s + cols, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
 def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stride_x, stride_r, stride_o,
                         stride_xp, eps, i0, o1, i1, o2, i2, TOTAL, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
                         GEMMA: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                        ro_ptr=None, stride_ro=0, RES_OUT: tl.constexpr = False):
+                        ro_ptr=None, stride_ro=0, RES_OUT: tl.constexpr = False, stride_xs=0,
+                        NPART: tl.constexpr = 0):
     """RMSNorm of one row spread over 1 + ceil(TOTAL / GBLOCK) programs (grid axis 1), so the permuted copies
     (gathers, one GBLOCK chunk of the concatenated copies per program) run on several SMs at once. Each program
     reduces the whole row itself (two coalesced loads); program 0 writes the normed row. With a residual, every
     program reads the old residual, so the new one is written by the program that arrives last at the row's
     counter, after all reads; with RES_OUT program 0 writes it to a buffer of its own instead (no counter, no
-    tail). The index vectors and the norm weight, which no kernel writes, are read before the
+    tail). NPART > 0: x is that many fp32 partial sums (a K-split matmul's, `SplitSum`), `stride_xs` apart, added
+    here. The index vectors and the norm weight, which no kernel writes, are read before the
     PDL wait, so with PDL their latency overlaps the previous kernel's tail and only the row's loads follow it."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -76,11 +91,11 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stri
             w_idx += 1.0
     if PDL:
         pdl_sync()
-    v = tl.load(x_row + idx, mask=ok, other=0.0).to(tl.float32)
+    v = _sum_parts(x_row, idx, ok, stride_xs, NPART)
     if HAS_RES:
         v = (v + tl.load(r_row + idx, mask=ok, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
         v = v.to(tl.float32)
-    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    x = _sum_parts(x_row, offs, mask, stride_xs, NPART)
     if HAS_RES:
         s = (x + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
         x = s.to(tl.float32)
@@ -108,14 +123,23 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stri
 _MAX_GATHER_ROWS = 4096  # one arrival counter per row (backend.counters)
 
 
-def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, indices, residual=None,
+def rms_norm_gather(x: torch.Tensor | SplitSum, weight: torch.Tensor | None, eps: float, indices, residual=None,
                     gemma: bool = False, residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm` (with the residual update if `residual` is given) that also returns the normed rows gathered by
     each of 1–3 index vectors (`QuantWeight.x_index`: -1 gives 0) side by side, `[rows, Σ len(index)]` — the
     permuted inputs of the quantized projections that read this norm, without a separate gather launch. Pass
     each distinct vector once (`runtime.linear.permuted_indices`, laid out as `quant_matmul.input_layout`).
     With `residual_out` (shaped as `residual`) the sum goes there and `residual` is only read: the kernel then
-    needs no arrival counter to order the residual's reads before its overwrite."""
+    needs no arrival counter to order the residual's reads before its overwrite. `x` may be a `SplitSum` (with a
+    residual): the kernel adds its fp32 partial sums itself, so the matmul that made them skipped its own sum."""
+    parts = None
+    if isinstance(x, SplitSum):
+        if residual is None:
+            raise ValueError("a SplitSum input needs the residual it is added to.")
+        if use_triton(x.parts) and x.parts.shape[1:] == (residual.numel() // residual.shape[-1], residual.shape[-1]):
+            parts, x = x.parts, residual  # x: the shape and dtype of the result from here on
+        else:
+            x = x.total(residual.dtype).view(residual.shape)
     _check(x, residual)
     if residual_out is not None:
         if residual is None:
@@ -131,7 +155,7 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
         rows = normed.reshape(-1, normed.shape[-1])
         return normed, torch.cat([take_columns(rows, idx) for idx in indices], dim=1)
     d = x.shape[-1]
-    x2 = _rows(x)
+    x2 = _rows(x) if parts is None else parts[0]
     m = x2.shape[0]
     if m > _MAX_GATHER_ROWS:
         raise ValueError(f"rms_norm_gather takes at most {_MAX_GATHER_ROWS} rows.")
@@ -152,6 +176,7 @@ def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in
             HAS_RES=r2 is not None, HAS_W=weight is not None, GEMMA=gemma, BLOCK=block, GBLOCK=gblock,
             num_warps=min(16, max(4, block // 256)), ro_ptr=ro if ro is not None else x2,
             stride_ro=ro.stride(0) if ro is not None else 0, RES_OUT=ro is not None,
+            stride_xs=parts.stride(0) if parts is not None else 0, NPART=parts.shape[0] if parts is not None else 0,
             **pdl_args(x2.device, x2.shape[0], small=True))
     return out.view(x.shape), xp
 

@@ -40,12 +40,26 @@ from exl2.kernels.permute import gather_block, take_columns
 from exl2.kernels.qweight import WIDTHS, QuantWeight, matmul_torch, split_bits
 
 
+@dataclass
+class SplitSum:
+    """A matmul's output left as its K-split fp32 partial sums `[S, M, N]` for a consumer that adds them while it
+    reads them (`norm.rms_norm_gather`): the matmul's programs then end without the arrival counter and the last
+    program's sum. `lead`: the shape before the last dim of the summed output."""
+    parts: torch.Tensor
+    lead: tuple[int, ...]
+
+    def total(self, dtype: torch.dtype) -> torch.Tensor:
+        """The summed output `[*lead, N]` in `dtype`, for a consumer that cannot take the partials."""
+        return self.parts.sum(0).to(dtype).view(*self.lead, self.parts.shape[-1])
+
+
 # --------------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _store_out(res, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr, tile_id, pid_k, SPLIT,
-               HAS_BIAS: tl.constexpr, SPLIT_ON: tl.constexpr, RED: tl.constexpr):
+               HAS_BIAS: tl.constexpr, SPLIT_ON: tl.constexpr, RED: tl.constexpr, PART_ONLY: tl.constexpr = False):
     """Write the tile, or (split K) its partial; the last program of the tile sums the partials, RED at a time
-    (independent loads, so the sum costs one memory latency per RED partials, not one per partial)."""
+    (independent loads, so the sum costs one memory latency per RED partials, not one per partial). PART_ONLY
+    (no bias): only the partial, for a consumer that sums them (`SplitSum`)."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     if not SPLIT_ON:
@@ -55,21 +69,22 @@ def _store_out(res, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr,
     else:
         p_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(part_ptr + pid_k * M * N + p_off, res, mask=mask)
-        tl.debug_barrier()
-        count = tl.atomic_add(cnt_ptr + tile_id, 1)
-        if count == SPLIT - 1:
-            tot = tl.zeros_like(res)
-            offs_r = tl.arange(0, RED)
-            for i in range(0, SPLIT, RED):
-                kk = i + offs_r
-                ptrs = part_ptr + (kk.to(tl.int64) * M * N)[:, None, None] + p_off[None, :, :]
-                chunk = tl.load(ptrs, mask=(kk < SPLIT)[:, None, None] & mask[None, :, :], other=0.0,
-                                cache_modifier=".cg")
-                tot += tl.sum(chunk, axis=0)
-            if HAS_BIAS:
-                tot += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+        if not PART_ONLY:
+            tl.debug_barrier()
+            count = tl.atomic_add(cnt_ptr + tile_id, 1)
+            if count == SPLIT - 1:
+                tot = tl.zeros_like(res)
+                offs_r = tl.arange(0, RED)
+                for i in range(0, SPLIT, RED):
+                    kk = i + offs_r
+                    ptrs = part_ptr + (kk.to(tl.int64) * M * N)[:, None, None] + p_off[None, :, :]
+                    chunk = tl.load(ptrs, mask=(kk < SPLIT)[:, None, None] & mask[None, :, :], other=0.0,
+                                    cache_modifier=".cg")
+                    tot += tl.sum(chunk, axis=0)
+                if HAS_BIAS:
+                    tot += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+                tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0)
 
 
 @triton.jit
@@ -553,9 +568,11 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
                  HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                  RED: tl.constexpr, FAST4: tl.constexpr = False, DEPTH: tl.constexpr = 1,
-                 STAGES: tl.constexpr = 2, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                 STAGES: tl.constexpr = 2, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                 PART_ONLY: tl.constexpr = False):
     """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
-    L2. With PDL the first PREFETCH word rows of each class are requested before waiting for the input."""
+    L2. With PDL the first PREFETCH word rows of each class are requested before waiting for the input.
+    PART_ONLY: split K, every program leaves its partial sum (`SplitSum`) and none adds them."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -575,7 +592,7 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
                        FAST4, DEPTH, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
-               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
+               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED, PART_ONLY)
 
 
 @triton.jit
@@ -1193,15 +1210,22 @@ def _pairs_view(xp: torch.Tensor, fast4: bool | int | None) -> tuple[int, torch.
     return mask, (xp.view(torch.int32) if mask else xp)
 
 
-def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra) -> torch.Tensor:
-    """Run a gemv/dot kernel on the permuted input xp `[M, S·32]` (last dim contiguous)."""
+def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, part_only: bool = False,
+            **extra) -> torch.Tensor | SplitSum:
+    """Run a gemv/dot kernel on the permuted input xp `[M, S·32]` (last dim contiguous). `part_only` (the gemv,
+    no bias): where K is split, return the partial sums as a `SplitSum` instead of adding them."""
     m = xp.shape[0]
-    out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
-    if m == 0:
-        return out
     grid_n, grid_m = triton.cdiv(w.n, cfg.bn), triton.cdiv(m, cfg.bm if kernel is _dot_kernel else 1)
     split = cfg.split if grid_n * grid_m <= COUNTER_POOL else 1
-    part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device) if split > 1 else out
+    part_only = part_only and kernel is _gemv_kernel and split > 1 and w.bias is None and m > 0
+    if part_only:
+        extra["PART_ONLY"] = True
+        part = out = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device)
+    else:
+        out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
+        if m == 0:
+            return out
+        part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device) if split > 1 else out
     cls, flags = _class_args(w)
     zeros = w.zeros if w.zeros is not None else w.scales
     bias = w.bias if w.bias is not None else w.scales
@@ -1213,7 +1237,7 @@ def _launch(kernel, xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, **extra
         RED=min(next_pow2(split), max(1, 8192 // (cfg.bm * cfg.bn))),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
         **pdl_args(xp.device, m, prefetch=PREFETCH_ROWS if kernel is _gemv_kernel else None))
-    return out
+    return SplitSum(part, (m,)) if part_only else out
 
 
 def _permuted(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None) -> torch.Tensor:
@@ -1556,6 +1580,10 @@ FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "1") == "1"
 # permutation) get one x_index tensor at load (`share_input_orders`), so the small-batch path writes and reads one
 # permuted copy for them instead of one each. EXL2_SHARED_INPUT=0 keeps a copy per weight (for A/B runs).
 SHARED_INPUT = env_choice("EXL2_SHARED_INPUT", 1, range(0, 2)) == 1
+# EXL2_SPLIT_SUM=1: at 1-4 rows the o and down gemvs, whose K is split, leave their partial sums to the norm-gather
+# that reads their output (`SplitSum`), so they end without the counter and the last program's sum (~1 µs a call
+# predicted, ~+3 % at batch 1). Off until measured on a GPU (session 16 had no device time left for it).
+SPLIT_SUM = env_choice("EXL2_SPLIT_SUM", 0, range(0, 2)) == 1
 # How the gemv keeps loads in flight (MatmulConfig.depth / num_stages); EXL2_GEMV_DEPTH / EXL2_GEMV_STAGES
 # override them for end-to-end A/B runs of `exl2 bench`.
 GEMV_DEPTH = env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
@@ -1632,9 +1660,10 @@ def uses_dequant(m: int, x: torch.Tensor) -> bool:
     return use_triton(x) and m > DOT_MAX_M
 
 
-def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+def permuted_matmul(xp: torch.Tensor, w: QuantWeight, split_sum: bool = False) -> torch.Tensor | SplitSum:
     """`x · W + bias` from the permuted input alone, xp `[M, S·32]` with M ≤ DOT_MAX_M (a producer such as the GLU
-    kernel wrote it in `w.x_index` order, so x itself never existed): `[M, N]`."""
+    kernel wrote it in `w.x_index` order, so x itself never existed): `[M, N]`. `split_sum`: where the gemv splits
+    K, its partial sums as a `SplitSum` for a consumer that adds them (`norm.rms_norm_gather`)."""
     m = xp.shape[0]
     if not 0 < m <= DOT_MAX_M or xp.shape[1] != w.x_index.numel() or xp.stride(-1) != 1:
         raise ValueError("permuted_matmul takes 1 to 64 contiguous rows in the weight's input order.")
@@ -1653,7 +1682,7 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return gemv_chunked(None, w, cfg, xp=xp)
     if path != "gemv":
         return _dot_or_mma(xp, w, cfg)
-    return _launch(_gemv_kernel, xp, w, cfg, FAST4=None, DEPTH=cfg.depth, STAGES=cfg.num_stages)
+    return _launch(_gemv_kernel, xp, w, cfg, split_sum, FAST4=None, DEPTH=cfg.depth, STAGES=cfg.num_stages)
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None) -> torch.Tensor:

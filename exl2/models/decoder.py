@@ -14,8 +14,14 @@ from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, softc
 from exl2.kernels.attention import scatter_columns
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.spec import LayerSpec, ModelSpec
-from exl2.kernels.quant_matmul import uses_permuted_input
-from exl2.runtime.linear import permuted_indices, project, share_inputs
+from exl2.kernels import quant_matmul as qm
+from exl2.kernels.quant_matmul import SplitSum, uses_permuted_input
+from exl2.runtime.linear import Linear, permuted_indices, project, share_inputs
+
+
+def _summed(y, like: torch.Tensor) -> torch.Tensor:
+    """y, or the sum of a `SplitSum` in like's dtype (for the paths that add a module's output themselves)."""
+    return y.total(like.dtype).view(like.shape[:-1] + y.parts.shape[-1:]) if isinstance(y, SplitSum) else y
 
 
 class WeightProvider(Protocol):
@@ -187,7 +193,7 @@ class DecoderLayer(nn.Module):
 
     def attn_block(self, x, q_pos, rope, cache=None) -> torch.Tensor:
         """Residual stream after the attention half of the layer; q_pos [B, T] absolute positions."""
-        h = self.self_attn(self.input_layernorm(x), q_pos, rope, cache)
+        h = _summed(self.self_attn(self.input_layernorm(x), q_pos, rope, cache), x)
         if self.spec.sandwich_norm:
             h = self.post_attention_layernorm(h)
         return x + h
@@ -196,7 +202,7 @@ class DecoderLayer(nn.Module):
         """Residual stream after the feed-forward half of the layer."""
         if self.spec.sandwich_norm:
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + _summed(self.mlp(self.post_attention_layernorm(x)), x)
 
     def forward(self, x, q_pos, rope, cache=None):
         return self.mlp_block(self.attn_block(x, q_pos, rope, cache))
@@ -273,6 +279,26 @@ class DecoderModel(nn.Module):
         # q/k/v (and gate/up) of exllamav2 files share one act-order permutation: one permuted copy of their input
         # where their input orders are equal (EXL2_SHARED_INPUT=0: one per weight)
         share_inputs(self)
+        self.route_split_sums()
+
+    def route_split_sums(self, enabled: Optional[bool] = None) -> int:
+        """Let o_proj and down leave their K-split partial sums to the norm-gather that reads their output in
+        `DecoderLayer.fused_step` (`Linear.split_sum`): o_proj where the layer's MLP reads a norm-gather, down where
+        the next layer's attention does. `enabled` None follows EXL2_SPLIT_SUM. Returns how many layers emit them."""
+        on = qm.SPLIT_SUM if enabled is None else enabled
+        routed = 0
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            nxt = self.layers[i + 1].self_attn if i + 1 < len(self.layers) else None
+            pairs = [(getattr(attn, "o_proj", None), getattr(mlp, "permuted_indices", lambda: None)()),
+                     (getattr(mlp, "down_proj", None) if isinstance(mlp, GatedMLP) else None,
+                      getattr(nxt, "permuted_indices", lambda: None)() if nxt is not None else None)]
+            for producer, consumer_idx in pairs:
+                if isinstance(producer, Linear):
+                    producer.split_sum = bool(on and not self.spec.sandwich_norm and isinstance(attn, Attention)
+                                              and producer.kernel is not None and consumer_idx is not None)
+                    routed += producer.split_sum
+        return routed
 
     @property
     def dtype(self) -> torch.dtype:

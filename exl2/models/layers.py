@@ -7,7 +7,7 @@ from torch import nn
 
 from exl2.kernels.activation import glu
 from exl2.kernels.norm import rms_norm, rms_norm_gather
-from exl2.kernels.quant_matmul import uses_permuted_input
+from exl2.kernels.quant_matmul import SplitSum, uses_permuted_input
 from exl2.runtime.linear import permuted_indices, project
 
 
@@ -27,11 +27,14 @@ class RMSNorm(nn.Module):
         vectors from `permuted_indices`) return `(normed, permuted copies, residual + delta)` from that same kernel,
         the sum in a new tensor and `residual` left as it was (the kernel then ends without ordering its reads of
         the residual before an overwrite)."""
+        split = isinstance(delta, SplitSum)  # a matmul's K-split partial sums (`Linear.split_sum`)
         if gather:
             new = torch.empty_like(residual)
-            normed, xp = rms_norm_gather(delta.contiguous(), self.weight, self.eps, gather, residual=residual,
-                                         gemma=bool(self.offset), residual_out=new)
+            normed, xp = rms_norm_gather(delta if split else delta.contiguous(), self.weight, self.eps, gather,
+                                         residual=residual, gemma=bool(self.offset), residual_out=new)
             return normed, xp, new
+        if split:
+            delta = delta.total(residual.dtype).view(residual.shape)
         normed, _ = rms_norm(delta.contiguous(), self.weight, self.eps, residual=residual, gemma=bool(self.offset))
         return normed
 

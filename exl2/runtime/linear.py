@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl2.kernels import quant_matmul as qm
-from exl2.kernels.quant_matmul import (dequant_matmul_group, gather_input, grouped_matmul, input_layout,
+from exl2.kernels.quant_matmul import (SplitSum, dequant_matmul_group, gather_input, grouped_matmul, input_layout,
                                        permuted_matmul, quant_matmul, share_input_orders, split_permuted,
                                        uses_dequant, uses_permuted_input)
 
@@ -29,6 +29,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.kernel = kernel
         self.info = info or {"format": "dense"}
+        # set by the decoder where this layer's output feeds a norm-gather, which can add K-split partial sums
+        self.split_sum = False
 
     def forward(self, x: torch.Tensor, xp: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`xp`: x already permuted for this layer's kernel (see `project`)."""
@@ -36,9 +38,14 @@ class Linear(nn.Module):
             return self.trim(quant_matmul(x, self.kernel, xp))
         return F.linear(x, self.weight, self.bias)
 
-    def forward_permuted(self, xp: torch.Tensor, lead: Sequence[int]) -> torch.Tensor:
-        """The quantized layer on its permuted input only (`[rows, S·32]`, rows ≤ 64); output `[*lead, out]`."""
-        return self.trim(permuted_matmul(xp, self.kernel)).reshape(*lead, self.out_features)
+    def forward_permuted(self, xp: torch.Tensor, lead: Sequence[int]) -> torch.Tensor | SplitSum:
+        """The quantized layer on its permuted input only (`[rows, S·32]`, rows ≤ 64); output `[*lead, out]`, or
+        with `split_sum` set, where the kernel splits K, its partial sums (`SplitSum`, for the norm-gather)."""
+        y = permuted_matmul(xp, self.kernel, self.split_sum and self.kernel.n == self.out_features)
+        if isinstance(y, SplitSum):
+            y.lead = tuple(lead)
+            return y
+        return self.trim(y).reshape(*lead, self.out_features)
 
     def trim(self, y: torch.Tensor) -> torch.Tensor:
         """The kernel's output without the columns EXL2 pads N with (to a multiple of 32)."""

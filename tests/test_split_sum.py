@@ -1,0 +1,101 @@
+"""K-split partial sums left to the norm-gather (`SplitSum`, EXL2_SPLIT_SUM): the gemv's partials add up to its
+ordinary output, the norm-gather fed them equals the one fed the summed output, and a decoder routing o_proj and
+down through them gives the logits of one that does not."""
+import pytest
+import torch
+
+from exl2.formats.safetensors_io import TensorSource
+from exl2.kernels import qweight
+from exl2.kernels import quant_matmul as qm
+from exl2.kernels.backend import INTERPRET, force_triton, triton_usable
+from exl2.kernels.norm import rms_norm_gather
+from exl2.runtime.weights import WeightLoader
+
+from test_exl2_model import GOLDEN
+
+DEV = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
+needs_triton = pytest.mark.skipif(DEV is None or not triton_usable(), reason="needs CUDA or TRITON_INTERPRET=1")
+
+K, N = 512, 128  # 16 steps, two 64-column tiles: the gemv splits K in two (sm_count 4 on CPU)
+
+
+def _weight(bias: bool) -> qweight.QuantWeight:
+    g = torch.Generator().manual_seed(3)
+    layout = [(4, 384), (6, 128)]
+    codes = torch.cat([torch.randint(0, 1 << b, (r, N), generator=g) for b, r in layout]).to(torch.uint8)
+    scales = (torch.rand(len(layout), N, generator=g) * 0.01 + 0.001).half()
+    perm = torch.randperm(K, generator=g)
+    b = (torch.randn(N, generator=g) * 0.1).half() if bias else None
+    return qweight.build(codes.to(DEV), layout, scales.to(DEV), None, perm.to(DEV), b)
+
+
+@needs_triton
+def test_gemv_partials_add_up_to_its_output():
+    w = _weight(bias=False)
+    xp = qm.gather_input(torch.randn(2, K, device=DEV).half(), [w])[0]
+    with force_triton():
+        assert qm.choose_config(2, w)[1].split == 2
+        plain = qm.permuted_matmul(xp, w)
+        split = qm.permuted_matmul(xp, w, split_sum=True)
+    assert isinstance(split, qm.SplitSum) and split.parts.shape == (2, 2, N)
+    assert split.parts.dtype == torch.float32
+    torch.testing.assert_close(split.total(torch.float16), plain, atol=0, rtol=0)  # two fp32 terms: one order
+    with force_triton():  # a bias is added by the summing program: such a weight keeps its plain output
+        assert isinstance(qm.permuted_matmul(xp, _weight(bias=True), split_sum=True), torch.Tensor)
+
+
+@needs_triton
+def test_norm_gather_adds_the_partials():
+    torch.manual_seed(8)
+    d = 96
+    parts = torch.randn(3, 2, d, device=DEV) * 0.5
+    res = torch.randn(2, d, device=DEV).half()
+    w = torch.rand(d, device=DEV).half() + 0.5
+    idx = [torch.randperm(d, device=DEV).int(), torch.cat([torch.randperm(d, device=DEV),
+                                                            torch.full((32,), -1, device=DEV)]).int()]
+    summed = parts.sum(0).half()
+    new_s, new_p = torch.empty_like(res), torch.full_like(res, float("nan"))
+    with force_triton():
+        ref_out, ref_xp = rms_norm_gather(summed, w, 1e-5, idx, residual=res.clone(), residual_out=new_s)
+        out, xp = rms_norm_gather(qm.SplitSum(parts, (2,)), w, 1e-5, idx, residual=res.clone(), residual_out=new_p)
+    twin_out, twin_xp = rms_norm_gather(qm.SplitSum(parts, (2,)), w, 1e-5, idx, residual=res.clone(),
+                                        residual_out=torch.empty_like(res))
+    # the kernel adds the partials to the residual in fp32 (one rounding), the reference rounds their sum first
+    torch.testing.assert_close(new_p, (parts.sum(0) + res.float()).half(), atol=0, rtol=0)
+    for got in (out, twin_out):
+        torch.testing.assert_close(got, ref_out, atol=4e-3, rtol=0)
+    for got in (xp, twin_xp):
+        torch.testing.assert_close(got, ref_xp, atol=4e-3, rtol=0)
+    torch.testing.assert_close(xp[:, :d], out[:, idx[0].long()], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_gather(qm.SplitSum(parts, (2,)), w, 1e-5, idx)
+
+
+@pytest.mark.skipif(not triton_usable(), reason="needs Triton (the interpreter on CPU)")
+def test_decoder_routing_split_sums_keeps_the_logits(monkeypatch):
+    from exl2.models.decoder import DecoderModel
+    from exl2.models.registry import read_config, spec_from_config
+
+    d = GOLDEN / "b3.0_hb6"
+    spec = spec_from_config(read_config(d))
+    model = DecoderModel(spec, WeightLoader(TensorSource(d), "cpu", torch.float16, use_kernels=True)).eval()
+    ids = torch.tensor([[45]])  # one row: down (K 768) splits K in two on the CPU's 4 "SMs"; o_proj (K 256) not
+    made = []
+    real = qm.permuted_matmul
+
+    def counting(xp, w, split_sum=False):
+        y = real(xp, w, split_sum)
+        made.append(isinstance(y, qm.SplitSum))
+        return y
+    monkeypatch.setattr("exl2.runtime.linear.permuted_matmul", counting)
+    with torch.no_grad(), force_triton():
+        assert model.route_split_sums(False) == 0
+        plain = model(ids)
+        assert not any(made)
+        # o_proj of every layer, down of all but the last (the final norm reads it)
+        assert model.route_split_sums(True) == 2 * spec.num_layers - 1
+        routed = model(ids)
+    assert any(made)
+    assert (routed - plain).abs().max() <= 1e-2 * plain.abs().max()
+    with torch.no_grad():  # the twins (CPU path) never see the flag's partials
+        torch.testing.assert_close(model(ids), model(ids))
