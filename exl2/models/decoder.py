@@ -284,7 +284,8 @@ class DecoderModel(nn.Module):
     def route_split_sums(self, enabled: Optional[bool] = None) -> int:
         """Let o_proj and down leave their K-split partial sums to the norm-gather that reads their output in
         `DecoderLayer.fused_step` (`Linear.split_sum`): o_proj where the layer's MLP reads a norm-gather, down where
-        the next layer's attention does. `enabled` None follows EXL2_SPLIT_SUM. Returns how many layers emit them."""
+        the next layer's attention does. `enabled` None follows EXL2_SPLIT_SUM. Returns how many projections emit
+        them."""
         on = qm.SPLIT_SUM if enabled is None else enabled
         routed = 0
         for i, layer in enumerate(self.layers):
