@@ -110,7 +110,7 @@ for s in $steps; do
        timeout 80 python3 -m pytest tests/test_split_sum.py -k "partials" -q -p no:cacheprovider -rfE > "$OUT/gpu_split.txt" 2>&1
        echo "split-sum kernel tests (cuda) rc=$?"; tail -n 2 "$OUT/gpu_split.txt"
        AB_SPECS="EXL2_SPLIT_SUM=0;EXL2_SPLIT_SUM=1;EXL2_SPLIT_SUM=0;EXL2_SPLIT_SUM=1" TAG=_split \
-         BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 64 --batch 2" bash "$0" envab
+         BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 64" bash "$0" envab
        bash "$0" q4attn ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;

@@ -44,6 +44,25 @@ def test_gemv_partials_add_up_to_its_output():
         assert isinstance(qm.permuted_matmul(xp, _weight(bias=True), split_sum=True), torch.Tensor)
 
 
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="the Gluon kernel needs a GPU")
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gluon_partials_add_up_to_its_output(m):
+    """The tensor-core kernel (batch 5-16, and 1-4 for mixed widths) leaving its partials: they sum to its
+    output. (Not marked gpu: `device.sh s18` runs this file by name, `-k partials`.)"""
+    from exl2.kernels import mma_dot
+
+    w = _weight(bias=False)
+    if not mma_dot.supports(w, m):
+        pytest.skip("the Gluon kernel does not take this weight here")
+    xp = qm.gather_input(torch.randn(m, K, device=DEV).half(), [w])[0]
+    for split in (2, 3):
+        plain = mma_dot.mma(xp, w, 4, 2, split, 3)
+        parts = mma_dot.mma(xp, w, 4, 2, split, 3, part_only=True)
+        assert isinstance(parts, qm.SplitSum) and parts.parts.shape == (split, m, N)
+        torch.testing.assert_close(parts.total(torch.float16), plain, atol=1e-3 * plain.abs().max().item(), rtol=0)
+    assert isinstance(mma_dot.mma(xp, _weight(bias=True), 4, 2, 2, 3, part_only=True), torch.Tensor)
+
+
 @needs_triton
 def test_norm_gather_adds_the_partials():
     torch.manual_seed(8)

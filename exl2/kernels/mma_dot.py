@@ -22,6 +22,7 @@ import torch
 
 from exl2.kernels.backend import INTERPRET, counters, env_choice, pdl_args, triton
 from exl2.kernels.qweight import WIDTHS, split_bits
+from exl2.kernels.split_sum import SplitSum
 
 try:
     from triton.experimental import gluon
@@ -485,10 +486,11 @@ if HAVE_GLUON:
                   M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
                   MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
                   BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
-                  PDL: gl.constexpr = False, UNROLL: gl.constexpr = False):
+                  PDL: gl.constexpr = False, UNROLL: gl.constexpr = False, PART_ONLY: gl.constexpr = False):
         """out[:M, tile] (or this split's partial) = x · W over a tile of BN = 32·V columns: each width class of
         MASK (bit i: WIDTHS[i], n8..n2 their step counts, classes stored in that order) in turn, one accumulator;
-        PDL: launched as a programmatic dependent (the first class waits, see `_mma_class`).
+        PDL: launched as a programmatic dependent (the first class waits, see `_mma_class`). PART_ONLY (split, no
+        bias): only this split's partial, for a consumer that adds them (`SplitSum`).
         The fragment's column n is stored column (n % 32)·V + n // 32 of the tile, so each thread's V columns are
         adjacent in memory (one V-word read per word row)."""
         gl.static_assert(gl.num_warps() == 4)
@@ -530,16 +532,17 @@ if HAVE_GLUON:
             # as `quant_matmul._store_out`: publish the partial; the last program of the tile adds them all up
             p_off = gl.expand_dims(om, 1).to(gl.int64) * N + gl.expand_dims(on, 0)
             gl.store(part_ptr + pid_k * M * N + p_off, res, mask=mask)
-            _barrier()
-            count = gl.atomic_add(cnt_ptr + pid_n, 1)
-            if count == SPLIT - 1:
-                tot = gl.zeros([16, BN], gl.float32, O_L)
-                for i in range(0, SPLIT):
-                    tot += gl.load(part_ptr + i * M * N + p_off, mask=mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    tot += gl.expand_dims(gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32), 0)
-                gl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(cnt_ptr + pid_n, 0)
+            if not PART_ONLY:
+                _barrier()
+                count = gl.atomic_add(cnt_ptr + pid_n, 1)
+                if count == SPLIT - 1:
+                    tot = gl.zeros([16, BN], gl.float32, O_L)
+                    for i in range(0, SPLIT):
+                        tot += gl.load(part_ptr + i * M * N + p_off, mask=mask, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        tot += gl.expand_dims(gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32), 0)
+                    gl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
+                    gl.atomic_xchg(cnt_ptr + pid_n, 0)
 
     @gluon.jit
     def _pdl_sync():
@@ -554,10 +557,10 @@ if HAVE_GLUON:
                     M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
                     MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
-                    PDL: gl.constexpr = False, UNROLL: gl.constexpr = False):
+                    PDL: gl.constexpr = False, UNROLL: gl.constexpr = False, PART_ONLY: gl.constexpr = False):
         _mma_tile(gl.program_id(0), gl.program_id(1), x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr,
                   zr_ptr, sg_ptr, M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2, MASK, HAS_ZEROS,
-                  HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST, PDL, UNROLL)
+                  HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST, PDL, UNROLL, PART_ONLY)
 
     @gluon.jit
     def _mma_group_kernel(x_ptr, M, stride_xm,
@@ -668,20 +671,21 @@ def _operands(xp: torch.Tensor, w, split: int, bs: int, post: bool | None):
 
 
 def mma(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: int = 3,
-        post: bool | None = None, unroll: bool | None = None) -> torch.Tensor:
+        post: bool | None = None, unroll: bool | None = None, part_only: bool = False) -> torch.Tensor | SplitSum:
     """`xp · W + bias` for xp `[M ≤ 16, S·32]` fp16, the input permuted for w (`gather_input`). bs steps of 32 rows
     per iteration, 32·v columns per program, K split `split` ways, a ring of `stages` iterations in shared memory;
     `post` scales after the mma (None: where `groups_align` and w has no zeros); `unroll` the loop by the ring
-    (None: `UNROLL`)."""
+    (None: `UNROLL`). `part_only` (split > 1, no bias): the split's partial sums as a `SplitSum`, not added."""
+    part_only = part_only and split > 1 and w.bias is None
     out, part, bias, zeros, post = _operands(xp, w, split, bs, post)
     mask, steps = class_steps(w)
     _mma_kernel[(triton.cdiv(w.n, 32 * v), split)](
         xp, out, part, counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
         xp.shape[0], w.n, xp.stride(0), out.stride(0), split, *steps,
         MASK=mask, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v,
-        STAGES=stages, POST=post, UNROLL=UNROLL if unroll is None else unroll, num_warps=4,
+        STAGES=stages, POST=post, UNROLL=UNROLL if unroll is None else unroll, PART_ONLY=part_only, num_warps=4,
         **pdl_args(xp.device, xp.shape[0]))
-    return out
+    return SplitSum(part, (xp.shape[0],)) if part_only else out
 
 
 def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=None, stages: int = 3,

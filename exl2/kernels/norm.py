@@ -10,7 +10,7 @@ import torch
 
 from exl2.kernels.backend import counters, next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 from exl2.kernels.permute import take_columns
-from exl2.kernels.quant_matmul import SplitSum
+from exl2.kernels.split_sum import SplitSum
 
 
 @triton.jit

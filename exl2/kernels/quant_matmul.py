@@ -38,19 +38,7 @@ from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, env_cho
 from exl2.kernels import mma_dot
 from exl2.kernels.permute import gather_block, take_columns
 from exl2.kernels.qweight import WIDTHS, QuantWeight, matmul_torch, split_bits
-
-
-@dataclass
-class SplitSum:
-    """A matmul's output left as its K-split fp32 partial sums `[S, M, N]` for a consumer that adds them while it
-    reads them (`norm.rms_norm_gather`): the matmul's programs then end without the arrival counter and the last
-    program's sum. `lead`: the shape before the last dim of the summed output."""
-    parts: torch.Tensor
-    lead: tuple[int, ...]
-
-    def total(self, dtype: torch.dtype) -> torch.Tensor:
-        """The summed output `[*lead, N]` in `dtype`, for a consumer that cannot take the partials."""
-        return self.parts.sum(0).to(dtype).view(*self.lead, self.parts.shape[-1])
+from exl2.kernels.split_sum import SplitSum
 
 
 # --------------------------------------------------------------------------------------------------- kernels
@@ -1477,13 +1465,14 @@ def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | N
                    TILE4=DOT_TILE4 if loop is None else loop, STAGES=cfg.num_stages)
 
 
-def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig) -> torch.Tensor:
+def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, split_sum: bool = False
+                ) -> torch.Tensor | SplitSum:
     """The dot path on a permuted input: the Gluon kernel (`mma_dot`) for up to 16 rows where it runs (EXL2 of any
-    widths, 4-bit GPTQ), the Triton tensor-core kernel otherwise."""
+    widths, 4-bit GPTQ), the Triton tensor-core kernel otherwise. `split_sum`: see `permuted_matmul`."""
     if MMA4 and xp.dtype == torch.float16 and mma_dot.supports(w, xp.shape[0]):
         grid = triton.cdiv(w.n, 32 * MMA4_V)
         split = _auto_split(w, grid, w.device, 4 * MMA4_BS, MMA4_PER_SM)
-        return mma_dot.mma(xp, w, MMA4_BS, MMA4_V, split, MMA4_STAGES)
+        return mma_dot.mma(xp, w, MMA4_BS, MMA4_V, split, MMA4_STAGES, part_only=split_sum)
     return _launch(_dot_kernel, xp, w, cfg, FAST4=None, TILE4=DOT_TILE4, STAGES=cfg.num_stages)
 
 
@@ -1580,9 +1569,10 @@ FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "1") == "1"
 # permutation) get one x_index tensor at load (`share_input_orders`), so the small-batch path writes and reads one
 # permuted copy for them instead of one each. EXL2_SHARED_INPUT=0 keeps a copy per weight (for A/B runs).
 SHARED_INPUT = env_choice("EXL2_SHARED_INPUT", 1, range(0, 2)) == 1
-# EXL2_SPLIT_SUM=1: at 1-4 rows the o and down gemvs, whose K is split, leave their partial sums to the norm-gather
-# that reads their output (`SplitSum`), so they end without the counter and the last program's sum (~1 µs a call
-# predicted, ~+3 % at batch 1). Off until measured on a GPU (session 16 had no device time left for it).
+# EXL2_SPLIT_SUM=1: up to 16 rows o and down, where the gemv or the Gluon kernel splits their K, leave the partial
+# sums to the norm-gather that reads their output (`SplitSum`), so they end without the counter and the last
+# program's sum (~1 µs a call predicted, ~+3 % at batch 1). Off until measured on a GPU (session 16 had no device
+# time left for it).
 SPLIT_SUM = env_choice("EXL2_SPLIT_SUM", 0, range(0, 2)) == 1
 # How the gemv keeps loads in flight (MatmulConfig.depth / num_stages); EXL2_GEMV_DEPTH / EXL2_GEMV_STAGES
 # override them for end-to-end A/B runs of `exl2 bench`.
@@ -1662,8 +1652,9 @@ def uses_dequant(m: int, x: torch.Tensor) -> bool:
 
 def permuted_matmul(xp: torch.Tensor, w: QuantWeight, split_sum: bool = False) -> torch.Tensor | SplitSum:
     """`x · W + bias` from the permuted input alone, xp `[M, S·32]` with M ≤ DOT_MAX_M (a producer such as the GLU
-    kernel wrote it in `w.x_index` order, so x itself never existed): `[M, N]`. `split_sum`: where the gemv splits
-    K, its partial sums as a `SplitSum` for a consumer that adds them (`norm.rms_norm_gather`)."""
+    kernel wrote it in `w.x_index` order, so x itself never existed): `[M, N]`. `split_sum`: where the gemv or
+    the Gluon kernel splits K, its partial sums as a `SplitSum` for a consumer that adds them
+    (`norm.rms_norm_gather`)."""
     m = xp.shape[0]
     if not 0 < m <= DOT_MAX_M or xp.shape[1] != w.x_index.numel() or xp.stride(-1) != 1:
         raise ValueError("permuted_matmul takes 1 to 64 contiguous rows in the weight's input order.")
@@ -1681,7 +1672,7 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight, split_sum: bool = False) -
     if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
         return gemv_chunked(None, w, cfg, xp=xp)
     if path != "gemv":
-        return _dot_or_mma(xp, w, cfg)
+        return _dot_or_mma(xp, w, cfg, split_sum)
     return _launch(_gemv_kernel, xp, w, cfg, split_sum, FAST4=None, DEPTH=cfg.depth, STAGES=cfg.num_stages)
 
 

@@ -15,7 +15,8 @@ from exl2.kernels.attention import scatter_columns
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.spec import LayerSpec, ModelSpec
 from exl2.kernels import quant_matmul as qm
-from exl2.kernels.quant_matmul import SplitSum, uses_permuted_input
+from exl2.kernels.quant_matmul import uses_permuted_input
+from exl2.kernels.split_sum import SplitSum
 from exl2.runtime.linear import Linear, permuted_indices, project, share_inputs
 
 

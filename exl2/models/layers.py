@@ -7,7 +7,8 @@ from torch import nn
 
 from exl2.kernels.activation import glu
 from exl2.kernels.norm import rms_norm, rms_norm_gather
-from exl2.kernels.quant_matmul import SplitSum, uses_permuted_input
+from exl2.kernels.quant_matmul import uses_permuted_input
+from exl2.kernels.split_sum import SplitSum
 from exl2.runtime.linear import permuted_indices, project
 
 
