@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import COUNTER_POOL, counters, pdl_args, pdl_sync, sm_count, tl, triton
-from exl2.kernels.quant_matmul import _class_args, _gemv_widths, _pairs_view, input_layout, width_mask
+from exl2.kernels.quant_matmul import _class_args, _gemv_widths, _pairs_view, buffer_offsets, input_layout, width_mask
 from exl2.kernels.qweight import QuantWeight
 
 
@@ -160,8 +160,7 @@ class StreamGemv:
     def __call__(self, xp: torch.Tensor, fast4: bool | None = None) -> list[torch.Tensor]:
         """Outputs `[M, N_i]` for permuted inputs `xp` `[M, total]` laid out by `input_layout` (the buffer
         `gather_input(whole=True)` returns, or one weight's permuted input)."""
-        if xp.shape[-1] != input_layout(self.ws)[2]:
-            raise ValueError("the permuted-input buffer does not match the weights' layout (input_layout).")
+        buffer_offsets(xp, self.ws)
         m = xp.shape[0]
         outs = [torch.empty((m, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
         if m == 0:

@@ -1128,6 +1128,15 @@ def input_layout(ws: Sequence[QuantWeight]) -> tuple[list[torch.Tensor], list[in
     return unique, offsets, total
 
 
+def buffer_offsets(buf: torch.Tensor, ws: Sequence[QuantWeight]) -> list[int]:
+    """Each weight's column offset in `buf`, a permuted-input buffer laid out by `input_layout`; a buffer of
+    another width stops with one sentence."""
+    _, offsets, total = input_layout(ws)
+    if buf.shape[-1] != total:
+        raise ValueError(f"the permuted-input buffer is {buf.shape[-1]} wide, the weights' layout {total}.")
+    return offsets
+
+
 def share_input_orders(ws: Sequence[QuantWeight]) -> int:
     """Point the `x_index` of each weight that equals (`torch.equal`) an earlier one's at that tensor, so the
     producers and consumers of their shared input (`input_layout`) write and read one permuted copy instead of
@@ -1183,10 +1192,7 @@ def gather_input(x: torch.Tensor, ws: Sequence[QuantWeight], whole: bool = False
 def split_permuted(buf: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
     """Each weight's view of a `[M, total]` buffer of permuted inputs laid out by `input_layout` (from
     `gather_input(whole=True)` or a kernel that writes them, such as `rms_norm_gather`)."""
-    _, offsets, total = input_layout(ws)
-    if buf.shape[-1] != total:
-        raise ValueError(f"the permuted-input buffer is {buf.shape[-1]} wide, the weights' layout {total}.")
-    return [buf[:, o:o + w.x_index.numel()] for w, o in zip(ws, offsets)]
+    return [buf[:, o:o + w.x_index.numel()] for w, o in zip(ws, buffer_offsets(buf, ws))]
 
 
 def _pairs_view(xp: torch.Tensor, fast4: bool | int | None) -> tuple[int, torch.Tensor]:
@@ -1357,8 +1363,7 @@ class GemvGroup:
     def __call__(self, xp: torch.Tensor, fast4: bool | None = None) -> list[torch.Tensor]:
         """Outputs `[M, N_i]` for the permuted inputs `xp` `[M, total]` laid out by `input_layout` (the buffer
         `gather_input` returns its views of)."""
-        if xp.shape[-1] != input_layout(self.ws)[2]:
-            raise ValueError("the permuted-input buffer does not match the weights' layout (input_layout).")
+        buffer_offsets(xp, self.ws)
         m = xp.shape[0]
         outs = [torch.empty((m, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
         if m == 0:
@@ -1410,9 +1415,7 @@ def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | No
             and len({w.zeros is None for w in ws}) == 1 and len({w.bias is None for w in ws}) == 1):
         return None
     buf = gather_input(x, ws, whole=True) if xp is None else xp
-    _, offsets, total = input_layout(ws)
-    if buf.shape[-1] != total:
-        raise ValueError("the permuted-input buffer does not match the weights' layout (input_layout).")
+    offsets = buffer_offsets(buf, ws)
     tiles = sum(triton.cdiv(w.n, 32 * MMA4_V) for w in ws)
     split = min(_auto_split(w, tiles, w.device, 4 * MMA4_BS, MMA4_PER_SM) for w in ws)
     return mma_dot.mma_group(buf, ws, offsets, MMA4_BS, MMA4_V, [split] * len(ws), MMA4_STAGES)

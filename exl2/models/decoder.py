@@ -22,7 +22,7 @@ from exl2.runtime.linear import Linear, permuted_indices, project, share_inputs
 
 def _summed(y, like: torch.Tensor) -> torch.Tensor:
     """y, or the sum of a `SplitSum` in like's dtype (for the paths that add a module's output themselves)."""
-    return y.total(like.dtype).view(like.shape[:-1] + y.parts.shape[-1:]) if isinstance(y, SplitSum) else y
+    return y.total(like.dtype) if isinstance(y, SplitSum) else y
 
 
 class WeightProvider(Protocol):
