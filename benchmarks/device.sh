@@ -1,45 +1,32 @@
 #!/usr/bin/env bash
-# Device calls: kernel sweeps, ncu, end-to-end bench A/B runs (stream-K, PDL), GPU tests (all, or `quick`: the
-# kernel-level ones). Usage on the device machine, repo root: bash benchmarks/device.sh [STEP...]
-# b128 (bs 1 and 16, fp16 cache, ctx 128) reads BENCH_ARGS (e.g. --mixed) and TAG (output name).
-# dot16 reads DOT16_LOOPS (Triton loops to sweep, default "0 1 2") and DOT16_SWEEP (0: defaults only).
-# envab runs the bench (BENCH_ARGS) once per environment in AB_SPECS ("A=1 B=2;A=2;": ';'-separated, empty = defaults).
-# ncugemv / ncumma: ncu (occupancy, issue rate, stall reasons) of the M = 1 gemv / the M = 16 Gluon kernel on the
-# shapes in NCU_SHAPES (gemv_probe.py: gate, q, k, down, head). pbreak: per-kernel times of one prefill.
-# s13: the GPU tests of session 12's unmeasured prefill changes, then pbreak and final. dequant: the prefill's
-# dequantization over tile sizes (kernels.py --only dequant). int8: benchmarks/int8_gemv.py (the dp4a gemv experiment).
-# hostvar: the prefill's host issue time over 5 forwards, plain, after the bench's decode-graph capture, and pinned
-# to HOSTVAR_PIN (a taskset CPU list) when set. chunks: dequantize + cuBLAS in L2-sized column chunks (kernels.py).
-# attnsweep2: benchmarks/attn_probe.py --sweep (decode attention variants). ncuattn: ncu of decode attention on the
-# ATTN_SHAPES ("batch:ctx:mode:splits ...", splits 0 = the kernel picks). s16: the checks session 15 could not run
-# (no device was lent after its third call): the Gluon tests with the unrolled loop, the A/B of EXL2_MMA4_UNROLL and
-# EXL2_SHARED_INPUT on the bs 1/16 bench, then final. s17: session 16's GPU tests, then the bench (BENCH_ARGS) of the
-# trees in .base/*.tar (carried; `git archive REF exl2` each) against this tree with several switches. s17b: bs 1
-# and bs 16 breakdowns, then the bench over switches (S17B_SPECS). s17c: PDL at batch 16 (and 8) against the default.
-# s17d: PDL at batch 8/16 with and without it for split attention and its merge (EXL2_PDL_SPLIT_ROWS).
-# q4attn: attention + merge at batch 1, ctx 2048 over splits x tiles (q4 and fp16), then fp16/q4 benches three times.
-# s18 (next session's first call): the golden GPU tests with split sums, EXL2_SPLIT_SUM A/B twice, then q4attn.
+# Device calls: GPU tests, end-to-end bench A/B runs, kernel sweeps and ncu profiles. Usage on the device machine,
+# repo root: bash benchmarks/device.sh [STEP...] (default: s18). Output under $OUT.
+# Tests: tests (every GPU test), quick (kernel-level), kvtests, dottests, gluontests.
+# Benches: bench (--breakdown), final (the default bench, then a PDL-off breakdown), b128 (bs 1 and 16, fp16, ctx
+# 128; BENCH_ARGS, e.g. --mixed, and TAG, the output name), nopdl, benchpdl, breakdown (PDL off), breakdown16,
+# q4break, pbreak (per-kernel times of one prefill), prefetch (over PREFETCH_VALUES).
+# envab runs the bench (BENCH_ARGS) once per environment in AB_SPECS ("A=1 B=2;A=2;": ';'-separated, empty = defaults);
+# with BASE_SPEC=1 also the trees in .base/*.tar (carried; `git archive REF exl2` each).
+# Kernel sweeps (benchmarks/kernels.py): merge, dequant, tiles, chunks, dot16, attnsweep; attnsweep2
+# (benchmarks/attn_probe.py --sweep). ncu: stalls, ncugemv / ncumma (the M = 1 gemv / M = 16 Gluon kernel on
+# NCU_SHAPES, gemv_probe.py: gate, q, k, down, head), ncuattn (decode attention on ATTN_SHAPES
+# "batch:ctx:mode:splits ...", splits 0 = the kernel picks).
+# Prefill host: gaps (prefill_host.py --gaps), hostvar (host issue time over 5 forwards, plain, after the bench's
+# decode-graph capture, and pinned to HOSTVAR_PIN when set).
+# Session steps: s17b (breakdowns at bs 1 and 16, then the bench over S17B_SPECS), s17c / s17d (PDL at batch 8/16),
+# q4attn (attention + merge at batch 1, ctx 2048 over splits x tiles, q4 and fp16, then fp16/q4 benches three times),
+# s18 (the next session's first call: the golden GPU tests with split sums, EXL2_SPLIT_SUM A/B twice, then q4attn).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
 mkdir -p "$OUT"
-steps=${*:-sweep ncu bench benchoff}
+steps=${*:-s18}
 for s in $steps; do
   case $s in
-  sweep) timeout 190 python3 benchmarks/kernels.py --only stream --sweep --budget 170 --json "$OUT/stream.json" \
-           > "$OUT/stream.txt" 2>&1; echo "sweep rc=$?"; grep -v "^    " "$OUT/stream.txt" | tail -22 ;;
-  ncu) timeout 60 ncu --clock-control none --kernel-name regex:stream --launch-skip 3 --launch-count 1 \
-         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-         --section SchedulerStats python3 benchmarks/gemv_probe.py --shape gate > "$OUT/ncu_stream_gate.txt" 2>&1
-       echo "ncu rc=$?"; grep -E "Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Block Limit" "$OUT/ncu_stream_gate.txt" | head -20 ;;
   bench) timeout 200 python3 -m exl2.cli.main bench --breakdown > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
          tail -28 "$OUT/bench.txt" ;;
-  benchoff) EXL2_GEMV_STREAM=0 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
-              > "$OUT/bench_nostream.txt" 2>&1; echo "bench (stream off) rc=$?"; tail -6 "$OUT/bench_nostream.txt" ;;
   nopdl) EXL2_PDL=0 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
            > "$OUT/bench_nopdl.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -6 "$OUT/bench_nopdl.txt" ;;
-  streampdl) EXL2_GEMV_STREAM=1 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
-           > "$OUT/bench_stream.txt" 2>&1; echo "bench (stream on) rc=$?"; tail -6 "$OUT/bench_stream.txt" ;;
   stalls) timeout 40 ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 \
            --section SchedulerStats --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
            python3 benchmarks/gemv_probe.py --shape gate > "$OUT/ncu_stalls_gate.txt" 2>&1; echo "ncu stalls rc=$?"
@@ -48,8 +35,6 @@ for s in $steps; do
            > "$OUT/merge.txt" 2>&1; echo "merge rc=$?"; grep -v "^    " "$OUT/merge.txt" | tail -40 ;;
   dequant) timeout ${DEQUANT_TIMEOUT:-150} python3 benchmarks/kernels.py --only dequant --budget ${DEQUANT_BUDGET:-130} \
            --json "$OUT/dequant.json" > "$OUT/dequant.txt" 2>&1; echo "dequant rc=$?"; grep -v "^    " "$OUT/dequant.txt" | tail -12 ;;
-  int8) timeout ${INT8_TIMEOUT:-120} python3 benchmarks/int8_gemv.py > "$OUT/int8_gemv.txt" 2>&1; echo "int8 gemv rc=$?"
-        tail -8 "$OUT/int8_gemv.txt" ;;
   tiles) timeout ${TILES_TIMEOUT:-105} python3 benchmarks/kernels.py --only tiles --budget ${TILES_BUDGET:-90} --json "$OUT/tiles.json" \
            > "$OUT/tiles.txt" 2>&1; echo "tiles rc=$?"; grep -v "^    " "$OUT/tiles.txt" | tail -14 ;;
   breakdown) EXL2_PDL=0 timeout 130 python3 -m exl2.cli.main bench --modes fp16 --breakdown \
@@ -64,11 +49,6 @@ for s in $steps; do
              EXL2_PREFETCH=$pf timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes ${MODES:-fp16} \
                --contexts 2048 > "$OUT/bench_prefetch$pf.txt" 2>&1; echo "bench EXL2_PREFETCH=$pf rc=$?"
              tail -7 "$OUT/bench_prefetch$pf.txt"; done ;;
-  s13) timeout -s INT -k 10 "${TEST_TIMEOUT:-170}" python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_kernels_attention.py \
-         tests/test_kernels_quant_matmul.py -k "golden or prefill or dequant_group or batched_decode_through" -q -n 8 \
-         -p no:cacheprovider -rA > "$OUT/gpu_s13.txt" 2>&1; echo "s13 tests rc=$?"
-       grep -cE "^PASSED" "$OUT/gpu_s13.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_s13.txt" | cut -c1-150; tail -1 "$OUT/gpu_s13.txt"
-       bash "$0" pbreak final ;;
   gaps) timeout ${GAPS_TIMEOUT:-150} python3 benchmarks/prefill_host.py --top 15 --gaps --graph > "$OUT/prefill_gaps.txt" 2>&1
         echo "prefill gaps rc=$?"; grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ " "$OUT/prefill_gaps.txt" | tail -40 ;;
   hostvar) lscpu | grep -E "^(Model name|NUMA node)"; nvidia-smi topo -m 2>/dev/null | grep -E "^GPU0" | tr -s ' \t' ' '
@@ -79,16 +59,6 @@ for s in $steps; do
           echo "prefill_host [$v] rc=$?"; grep -E "^host|function calls" "$OUT/prefill_host_${tag:-plain}.txt"; done ;;
   chunks) timeout ${CHUNKS_TIMEOUT:-150} python3 benchmarks/kernels.py --only chunks --budget ${CHUNKS_BUDGET:-130} \
            --json "$OUT/chunks.json" > "$OUT/chunks.txt" 2>&1; echo "chunks rc=$?"; grep -E "^  chunks|^\| " "$OUT/chunks.txt" | tail -40 ;;
-  s16) EXL2_MMA4_UNROLL=1 TAG=_unroll bash "$0" gluontests
-       AB_SPECS="EXL2_MMA4_UNROLL=0 EXL2_SHARED_INPUT=0;EXL2_MMA4_UNROLL=1 EXL2_SHARED_INPUT=0;EXL2_MMA4_UNROLL=0;EXL2_MMA4_UNROLL=1" \
-         BENCH_ARGS="--modes fp16 --contexts 128,2048 --prefill 64" bash "$0" envab
-       bash "$0" final ;;
-  s17) timeout -s INT -k 10 ${TEST_TIMEOUT:-170} python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py \
-         -q -n 8 -p no:cacheprovider -rfE > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests.txt"
-       timeout 80 python3 -m pytest tests/test_shared_input.py -q -p no:cacheprovider -rfE > "$OUT/gpu_shared.txt" 2>&1
-       echo "shared-input tests (cuda) rc=$?"; tail -n 2 "$OUT/gpu_shared.txt"
-       BASE_SPEC=1 AB_SPECS="${S17_SPECS:-EXL2_SHARED_INPUT=0;;EXL2_MMA4_UNROLL=1;EXL2_GEMV_GROUP_PER_SM=8}" \
-         bash "$0" envab ;;
   s17b) EXL2_PDL=0 timeout 100 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 --prefill 64 --breakdown \
            > "$OUT/bench_breakdown1.txt" 2>&1; echo "breakdown bs1 rc=$?"; grep -E "^  _|^  total" "$OUT/bench_breakdown1.txt" | head -12
         bash "$0" breakdown16 | grep -E "^  _|^  total|rc=" | head -12
@@ -166,20 +136,6 @@ for s in $steps; do
          for spec in "${specs[@]}"; do i=$((i+1))
            env $spec timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench $BENCH_ARGS > "$OUT/bench_ab$i${TAG}.txt" 2>&1
            echo "bench [$spec] $BENCH_ARGS rc=$?"; grep -E "^\| (decode|prefill)" "$OUT/bench_ab$i${TAG}.txt"; done ;;
-  dotab) for v in ${DOT_VALUES:-2 1 0}; do
-           EXL2_DOT_TILE4=$v timeout ${BENCH_TIMEOUT:-100} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 \
-             > "$OUT/bench_dot$v.txt" 2>&1; echo "bench EXL2_DOT_TILE4=$v rc=$?"; tail -3 "$OUT/bench_dot$v.txt"; done ;;
-  dotbest) best=$(for v in ${DOT_VALUES:-2 1 0}; do
-             printf "%s %s\n" "$(grep "| decode bs=16" "$OUT/bench_dot$v.txt" | head -1 | awk -F'|' '{gsub(/[ ,]/, "", $3); print $3}')" $v
-           done | sort -n | tail -1 | cut -d' ' -f2); export EXL2_DOT_TILE4=${best:-0}
-           echo "EXL2_DOT_TILE4=$EXL2_DOT_TILE4 for the next steps" ;;
-  ncudot) for tile in ${DOT_LOOPS:-0 1 2}; do for shape in ${DOT_SHAPES:-gate head}; do
-           EXL2_DOT_TILE4=$tile timeout 90 ncu --clock-control none --kernel-name regex:dot --launch-skip 3 --launch-count 1 \
-             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-             --section SchedulerStats python3 benchmarks/gemv_probe.py --shape $shape --rows 16 \
-             > "$OUT/ncu_dot16_${shape}_loop$tile.txt" 2>&1; echo "ncu dot M=16 $shape loop $tile rc=$?"
-           grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issued Warp|Eligible Warps|Warp Cycles Per Issued|Block Limit" \
-             "$OUT/ncu_dot16_${shape}_loop$tile.txt" | head -14; done; done ;;
   quick) timeout -s INT -k 15 "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_kernels_attention.py \
            tests/test_gpu_e2e.py -k "fast or attention or paged or prefill or group or graph" -q -n ${TEST_WORKERS:-8} \
            -p no:cacheprovider -rfE > "$OUT/gpu_quick.txt" 2>&1; echo "quick tests rc=$?"; tail -12 "$OUT/gpu_quick.txt" ;;

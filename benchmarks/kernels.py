@@ -144,10 +144,9 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
     """Per shape: cuBLAS fp16 and the dispatcher's default at M = 1, 2, 4, 8, 16 (including the input gather),
     the gemv/dot kernels alone on a pre-gathered input, and (--sweep) the best launch parameters."""
     C = qm.MatmulConfig
-    # depth 1-2: tiles prefetched in registers; depth 0: the loop pipelined by Triton num_stages deep (cp.async)
-    gemv_cfgs = [C(bs=bs, bn=128, split=sp, num_warps=nw, depth=d, num_stages=st)
-                 for bs, nw, d, st in ((8, 4, 1, 2), (8, 4, 2, 2), (8, 4, 0, 2), (8, 4, 0, 3), (8, 4, 0, 4),
-                                       (4, 4, 0, 4), (16, 4, 0, 3), (16, 8, 0, 3))
+    # the loop pipelined by Triton num_stages deep (cp.async)
+    gemv_cfgs = [C(bs=bs, bn=128, split=sp, num_warps=nw, num_stages=st)
+                 for bs, nw, st in ((8, 4, 2), (8, 4, 3), (8, 4, 4), (4, 4, 4), (16, 4, 3), (16, 8, 3))
                  for sp in (1, 2, 4, 8, 16)] if sweep_on else []
     big_cfgs = [C(bm=bm, bs=4, bn=128, split=1, num_warps=nw, num_stages=st) for bm, nw, st in
                 ((64, 4, 2), (64, 8, 3), (128, 8, 2), (128, 8, 3))] if sweep_on else []
@@ -216,17 +215,6 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
         t = graph_us([lambda w_=w_: qm.quant_matmul(x, w_) for w_ in copies])
         row("gate/up mixed 8/5/4/3", m, "exl2 default", t, wbytes, bw, None, rel_err(qm.quant_matmul(x, w), ref),
             str(qm.choose_config(m, w)[1]))
-        if m == 1:
-            xp = qm.gather_input(x, [w])[0]
-            for split in (4, 8, 16, 32):  # K split along the width classes (qm.CHUNKED_MIXED)
-                cfg = qm.MatmulConfig(bs=8, bn=128, split=split)
-                try:
-                    err = rel_err(qm.gemv_chunked(x, w, cfg, xp=xp), ref)
-                    t = graph_us([lambda w_=w_: qm.gemv_chunked(x, w_, cfg, xp=xp) for w_ in copies])
-                except Exception as e:  # noqa: BLE001
-                    log(f"  chunked split={split} failed: {type(e).__name__}: {str(e)[:300]}")
-                    continue
-                row("gate/up mixed 8/5/4/3", m, "exl2 gemv chunked by width", t, wbytes, bw, None, err, str(cfg))
 
 
 def group_section(bw: float) -> None:
@@ -263,7 +251,6 @@ def group_section(bw: float) -> None:
         torch.cuda.empty_cache()
 
 
-LOOPS = tuple(int(v) for v in os.environ.get("DOT16_LOOPS", "0 1 2").split())
 
 
 def dot16_group_section(bw: float) -> None:
@@ -292,8 +279,8 @@ def dot16_group_section(bw: float) -> None:
 def dot16_section(bw: float) -> None:
     """M = 16 per Llama-3-8B shape (and the body shapes with mixed 8/5/4/3-bit classes), graph-timed on cold
     weights: the dispatcher's default and the Triton kernel it replaces (EXL2_MMA4=0), then (DOT16_SWEEP) the
-    Gluon kernel over steps per iteration, tile width, K split and ring depth, and the Triton inner loops listed in
-    DOT16_LOOPS (`qm.DOT_TILE4` 0, 1, 2) over tile sizes, pipeline depths, warps and K splits."""
+    Gluon kernel over steps per iteration, tile width, K split and ring depth, and the Triton kernel over tile
+    sizes, pipeline depths, warps and K splits."""
     C = qm.MatmulConfig
     cfgs = [C(bm=16, bs=bs, bn=bn, split=sp, num_warps=nw, num_stages=st)
             for bs, bn, nw, st in ((4, 64, 4, 4), (4, 64, 4, 2), (4, 64, 4, 3), (2, 64, 4, 4), (8, 64, 4, 3),
@@ -324,13 +311,11 @@ def dot16_section(bw: float) -> None:
             best = sweep(copies, x, lambda x_, w_, c: mma_dot.mma(xp, w_, *c), mcfg, ref, f"{name} M=16 mma")
             if best:
                 row(name, 16, "gluon mma best", best[0], wbytes, bw, None, best[2], f"bs, v, split, stages = {best[1]}")
-        for loop in LOOPS:
-            # a split only where the tiles alone leave SMs idle
-            cands = [c for c in cfgs if c.split == 1 or triton.cdiv(n, c.bn) < 2 * qm.sm_count(w.device)]
-            best = sweep(copies, x, lambda x_, w_, c, loop=loop: qm.dot(x_, w_, c, xp=xp, loop=loop), cands, ref,
-                         f"{name} M=16 loop {loop}")
-            if best:
-                row(name, 16, f"dot loop {loop} best", best[0], wbytes, bw, None, best[2], str(best[1]))
+        # a split only where the tiles alone leave SMs idle
+        cands = [c for c in cfgs if c.split == 1 or triton.cdiv(n, c.bn) < 2 * qm.sm_count(w.device)]
+        best = sweep(copies, x, lambda x_, w_, c: qm.dot(x_, w_, c, xp=xp), cands, ref, f"{name} M=16 dot")
+        if best:
+            row(name, 16, "Triton dot best", best[0], wbytes, bw, None, best[2], str(best[1]))
         del w, copies
         torch.cuda.empty_cache()
 
@@ -346,56 +331,24 @@ def decode_inputs(k: int, ns, bits: int):
     return ws, wbytes, sets, x, refs, [qm.gather_input(x, s, whole=True) for s in sets]
 
 
-def stream_section(bw: float, sweep_on: bool) -> None:
-    """M = 1 gemvs of a Llama-3-8B layer as the decoder runs them (q/k/v and gate/up grouped, o, down, head):
-    the fixed-split kernels (`GemvGroup` / `gemv`, EXL2_GEMV_STREAM=0) against the stream-K kernel
-    (`gemv_stream.StreamGemv`) at several programs per SM, pipeline depths and tile sizes (--sweep)."""
-    from exl2.kernels.gemv_stream import StreamGemv
-
+def decode_section(bw: float) -> None:
+    """M = 1 gemvs of a Llama-3-8B layer as the decoder runs them: q/k/v and gate/up grouped (`GemvGroup`), o,
+    down and the 6-bit head on their own (`gemv`)."""
     cases = (("q/k/v", 4096, (4096, 1024, 1024), 4), ("gate/up", 4096, (14336, 14336), 4), ("o", 4096, (4096,), 4),
              ("down", 14336, (4096,), 4), ("head (6-bit)", 4096, (128256,), 6))
-    cfgs = [(ps, st, bs) for bs, st in ((8, 3), (8, 4), (8, 2), (16, 3)) for ps in (1, 2, 3, 4)] if sweep_on \
-        else [(2, 3, 8)]
     for name, k, ns, bits in cases:
         if over_budget():
             break
         ws, wbytes, sets, x, refs, bufs = decode_inputs(k, ns, bits)
-
-        def err_of(outs):
-            return max(rel_err(y, r) for y, r in zip(outs, refs))
-
         if len(ws) > 1:
-            olds = [qm.GemvGroup(s) for s in sets]
-            t = graph_us([lambda g=g, b=b: g(b) for g, b in zip(olds, bufs)])
-            row(name, 1, "fixed-split grouped gemv", t, wbytes, bw, None, err_of(olds[0](bufs[0])))
+            groups = [qm.GemvGroup(s) for s in sets]
+            t = graph_us([lambda g=g, b=b: g(b) for g, b in zip(groups, bufs)])
+            err = max(rel_err(y, r) for y, r in zip(groups[0](bufs[0]), refs))
+            row(name, 1, "grouped gemv", t, wbytes, bw, None, err)
         else:
             path, cfg = qm.choose_config(1, ws[0])
             t = graph_us([lambda s=s, b=b: qm.gemv(x, s[0], cfg, xp=b) for s, b in zip(sets, bufs)])
-            row(name, 1, "fixed-split gemv", t, wbytes, bw, None, err_of([qm.gemv(x, ws[0], cfg, xp=bufs[0])]),
-                str(cfg))
-        t_old = t
-        best = None
-        for ps, st, bs in cfgs:
-            if over_budget():
-                break
-            plans = [StreamGemv(s, programs_per_sm=ps, bs=bs, stages=st) for s in sets]
-            try:
-                err = err_of(plans[0](bufs[0]))
-                t = graph_us([lambda p=p, b=b: p(b) for p, b in zip(plans, bufs)])
-            except Exception as e:  # noqa: BLE001 - report and go on with the other configs
-                log(f"  stream {name} {ps}/{st}/{bs} failed: {type(e).__name__}: {str(e)[:300]}")
-                continue
-            cfg = f"per_sm={ps} stages={st} bs={bs}"
-            log(f"    stream {name} {cfg}: {t:.2f} us err {err:.1e}")
-            if err > 5e-3:
-                log(f"  stream {name} {cfg}: WRONG RESULT")
-                continue
-            if (ps, st, bs) == (qm.STREAM_PER_SM, qm.GEMV_STAGES, 8):
-                row(name, 1, "stream-K default", t, wbytes, bw, t_old, err, cfg)
-            if best is None or t < best[0]:
-                best = (t, cfg, err)
-        if best:
-            row(name, 1, "stream-K best", best[0], wbytes, bw, t_old, best[2], best[1])
+            row(name, 1, "gemv", t, wbytes, bw, None, rel_err(qm.gemv(x, ws[0], cfg, xp=bufs[0]), refs[0]), str(cfg))
         del ws, sets, bufs
         torch.cuda.empty_cache()
 
@@ -410,7 +363,7 @@ def tiles_section(bw: float) -> None:
                   ((64, 8, 4, 3, 2), (64, 8, 8, 3, 2), (64, 8, 8, 3, 4), (64, 8, 4, 3, 4), (64, 8, 8, 3, 8),
                    (64, 16, 8, 3, 2), (64, 16, 8, 2, 4), (32, 8, 4, 3, 2), (32, 8, 4, 3, 4), (32, 8, 2, 3, 4),
                    (128, 8, 8, 3, 2), (64, 8, 8, 4, 4))]
-    single_cfgs = [C(bs=bs, bn=bn, split=sp, num_warps=nw, depth=0, num_stages=3) for bn, bs, nw in
+    single_cfgs = [C(bs=bs, bn=bn, split=sp, num_warps=nw, num_stages=3) for bn, bs, nw in
                    ((64, 8, 4), (64, 8, 8), (64, 16, 8), (32, 8, 4)) for sp in (2, 4, 8, 16)]
     for name, k, ns in (("q/k/v", 4096, (4096, 1024, 1024)), ("gate/up", 4096, (14336, 14336)),
                         ("o", 4096, (4096,)), ("down", 14336, (4096,))):
@@ -686,7 +639,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="search launch parameters (slower)")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "stream", "tiles", "merge", "dot16",
+    ap.add_argument("--only", choices=("matmul", "attention", "group", "norm", "decode", "tiles", "merge", "dot16",
                                        "dequant", "chunks"), default=None)
     ap.add_argument("--budget", type=float, default=1e9, help="stop sweeping after this many seconds")
     args = ap.parse_args()
@@ -703,8 +656,8 @@ def main() -> None:
                 norm_section(bw)
             except Exception as e:  # noqa: BLE001 - report and go on with the other sections
                 log(f"norm section failed: {type(e).__name__}: {str(e)[:500]}")
-        if args.only in (None, "stream"):
-            stream_section(bw, args.sweep)
+        if args.only in (None, "decode"):
+            decode_section(bw)
         if args.only == "tiles":
             tiles_section(bw)
         if args.only == "merge":

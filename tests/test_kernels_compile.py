@@ -64,7 +64,7 @@ def _compile_all() -> dict:
     gptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
     for bn, width in GEMV:
         consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=False, HAS3=False, HAS2=False, HAS_ZEROS=False,
-                      HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=3, DEPTH=0, STAGES=3, PDL=True,
+                      HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=3, STAGES=3, PDL=True,
                       PREFETCH=64, PART_ONLY=False)
         consts[width] = True
         out[f"gemv-{bn}-{width}"] = verdict(lambda: ptx(qm._gemv_kernel, gptrs, consts, 4, 3))
@@ -74,9 +74,9 @@ def _compile_all() -> dict:
     for mask, bs, v, post, zeros in MMA:
         for split in (False, True):
             # the split variants are also the programmatic-dependent-launch ones (the first weight copies are issued
-            # before the wait, the input's after it) and the ones with the loop unrolled by the ring
+            # before the wait, the input's after it)
             consts = dict(MASK=mask, HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_ON=split, BS=bs, V=v, STAGES=3, POST=post,
-                          PDL=split, UNROLL=split, PART_ONLY=False)
+                          PDL=split, PART_ONLY=False)
             key = f"mma-{mask}-{bs}-{v}-{post}-{zeros}-{split}"
             try:
                 # the decoded tile must already sit in the mma operand layout (assert_trivial in the kernel)
@@ -94,8 +94,7 @@ def _compile_all() -> dict:
     gptrs["x_ptr"] = "*fp16"
     for three in (True, False):
         consts = dict(THREE=three, HAS_ZEROS=False, HAS_BIAS=True, ON0=False, ON1=True, ON2=True, BS=4, V=2,
-                      STAGES=4, POST0=True, POST1=False, POST2=True, MASK0=8, MASK1=28, MASK2=8, PDL=three,
-                      UNROLL=three)
+                      STAGES=4, POST0=True, POST1=False, POST2=True, MASK0=8, MASK1=28, MASK2=8, PDL=three)
         try:
             text = ptx(mma_dot._mma_group_kernel, gptrs, consts, 4, 1, div=("N0", "N1", "N2", "stride_xm"))
             pdl_ok = ("griddepcontrol.wait" in text) == three
@@ -121,12 +120,12 @@ def _compile_all() -> dict:
     out["norm-gather-parts"] = constants_first(lambda: ptx(norm._norm_gather_kernel, dict(nptrs, x_ptr="*fp32"), dict(
         HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, RES_OUT=True, NPART=4), 16, 1))
     consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=True, HAS3=False, HAS2=False, HAS_ZEROS=False,
-                  HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=64, RED=4, FAST4=3, DEPTH=0, STAGES=3, PDL=True,
+                  HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=64, RED=4, FAST4=3, STAGES=3, PDL=True,
                   PREFETCH=64, PART_ONLY=True)
     gemv_ptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     gemv_ptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
     mma_consts = dict(MASK=8, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_ON=True, BS=4, V=2, STAGES=3, POST=True, PDL=True,
-                      UNROLL=False, PART_ONLY=True)
+                      PART_ONLY=True)
     for key, make in (("gemv-part-only", lambda: ptx(qm._gemv_kernel, gemv_ptrs, consts, 4, 3)),
                       ("mma-part-only", lambda: ptx(mma_dot._mma_kernel, mptrs, mma_consts, 4, 1,
                                                     div=("N", "stride_xm", "stride_om")))):

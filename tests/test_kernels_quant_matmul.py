@@ -134,7 +134,7 @@ def test_gemv_matches_twin(m, split):
     with force_triton():
         y = qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=split))
         y2 = qm.gemv(x, w, qm.MatmulConfig(bs=4, bn=64, split=1))
-        y3 = qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=split, depth=0, num_stages=3))  # Triton-pipelined
+        y3 = qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=split, num_stages=3))
     ref = qweight.matmul_torch(x, w)
     _check_close(y, ref)
     _check_close(y2, ref)
@@ -149,26 +149,6 @@ def test_dot_kernel_matches_twin_with_split_and_bias():
     with force_triton():
         y = qm.dot(x, w, qm.MatmulConfig(bm=16, bs=1, bn=32, split=2))
     _check_close(y, qweight.matmul_torch(x, w))
-
-
-@needs_triton
-@pytest.mark.parametrize("loop", [1, 2])
-@pytest.mark.parametrize("bs,split", [(1, 1), (4, 2)])
-def test_dot_inner_loops_match_the_selecting_loop_and_twin(loop, bs, split, monkeypatch):
-    """`_dot_class_tile` (one K = 32·bs dot per iteration over 6/5/4-bit classes) and `_dot_class_rows` (direct
-    input loads per row-in-word, every width) against the one-hot-selecting loop and the twin; classes with a
-    partial last iteration and a split boundary inside them."""
-    t = rand_exl2([(8, 32), (6, 64), (5, 32), (4, 96), (4, 64), (3, 32), (2, 32)], 64, seed=4, device=DEV)
-    w = Exl2Weight.from_tensors(t, "L", device=DEV)
-    x = torch.randn(7, w.k, dtype=torch.float16, device=DEV)
-    cfg = qm.MatmulConfig(bm=16, bs=bs, bn=32, split=split)
-    with force_triton():
-        monkeypatch.setattr(qm, "DOT_TILE4", loop)
-        got = qm.dot(x, w, cfg)
-        monkeypatch.setattr(qm, "DOT_TILE4", 0)
-        selecting = qm.dot(x, w, cfg)
-    _check_close(got, qweight.matmul_torch(x, w))
-    torch.testing.assert_close(got.float(), selecting.float(), rtol=2e-3, atol=2e-3)
 
 
 @needs_triton
@@ -230,29 +210,6 @@ def test_dequant_group_real_sizes_gpu():
             _check_close(y, qweight.matmul_torch(x, w))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("per_sm", [1, 2, 4])
-def test_stream_gemv_real_sizes_gpu(per_sm):
-    """Stream-K at Llama-3-8B sizes with the packed 4-bit decoder: q/k/v and gate/up grouped, a mixed-width down
-    projection, and a 6-bit head; deterministic across calls."""
-    from exl2.kernels.gemv_stream import StreamGemv
-
-    mixed = [(6, 128)] * 2 + [(5, 128)] * 4 + [(4, 128)] * 98 + [(3, 128)] * 8
-    cases = [([(4, 128)] * 32, (4096, 1024, 1024)), ([(4, 128)] * 32, (14336, 14336)), (mixed, (4096,)),
-             ([(6, 128)] * 32, (32768,))]
-    for seed, (layout, ns) in enumerate(cases):
-        ws = [Exl2Weight.from_tensors(rand_exl2(layout, n, seed=seed * 3 + i, device="cuda"), "L", device="cuda")
-              for i, n in enumerate(ns)]
-        x = torch.randn(1, ws[0].k, dtype=torch.float16, device="cuda")
-        plan = StreamGemv(ws, programs_per_sm=per_sm)
-        buf = qm.gather_input(x, ws, whole=True)
-        outs, again = plan(buf), plan(buf)
-        for w, y, y2 in zip(ws, outs, again):
-            _check_close(y, qweight.matmul_torch(x, w))
-            assert torch.equal(y, y2)
-
-
 def test_gluon_kernel_eligibility_and_group_alignment():
     """Which weights the Gluon kernel takes (CUDA only, at most 16 rows) and where it may scale after the mma:
     every aligned run of bs steps of every class inside one group."""
@@ -302,9 +259,8 @@ def test_gluon_mma_matches_twin_gpu(m):
         xp = qm.gather_input(x, [w])[0]
         ref = qweight.matmul_torch(x, w)
         for bs, v, split, stages in [(4, 2, 1, 3), (2, 1, 3, 2), (8, 4, 5, 4), (4, 4, 2, 6), (1, 2, 1, 3)]:
-            for unroll in (False, True):  # the ring-unrolled loop (EXL2_MMA4_UNROLL) too
-                for _ in range(2):
-                    _check_close(mma_dot.mma(xp, w, bs, v, split, stages, unroll=unroll), ref)
+            for _ in range(2):
+                _check_close(mma_dot.mma(xp, w, bs, v, split, stages), ref)
         _check_close(qm.quant_matmul(x, w), ref)
 
 
@@ -331,9 +287,9 @@ def test_gluon_mma_group_matches_twin_gpu(m):
         refs = [qweight.matmul_torch(x, w) for w in ws]
         buf = qm.gather_input(x, ws, whole=True)
         offsets = qm.input_layout(ws)[1]
-        for splits, unroll in [(s, u) for s in (None, [2, 4, 3][:len(ws)]) for u in (False, True)]:
+        for splits in (None, [2, 4, 3][:len(ws)]):
             for _ in range(2):
-                for y, ref in zip(mma_dot.mma_group(buf, ws, offsets, 4, 2, splits, 4, unroll), refs):
+                for y, ref in zip(mma_dot.mma_group(buf, ws, offsets, 4, 2, splits, 4), refs):
                     _check_close(y, ref)
         for y, ref in zip(qm.grouped_matmul(x, ws), refs):
             _check_close(y, ref)
@@ -429,39 +385,12 @@ def test_gemv_group_equals_separate_gemvs(split, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("per_sm,bn", [(1, 32), (3, 32), (40, 32), (2, 64)])
-def test_stream_gemv_equals_twin(per_sm, bn):
-    """Stream-K over 1-3 weights: program ranges that span tiles and weights, share a tile with others, or hold
-    no whole step (per_sm=40 on 4 interpreter "SMs" gives ranges shorter than one 8-bit step)."""
-    from exl2.kernels.gemv_stream import StreamGemv
-
-    mixes = [MIXED, [(4, 128), (4, 128), (2, 48)], [(8, 32), (6, 64), (4, 128), (2, 80)]]
-    ns = [64, 32, 96]
-    ws = [Exl2Weight.from_tensors(rand_exl2(mix, n, bias=i != 1, seed=10 + i), "L", device=DEV)
-          for i, (mix, n) in enumerate(zip(mixes, ns))]
-    for g in (1, 3):
-        x = torch.randn(2, ws[0].k, device=DEV).half()
-        with force_triton():
-            buf = qm.gather_input(x, ws[:g], whole=True)
-            sg = StreamGemv(ws[:g], programs_per_sm=per_sm, bs=2, bn=bn, stages=2)
-            outs = sg(buf, fast4=False)
-            again = sg(buf, fast4=False)  # counters were reset by the last arrivers
-        for w, y, y2 in zip(ws[:g], outs, again):
-            assert y.shape == (2, w.n)
-            _check_close(y, qweight.matmul_torch(x, w))
-            assert torch.equal(y, y2)
-
-
-@needs_triton
-@pytest.mark.parametrize("stream", [True, False])
-def test_project_uses_the_grouped_gemv_when_enabled(monkeypatch, stream):
-    from exl2.kernels.gemv_stream import StreamGemv
+def test_project_uses_the_grouped_gemv_when_enabled(monkeypatch):
     from exl2.runtime.linear import Linear, project
 
     monkeypatch.setattr(qm, "FUSE_SHARED_INPUT", True)
-    monkeypatch.setattr(qm, "GEMV_STREAM", stream)
     calls = []
-    cls = StreamGemv if stream else qm.GemvGroup
+    cls = qm.GemvGroup
     real = cls.__call__
     monkeypatch.setattr(cls, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     ws = [Exl2Weight.from_tensors(rand_exl2(MIXED, 32, seed=s), "L", device=DEV) for s in range(3)]
@@ -496,16 +425,3 @@ def test_permuted_matmul_from_the_permuted_input_alone():
     with pytest.raises(ValueError):
         qm.permuted_matmul(xp[:, :-32], w)
 
-
-@needs_triton
-@pytest.mark.parametrize("split", [1, 3, 8])
-def test_chunked_gemv_of_mixed_widths_matches_twin(split):
-    """K splits cut along the width classes (each program one class) = the twin, with bias, 1-3 rows."""
-    w = Exl2Weight.from_tensors(rand_exl2(MIXED, 96, seed=7), "L", device=DEV)
-    table = qm.chunk_table(w, split, 2)
-    assert int(table[:, 2].sum()) == w.n_steps and table.shape[0] >= len(w.classes)
-    for m in (1, 3):
-        x = torch.randn(m, w.k, device=DEV).half()
-        with force_triton():
-            y = qm.gemv_chunked(x, w, qm.MatmulConfig(bs=2, bn=32, split=split), fast4=False)
-        _check_close(y, qweight.matmul_torch(x, w))

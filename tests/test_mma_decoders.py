@@ -184,35 +184,3 @@ def test_gemv_step_decoders_give_the_step_dot_product(bits, acc16):
         got = run_ptx(text, words + pairs)
         assert abs(got - terms.sum()) <= 4e-3 * np.abs(terms).sum() + 1e-3, (trial, got, terms.sum())
 
-
-def test_int8_gemv_experiment_step_is_the_integer_dot_product():
-    """benchmarks/int8_gemv.py: the dp4a step decoder on the packing its `quantize_input` writes returns
-    sum over a step's 32 stored rows of (code - 8) * q exactly, q the int8 input of that row; and the dequantized
-    input it returns is q times the step's scale at each row's input feature."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "int8_gemv.py"
-    spec = importlib.util.spec_from_file_location("int8_gemv", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    g = torch.Generator().manual_seed(7)
-    k, n = 256, 4
-    codes = torch.randint(0, 16, (k, n), dtype=torch.uint8, generator=g)
-    codes[:32] = 15  # the largest codes (stored rows 0-31) against the largest inputs
-    w = qweight.build(codes, [(4, 128)] * 2, torch.ones(2, n).half(), None, torch.randperm(k, generator=g))
-    x = torch.randn(k, generator=g).half()
-    x[w.row_index[:32].long()] = 100.0
-    xq, xs, xsum, deq = mod.quantize_input(x, w)
-    q = torch.round(x.float()[w.row_index.long()].view(-1, 32) / xs[:, None]).clamp(-127, 127).long()
-    assert torch.equal(q.sum(1).int(), xsum)
-    assert torch.allclose(deq[w.row_index.long()].view(-1, 32), q.float() * xs[:, None])
-    qw = w.qweight.long() & 0xFFFFFFFF
-    for s in range(k // 32):
-        for col in range(n):
-            words = [int(qw[4 * s + j, col]) for j in range(4)]
-            stored = [(words[r // 8] >> 4 * (r % 8)) & 15 for r in range(32)]
-            assert stored == [int(codes[32 * s + r, col]) for r in range(32)]  # `build` takes stored-order codes
-            got = _signed(run_ptx(mod.DP4A_STEP, words + [int(v) & 0xFFFFFFFF for v in xq[s]] + [int(xsum[s])]))
-            want = sum(((words[r // 8] >> 4 * (r % 8)) & 15) * int(q[s, r]) - 8 * int(q[s, r]) for r in range(32))
-            assert got == want, (s, col, got, want)

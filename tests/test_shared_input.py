@@ -201,18 +201,3 @@ def test_consumers_read_each_weights_copy_at_its_layout_offset():
     with pytest.raises(ValueError):
         qm.split_permuted(torch.cat([buf, buf[:, :K]], dim=1), ws)
 
-
-@needs_triton
-def test_stream_gemv_reads_the_deduplicated_layout():
-    from exl2.kernels.gemv_stream import StreamGemv
-
-    ws = _qkv(perms=(0, 1, 0))  # v shares q's order although k, in between, does not
-    qm.share_input_orders(ws)
-    assert ws[2].x_index is ws[0].x_index and qm.input_layout(ws)[1] == [0, K, 0]
-    x = torch.randn(1, K, device=DEV).half()
-    with force_triton():
-        buf = qm.gather_input(x, ws, whole=True)
-        outs = StreamGemv(ws, programs_per_sm=2, bs=2, bn=32, stages=2)(buf, fast4=False)
-    assert buf.shape == (1, 2 * K)
-    for y, w in zip(outs, ws):
-        _close(y, qweight.matmul_torch(x, w))

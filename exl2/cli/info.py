@@ -1,8 +1,6 @@
 """`exl2 info`: architecture, size, weight format, context and (for EXL2) the bit mix of every layer."""
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def register(sub) -> None:
     p = sub.add_parser("info", help="describe a model directory",

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import INTERPRET, counters, env_choice, pdl_args, triton
-from exl2.kernels.qweight import WIDTHS, split_bits
+from exl2.kernels.backend import INTERPRET, counters, pdl_args, triton
+from exl2.kernels.qweight import WIDTHS
 from exl2.kernels.split_sum import SplitSum
 
 try:
@@ -125,26 +125,9 @@ if HAVE_GLUON:
         return [int(getattr(stages, "value", stages))] + [int(getattr(d, "value", d)) for d in shape]
 
     @gluon.jit
-    def _ring(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, STAGES: gl.constexpr,
-              UNROLL: gl.constexpr):
-        """A ring of STAGES shared-memory buffers of `shape`: one allocation indexed by stage, or with UNROLL a
-        tuple of separate allocations (indexed by a static stage), which the barrier analysis can tell apart."""
-        if UNROLL:
-            bufs = (gl.allocate_shared_memory(dtype, shape, layout),)
-            for _ in gl.static_range(STAGES - 1):
-                bufs = bufs + (gl.allocate_shared_memory(dtype, shape, layout),)
-        else:
-            bufs = gl.allocate_shared_memory(dtype, _staged(shape, STAGES), layout)
-        return bufs
-
-    @gluon.jit
-    def _at(ring, stage, UNROLL: gl.constexpr):
-        """Buffer `stage` of a `_ring`."""
-        if UNROLL:
-            buf = ring[stage]
-        else:
-            buf = ring.index(stage)
-        return buf
+    def _ring(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, STAGES: gl.constexpr):
+        """A ring of STAGES shared-memory buffers of `shape`: one allocation, indexed by stage."""
+        return gl.allocate_shared_memory(dtype, _staged(shape, STAGES), layout)
 
     @gluon.jit
     def _coord(D: gl.constexpr, V: gl.constexpr):
@@ -235,7 +218,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue(wb, sbuf, zbuf, xbuf, stage, wp, x_ptrs, sc_ptr, zr_ptr, grp, s0, s_lo, s_hi, N, M, col0,
                BITS: gl.constexpr, HAS_ZEROS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr, POST: gl.constexpr,
-               PARTS: gl.constexpr = 3, UNROLL: gl.constexpr = False):
+               PARTS: gl.constexpr = 3):
         """cp.async of the iteration at step s0 into `stage` of the shared-memory rings (zeros past s_hi): the
         class's word rings `wb` from the pointers `wp` (`_word_bufs`, pointing at s_lo's), scales (and zeros)
         [BS, BN] of groups `grp`, or with POST the one scale row [1, BN] of group `grp` (PARTS bit 0), and the
@@ -247,63 +230,63 @@ if HAVE_GLUON:
         if PARTS & 1:
             step = (s0 - s_lo).to(gl.int64) * BITS * N
             for i in gl.static_range(len(wb)):
-                _copy_rows(_at(wb[i], stage, UNROLL), wp[i] + step, s0, s_hi, N, col0, BS, V)
+                _copy_rows(wb[i].index(stage), wp[i] + step, s0, s_hi, N, col0, BS, V)
             scn = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, CS))
             if POST:
                 g_off = gl.expand_dims(gl.zeros([1], gl.int64, gl.SliceLayout(1, CS)) + grp.to(gl.int64) * N, 1)
                 ok_s = gl.expand_dims(gl.full([1], 1, gl.int1, gl.SliceLayout(1, CS)) & (s0 < s_hi), 1) & \
                     gl.expand_dims(scn < N, 0)
-                async_copy.async_copy_global_to_shared(_at(sbuf, stage, UNROLL),
+                async_copy.async_copy_global_to_shared(sbuf.index(stage),
                                                        sc_ptr + g_off + gl.expand_dims(scn, 0), mask=ok_s)
             else:
                 sr = gl.arange(0, BS, layout=gl.SliceLayout(1, CS))
                 g_off = gl.expand_dims(grp.to(gl.int64) * N, 1) + gl.expand_dims(scn, 0)
                 ok_s = gl.expand_dims(s0 + sr < s_hi, 1) & gl.expand_dims(scn < N, 0)
-                async_copy.async_copy_global_to_shared(_at(sbuf, stage, UNROLL), sc_ptr + g_off, mask=ok_s)
+                async_copy.async_copy_global_to_shared(sbuf.index(stage), sc_ptr + g_off, mask=ok_s)
                 if HAS_ZEROS:
-                    async_copy.async_copy_global_to_shared(_at(zbuf, stage, UNROLL), zr_ptr + g_off, mask=ok_s)
+                    async_copy.async_copy_global_to_shared(zbuf.index(stage), zr_ptr + g_off, mask=ok_s)
         if PARTS & 2:
             xm = gl.arange(0, 16, layout=gl.SliceLayout(1, CX))
             xk = s0 * 32 + gl.arange(0, K, layout=gl.SliceLayout(0, CX))
             ok_x = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk < s_hi * 32, 0)
-            async_copy.async_copy_global_to_shared(_at(xbuf, stage, UNROLL), x_ptrs + (s0 - s_lo) * 32, mask=ok_x)
+            async_copy.async_copy_global_to_shared(xbuf.index(stage), x_ptrs + (s0 - s_lo) * 32, mask=ok_x)
             async_copy.commit_group()
 
     @gluon.jit
     def _word_bufs(qw_ptr, word0, col0, N, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
-                   STAGES: gl.constexpr, UNROLL: gl.constexpr = False):
+                   STAGES: gl.constexpr):
         """The class's shared-memory word rings and the pointers that fill them, one ring per run of words the
         decoder views as one tensor: low words (6-bit: words 0-1 and 2-3), then each high word."""
         BN: gl.constexpr = 32 * V
         R3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         if BITS == 8:
-            wb = (_ring(gl.int32, [8, BS, BN], R3, STAGES, UNROLL),)
+            wb = (_ring(gl.int32, [8, BS, BN], R3, STAGES),)
             wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 8, BITS, BS, V),)
         elif BITS == 6:
-            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES, UNROLL),
-                  _ring(gl.int32, [2, BS, BN], R3, STAGES, UNROLL),
-                  _ring(gl.int32, [BS, BN], R2, STAGES, UNROLL),
-                  _ring(gl.int32, [BS, BN], R2, STAGES, UNROLL))
+            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES),
+                  _ring(gl.int32, [2, BS, BN], R3, STAGES),
+                  _ring(gl.int32, [BS, BN], R2, STAGES),
+                  _ring(gl.int32, [BS, BN], R2, STAGES))
             wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 2, col0, N, 2, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 4, col0, N, 0, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 5, col0, N, 0, BITS, BS, V))
         elif BITS == 5:
-            wb = (_ring(gl.int32, [4, BS, BN], R3, STAGES, UNROLL),
-                  _ring(gl.int32, [BS, BN], R2, STAGES, UNROLL))
+            wb = (_ring(gl.int32, [4, BS, BN], R3, STAGES),
+                  _ring(gl.int32, [BS, BN], R2, STAGES))
             wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 4, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 4, col0, N, 0, BITS, BS, V))
         elif BITS == 4:
-            wb = (_ring(gl.int32, [4, BS, BN], R3, STAGES, UNROLL),)
+            wb = (_ring(gl.int32, [4, BS, BN], R3, STAGES),)
             wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 4, BITS, BS, V),)
         elif BITS == 3:
-            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES, UNROLL),
-                  _ring(gl.int32, [BS, BN], R2, STAGES, UNROLL))
+            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES),
+                  _ring(gl.int32, [BS, BN], R2, STAGES))
             wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 2, col0, N, 0, BITS, BS, V))
         else:
-            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES, UNROLL),)
+            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES),)
             wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),)
         return wb, wp
 
@@ -326,7 +309,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _decode(wb, stage, sc, zr, full, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
-                SCALED: gl.constexpr, HAS_ZEROS: gl.constexpr, UNROLL: gl.constexpr = False):
+                SCALED: gl.constexpr, HAS_ZEROS: gl.constexpr):
         """The step tile [BS, 2, 2, 2, 2, 32, V, 2] of fp16 weights (see `_tile_layout`) from `stage` of the class's
         word rings `wb` (`_word_bufs`); `sc` (`zr`) the packed scales (zeros) when SCALED."""
         qhi = _coord(3, V)
@@ -337,7 +320,7 @@ if HAVE_GLUON:
         j = 2 * jhi + jlo
         S: gl.constexpr = 1 | 1 << 5 | 1 << 6  # step and columns: what every word operand depends on
         if BITS == 4:
-            w = _words(_at(wb[0], stage, UNROLL).reshape([2, 2, BS, 32, V]).permute([2, 0, 1, 3, 4]), S | 6, V)
+            w = _words(wb[0].index(stage).reshape([2, 2, BS, 32, V]).permute([2, 0, 1, 3, 4]), S | 6, V)
             if HAS_ZEROS:
                 d = _asm2(_D4Z, (w, 4 * q, sc, zr), full)
             elif SCALED:
@@ -345,16 +328,16 @@ if HAVE_GLUON:
             else:
                 d = _asm2(_D4R, (w, 4 * q), full)
         elif BITS == 8:
-            w = _words(_at(wb[0], stage, UNROLL).reshape([2, 2, 2, BS, 32, V]).permute([3, 0, 1, 2, 4, 5]), S | 14, V)
+            w = _words(wb[0].index(stage).reshape([2, 2, 2, BS, 32, V]).permute([3, 0, 1, 2, 4, 5]), S | 14, V)
             if SCALED:
                 d = _asm2(_D8, (w, 0x4140 + qlo * 0x0202, sc), full)
             else:
                 d = _asm2(_D8R, (w, 0x4140 + qlo * 0x0202), full)
         elif BITS == 6:
-            lo0 = _words(_at(wb[0], stage, UNROLL).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
-            lo1 = _words(_at(wb[1], stage, UNROLL).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
-            hi0 = _words(_at(wb[2], stage, UNROLL).reshape([BS, 32, V]), S, V)
-            hi1 = _words(_at(wb[3], stage, UNROLL).reshape([BS, 32, V]), S, V)
+            lo0 = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            lo1 = _words(wb[1].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            hi0 = _words(wb[2].index(stage).reshape([BS, 32, V]), S, V)
+            hi1 = _words(wb[3].index(stage).reshape([BS, 32, V]), S, V)
             k = 2 * jlo + qhi
             sel_lo = ((4 + k) << 8) | k
             sel_hi = ((4 + j) << 12) | (j << 4)
@@ -363,22 +346,22 @@ if HAVE_GLUON:
             else:
                 d = _asm2(_D6R, (lo0, lo1, hi0, hi1, sel_lo, 4 * qlo, sel_hi, 4 + 2 * q), full)
         elif BITS == 5:
-            lo = _words(_at(wb[0], stage, UNROLL).reshape([2, 2, BS, 32, V]).permute([2, 0, 1, 3, 4]), S | 6, V)
-            hi = _words(_at(wb[1], stage, UNROLL).reshape([BS, 32, V]), S, V)
+            lo = _words(wb[0].index(stage).reshape([2, 2, BS, 32, V]).permute([2, 0, 1, 3, 4]), S | 6, V)
+            hi = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
             if SCALED:
                 d = _asm2(_D5, (lo, hi, (q << 8) | q, 8 * j + 2 * q, sc), full)
             else:
                 d = _asm2(_D5R, (lo, hi, (q << 8) | q, 8 * j + 2 * q), full)
         elif BITS == 3:
-            lo = _words(_at(wb[0], stage, UNROLL).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
-            hi = _words(_at(wb[1], stage, UNROLL).reshape([BS, 32, V]), S, V)
+            lo = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            hi = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
             if SCALED:
                 d = _asm2(_D3, (lo, hi, 16 * jlo + 4 * q, 8 * j + 2 * q, sc), full)
             else:
                 d = _asm2(_D3R, (lo, hi, 16 * jlo + 4 * q, 8 * j + 2 * q), full)
         else:
             gl.static_assert(BITS == 2)
-            lo = _words(_at(wb[0], stage, UNROLL).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            lo = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
             if SCALED:
                 d = _asm2(_D2, (lo, 16 * jlo + 4 * q, sc), full)
             else:
@@ -388,7 +371,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _mma_step(acc, grp_n, it, stage, nxt, wb, wp, sbuf, zbuf, xbuf, x_ptrs, sc_ptr, zr_ptr, sg_ptr, s_lo, s_hi,
                   N, M, col0, full, BITS: gl.constexpr, HAS_ZEROS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
-                  STAGES: gl.constexpr, POST: gl.constexpr, UNROLL: gl.constexpr):
+                  STAGES: gl.constexpr, POST: gl.constexpr):
         """Iteration `it` of `_mma_class` (its data in ring `stage`; issues iteration it + STAGES - 1 into `nxt`):
         returns the accumulator and the next issue's groups."""
         BN: gl.constexpr = 32 * V
@@ -400,21 +383,21 @@ if HAVE_GLUON:
         _barrier()  # every warp's copies of this stage landed, and every warp is done with the stage reused next
         s_next = s_lo + (it + STAGES - 1) * BS
         _issue(wb, sbuf, zbuf, xbuf, nxt, wp, x_ptrs, sc_ptr, zr_ptr, grp_n, s_next, s_lo, s_hi, N, M, col0, BITS,
-               HAS_ZEROS, BS, V, POST, 3, UNROLL)
+               HAS_ZEROS, BS, V, POST, 3)
         grp_n = _groups(sg_ptr, s_next + BS, s_hi, BS, V, POST)  # in flight until the next iteration's issue
-        xt = _at(xbuf, stage, UNROLL).load(A_L)
+        xt = xbuf.index(stage).load(A_L)
         if POST:
-            row = _at(sbuf, stage, UNROLL).reshape([32, V]).load(_row_layout(V))
+            row = sbuf.index(stage).reshape([32, V]).load(_row_layout(V))
             row = gl.convert_layout(gl.reshape(gl.permute(row, (1, 0)), [BN]), gl.SliceLayout(0, MMA),
                                     assert_trivial=True)
-            d = _decode(wb, stage, full, full, full, BITS, BS, V, False, False, UNROLL)
+            d = _decode(wb, stage, full, full, full, BITS, BS, V, False, False)
         else:
             S: gl.constexpr = 1 | 1 << 5 | 1 << 6
-            sc = _widen(_pair_bits(_at(sbuf, stage, UNROLL).reshape([BS, 32, V]).load(_sub(S, V))), S)
+            sc = _widen(_pair_bits(sbuf.index(stage).reshape([BS, 32, V]).load(_sub(S, V))), S)
             zr = sc
             if HAS_ZEROS:
-                zr = _widen(_pair_bits(_at(zbuf, stage, UNROLL).reshape([BS, 32, V]).load(_sub(S, V)) + 1024.0), S)
-            d = _decode(wb, stage, sc, zr, full, BITS, BS, V, True, HAS_ZEROS, UNROLL)
+                zr = _widen(_pair_bits(zbuf.index(stage).reshape([BS, 32, V]).load(_sub(S, V)) + 1024.0), S)
+            d = _decode(wb, stage, sc, zr, full, BITS, BS, V, True, HAS_ZEROS)
         # rows s·32 + 8j + 2q + h (the input's positions), columns v·32 + c
         b = gl.reshape(gl.permute(d, (0, 1, 2, 3, 4, 7, 6, 5)), [K, BN])
         b = gl.convert_layout(b, B_L, assert_trivial=True)
@@ -429,18 +412,14 @@ if HAVE_GLUON:
     def _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
                    pid_k, SPLIT, first_step, n_steps, first_word, BITS: gl.constexpr, HAS_ZEROS: gl.constexpr,
                    BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
-                   PDL: gl.constexpr = False, UNROLL: gl.constexpr = False):
+                   PDL: gl.constexpr = False):
         """acc += this program's share of x · W over one width class: BS steps of 32 rows per iteration, words,
         scales and input brought to shared memory by cp.async STAGES - 1 iterations ahead. POST (every
         iteration's steps share one group, no zeros): the codes enter the mma as exact (code - zero point) and
         each iteration's product is scaled in fp32 (4·V multiplies a thread instead of one per weight pair).
         With PDL (the kernel's first class) the first iterations' weights and scales, which no kernel writes, are
         requested before waiting for the previous kernel, and only the input after."""
-        BN: gl.constexpr = 32 * V
         K: gl.constexpr = BS * 32
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
-        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         T8: gl.constexpr = _tile_layout(V)
         CX: gl.constexpr = _copy_input(BS)
 
@@ -448,35 +427,27 @@ if HAVE_GLUON:
         s_lo = first_step + (nb * pid_k) // SPLIT * BS
         s_hi = gl.minimum(first_step + (nb * (pid_k + 1)) // SPLIT * BS, first_step + n_steps)
         word0 = first_word + (s_lo - first_step) * BITS
-        wb, wp = _word_bufs(qw_ptr, word0, col0, N, BITS, BS, V, STAGES, UNROLL)
+        wb, wp = _word_bufs(qw_ptr, word0, col0, N, BITS, BS, V, STAGES)
         xm = gl.arange(0, 16, layout=gl.SliceLayout(1, CX))
         x_ptrs = (x_ptr + gl.expand_dims(xm * stride_xm, 1)
                   + gl.expand_dims(s_lo * 32 + gl.arange(0, K, layout=gl.SliceLayout(0, CX)), 0))
         for p in gl.static_range(STAGES - 1):
             grp = _groups(sg_ptr, s_lo + p * BS, s_hi, BS, V, POST)
             _issue(wb, sbuf, zbuf, xbuf, p, wp, x_ptrs, sc_ptr, zr_ptr, grp, s_lo + p * BS, s_lo, s_hi, N, M, col0,
-                   BITS, HAS_ZEROS, BS, V, POST, 1 if PDL else 3, UNROLL)
+                   BITS, HAS_ZEROS, BS, V, POST, 1 if PDL else 3)
         if PDL:
             _pdl_sync()
             for p in gl.static_range(STAGES - 1):
                 _issue(wb, sbuf, zbuf, xbuf, p, wp, x_ptrs, sc_ptr, zr_ptr, 0, s_lo + p * BS, s_lo, s_hi, N, M, col0,
-                       BITS, HAS_ZEROS, BS, V, POST, 2, UNROLL)
+                       BITS, HAS_ZEROS, BS, V, POST, 2)
         grp_n = _groups(sg_ptr, s_lo + (STAGES - 1) * BS, s_hi, BS, V, POST)
 
         full = gl.full([BS, 2, 2, 2, 2, 32, V, 2], 0, gl.int32, T8)
         n_it = gl.cdiv(s_hi - s_lo, BS)
-        if UNROLL:  # stages static: the rings are separate buffers, so no barrier between the issue and the reads
-            for it0 in range(0, n_it, STAGES):
-                for p in gl.static_range(STAGES):
-                    if it0 + p < n_it:
-                        acc, grp_n = _mma_step(acc, grp_n, it0 + p, p, (p + STAGES - 1) % STAGES, wb, wp, sbuf, zbuf,
-                                               xbuf, x_ptrs, sc_ptr, zr_ptr, sg_ptr, s_lo, s_hi, N, M, col0, full,
-                                               BITS, HAS_ZEROS, BS, V, STAGES, POST, UNROLL)
-        else:
-            for it in range(0, n_it):
-                acc, grp_n = _mma_step(acc, grp_n, it, it % STAGES, (it + STAGES - 1) % STAGES, wb, wp, sbuf, zbuf,
-                                       xbuf, x_ptrs, sc_ptr, zr_ptr, sg_ptr, s_lo, s_hi, N, M, col0, full, BITS,
-                                       HAS_ZEROS, BS, V, STAGES, POST, UNROLL)
+        for it in range(0, n_it):
+            acc, grp_n = _mma_step(acc, grp_n, it, it % STAGES, (it + STAGES - 1) % STAGES, wb, wp, sbuf, zbuf,
+                                   xbuf, x_ptrs, sc_ptr, zr_ptr, sg_ptr, s_lo, s_hi, N, M, col0, full, BITS,
+                                   HAS_ZEROS, BS, V, STAGES, POST)
         async_copy.wait_group(0)
         _barrier()  # the next class reuses the rings
         return acc
@@ -486,7 +457,7 @@ if HAVE_GLUON:
                   M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
                   MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
                   BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
-                  PDL: gl.constexpr = False, UNROLL: gl.constexpr = False, PART_ONLY: gl.constexpr = False):
+                  PDL: gl.constexpr = False, PART_ONLY: gl.constexpr = False):
         """out[:M, tile] (or this split's partial) = x · W over a tile of BN = 32·V columns: each width class of
         MASK (bit i: WIDTHS[i], n8..n2 their step counts, classes stored in that order) in turn, one accumulator;
         PDL: launched as a programmatic dependent (the first class waits, see `_mma_class`). PART_ONLY (split, no
@@ -502,9 +473,9 @@ if HAVE_GLUON:
         XS: gl.constexpr = gl.SwizzledSharedLayout(8, max(1, 64 // K), 8, [1, 0])
 
         col0 = pid_n * BN
-        sbuf = _ring(gl.float16, [1 if POST else BS, BN], PLAIN, STAGES, UNROLL)
-        zbuf = _ring(gl.float16, [BS, BN], PLAIN, STAGES if HAS_ZEROS else 1, UNROLL)
-        xbuf = _ring(gl.float16, [16, K], XS, STAGES, UNROLL)
+        sbuf = _ring(gl.float16, [1 if POST else BS, BN], PLAIN, STAGES)
+        zbuf = _ring(gl.float16, [BS, BN], PLAIN, STAGES if HAS_ZEROS else 1)
+        xbuf = _ring(gl.float16, [16, K], XS, STAGES)
 
         acc = gl.zeros([16, BN], gl.float32, MMA)
         steps = (n8, n6, n5, n4, n3, n2)
@@ -514,7 +485,7 @@ if HAVE_GLUON:
             if MASK >> c & 1:
                 acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
                                  pid_k, SPLIT, s0, steps[c], w0, _width(c), HAS_ZEROS, BS, V, STAGES, POST,
-                                 PDL and (MASK & ((1 << c) - 1)) == 0, UNROLL)
+                                 PDL and (MASK & ((1 << c) - 1)) == 0)
             s0 += steps[c]
             w0 += steps[c] * _width(c)
 
@@ -557,10 +528,10 @@ if HAVE_GLUON:
                     M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2,
                     MASK: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_ON: gl.constexpr,
                     BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
-                    PDL: gl.constexpr = False, UNROLL: gl.constexpr = False, PART_ONLY: gl.constexpr = False):
+                    PDL: gl.constexpr = False, PART_ONLY: gl.constexpr = False):
         _mma_tile(gl.program_id(0), gl.program_id(1), x_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr,
                   zr_ptr, sg_ptr, M, N, stride_xm, stride_om, SPLIT, n8, n6, n5, n4, n3, n2, MASK, HAS_ZEROS,
-                  HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST, PDL, UNROLL, PART_ONLY)
+                  HAS_BIAS, SPLIT_ON, BS, V, STAGES, POST, PDL, PART_ONLY)
 
     @gluon.jit
     def _mma_group_kernel(x_ptr, M, stride_xm,
@@ -571,31 +542,30 @@ if HAVE_GLUON:
                           ON0: gl.constexpr, ON1: gl.constexpr, ON2: gl.constexpr, BS: gl.constexpr,
                           V: gl.constexpr, STAGES: gl.constexpr, POST0: gl.constexpr, POST1: gl.constexpr,
                           POST2: gl.constexpr, MASK0: gl.constexpr, MASK1: gl.constexpr, MASK2: gl.constexpr,
-                          PDL: gl.constexpr = False, UNROLL: gl.constexpr = False):
+                          PDL: gl.constexpr = False):
         """`_mma_kernel` for 2-3 weights sharing one input (q/k/v, gate/up) in one launch: programs [0, P0) take
         weight 0 (tile pid // SP0, split pid % SP0), [P0, P0 + P1) weight 1, the rest weight 2. x0..x2 point at
         each weight's permuted input inside one buffer; n8_i..n2_i weight i's step counts per width."""
         pid = gl.program_id(0)
         if pid < P0:
             _mma_tile(pid // SP0, pid % SP0, x0, o0, p0, c0, b0, q0, s0, z0, g0, M, N0, stride_xm, N0, SP0,
-                      n8_0, n6_0, n5_0, n4_0, n3_0, n2_0, MASK0, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0, PDL,
-                      UNROLL)
+                      n8_0, n6_0, n5_0, n4_0, n3_0, n2_0, MASK0, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0, PDL)
         else:
             pid -= P0
             if THREE:
                 if pid < P1:
                     _mma_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
                               n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES,
-                              POST1, PDL, UNROLL)
+                              POST1, PDL)
                 else:
                     pid -= P1
                     _mma_tile(pid // SP2, pid % SP2, x2, o2, p2, c2, b2, q2, s2, z2, g2, M, N2, stride_xm, N2, SP2,
                               n8_2, n6_2, n5_2, n4_2, n3_2, n2_2, MASK2, HAS_ZEROS, HAS_BIAS, ON2, BS, V, STAGES,
-                              POST2, PDL, UNROLL)
+                              POST2, PDL)
             else:
                 _mma_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
                           n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1,
-                          PDL, UNROLL)
+                          PDL)
 
 
 def class_steps(w) -> tuple[int, list[int]]:
@@ -635,11 +605,6 @@ def supports(w, m: int) -> bool:
 
 
 _SM80: dict[int, bool] = {}
-# EXL2_MMA4_UNROLL=1 unrolls the main loop by the ring depth so that each stage is its own shared-memory buffer:
-# the compiler's barrier analysis cannot tell the stages of one buffer apart and adds a second barrier to every
-# iteration (sm_90 SASS: two BAR.SYNC an iteration, one unrolled). Off until measured on a GPU (benchmarks/RESULTS.md,
-# session 15: compiled for sm_90 here, not yet run).
-UNROLL = env_choice("EXL2_MMA4_UNROLL", 0, (0, 1)) == 1
 
 
 def groups_align(w, bs: int) -> bool:
@@ -671,11 +636,10 @@ def _operands(xp: torch.Tensor, w, split: int, bs: int, post: bool | None):
 
 
 def mma(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: int = 3,
-        post: bool | None = None, unroll: bool | None = None, part_only: bool = False) -> torch.Tensor | SplitSum:
+        post: bool | None = None, part_only: bool = False) -> torch.Tensor | SplitSum:
     """`xp · W + bias` for xp `[M ≤ 16, S·32]` fp16, the input permuted for w (`gather_input`). bs steps of 32 rows
     per iteration, 32·v columns per program, K split `split` ways, a ring of `stages` iterations in shared memory;
-    `post` scales after the mma (None: where `groups_align` and w has no zeros); `unroll` the loop by the ring
-    (None: `UNROLL`). `part_only` (split > 1, no bias): the split's partial sums as a `SplitSum`, not added."""
+    `post` scales after the mma (None: where `groups_align` and w has no zeros). `part_only` (split > 1, no bias): the split's partial sums as a `SplitSum`, not added."""
     part_only = part_only and split > 1 and w.bias is None
     out, part, bias, zeros, post = _operands(xp, w, split, bs, post)
     mask, steps = class_steps(w)
@@ -683,13 +647,13 @@ def mma(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: in
         xp, out, part, counters(xp.device), bias, w.qweight, w.scales, zeros, w.step_group,
         xp.shape[0], w.n, xp.stride(0), out.stride(0), split, *steps,
         MASK=mask, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, SPLIT_ON=split > 1, BS=bs, V=v,
-        STAGES=stages, POST=post, UNROLL=UNROLL if unroll is None else unroll, PART_ONLY=part_only, num_warps=4,
+        STAGES=stages, POST=post, PART_ONLY=part_only, num_warps=4,
         **pdl_args(xp.device, xp.shape[0]))
     return SplitSum(part, (xp.shape[0],)) if part_only else out
 
 
-def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=None, stages: int = 3,
-              unroll: bool | None = None) -> list[torch.Tensor]:
+def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=None, stages: int = 3
+              ) -> list[torch.Tensor]:
     """`[xp_i · W_i + bias_i]` for 2-3 weights `supports` accepts, in one launch: xp `[M ≤ 16, ...]` holds each
     weight's permuted input at column `offsets[i]` (`gather_input(whole=True)`); `splits` the K split of each
     (default 1). The weights must agree on zeros and bias being present."""
@@ -723,5 +687,5 @@ def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=Non
         xp, m, xp.stride(0), *args, THREE=three, HAS_ZEROS=ws[0].zeros is not None,
         HAS_BIAS=ws[0].bias is not None, ON0=flags[0], ON1=flags[1], ON2=flags[2], BS=bs, V=v, STAGES=stages,
         POST0=posts[0], POST1=posts[1], POST2=posts[2], MASK0=masks[0], MASK1=masks[1], MASK2=masks[2],
-        UNROLL=UNROLL if unroll is None else unroll, num_warps=4, **pdl_args(xp.device, m))
+        num_warps=4, **pdl_args(xp.device, m))
     return outs

@@ -5,9 +5,8 @@ Three paths, chosen per shape (`choose_config`):
 * **gemv** (M ≤ 4): CUDA-core kernel, one input row per program. Each program owns BN output columns and a
   1/SPLIT share of the steps of every width class (so each split reads the same mix of widths). 4-bit classes
   decode two codes per instruction in packed fp16 (inline PTX, behind a one-time self-check); the others shift,
-  mask and use the 2^23 exponent trick in fp32. By default (`MatmulConfig.depth = 0`) the loop is a plain
-  `tl.range` that Triton software-pipelines `num_stages` tiles deep through shared memory (cp.async); depth 1–2
-  instead hold the next tiles in registers (kept for the sweeps in benchmarks/kernels.py).
+  mask and use the 2^23 exponent trick in fp32. The loop is a plain `tl.range` that Triton software-pipelines
+  `num_stages` tiles deep through shared memory (cp.async).
 * **dot** (M ≤ 64): decodes one row-in-word at a time, so each decoded [steps·words, BN] tile feeds `tl.dot` from
   its own register layout, bit-exact with the reference dequantizer (EXL2 4-bit: all eight rows of a word per
   packed-fp16 asm call).
@@ -26,13 +25,11 @@ call is one launch (CUDA-graph friendly). Counters are shared per device: calls 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from exl2.errors import ConfigError
 from exl2.kernels.backend import (COUNTER_POOL, PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync,
                                   prefetch_l2, sm_count, tl, triton, use_triton)
 from exl2.kernels import mma_dot
@@ -127,12 +124,12 @@ def _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_w
 @triton.jit
 def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                 offs_n, mask_n, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                BS: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr = 1, STAGES: tl.constexpr = 2):
+                BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr = 2):
     """Partial x·W over this program's share of one width class's steps, for BN columns ([BN] fp32).
 
     x is the permuted input (`gather_input`). Tiles are [steps, low word j, row-in-word u, columns]; stored row
-    of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`. DEPTH 1: the next tile's words,
-    scales and zeros are loaded before this tile's arithmetic; DEPTH 0: Triton pipelines the loop STAGES deep."""
+    of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`; Triton pipelines the loop STAGES
+    deep."""
     PER: tl.constexpr = 32 // LB
     HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     MAGIC: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
@@ -150,17 +147,9 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     acc = tl.zeros([BS, LB, BN], dtype=tl.float32)
-    if DEPTH > 0:
-        w_n, h_n, sc_n, z_n = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s_lo, s_hi, first_step, first_word,
-                                          jj, offs_n, mask_n, BITS, LB, HB, HAS_ZEROS, BS)
-    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES if DEPTH == 0 else None):
-        if DEPTH > 0:
-            w, h, sc, z = w_n, h_n, sc_n, z_n
-            w_n, h_n, sc_n, z_n = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0 + BS, s_hi, first_step,
-                                              first_word, jj, offs_n, mask_n, BITS, LB, HB, HAS_ZEROS, BS)
-        else:
-            w, h, sc, z = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj,
-                                      offs_n, mask_n, BITS, LB, HB, HAS_ZEROS, BS)
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
+        w, h, sc, z = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
+                                  mask_n, BITS, LB, HB, HAS_ZEROS, BS)
         offs_s = s0 + tl.arange(0, BS)
         code = (w[:, :, None, :] >> lo_sh) & ((1 << LB) - 1)
         if HB > 0:
@@ -178,84 +167,11 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     return tl.sum(tl.sum(acc, axis=1), axis=0)
 
 
-# Two 4-bit codes per instruction: lop3 puts codes (u, u+4) of a word under the fp16 exponent of 1024, one packed
-# subtraction removes 1024 + zero point (8), and packed FMAs multiply by the matching pair of inputs, which the
-# permuted input holds side by side (PAIR_ORDER). Four pairs cover the word's 8 codes; the two fp16 lanes are
-# summed in fp32. ~2 instructions per weight instead of ~5.
-@triton.jit
-def _load4(qw_ptr, sc_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n, mask_n, BS: tl.constexpr):
-    """`_load_class` for a 4-bit class without zero tensors: codes and scales [BS, 4, BN]."""
-    w, _h, sc, _z = _load_class(qw_ptr, sc_ptr, sc_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
-                                mask_n, 4, 4, 0, False, BS)
-    return w, sc
-
-
-@triton.jit
-def _gemv_class4_fast(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                      offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr = 1):
-    """`_gemv_class` for a 4-bit class without zero tensors (EXL2), with packed fp16x2 arithmetic; x32 is the
-    permuted fp16 input read as int32 pairs. The loads of the next DEPTH (1 or 2) tiles are issued before this
-    tile's arithmetic."""
-    jj = tl.arange(0, 4)
-    kk = tl.arange(0, 4)
-    s_lo = first_step + (n_steps * pid_k) // SPLIT
-    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
-    acc = tl.zeros([BS, 4, BN], dtype=tl.float32)
-    w_n, sc_n = _load4(qw_ptr, sc_ptr, sg_ptr, N, s_lo, s_hi, first_step, first_word, jj, offs_n, mask_n, BS)
-    if DEPTH == 2:
-        w_n2, sc_n2 = _load4(qw_ptr, sc_ptr, sg_ptr, N, s_lo + BS, s_hi, first_step, first_word, jj, offs_n, mask_n,
-                             BS)
-    for s0 in range(s_lo, s_hi, BS):
-        w, sc = w_n, sc_n
-        if DEPTH == 2:
-            w_n, sc_n = w_n2, sc_n2
-            w_n2, sc_n2 = _load4(qw_ptr, sc_ptr, sg_ptr, N, s0 + 2 * BS, s_hi, first_step, first_word, jj, offs_n,
-                                 mask_n, BS)
-        else:
-            w_n, sc_n = _load4(qw_ptr, sc_ptr, sg_ptr, N, s0 + BS, s_hi, first_step, first_word, jj, offs_n,
-                               mask_n, BS)
-        offs_s = s0 + tl.arange(0, BS)
-        xw = tl.load(x32_ptr + offs_s[:, None, None] * 16 + jj[None, :, None] * 4 + kk[None, None, :],
-                     mask=(offs_s < s_hi)[:, None, None], other=0)
-        x_even, x_odd = tl.split(tl.reshape(xw, [BS, 4, 2, 2]))
-        x0, x2 = tl.split(x_even)
-        x1, x3 = tl.split(x_odd)
-        part = tl.inline_asm_elementwise("""
-            {
-            .reg .b32 t0, t1, t2, t3, s, z, acc;
-            .reg .b16 lo, hi;
-            .reg .f32 flo, fhi;
-            mov.b32 z, 0x64086408;
-            lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 s, $1, 4;
-            lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 s, $1, 8;
-            lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 s, $1, 12;
-            lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
-            sub.f16x2 t0, t0, z;
-            sub.f16x2 t1, t1, z;
-            sub.f16x2 t2, t2, z;
-            sub.f16x2 t3, t3, z;
-            mul.rn.f16x2 acc, t0, $2;
-            fma.rn.f16x2 acc, t1, $3, acc;
-            fma.rn.f16x2 acc, t2, $4, acc;
-            fma.rn.f16x2 acc, t3, $5, acc;
-            mov.b32 {lo, hi}, acc;
-            cvt.f32.f16 flo, lo;
-            cvt.f32.f16 fhi, hi;
-            add.f32 $0, flo, fhi;
-            }
-            """, "=f,r,r,r,r,r", [w, x0[:, :, None], x1[:, :, None], x2[:, :, None], x3[:, :, None]],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-        acc += part * sc.to(tl.float32)
-    return tl.sum(tl.sum(acc, axis=1), axis=0)
-
-
-# Word-at-a-time form of the decoder above (`_gemv_class4_pipe`): one asm block takes the four words of a step
-# for one column (32 codes under one scale) and 16 input pairs. Codes (u, u+4) leave a word with one lop3 each;
-# the odd ones (mask 0x00F000F0) come out 16x too large, which the fma by 1/16 that removes the offset also
-# undoes, so a word costs one shift instead of three. The packed products are summed in fp16 (a step's, or with
+# The packed 4-bit decoder (`_gemv_class4_pipe`): one asm block takes the four words of a step for one column
+# (32 codes under one scale) and 16 input pairs, which the permuted input holds side by side (PAIR_ORDER). lop3
+# puts codes (u, u+4) of a word under the fp16 exponent of 1024, the odd ones (mask 0x00F000F0) 16x too large,
+# which the fma by 1/16 that removes 1024 + the zero point (8) also undoes, so a word costs one shift, and packed
+# FMAs multiply by the matching pairs of inputs. The packed products are summed in fp16 (a step's, or with
 # EXL2_GEMV_ACC16=0 each word's) and added in fp32.
 def _ptx_unpack4(word: str) -> str:
     """PTX that leaves a 4-bit word's codes minus 8 as exact fp16 pairs: q0 = (0, 4), q1 = (1, 5), q2 = (2, 6),
@@ -361,9 +277,9 @@ def step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_
 @triton.jit
 def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                       offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
-    """`_gemv_class4_fast` as a plain loop that Triton software-pipelines (STAGES tiles in flight through shared
-    memory with cp.async, instead of one or two held in registers), decoding a step's four words per asm call
-    and loading each scale once."""
+    """`_gemv_class` for a 4-bit class without zero tensors (EXL2), with packed fp16x2 arithmetic: x32 is the
+    permuted fp16 input read as int32 pairs; a step's four words per asm call, each scale loaded once; Triton
+    pipelines the loop STAGES deep."""
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     acc = tl.zeros([BS, BN], dtype=tl.float32)
@@ -460,22 +376,19 @@ def _gemv_class6_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
 @triton.jit
 def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, offs_n,
                 mask_n, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                FAST4: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr):
+                FAST4: tl.constexpr, STAGES: tl.constexpr):
     """One width class's partial sums: the packed-fp16 decoder for EXL2 4-bit, the portable one otherwise (field
     widths as in `qweight.split_bits`). x32r is the permuted input row read as int32 pairs."""
     LB: tl.constexpr = 2 if BITS <= 3 else (8 if BITS == 8 else 4)
-    if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS and DEPTH == 0:
+    if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
         return _gemv_class4_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                                  offs_n, mask_n, BS, BN, STAGES)
-    elif BITS == 6 and (FAST4 & 2) != 0 and not HAS_ZEROS and DEPTH == 0:
+    elif BITS == 6 and (FAST4 & 2) != 0 and not HAS_ZEROS:
         return _gemv_class6_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                                  offs_n, mask_n, BS, BN, STAGES)
-    elif BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
-        return _gemv_class4_fast(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                                 offs_n, mask_n, BS, BN, DEPTH)
     else:
         return _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                           offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN, DEPTH, min(STAGES, 2))
+                           offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN, min(STAGES, 2))
 
 
 @triton.jit
@@ -516,8 +429,7 @@ def _prefetch_widths(qw_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4
 def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
                  fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
                  MASK: tl.constexpr, SKIP_EMPTY: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                 BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr):
     """Sum of `_gemv_width` over the width classes in MASK (`width_mask`); with SKIP_EMPTY a class of 0 steps is
     also skipped at run time (kernels whose class table is runtime data)."""
     HAS8: tl.constexpr = (MASK & 32) != 0
@@ -529,22 +441,22 @@ def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6
     res = tl.zeros([BN], dtype=tl.float32)
     if HAS8 and (not SKIP_EMPTY or ns8 > 0):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n, mask_n,
-                           8, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+                           8, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS6 and (not SKIP_EMPTY or ns6 > 0):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n, mask_n,
-                           6, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+                           6, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS5 and (not SKIP_EMPTY or ns5 > 0):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n, mask_n,
-                           5, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+                           5, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS4 and (not SKIP_EMPTY or ns4 > 0):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n,
-                           4, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+                           4, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS3 and (not SKIP_EMPTY or ns3 > 0):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n, mask_n,
-                           3, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+                           3, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS2 and (not SKIP_EMPTY or ns2 > 0):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
-                           2, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+                           2, HAS_ZEROS, BS, BN, FAST4, STAGES)
     return res
 
 
@@ -555,8 +467,8 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
                  HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
                  HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                 RED: tl.constexpr, FAST4: tl.constexpr = False, DEPTH: tl.constexpr = 1,
-                 STAGES: tl.constexpr = 2, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                 RED: tl.constexpr, FAST4: tl.constexpr = False, STAGES: tl.constexpr = 2,
+                 PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                  PART_ONLY: tl.constexpr = False):
     """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
     L2. With PDL the first PREFETCH word rows of each class are requested before waiting for the input.
@@ -577,61 +489,16 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
     res = _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
                        fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
                        HAS8 * 32 + HAS6 * 16 + HAS5 * 8 + HAS4 * 4 + HAS3 * 2 + HAS2, False, HAS_ZEROS, BS, BN,
-                       FAST4, DEPTH, STAGES)
+                       FAST4, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED, PART_ONLY)
 
 
 @triton.jit
-def _gemv_chunked_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
-                         chunk_ptr, M, N, stride_xm, stride_om, SPLIT, HAS_ZEROS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr,
-                         FAST4: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
-    """gemv of a mixed-width matrix where each K split is a run of steps inside one width class (`chunk_table`),
-    so a program waits for one class's first tile, not for every class's in turn."""
-    if PDL:
-        pdl_sync()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_n = offs_n < N
-    xr = x_ptr + pid_m.to(tl.int64) * stride_xm
-    c = chunk_ptr + pid_k * 4
-    kind = tl.load(c)
-    fs = tl.load(c + 1)
-    ns = tl.load(c + 2)
-    fw = tl.load(c + 3)
-    x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2)
-    res = tl.zeros([BN], dtype=tl.float32)
-    if kind == 0:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 8,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    elif kind == 1:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 6,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    elif kind == 2:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 5,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    elif kind == 3:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 4,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    elif kind == 4:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 3,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    else:
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs, ns, fw, 0, 1, offs_n, mask_n, 2,
-                           HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
-    offs_m = pid_m + tl.arange(0, 1)
-    _store_out(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
-               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, True, RED)
-
-
-@triton.jit
 def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pid_m, out_ptr, bias_ptr, qw_ptr,
                   sc_ptr, zr_ptr, sg_ptr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr,
+                  BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr,
                   STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """One program of `_gemv_group_kernel` for the matrix whose metadata row is `meta` (see `GemvGroup`): the
     classes of the widths in MASK are runtime branches, so one compiled kernel serves every mix of them. The
@@ -661,7 +528,7 @@ def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pi
                        tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9), tl.load(meta + 10),
                        tl.load(meta + 11), tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14),
                        tl.load(meta + 15), tl.load(meta + 16), tl.load(meta + 17), pid_k, split, offs_n, mask_n,
-                       MASK, True, HAS_ZEROS, BS, BN, FAST4, DEPTH, STAGES)
+                       MASK, True, HAS_ZEROS, BS, BN, FAST4, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     tile = tl.load(meta + 22) + pid_m * tiles + pid_n
     part = part_ptr + tl.multiple_of(tl.load(meta + 24), 16).to(tl.int64)
@@ -678,21 +545,21 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                        out0, bias0, qw0, sc0, zr0, sg0, out1, bias1, qw1, sc1, zr1, sg1,
                        out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                       RED: tl.constexpr, FAST4: tl.constexpr, DEPTH: tl.constexpr = 1,
-                       STAGES: tl.constexpr = 2, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                       RED: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr = 2,
+                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
     over every (matrix, column tile, K split) program, axis 2 over the input rows."""
     pid = tl.program_id(0)
     pid_m = tl.program_id(2)
     if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 25, part_ptr, cnt_ptr, M, pid, pid_m, out2, bias2,
-                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, DEPTH, STAGES, PDL, PREFETCH)
+                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
     elif G > 1 and pid >= tl.load(meta_ptr + 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 25, part_ptr, cnt_ptr, M, pid, pid_m, out1, bias1,
-                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, DEPTH, STAGES, PDL, PREFETCH)
+                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
     else:
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
-                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, DEPTH, STAGES, PDL, PREFETCH)
+                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
 
 
 @triton.jit
@@ -779,95 +646,6 @@ def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl
 
 
 @triton.jit
-def _join8(x0, x1, x2, x3, x4, x5, x6, x7):
-    """Eight [K, BN] tiles -> [K·8, BN] with row 8k + p holding x_p[k] (in-register joins, then one reshuffle)."""
-    K: tl.constexpr = x0.shape[0]
-    BN: tl.constexpr = x0.shape[1]
-    t = tl.join(tl.join(tl.join(x0, x1), tl.join(x2, x3)), tl.join(tl.join(x4, x5), tl.join(x6, x7)))
-    return tl.reshape(tl.permute(t, (0, 4, 3, 2, 1)), [K * 8, BN])
-
-
-@triton.jit
-def _tile_inputs(x_ptr, stride_xm, sc_ptr, sg_ptr, N, s0, s_hi, jw, pos, cx, offs_m, mask_m, offs_n, mask_n):
-    """Scales [BS·4, BN] (fp16), their offsets and the input tile [BM, BS·32] of `_dot_class_tile`'s iteration at
-    s0 (zeros past s_hi)."""
-    step = s0 + jw // 4
-    mask_w = step < s_hi
-    m2 = mask_w[:, None] & mask_n[None, :]
-    grp = tl.load(sg_ptr + step, mask=mask_w, other=0)
-    g_off = grp[:, None].to(tl.int64) * N + offs_n[None, :]
-    sc = tl.load(sc_ptr + g_off, mask=m2, other=0.0).to(tl.float16)
-    xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + (s0 * 32 + pos)[None, :],
-                 mask=mask_m[:, None] & (s0 + cx // 32 < s_hi)[None, :], other=0.0).to(tl.float16)
-    return sc, g_off, xt
-
-
-@triton.jit
-def _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word,
-                    pid_k, offs_m, mask_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    BS: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr):
-    """acc + x·W over this program's share of a 4/5/6-bit class (four low words of 8 codes per step), one
-    tensor-core dot of K = 32·BS per iteration: each low word row (step s, word j) is decoded into its eight rows
-    u (packed, with `_DEQ4_ASM`, for EXL2 4-bit; with the high bits of words 4 + 8j // HPER otherwise), which
-    `_join8` stacks as stored row 32·s + 8·j + u, against the input gathered in that order (contiguous for 4-bit,
-    whose `PAIR_ORDER` puts word j's codes u at 8·j + 2·(u % 4) + u // 4)."""
-    HB: tl.constexpr = BITS - 4
-    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
-    s_lo = first_step + (n_steps * pid_k) // SPLIT
-    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
-    jw = tl.arange(0, BS * 4)  # word rows of the tile: step jw // 4, low word jw % 4
-    j = jw % 4
-    cx = tl.arange(0, BS * 32)  # tile rows 32·s + 8·j + u, and the input position of each
-    cj = (cx // 8) % 4
-    cu = cx % 8
-    if BITS == 6:
-        pos = (cx // 32) * 32 + 16 * (cj % 2) + 2 * cu + cj // 2
-    else:
-        pos = cx
-    # Triton's pipeliner leaves the scale gather (behind the group index) and the input tile as plain loads in
-    # the loop body (ttgir of sm_90, session 6), so both are loaded one iteration ahead here.
-    sc_n, g_n, xt_n = _tile_inputs(x_ptr, stride_xm, sc_ptr, sg_ptr, N, s_lo, s_hi, jw, pos, cx, offs_m, mask_m,
-                                   offs_n, mask_n)
-    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
-        sc, g_off, xt = sc_n, g_n, xt_n
-        sc_n, g_n, xt_n = _tile_inputs(x_ptr, stride_xm, sc_ptr, sg_ptr, N, s0 + BS, s_hi, jw, pos, cx, offs_m,
-                                       mask_m, offs_n, mask_n)
-        step = s0 + jw // 4
-        mask_w = step < s_hi
-        m2 = mask_w[:, None] & mask_n[None, :]
-        wrow = first_word + (step - first_step) * BITS
-        w = tl.load(qw_ptr + (wrow + j)[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0)
-        if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
-            d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
-                _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-            acc = tl.dot(xt, _join8(d0, d4, d1, d5, d2, d6, d3, d7), acc)
-        else:
-            if HAS_ZEROS:
-                zero = tl.load(zr_ptr + g_off, mask=m2, other=0.0).to(tl.float16) + 1024.0
-            else:
-                zero = tl.full([BS * 4, 1], 1024.0 + (1 << (BITS - 1)), tl.float16)
-            if HB > 0:
-                h = tl.load(qw_ptr + (wrow + 4 + j * 8 // HPER)[:, None].to(tl.int64) * N + offs_n[None, :],
-                            mask=m2, other=0)
-                h = h >> (HB * (j * 8 % HPER))[:, None]
-            else:
-                h = w
-            d0 = _deq_row(w, h, 0, zero, sc, 0, 4, HB)
-            d1 = _deq_row(w, h, 0, zero, sc, 1, 4, HB)
-            d2 = _deq_row(w, h, 0, zero, sc, 2, 4, HB)
-            d3 = _deq_row(w, h, 0, zero, sc, 3, 4, HB)
-            d4 = _deq_row(w, h, 0, zero, sc, 4, 4, HB)
-            d5 = _deq_row(w, h, 0, zero, sc, 5, 4, HB)
-            d6 = _deq_row(w, h, 0, zero, sc, 6, 4, HB)
-            d7 = _deq_row(w, h, 0, zero, sc, 7, 4, HB)
-            if BITS == 4:
-                acc = tl.dot(xt, _join8(d0, d4, d1, d5, d2, d6, d3, d7), acc)
-            else:
-                acc = tl.dot(xt, _join8(d0, d1, d2, d3, d4, d5, d6, d7), acc)
-    return acc
-
-
-@triton.jit
 def _deq_row(w, h, row0, zero, sc, u: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr):
     """Row-in-word u of low words w, dequantized; its HB high bits sit in h at bit HB·((row0 + u) % (32 / HB)),
     row0 the word's first row (broadcast against w; 0 where h is already shifted to it). 0x6400 | code is the
@@ -882,80 +660,17 @@ def _deq_row(w, h, row0, zero, sc, u: tl.constexpr, LB: tl.constexpr, HB: tl.con
 
 
 @triton.jit
-def _dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, u: tl.constexpr, LB: tl.constexpr, PER: tl.constexpr,
-            BSC: tl.constexpr, BITS: tl.constexpr):
-    """Input columns [BM, BSC·LB] of row-in-word u of the BSC steps from s0 (row k: step k // LB, low word k % LB),
-    loaded directly at their permuted positions (see `_gemv_class`)."""
-    k = tl.arange(0, BSC * LB)
-    j = k % LB
-    if BITS == 4:
-        pos = 8 * j + (u % 4) * 2 + u // 4
-    elif BITS == 6:
-        pos = 16 * (j % 2) + 2 * u + j // 2
-    else:
-        pos = j * PER + u
-    step = s0 + k // LB
-    return tl.load(x_ptr + offs_m[:, None] * stride_xm + (step * 32 + pos)[None, :],
-                   mask=mask_m[:, None] & (step < s_hi)[None, :], other=0.0).to(tl.float16)
-
-
-@triton.jit
-def _dot_class_rows(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word,
-                    pid_k, offs_m, mask_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr, LB: tl.constexpr,
-                    HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, FAST4: tl.constexpr,
-                    STAGES: tl.constexpr):
-    """acc + x·W: one tensor-core dot per row-in-word u, as in `_dot_class`, but with each u's input columns
-    loaded at their own positions (`_dot_xu`) instead of selected out of the whole input tile, and the loop
-    software-pipelined STAGES deep."""
-    PER: tl.constexpr = 32 // LB
-    BSC: tl.constexpr = BS if BS * LB >= 16 else 16 // LB
-    BN: tl.constexpr = offs_n.shape[0]
-    K: tl.constexpr = BSC * LB
-    s_lo = first_step + (n_steps * pid_k) // SPLIT
-    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
-    jj = tl.arange(0, LB)
-    row0 = (jj * PER)[None, :, None]
-    zero: tl.constexpr = 1024.0 + (1 << (BITS - 1))
-    for s0 in tl.range(s_lo, s_hi, BSC, num_stages=STAGES):
-        w, h, sc, z = _load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
-                                  mask_n, BITS, LB, HB, HAS_ZEROS, BSC)
-        packed: tl.constexpr = BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS
-        if packed:
-            rows = tl.inline_asm_elementwise(
-                _DEQ4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc.to(tl.float16)], dtype=(tl.float16,) * 8,
-                is_pure=True, pack=1)
-        for u in tl.static_range(PER):
-            if packed:
-                deq = rows[u]
-            else:
-                deq = _deq_row(w, h, row0, zero if not HAS_ZEROS else z + 1024.0, sc, u, LB, HB)
-            acc = tl.dot(_dot_xu(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, u, LB, PER, BSC, BITS),
-                         tl.reshape(deq, [K, BN]), acc)
-    return acc
-
-
-@triton.jit
 def _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
                first_word, pid_k, offs_m, offs_n, mask_n, SPLIT, BITS: tl.constexpr,
                LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-               BN: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = 0,
-               STAGES: tl.constexpr = 2):
-    """acc + x·W over this program's share of one width class's steps (TILE4 1: `_dot_class_tile` for
-    4/5/6-bit classes, TILE4 2: `_dot_class_rows`).
+               BN: tl.constexpr, FAST4: tl.constexpr = False):
+    """acc + x·W over this program's share of one width class's steps.
 
     The codes are decoded one row-in-word u at a time: the rows (s, j, u) of all steps s and low words j form a
     [BS·LB, BN] tile in the words' own register layout (no reshuffling of the decoded tile), which feeds one
     tensor-core dot against the matching input columns. Those are picked out of the input tile, loaded once per
     iteration (and one iteration ahead) with one-hot sums over its last axis. EXL2 4-bit words (FAST4) are
     decoded by `_DEQ4_ASM`, all eight rows at once."""
-    if TILE4 == 2:
-        return _dot_class_rows(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
-                               first_word, pid_k, offs_m, offs_m < M, offs_n, mask_n, SPLIT, BITS, LB, HB,
-                               HAS_ZEROS, BS, FAST4, STAGES)
-    if LB == 4 and TILE4 == 1:
-        return _dot_class_tile(acc, x_ptr, stride_xm, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
-                               first_word, pid_k, offs_m, offs_m < M, offs_n, mask_n, SPLIT, BITS, HAS_ZEROS, BS,
-                               FAST4, STAGES)
     PER: tl.constexpr = 32 // LB
     BSC: tl.constexpr = BS if BS * LB >= 16 else 16 // LB
     s_lo = first_step + (n_steps * pid_k) // SPLIT
@@ -996,8 +711,7 @@ def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc
                 HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
                 HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                RED: tl.constexpr, FAST4: tl.constexpr = False, TILE4: tl.constexpr = 0,
-                STAGES: tl.constexpr = 2, PDL: tl.constexpr = False):
+                RED: tl.constexpr, FAST4: tl.constexpr = False, PDL: tl.constexpr = False):
     if PDL:
         pdl_sync()
     pid_n = tl.program_id(0)
@@ -1009,22 +723,22 @@ def _dot_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if HAS8:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 8, 8, 0, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 8, 8, 0, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS6:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 6, 4, 2, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 6, 4, 2, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS5:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 5, 4, 1, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 5, 4, 1, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS4:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 4, 4, 0, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 4, 4, 0, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS3:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 3, 2, 1, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 3, 2, 1, HAS_ZEROS, BM, BS, BN, FAST4)
     if HAS2:
         acc = _dot_class(acc, x_ptr, stride_xm, M, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2,
-                         pid_k, offs_m, offs_n, mask_n, SPLIT, 2, 2, 0, HAS_ZEROS, BM, BS, BN, FAST4, TILE4, STAGES)
+                         pid_k, offs_m, offs_n, mask_n, SPLIT, 2, 2, 0, HAS_ZEROS, BM, BS, BN, FAST4)
     _store_out(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED)
 
@@ -1083,7 +797,6 @@ class MatmulConfig:
     split: int = 1
     num_warps: int = 4
     num_stages: int = 2
-    depth: int = 1  # gemv: tiles prefetched in registers (1, 2), or 0: Triton pipelines the loop num_stages deep
 
 
 def _class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
@@ -1154,7 +867,7 @@ def share_input_orders(ws: Sequence[QuantWeight]) -> int:
                 break
     if aliased:
         for w in ws:
-            for key in [k for k in w._cache if isinstance(k, tuple) and k[0] in ("group", "stream")]:
+            for key in [k for k in w._cache if isinstance(k, tuple) and k[0] == "group"]:
                 del w._cache[key]
     return aliased
 
@@ -1242,73 +955,12 @@ def _permuted(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None) -> torch
     return xp
 
 
-def stream_gemv(ws: Sequence[QuantWeight]):
-    """The cached `gemv_stream.StreamGemv` plan for weights sharing an input, or None where it does not apply."""
-    if not GEMV_STREAM:
-        return None
-    from exl2.kernels.gemv_stream import StreamGemv
-
-    if not StreamGemv.accepts(ws):
-        return None
-    key = ("stream", tuple(map(id, ws)))
-    plan = ws[0]._cache.get(key)
-    if plan is None:
-        plan = ws[0]._cache[key] = StreamGemv(ws, programs_per_sm=STREAM_PER_SM, stages=GEMV_STAGES)
-    return plan
-
-
 def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
          xp: torch.Tensor | None = None) -> torch.Tensor:
     """CUDA-core path (small M); x `[M, K]` with a contiguous last dim (or its permuted form `xp` from
     `gather_input`). `fast4` selects the packed-fp16 4-bit decoder (inline PTX; None: use it where the one-time
     self-check passed)."""
-    if CHUNKED_MIXED and len(w.classes) > 1:
-        return gemv_chunked(x, w, cfg, fast4, xp)
-    return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4, DEPTH=cfg.depth,
-                   STAGES=cfg.num_stages)
-
-
-def chunk_table(w: QuantWeight, chunks: int, bs: int) -> torch.Tensor:
-    """int32 `[C, 4]` (width index in WIDTHS, first step, steps, first word) cutting every width class of `w` into
-    runs of about total_steps / `chunks` steps (a multiple of `bs`), each run inside one class. Cached per size."""
-    key = ("chunks", chunks, bs)
-    table = w._cache.get(key)
-    if table is None:
-        size = max(bs, -(-w.n_steps // max(1, chunks) // bs) * bs)
-        rows = []
-        for c in w.classes:
-            for start in range(0, c.n_steps, size):
-                n = min(size, c.n_steps - start)
-                rows.append([WIDTHS.index(c.bits), c.first_step + start, n, c.first_word + start * c.bits])
-        table = w._cache[key] = torch.tensor(rows, dtype=torch.int32, device=w.device)
-    return table
-
-
-def gemv_chunked(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
-                 xp: torch.Tensor | None = None) -> torch.Tensor:
-    """`gemv` for a matrix of several widths with its K splits cut along the width classes (`chunk_table`,
-    about `cfg.split` of them); same result up to the order of the fp32 sums."""
-    xp = _permuted(x, w, xp) if x is not None else xp
-    m = xp.shape[0]
-    out = torch.empty((m, w.n), dtype=xp.dtype, device=xp.device)
-    if m == 0:
-        return out
-    fast4, x32 = _pairs_view(xp, fast4)
-    table = chunk_table(w, max(cfg.split, len(w.classes)), cfg.bs)
-    split = table.shape[0]
-    grid_n = triton.cdiv(w.n, cfg.bn)
-    if grid_n * m > COUNTER_POOL:
-        raise ValueError("too many output tiles for the split-K counters.")
-    part = torch.empty((split, m, w.n), dtype=torch.float32, device=xp.device)
-    _gemv_chunked_kernel[(grid_n, split, m)](
-        xp, x32, out, part, counters(xp.device),
-        w.bias if w.bias is not None else w.scales, w.qweight, w.scales,
-        w.zeros if w.zeros is not None else w.scales, w.step_group, table, m, w.n, xp.stride(0), out.stride(0),
-        split, HAS_ZEROS=w.zeros is not None, HAS_BIAS=w.bias is not None, BS=cfg.bs, BN=cfg.bn,
-        RED=min(next_pow2(split), max(1, 8192 // cfg.bn)), FAST4=fast4, DEPTH=cfg.depth, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_args(xp.device, m))
-    return out
+    return _launch(_gemv_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4, STAGES=cfg.num_stages)
 
 
 class GemvGroup:
@@ -1381,7 +1033,7 @@ class GemvGroup:
         _gemv_group_kernel[(programs, 1, m)](
             xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
             G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
-            B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4, DEPTH=GEMV_DEPTH,
+            B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4,
             STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages,
             **pdl_args(xp.device, m, prefetch=PREFETCH_ROWS))
         return outs
@@ -1396,9 +1048,6 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
         return None
     if x.shape[0] > GEMV_MAX_M or all(gemv_via_mma(w, x.shape[0], x.dtype) for w in ws):
         return _mma_group(x, ws, xp)
-    plan = stream_gemv(ws)
-    if plan is not None:
-        return plan(gather_input(x, ws, whole=True) if xp is None else xp)
     if not GemvGroup.accepts(ws):
         return None
     group = ws[0]._cache.get(("group", tuple(map(id, ws))))
@@ -1436,8 +1085,8 @@ def _packed_check(device: torch.device, bits: int, flag: int) -> bool:
     w = build(codes, [(bits, 128)] * (k // 128), scales, None, perm)
     x = torch.randn(1, k, device=device, dtype=torch.float16, generator=g)
     ref = matmul_torch(x, w).float()
-    got = _launch(_gemv_kernel, gather_input(x, [w])[0], w, MatmulConfig(bs=4, bn=128, split=2, depth=0),
-                  FAST4=flag, DEPTH=0, STAGES=2).float()
+    got = _launch(_gemv_kernel, gather_input(x, [w])[0], w, MatmulConfig(bs=4, bn=128, split=2),
+                  FAST4=flag, STAGES=2).float()
     return bool(torch.allclose(got, ref, atol=2e-3 * ref.abs().max().item() + 1e-4, rtol=0))
 
 
@@ -1461,11 +1110,9 @@ def fast4_available(device: torch.device) -> int:
 
 
 def dot(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, xp: torch.Tensor | None = None,
-        fast4: bool | None = None, loop: int | None = None) -> torch.Tensor:
-    """Tensor-core path with in-register dequantization; cfg.bm ≥ 16 and cfg.bs ≥ 1. `fast4` as in `gemv`;
-    `loop` the inner loop (`DOT_TILE4` when None)."""
-    return _launch(_dot_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4,
-                   TILE4=DOT_TILE4 if loop is None else loop, STAGES=cfg.num_stages)
+        fast4: bool | None = None) -> torch.Tensor:
+    """Tensor-core path with in-register dequantization; cfg.bm ≥ 16 and cfg.bs ≥ 1. `fast4` as in `gemv`."""
+    return _launch(_dot_kernel, _permuted(x, w, xp), w, cfg, FAST4=fast4)
 
 
 def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, split_sum: bool = False
@@ -1476,7 +1123,7 @@ def _dot_or_mma(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, split_sum: 
         grid = triton.cdiv(w.n, 32 * MMA4_V)
         split = _auto_split(w, grid, w.device, 4 * MMA4_BS, MMA4_PER_SM)
         return mma_dot.mma(xp, w, MMA4_BS, MMA4_V, split, MMA4_STAGES, part_only=split_sum)
-    return _launch(_dot_kernel, xp, w, cfg, FAST4=None, TILE4=DOT_TILE4, STAGES=cfg.num_stages)
+    return _launch(_dot_kernel, xp, w, cfg, FAST4=None)
 
 
 def gemv_via_mma(w: QuantWeight, m: int, dtype: torch.dtype) -> bool:
@@ -1561,13 +1208,10 @@ def dequant_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[tor
 # --------------------------------------------------------------------------------------------------- dispatch
 GEMV_MAX_M = 4
 DOT_MAX_M = 64
-# Mixed-width matrices on the gemv path split K along their width classes (`gemv_chunked`). Off until measured
-# (benchmarks/kernels.py, "mixed" rows; EXL2_CHUNKED_MIXED=1 turns it on for `exl2 bench`).
-CHUNKED_MIXED = os.environ.get("EXL2_CHUNKED_MIXED", "0") == "1"
 # One launch for the gemvs of q/k/v and of gate/up (`grouped_matmul`): on the H200 q/k/v took 15.4 µs grouped
 # against 22.1 µs as three launches, gate/up the same either way (benchmarks/RESULTS.md, run 8).
 # EXL2_FUSE_SHARED_INPUT=0 turns it off; correct either way (tests compare with the twin).
-FUSE_SHARED_INPUT = os.environ.get("EXL2_FUSE_SHARED_INPUT", "1") == "1"
+FUSE_SHARED_INPUT = env_choice("EXL2_FUSE_SHARED_INPUT", 1, range(0, 2)) == 1
 # Weights reading one input whose input orders are equal (q/k/v and gate/up of exllamav2 files share one act-order
 # permutation) get one x_index tensor at load (`share_input_orders`), so the small-batch path writes and reads one
 # permuted copy for them instead of one each. EXL2_SHARED_INPUT=0 keeps a copy per weight (for A/B runs).
@@ -1577,17 +1221,6 @@ SHARED_INPUT = env_choice("EXL2_SHARED_INPUT", 1, range(0, 2)) == 1
 # program's sum (~1 µs a call predicted, ~+3 % at batch 1). Off until measured on a GPU (session 16 had no device
 # time left for it).
 SPLIT_SUM = env_choice("EXL2_SPLIT_SUM", 0, range(0, 2)) == 1
-# How the gemv keeps loads in flight (MatmulConfig.depth / num_stages); EXL2_GEMV_DEPTH / EXL2_GEMV_STAGES
-# override them for end-to-end A/B runs of `exl2 bench`.
-GEMV_DEPTH = env_choice("EXL2_GEMV_DEPTH", 0, range(0, 3))
-# The tensor-core path's inner loop (EXL2_DOT_TILE4): 0, one dot per row-in-word against input columns selected
-# out of the whole input tile (`_dot_class`); 1, 4/5/6-bit classes decode whole words into one K = 32·bs dot
-# per iteration (`_dot_class_tile`); 2, one dot per row-in-word with its input columns loaded directly
-# (`_dot_class_rows`). 0 by default: on the H200 (benchmarks/RESULTS.md, session 6) batch-16 decode ran 2,114
-# tokens/s with it against 1,479 (1) and 1,418 (2), though 1 and 2 issue a third of its instructions and use
-# 80-88 registers against 224: their scale and input loads were not pipelined. 1 now loads them one iteration
-# ahead (not yet measured).
-DOT_TILE4 = env_choice("EXL2_DOT_TILE4", 0, range(0, 3))
 
 # Up to 16 rows: the Gluon kernel (`mma_dot`), MMA4_BS steps per iteration, 32·MMA4_V columns
 # per program, a ring of MMA4_STAGES iterations, K split to about MMA4_PER_SM programs per SM. EXL2_MMA4=0 keeps
@@ -1604,10 +1237,6 @@ GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM):
 # 4 splits q/k/v 4 ways instead of 2 (9.1 -> 8.2 us on the H200) and leaves gate/up unsplit (session 11).
 GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
-# EXL2_GEMV_STREAM=1: up to 4 rows, the gemvs run as one stream-K launch per input (`gemv_stream`),
-# STREAM_PER_SM programs per SM. Off: on the H200 it lost to the fixed-split kernels on every shape (run 11).
-GEMV_STREAM = env_choice("EXL2_GEMV_STREAM", 0, range(0, 2)) == 1
-STREAM_PER_SM = env_choice("EXL2_STREAM_PER_SM", 2, range(1, 9))
 
 
 def _auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: int, per_sm: int = 2) -> int:
@@ -1630,10 +1259,9 @@ def choose_config(m: int, w: QuantWeight, dtype: torch.dtype = torch.float16) ->
         # Matrices of fewer 128-column tiles than SMs (o, down): 64-column tiles, K split to ~2 programs per SM
         # (o 8.4 → 6.8 µs, down 15.2 → 12.6 µs on the H200, run 13); wide ones (the head) keep 128 columns.
         bn = 64 if triton.cdiv(w.n, 128) < sm_count(w.device) else 128
-        per_sm = 2 if bn == 64 or GEMV_DEPTH != 0 else 1
+        per_sm = 2 if bn == 64 else 1
         split = _auto_split(w, triton.cdiv(w.n, bn) * m, w.device, 8, per_sm)
-        return "gemv", MatmulConfig(bm=1, bs=8, bn=bn, split=split, num_warps=4, num_stages=GEMV_STAGES,
-                                    depth=GEMV_DEPTH)
+        return "gemv", MatmulConfig(bm=1, bs=8, bn=bn, split=split, num_warps=4, num_stages=GEMV_STAGES)
     if m <= DOT_MAX_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         programs = triton.cdiv(w.n, 64) * triton.cdiv(m, bm)
@@ -1669,14 +1297,9 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight, split_sum: bool = False) -
         x[:, idx[keep]] = xp[:, keep]
         return matmul_torch(x, w)
     path, cfg = choose_config(m, w, xp.dtype)
-    plan = stream_gemv([w]) if path == "gemv" else None
-    if plan is not None:
-        return plan(xp)[0]
-    if path == "gemv" and CHUNKED_MIXED and len(w.classes) > 1:
-        return gemv_chunked(None, w, cfg, xp=xp)
     if path != "gemv":
         return _dot_or_mma(xp, w, cfg, split_sum)
-    return _launch(_gemv_kernel, xp, w, cfg, split_sum, FAST4=None, DEPTH=cfg.depth, STAGES=cfg.num_stages)
+    return _launch(_gemv_kernel, xp, w, cfg, split_sum, FAST4=None, STAGES=cfg.num_stages)
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None) -> torch.Tensor:
@@ -1693,10 +1316,7 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     path, cfg = choose_config(x2.shape[0], w, x2.dtype)
-    plan = stream_gemv([w]) if path == "gemv" else None
-    if plan is not None:
-        y = plan(_permuted(x2, w, xp))[0]
-    elif path == "gemv":
+    if path == "gemv":
         y = gemv(x2, w, cfg, xp=xp)
     elif path == "dot":
         y = _dot_or_mma(_permuted(x2, w, xp), w, cfg)
