@@ -114,11 +114,11 @@ def _compile_all() -> dict:
         return "ok" if 0 <= text.find("ld.global") < wait < text.rfind("ld.global") else "no load before the wait"
 
     nptrs = {n: "*fp16" for n in ["x_ptr", "res_ptr", "w_ptr", "out_ptr", "xp_ptr"]}
-    nptrs.update({"cnt_ptr": "*i32", "i0": "*i32", "i1": "*i32", "i2": "*i32", "eps": "fp32", "ro_ptr": "*fp16"})
+    nptrs.update({"i0": "*i32", "i1": "*i32", "i2": "*i32", "eps": "fp32", "ro_ptr": "*fp16"})
     out["norm-gather"] = constants_first(lambda: ptx(norm._norm_gather_kernel, nptrs, dict(
-        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, RES_OUT=True, NPART=0), 16, 1))
+        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, NPART=0), 16, 1))
     out["norm-gather-parts"] = constants_first(lambda: ptx(norm._norm_gather_kernel, dict(nptrs, x_ptr="*fp32"), dict(
-        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, RES_OUT=True, NPART=4), 16, 1))
+        HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, NPART=4), 16, 1))
     consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=True, HAS3=False, HAS2=False, HAS_ZEROS=False,
                   HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=64, RED=4, FAST4=3, STAGES=3, PDL=True,
                   PREFETCH=64, PART_ONLY=True)

@@ -163,8 +163,8 @@ def test_norm_writes_one_copy_per_distinct_order(m):
     res_s = torch.randn_like(x)
     res_a = res_s.clone()
     with force_triton():
-        h, xp = rms_norm_gather(x, w, 1e-5, idx_s, residual=res_s)
-        h2, xp2 = rms_norm_gather(x, w, 1e-5, idx_a, residual=res_a)
+        h, xp, _ = rms_norm_gather(x, w, 1e-5, idx_s, residual=res_s)
+        h2, xp2, _ = rms_norm_gather(x, w, 1e-5, idx_a, residual=res_a)
         assert xp.shape == (m, 2 * K) and xp2.shape == (m, 3 * K)
         assert torch.equal(h, h2) and torch.equal(xp, torch.cat([xp2[:, :K], xp2[:, 2 * K:]], dim=1))
         from_buf = project(h, lin_s, xp)

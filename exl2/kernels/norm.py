@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import counters, next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
+from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 from exl2.kernels.permute import take_columns
 from exl2.kernels.split_sum import SplitSum
 
@@ -56,17 +56,15 @@ def _sum_parts(row_ptr, cols, mask, stride_s, NPART: tl.constexpr):
 
 
 @triton.jit
-def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stride_x, stride_r, stride_o,
-                        stride_xp, eps, i0, o1, i1, o2, i2, TOTAL, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
-                        GEMMA: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                        ro_ptr=None, stride_ro=0, RES_OUT: tl.constexpr = False, stride_xs=0,
-                        NPART: tl.constexpr = 0):
+def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, ro_ptr, D, stride_x, stride_r, stride_o,
+                        stride_xp, stride_ro, eps, i0, o1, i1, o2, i2, TOTAL, HAS_RES: tl.constexpr,
+                        HAS_W: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False, stride_xs=0, NPART: tl.constexpr = 0):
     """RMSNorm of one row spread over 1 + ceil(TOTAL / GBLOCK) programs (grid axis 1), so the permuted copies
     (gathers, one GBLOCK chunk of the concatenated copies per program) run on several SMs at once. Each program
-    reduces the whole row itself (two coalesced loads); program 0 writes the normed row. With a residual, every
-    program reads the old residual, so the new one is written by the program that arrives last at the row's
-    counter, after all reads; with RES_OUT program 0 writes it to a buffer of its own instead (no counter, no
-    tail). NPART > 0: x is that many fp32 partial sums (a K-split matmul's, `SplitSum`), `stride_xs` apart, added
+    reduces the whole row itself (two coalesced loads); program 0 writes the normed row and, with a residual, the
+    new residual into a buffer of its own (`ro_ptr`): every program reads the old one, so writing it in place
+    would need an arrival counter and a last-program store on every launch's tail. NPART > 0: x is that many fp32 partial sums (a K-split matmul's, `SplitSum`), `stride_xs` apart, added
     here. The index vectors and the norm weight, which no kernel writes, are read before the
     PDL wait, so with PDL their latency overlaps the previous kernel's tail and only the row's loads follow it."""
     row = tl.program_id(0).to(tl.int64)
@@ -105,33 +103,24 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, cnt_ptr, D, stri
         if HAS_W:
             y_row = y_row * w_row
         tl.store(out_ptr + row * stride_o + offs, y_row.to(out_ptr.dtype.element_ty), mask=mask)
-        if RES_OUT:
+        if HAS_RES:
             tl.store(ro_ptr + row * stride_ro + offs, s, mask=mask)
     else:
         y_copy = v * rstd
         if HAS_W:
             y_copy = y_copy * w_idx
         tl.store(xp_ptr + row * stride_xp + p, tl.where(ok, y_copy, 0.0).to(xp_ptr.dtype.element_ty), mask=live)
-    if HAS_RES and not RES_OUT:
-        tl.debug_barrier()  # all of this program's residual reads happen before its arrival is counted
-        count = tl.atomic_add(cnt_ptr + row, 1)
-        if count == tl.num_programs(1) - 1:
-            tl.store(r_row + offs, s, mask=mask)
-            tl.atomic_xchg(cnt_ptr + row, 0)
 
 
-_MAX_GATHER_ROWS = 4096  # one arrival counter per row (backend.counters)
-
-
-def rms_norm_gather(x: torch.Tensor | SplitSum, weight: torch.Tensor | None, eps: float, indices, residual=None,
-                    gemma: bool = False, residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rms_norm` (with the residual update if `residual` is given) that also returns the normed rows gathered by
-    each of 1–3 index vectors (`QuantWeight.x_index`: -1 gives 0) side by side, `[rows, Σ len(index)]` — the
-    permuted inputs of the quantized projections that read this norm, without a separate gather launch. Pass
-    each distinct vector once (`runtime.linear.permuted_indices`, laid out as `quant_matmul.input_layout`).
-    With `residual_out` (shaped as `residual`) the sum goes there and `residual` is only read: the kernel then
-    needs no arrival counter to order the residual's reads before its overwrite. `x` may be a `SplitSum` (with a
-    residual): the kernel adds its fp32 partial sums itself, so the matmul that made them skipped its own sum."""
+def rms_norm_gather(x: torch.Tensor | SplitSum, weight: torch.Tensor | None, eps: float, indices,
+                    residual: torch.Tensor | None = None, gemma: bool = False) -> tuple[torch.Tensor, ...]:
+    """`rms_norm` that also returns the normed rows gathered by each of 1–3 index vectors (`QuantWeight.x_index`:
+    -1 gives 0) side by side, `[rows, Σ len(index)]` — the permuted inputs of the quantized projections that read
+    this norm, without a separate gather launch. Pass each distinct vector once (`runtime.linear.permuted_indices`,
+    laid out as `quant_matmul.input_layout`). Returns `(normed, permuted)`, or with `residual`
+    `(norm(x + residual), permuted, x + residual)`: the sum in a new tensor, `residual` only read. `x` may be a
+    `SplitSum` (with a residual): the kernel adds its fp32 partial sums itself, so the matmul that made them
+    skipped its own sum."""
     parts = None
     if isinstance(x, SplitSum):
         if residual is None:
@@ -141,44 +130,37 @@ def rms_norm_gather(x: torch.Tensor | SplitSum, weight: torch.Tensor | None, eps
         else:
             x = x.total(residual.dtype).view(residual.shape)
     _check(x, residual)
-    if residual_out is not None:
-        if residual is None:
-            raise ValueError("residual_out needs a residual to add.")
-        _check(x, residual_out)
     if not 0 < len(indices) <= 3:
         raise ValueError("rms_norm_gather takes one to three index vectors.")
+    new = residual.clone() if residual is not None else None
     if not use_triton(x):
-        if residual_out is not None:
-            residual = residual_out.copy_(residual)
-        out = _norm_torch(x, weight, None, eps, residual, gemma, False)
-        normed = out[0] if residual is not None else out
+        normed = _norm_torch(x, weight, None, eps, new, gemma, False)
+        normed = normed[0] if new is not None else normed
         rows = normed.reshape(-1, normed.shape[-1])
-        return normed, torch.cat([take_columns(rows, idx) for idx in indices], dim=1)
+        xp = torch.cat([take_columns(rows, idx) for idx in indices], dim=1)
+        return (normed, xp, new) if new is not None else (normed, xp)
     d = x.shape[-1]
     x2 = _rows(x) if parts is None else parts[0]
     m = x2.shape[0]
-    if m > _MAX_GATHER_ROWS:
-        raise ValueError(f"rms_norm_gather takes at most {_MAX_GATHER_ROWS} rows.")
     sizes = [int(i.numel()) for i in indices]
     offs = [sum(sizes[:k]) for k in range(len(sizes))] + [sum(sizes)] * (3 - len(sizes))
     ptrs = list(indices) + [indices[-1]] * (3 - len(indices))
     total = sum(sizes)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     xp = torch.empty((m, total), dtype=x.dtype, device=x.device)
-    r2 = residual.view(-1, d) if residual is not None else None  # a view: updated in place
-    ro = residual_out.view(-1, d) if residual_out is not None else None
+    r2 = residual.view(-1, d) if residual is not None else x2
+    ro = torch.empty_like(residual) if residual is not None else None
+    ro2 = ro.view(-1, d) if ro is not None else x2
     if m:
         block, gblock = next_pow2(d), 1024
         _norm_gather_kernel[(m, 1 + triton.cdiv(total, gblock))](
-            x2, r2 if r2 is not None else x2, weight if weight is not None else x2, out, xp,
-            counters(x.device), d, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
-            xp.stride(0), float(eps), ptrs[0], offs[1], ptrs[1], offs[2], ptrs[2], total,
-            HAS_RES=r2 is not None, HAS_W=weight is not None, GEMMA=gemma, BLOCK=block, GBLOCK=gblock,
-            num_warps=min(16, max(4, block // 256)), ro_ptr=ro if ro is not None else x2,
-            stride_ro=ro.stride(0) if ro is not None else 0, RES_OUT=ro is not None,
+            x2, r2, weight if weight is not None else x2, out, xp, ro2, d, x2.stride(0), r2.stride(0),
+            out.stride(0), xp.stride(0), ro2.stride(0), float(eps), ptrs[0], offs[1], ptrs[1],
+            offs[2], ptrs[2], total, HAS_RES=residual is not None, HAS_W=weight is not None, GEMMA=gemma,
+            BLOCK=block, GBLOCK=gblock, num_warps=min(16, max(4, block // 256)),
             stride_xs=parts.stride(0) if parts is not None else 0, NPART=parts.shape[0] if parts is not None else 0,
             **pdl_args(x2.device, x2.shape[0], small=True))
-    return out.view(x.shape), xp
+    return (out.view(x.shape), xp, ro) if ro is not None else (out.view(x.shape), xp)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,8 @@ class RMSNorm(nn.Module):
         the residual before an overwrite)."""
         split = isinstance(delta, SplitSum)  # a matmul's K-split partial sums (`Linear.split_sum`)
         if gather:
-            new = torch.empty_like(residual)
-            normed, xp = rms_norm_gather(delta if split else delta.contiguous(), self.weight, self.eps, gather,
-                                         residual=residual, gemma=bool(self.offset), residual_out=new)
-            return normed, xp, new
+            return rms_norm_gather(delta if split else delta.contiguous(), self.weight, self.eps, gather,
+                                   residual=residual, gemma=bool(self.offset))
         if split:
             delta = delta.total(residual.dtype).view(residual.shape)
         normed, _ = rms_norm(delta.contiguous(), self.weight, self.eps, residual=residual, gemma=bool(self.offset))
