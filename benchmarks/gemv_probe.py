@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exl2.kernels import quant_matmul as qm  # noqa: E402
+from exl2.kernels import permute  # noqa: E402
 from exl2.kernels import qweight  # noqa: E402
 
 SHAPES = {"gate": (4096, 14336, 4), "q": (4096, 4096, 4), "k": (4096, 1024, 4), "down": (14336, 4096, 4),
@@ -37,7 +38,7 @@ def main() -> None:
     if not 1 <= a.rows <= qm.DOT_MAX_M:
         p.error(f"--rows must be 1 to {qm.DOT_MAX_M}")
     x = torch.randn(a.rows, k, dtype=torch.float16, device="cuda")
-    xp = qm.gather_input(x, [w])[0]
+    xp = permute.gather_input(x, [w])[0]
     for _ in range(a.calls):
         qm.permuted_matmul(xp, w)
     torch.cuda.synchronize()

@@ -28,6 +28,12 @@ from exl2.kernels import attention as at  # noqa: E402
 from exl2.kernels import kv_quant as kq  # noqa: E402
 from exl2.kernels import mma_dot  # noqa: E402
 from exl2.kernels import quant_matmul as qm  # noqa: E402
+from exl2.kernels.matmul_launch import MatmulConfig  # noqa: E402
+from exl2.kernels import backend  # noqa: E402
+from exl2.kernels import dequant  # noqa: E402
+from exl2.kernels import dot as dot_k  # noqa: E402
+from exl2.kernels import gemv as gemv_k  # noqa: E402
+from exl2.kernels import permute  # noqa: E402
 from exl2.kernels import qweight  # noqa: E402
 
 SHAPES = [("gate/up 4096→14336", 4096, 14336, 4), ("q/o 4096→4096", 4096, 4096, 4), ("down 14336→4096", 14336, 4096, 4),
@@ -143,7 +149,7 @@ def sweep(copies, x, fn, cfgs, ref, label):
 def matmul_section(bw: float, sweep_on: bool) -> None:
     """Per shape: cuBLAS fp16 and the dispatcher's default at M = 1, 2, 4, 8, 16 (including the input gather),
     the gemv/dot kernels alone on a pre-gathered input, and (--sweep) the best launch parameters."""
-    C = qm.MatmulConfig
+    C = MatmulConfig
     # the loop pipelined by Triton num_stages deep (cp.async)
     gemv_cfgs = [C(bs=bs, bn=128, split=sp, num_warps=nw, num_stages=st)
                  for bs, nw, st in ((8, 4, 2), (8, 4, 3), (8, 4, 4), (4, 4, 4), (16, 4, 3), (16, 8, 3))
@@ -162,7 +168,7 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
         log(f"== {name}: {bits}-bit, {wbytes / 1e6:.1f} MB quantized ({len(copies)} copies), {k * n * 2 / 1e6:.1f} MB fp16")
         for m in (1, 4, 16):
             x = torch.randn(m, k, device="cuda").half()
-            xp = qm.gather_input(x, [w])[0]
+            xp = permute.gather_input(x, [w])[0]
             ref = qweight.matmul_torch(x, w)
             t_cub = graph_us([lambda wd=wd: torch.matmul(x, wd) for wd in fp16])
             row(name, m, "cuBLAS fp16", t_cub, k * n * 2, bw, t_cub)
@@ -170,14 +176,14 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
             t = graph_us([lambda w_=w_: qm.quant_matmul(x, w_) for w_ in copies])
             row(name, m, f"exl2 default ({path}, with gather)", t, wbytes, bw, t_cub,
                 rel_err(qm.quant_matmul(x, w), ref), str(cfg))
-            kern = qm.gemv if path == "gemv" else qm.dot
+            kern = gemv_k.gemv if path == "gemv" else dot_k.dot
             t = graph_us([lambda w_=w_: kern(x, w_, cfg, xp=xp) for w_ in copies])
             row(name, m, f"exl2 {path} kernel alone", t, wbytes, bw, t_cub, rel_err(kern(x, w, cfg, xp=xp), ref),
                 str(cfg))
             if m == 1:
-                t = graph_us([lambda: qm.gather_input(x, [w])])
+                t = graph_us([lambda: permute.gather_input(x, [w])])
                 row(name, m, "gather alone", t, 0, bw)
-            cands = [("gemv", qm.gemv, gemv_cfgs)] if m == 1 else ([("dot", qm.dot, dot_cfgs)] if m == 16 else [])
+            cands = [("gemv", gemv_k.gemv, gemv_cfgs)] if m == 1 else ([("dot", dot_k.dot, dot_cfgs)] if m == 16 else [])
             for label, fn, cfgs in cands:
                 best = sweep(copies, x, lambda x_, w_, c, fn=fn, xp=xp: fn(x_, w_, c, xp=xp), cfgs, ref,
                              f"{name} M={m} {label}")
@@ -188,16 +194,16 @@ def matmul_section(bw: float, sweep_on: bool) -> None:
             t_cub = bench_us(lambda: torch.matmul(x, fp16[0]))
             row(name, 2047, "cuBLAS fp16", t_cub, k * n * 2, bw, t_cub)
             ref = qweight.matmul_torch(x, w)
-            err = rel_err(qm.dequant_matmul(x, w), ref)
-            t = bench_us(lambda: qm.dequant_matmul(x, w))
+            err = rel_err(dequant.dequant_matmul(x, w), ref)
+            t = bench_us(lambda: dequant.dequant_matmul(x, w))
             row(name, 2047, "exl2 dequant+cuBLAS", t, wbytes, bw, t_cub, err)
-            xp = qm.gather_input(x, [w])[0]
+            xp = permute.gather_input(x, [w])[0]
             for cfg in big_cfgs:  # the tensor-core kernel as a fused dequant-GEMM for prefill
                 if over_budget():
                     break
                 try:
-                    err = rel_err(qm.dot(x, w, cfg, xp=xp), ref)
-                    t = bench_us(lambda: qm.dot(x, w, cfg, xp=xp))
+                    err = rel_err(dot_k.dot(x, w, cfg, xp=xp), ref)
+                    t = bench_us(lambda: dot_k.dot(x, w, cfg, xp=xp))
                 except Exception as e:  # noqa: BLE001
                     log(f"  dot M=2047 {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
                     continue
@@ -233,13 +239,13 @@ def group_section(bw: float) -> None:
             refs = [qweight.matmul_torch(x, w) for w in ws]
 
             def separate(s):
-                xps = qm.gather_input(x, s)
+                xps = permute.gather_input(x, s)
                 return [qm.quant_matmul(x, w, xp) for w, xp in zip(s, xps)]
 
-            groups = [qm.GemvGroup(s) for s in sets]
+            groups = [gemv_k.GemvGroup(s) for s in sets]
 
             def grouped(s, g):
-                return g(qm.gather_input(x, s, whole=True))
+                return g(permute.gather_input(x, s, whole=True))
 
             t_sep = graph_us([lambda s=s: separate(s) for s in sets])
             err = max(rel_err(y, r) for y, r in zip(separate(ws), refs))
@@ -263,8 +269,8 @@ def dot16_group_section(bw: float) -> None:
         sets = [ws] + [[clone_weight(w) for w in ws] for _ in range(max(1, -(-COLD_BYTES // wbytes)) - 1)]
         x = torch.randn(16, k, device="cuda").half()
         refs = [qweight.matmul_torch(x, w) for w in ws]
-        bufs = [qm.gather_input(x, s, whole=True) for s in sets]
-        views = [qm.split_permuted(b, s) for b, s in zip(bufs, sets)]
+        bufs = [permute.gather_input(x, s, whole=True) for s in sets]
+        views = [permute.split_permuted(b, s) for b, s in zip(bufs, sets)]
         t_sep = graph_us([lambda s=s, v=v: [qm.permuted_matmul(xp, w) for w, xp in zip(s, v)]
                           for s, v in zip(sets, views)])
         err = max(rel_err(qm.permuted_matmul(xp, w), r) for w, xp, r in zip(ws, views[0], refs))
@@ -281,7 +287,7 @@ def dot16_section(bw: float) -> None:
     weights: the dispatcher's default and the Triton kernel it replaces (EXL2_MMA4=0), then (DOT16_SWEEP) the
     Gluon kernel over steps per iteration, tile width, K split and ring depth, and the Triton kernel over tile
     sizes, pipeline depths, warps and K splits."""
-    C = qm.MatmulConfig
+    C = MatmulConfig
     cfgs = [C(bm=16, bs=bs, bn=bn, split=sp, num_warps=nw, num_stages=st)
             for bs, bn, nw, st in ((4, 64, 4, 4), (4, 64, 4, 2), (4, 64, 4, 3), (2, 64, 4, 4), (8, 64, 4, 3),
                                    (4, 128, 4, 3), (4, 128, 8, 3), (4, 32, 4, 4), (2, 128, 4, 4), (8, 128, 8, 3))
@@ -292,7 +298,7 @@ def dot16_section(bw: float) -> None:
             break
         w, wbytes, copies = cold_weights(k, n, bits, mixed)
         x = torch.randn(16, k, device="cuda").half()
-        xp = qm.gather_input(x, [w])[0]
+        xp = permute.gather_input(x, [w])[0]
         ref = qweight.matmul_torch(x, w)
         path, cfg = qm.choose_config(16, w)
         qm.MMA4 = False
@@ -307,13 +313,13 @@ def dot16_section(bw: float) -> None:
         if mma_dot.supports(w, 16) and os.environ.get("DOT16_SWEEP", "1") == "1":
             grid = {v: triton.cdiv(n, 32 * v) for v in (1, 2, 4)}
             mcfg = [(bs, v, sp, st) for bs in (2, 4, 8) for v in (1, 2, 4) for st in (3, 4) for sp in (1, 2, 4, 8)
-                    if sp == 1 or grid[v] * sp <= 6 * qm.sm_count(w.device)]
+                    if sp == 1 or grid[v] * sp <= 6 * backend.sm_count(w.device)]
             best = sweep(copies, x, lambda x_, w_, c: mma_dot.mma(xp, w_, *c), mcfg, ref, f"{name} M=16 mma")
             if best:
                 row(name, 16, "gluon mma best", best[0], wbytes, bw, None, best[2], f"bs, v, split, stages = {best[1]}")
         # a split only where the tiles alone leave SMs idle
-        cands = [c for c in cfgs if c.split == 1 or triton.cdiv(n, c.bn) < 2 * qm.sm_count(w.device)]
-        best = sweep(copies, x, lambda x_, w_, c: qm.dot(x_, w_, c, xp=xp), cands, ref, f"{name} M=16 dot")
+        cands = [c for c in cfgs if c.split == 1 or triton.cdiv(n, c.bn) < 2 * backend.sm_count(w.device)]
+        best = sweep(copies, x, lambda x_, w_, c: dot_k.dot(x_, w_, c, xp=xp), cands, ref, f"{name} M=16 dot")
         if best:
             row(name, 16, "Triton dot best", best[0], wbytes, bw, None, best[2], str(best[1]))
         del w, copies
@@ -328,7 +334,7 @@ def decode_inputs(k: int, ns, bits: int):
     sets = [ws] + [[clone_weight(w) for w in ws] for _ in range(max(1, -(-COLD_BYTES // wbytes)) - 1)]
     x = torch.randn(1, k, device="cuda").half()
     refs = [qweight.matmul_torch(x, w) for w in ws]
-    return ws, wbytes, sets, x, refs, [qm.gather_input(x, s, whole=True) for s in sets]
+    return ws, wbytes, sets, x, refs, [permute.gather_input(x, s, whole=True) for s in sets]
 
 
 def decode_section(bw: float) -> None:
@@ -341,14 +347,14 @@ def decode_section(bw: float) -> None:
             break
         ws, wbytes, sets, x, refs, bufs = decode_inputs(k, ns, bits)
         if len(ws) > 1:
-            groups = [qm.GemvGroup(s) for s in sets]
+            groups = [gemv_k.GemvGroup(s) for s in sets]
             t = graph_us([lambda g=g, b=b: g(b) for g, b in zip(groups, bufs)])
             err = max(rel_err(y, r) for y, r in zip(groups[0](bufs[0]), refs))
             row(name, 1, "grouped gemv", t, wbytes, bw, None, err)
         else:
             path, cfg = qm.choose_config(1, ws[0])
-            t = graph_us([lambda s=s, b=b: qm.gemv(x, s[0], cfg, xp=b) for s, b in zip(sets, bufs)])
-            row(name, 1, "gemv", t, wbytes, bw, None, rel_err(qm.gemv(x, ws[0], cfg, xp=bufs[0]), refs[0]), str(cfg))
+            t = graph_us([lambda s=s, b=b: gemv_k.gemv(x, s[0], cfg, xp=b) for s, b in zip(sets, bufs)])
+            row(name, 1, "gemv", t, wbytes, bw, None, rel_err(gemv_k.gemv(x, ws[0], cfg, xp=bufs[0]), refs[0]), str(cfg))
         del ws, sets, bufs
         torch.cuda.empty_cache()
 
@@ -356,7 +362,7 @@ def decode_section(bw: float) -> None:
 def tiles_section(bw: float) -> None:
     """M = 1 gemvs of a Llama-3-8B layer with narrower column tiles (64), more warps or more programs per SM than
     the defaults, for the grouped q/k/v and gate/up launches (`GemvGroup`) and the single o and down ones."""
-    C = qm.MatmulConfig
+    C = MatmulConfig
     # session 11: ncu put the default gate gemv at 11 % achieved occupancy (0.5 issued per scheduler and cycle),
     # so this set adds warps per program and programs per SM (session 4's set: 2-8 warps, <= 3 per SM)
     group_cfgs = [dict(bn=bn, bs=bs, num_warps=nw, stages=st, per_sm=ps) for bn, bs, nw, st, ps in
@@ -371,9 +377,9 @@ def tiles_section(bw: float) -> None:
             break
         ws, wbytes, sets, x, refs, bufs = decode_inputs(k, ns, 4)
         if len(ws) > 1:
-            cands = [(str(c), [lambda b, g=qm.GemvGroup(s, **c): g(b) for s in sets]) for c in group_cfgs]
+            cands = [(str(c), [lambda b, g=gemv_k.GemvGroup(s, **c): g(b) for s in sets]) for c in group_cfgs]
         else:
-            cands = [(str(c), [lambda b, w=s[0], c=c: [qm.gemv(x, w, c, xp=b)] for s in sets]) for c in single_cfgs]
+            cands = [(str(c), [lambda b, w=s[0], c=c: [gemv_k.gemv(x, w, c, xp=b)] for s in sets]) for c in single_cfgs]
         best = None
         for label, fns in cands:
             if over_budget():
@@ -412,9 +418,9 @@ def dequant_section(bw: float) -> None:
         def run(cfg):
             bs, bn, nw = cfg
             if len(ws) > 1:
-                qm._dequant_group(out, ws, bs, bn, nw)
+                dequant._dequant_group(out, ws, bs, bn, nw)
             else:
-                qm.dequantize_triton(ws[0], bs, bn, out=out, num_warps=nw)
+                dequant.dequantize_triton(ws[0], bs, bn, out=out, num_warps=nw)
         run(cfgs[0])
         ref = out.clone()
         best = None
@@ -454,11 +460,11 @@ def chunks_section(bw: float) -> None:
             break
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         w = make_weight(k, n, 4)
-        wd = qm.dequantize_triton(w)
+        wd = dequant.dequantize_triton(w)
         flops = 2 * m * k * n
-        t_full = graph_us([lambda: qm.dequant_matmul(x, w)], reps=10)
+        t_full = graph_us([lambda: dequant.dequant_matmul(x, w)], reps=10)
         t_gemm = graph_us([lambda: torch.matmul(x, wd)], reps=10)
-        t_deq = graph_us([lambda: qm.dequantize_triton(w, out=wd)], reps=10)
+        t_deq = graph_us([lambda: dequant.dequantize_triton(w, out=wd)], reps=10)
         log(f"  chunks {name}: engine {t_full:.0f} us, GEMM alone {t_gemm:.0f} us ({flops / t_gemm / 1e6:.0f} TFLOPS), "
             f"dequantize alone {t_deq:.0f} us")
         record(shape=name, path="engine (dequantize all, one GEMM)", c=n, us=t_full, tflops=flops / t_full / 1e6)
@@ -474,12 +480,12 @@ def chunks_section(bw: float) -> None:
 
             def chunked():
                 for p, y in zip(parts, ys):
-                    qm.dequantize_triton(p, out=buf)
+                    dequant.dequantize_triton(p, out=buf)
                     torch.matmul(x, buf, out=y)
 
             def deq_only():
                 for p in parts:
-                    qm.dequantize_triton(p, out=buf)
+                    dequant.dequantize_triton(p, out=buf)
             t = graph_us([chunked], reps=4)
             td = graph_us([deq_only], reps=4)
             log(f"  chunks {name} C={c}: {t:.0f} us ({t_full / t:.2f}x the engine), dequantize only {td:.0f} us")
@@ -509,7 +515,7 @@ def norm_section(bw: float) -> None:
             label = f"rmsnorm + {copies} permuted copies, d={d}"
             t = graph_us([lambda: norm.rms_norm(x, w, 1e-5, residual=res)])
             row(label, m, "norm alone", t, 0, bw)
-            t = graph_us([lambda: qm.gather_input(norm.rms_norm(x, w, 1e-5, residual=res)[0], fake, whole=True)])
+            t = graph_us([lambda: permute.gather_input(norm.rms_norm(x, w, 1e-5, residual=res)[0], fake, whole=True)])
             row(label, m, "norm + gather launch", t, 0, bw)
             t = graph_us([lambda: norm.rms_norm_gather(x, w, 1e-5, idx, residual=res)])
             row(label, m, "rms_norm_gather (one launch)", t, 0, bw)

@@ -152,7 +152,8 @@ def _assert_near(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 def test_fast_4bit_gemv_is_used_and_matches_twin():
     """The packed-fp16 4-bit decoder passes its self-check and matches the twin at a real shape."""
-    from exl2.kernels.quant_matmul import MatmulConfig, fast4_available, gemv
+    from exl2.kernels.gemv import fast4_available, gemv
+    from exl2.kernels.matmul_launch import MatmulConfig
     from exl2.kernels.qweight import matmul_torch
 
     assert fast4_available(torch.device("cuda")) == 3  # the 4-bit and the 6-bit packed decoders
@@ -165,7 +166,8 @@ def test_fast_4bit_gemv_is_used_and_matches_twin():
 def test_fast_6bit_gemv_matches_portable_and_twin(bn, split):
     """The packed-fp16 6-bit decoder (a head-shaped layer, ragged K splits) against the portable decoder and the
     twin."""
-    from exl2.kernels.quant_matmul import MatmulConfig, gemv
+    from exl2.kernels.gemv import gemv
+    from exl2.kernels.matmul_launch import MatmulConfig
     from exl2.kernels.qweight import matmul_torch
 
     w, g = _random_4bit(4096, 8192, 7, bits=6)
@@ -180,7 +182,8 @@ def test_fast_6bit_gemv_matches_portable_and_twin(bn, split):
 def test_fast_4bit_gemv_pipeline_depths_match_twin(stages):
     """The Triton-pipelined word-at-a-time 4-bit decoder, 2 and 4 tiles in flight, with a K split that leaves
     ragged tails."""
-    from exl2.kernels.quant_matmul import MatmulConfig, gemv
+    from exl2.kernels.gemv import gemv
+    from exl2.kernels.matmul_launch import MatmulConfig
     from exl2.kernels.qweight import matmul_torch
 
     w, g = _random_4bit(4096, 4096, 2)
@@ -192,7 +195,8 @@ def test_fast_4bit_gemv_pipeline_depths_match_twin(stages):
 def test_fast_4bit_dot_decodes_exactly_like_the_portable_one():
     """The packed 4-bit decoder of the tensor-core path dequantizes bit-exactly (one rounding, the scale product),
     so with the same tiles and dot order the outputs are identical, and both match the twin."""
-    from exl2.kernels.quant_matmul import MatmulConfig, dot
+    from exl2.kernels.dot import dot
+    from exl2.kernels.matmul_launch import MatmulConfig
     from exl2.kernels.qweight import matmul_torch
 
     w, g = _random_4bit(4096, 4096, 5)
@@ -206,7 +210,8 @@ def test_fast_4bit_dot_decodes_exactly_like_the_portable_one():
 def test_grouped_gemv_real_sizes_match_twin():
     """q/k/v-shaped weights with different width mixes through one `GemvGroup` launch, fast 4-bit path on."""
     from exl2.kernels.exl2_matmul import Exl2Weight
-    from exl2.kernels.quant_matmul import GemvGroup, gather_input
+    from exl2.kernels.gemv import GemvGroup
+    from exl2.kernels.permute import gather_input
     from exl2.kernels.qweight import matmul_torch
 
     layouts = ((4096, [(4, 128)] * 32), (1024, [(6, 128)] * 4 + [(4, 128)] * 28),

@@ -27,7 +27,7 @@ def _compile_all() -> dict:
     from triton.compiler import ASTSource
 
     from exl2.kernels import attention as at
-    from exl2.kernels import quant_matmul as qm
+    from exl2.kernels import gemv as gemv_k
 
     def ptx(fn, ptrs, consts, warps, stages, div=()):
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
@@ -67,7 +67,7 @@ def _compile_all() -> dict:
                       HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=3, STAGES=3, PDL=True,
                       PREFETCH=64, PART_ONLY=False)
         consts[width] = True
-        out[f"gemv-{bn}-{width}"] = verdict(lambda: ptx(qm._gemv_kernel, gptrs, consts, 4, 3))
+        out[f"gemv-{bn}-{width}"] = verdict(lambda: ptx(gemv_k._gemv_kernel, gptrs, consts, 4, 3))
     from exl2.kernels import mma_dot
     mptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
@@ -126,7 +126,7 @@ def _compile_all() -> dict:
     gemv_ptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
     mma_consts = dict(MASK=8, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_ON=True, BS=4, V=2, STAGES=3, POST=True, PDL=True,
                       PART_ONLY=True)
-    for key, make in (("gemv-part-only", lambda: ptx(qm._gemv_kernel, gemv_ptrs, consts, 4, 3)),
+    for key, make in (("gemv-part-only", lambda: ptx(gemv_k._gemv_kernel, gemv_ptrs, consts, 4, 3)),
                       ("mma-part-only", lambda: ptx(mma_dot._mma_kernel, mptrs, mma_consts, 4, 1,
                                                     div=("N", "stride_xm", "stride_om")))):
         try:  # the partials stored, and no arrival counter (atomic) or sum after them
@@ -134,6 +134,15 @@ def _compile_all() -> dict:
             out[key] = "ok" if "st.global" in text and "atom." not in text else "no store, or an atomic left"
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    from exl2.kernels import dot as dot_k
+    for bits in (4, 6):  # the packed 4-bit decoder (inline PTX) and the portable one, into tensor-core dots
+        consts = dict(HAS8=False, HAS6=bits == 6, HAS5=False, HAS4=bits == 4, HAS3=False, HAS2=False,
+                      HAS_ZEROS=False, HAS_BIAS=True, SPLIT_ON=True, BM=16, BS=4, BN=64, RED=4, FAST4=1, PDL=True)
+        try:
+            text = ptx(dot_k._dot_kernel, gemv_ptrs, consts, 4, 4)
+            out[f"dot-{bits}"] = "ok" if "mma.sync" in text and ("lop3" in text) == (bits == 4) else "no mma / lop3"
+        except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
+            out[f"dot-{bits}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     out["glu-gather"] = constants_first(lambda: ptx(act._glu_kernel, {
         "g_ptr": "*fp16", "u_ptr": "*fp16", "o_ptr": "*fp16", "idx_ptr": "*i32"}, dict(
         ACT=0, BLOCK=512, GATHER=True, PDL=True), 4, 1))
@@ -192,6 +201,12 @@ def test_constant_loads_come_before_the_pdl_wait(compiled, kernel):
 @pytest.mark.parametrize("kernel", ["gemv-part-only", "mma-part-only"])
 def test_matmuls_leaving_their_partials_have_no_counter(compiled, kernel):
     assert compiled[kernel] == "ok"
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_triton_tensor_core_kernel_compiles(compiled, bits):
+    """4-bit: the packed decoder's PTX (lop3) feeding mma; 6-bit: the portable decoder."""
+    assert compiled[f"dot-{bits}"] == "ok"
 
 
 @pytest.mark.parametrize("kb,vb,hadamard", ROPE_WRITE)

@@ -12,6 +12,11 @@ from exl2.formats import exl2 as fmt
 from exl2.formats.gptq import dequantize_gptq, pack_gptq
 from exl2.kernels import qweight
 from exl2.kernels import quant_matmul as qm
+from exl2.kernels.matmul_launch import MatmulConfig
+from exl2.kernels import dequant
+from exl2.kernels import dot as dot_k
+from exl2.kernels import gemv as gemv_k
+from exl2.kernels import permute
 from exl2.kernels.backend import INTERPRET, force_triton, triton_usable
 from exl2.kernels.exl2_matmul import Exl2Weight, exl2_matmul
 from exl2.kernels.gptq_matmul import GptqWeight
@@ -115,7 +120,7 @@ def test_triton_dequant_bit_exact():
     t = rand_exl2(MIXED, 64, device=DEV)
     w = Exl2Weight.from_tensors(t, "L", device=DEV)
     with force_triton():
-        d = qm.dequantize_triton(w)
+        d = dequant.dequantize_triton(w)
     assert _bits_equal(d, fmt.dequantize(t, "L"))
 
 
@@ -132,9 +137,9 @@ def test_gemv_matches_twin(m, split):
     w = Exl2Weight.from_tensors(t, "L", device=DEV)
     x = torch.randn(m, w.k, dtype=torch.float16, device=DEV)
     with force_triton():
-        y = qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=split))
-        y2 = qm.gemv(x, w, qm.MatmulConfig(bs=4, bn=64, split=1))
-        y3 = qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=split, num_stages=3))
+        y = gemv_k.gemv(x, w, MatmulConfig(bs=2, bn=32, split=split))
+        y2 = gemv_k.gemv(x, w, MatmulConfig(bs=4, bn=64, split=1))
+        y3 = gemv_k.gemv(x, w, MatmulConfig(bs=2, bn=32, split=split, num_stages=3))
     ref = qweight.matmul_torch(x, w)
     _check_close(y, ref)
     _check_close(y2, ref)
@@ -147,7 +152,7 @@ def test_dot_kernel_matches_twin_with_split_and_bias():
     w = Exl2Weight.from_tensors(t, "L", device=DEV)
     x = torch.randn(5, w.k, dtype=torch.float16, device=DEV)
     with force_triton():
-        y = qm.dot(x, w, qm.MatmulConfig(bm=16, bs=1, bn=32, split=2))
+        y = dot_k.dot(x, w, MatmulConfig(bm=16, bs=1, bn=32, split=2))
     _check_close(y, qweight.matmul_torch(x, w))
 
 
@@ -162,9 +167,9 @@ def test_gptq_kernels_with_act_order():
     x = torch.randn(2, k, dtype=torch.float16, device=DEV)
     ref = qweight.matmul_torch(x, w)
     with force_triton():
-        _check_close(qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=2)), ref)
-        _check_close(qm.dot(x, w, qm.MatmulConfig(bm=16, bs=1, bn=32, split=1)), ref)
-        assert _bits_equal(qm.dequantize_triton(w), dequantize_gptq({k_: v.cpu() for k_, v in t.items()}, "P"))
+        _check_close(gemv_k.gemv(x, w, MatmulConfig(bs=2, bn=32, split=2)), ref)
+        _check_close(dot_k.dot(x, w, MatmulConfig(bm=16, bs=1, bn=32, split=1)), ref)
+        assert _bits_equal(dequant.dequantize_triton(w), dequantize_gptq({k_: v.cpu() for k_, v in t.items()}, "P"))
 
 
 @needs_triton
@@ -176,7 +181,7 @@ def test_golden_layer_through_kernels():
     w = Exl2Weight.from_tensors(tensors, "model.layers.1.mlp.down_proj", device=DEV)  # 8/4/3-bit mix, K=768
     x = torch.randn(1, w.k, dtype=torch.float16, device=DEV)
     with force_triton():
-        y = qm.gemv(x, w, qm.MatmulConfig(bs=8, bn=128, split=2))
+        y = gemv_k.gemv(x, w, MatmulConfig(bs=8, bn=128, split=2))
     _check_close(y, qweight.matmul_torch(x, w))
 
 
@@ -188,7 +193,7 @@ def test_quant_matmul_real_sizes_gpu(m):
     layout = [(6, 128)] * 2 + [(5, 128)] * 4 + [(4, 128)] * 20 + [(3, 128)] * 6
     t = rand_exl2(layout, 4096, seed=m, device="cuda")
     w = Exl2Weight.from_tensors(t, "L", device="cuda")
-    assert _bits_equal(qm.dequantize_triton(w), fmt.dequantize(t, "L"))
+    assert _bits_equal(dequant.dequantize_triton(w), fmt.dequantize(t, "L"))
     x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
     for _ in range(2):  # the second call reuses the split-K counters reset by the first
         _check_close(exl2_matmul(x, w), qweight.matmul_torch(x, w))
@@ -206,7 +211,7 @@ def test_dequant_group_real_sizes_gpu():
         ws = [Exl2Weight.from_tensors(rand_exl2(lay, n, bias=False, seed=seed * 3 + i, device="cuda"), "L",
                                       device="cuda") for i, (lay, n) in enumerate(zip(layouts, ns))]
         x = torch.randn(300, ws[0].k, dtype=torch.float16, device="cuda")
-        for y, w in zip(qm.dequant_matmul_group(x, ws), ws):
+        for y, w in zip(dequant.dequant_matmul_group(x, ws), ws):
             _check_close(y, qweight.matmul_torch(x, w))
 
 
@@ -256,7 +261,7 @@ def test_gluon_mma_matches_twin_gpu(m):
     for w in ws:
         assert mma_dot.supports(w, m)
         x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
-        xp = qm.gather_input(x, [w])[0]
+        xp = permute.gather_input(x, [w])[0]
         ref = qweight.matmul_torch(x, w)
         for bs, v, split, stages in [(4, 2, 1, 3), (2, 1, 3, 2), (8, 4, 5, 4), (4, 4, 2, 6), (1, 2, 1, 3)]:
             for _ in range(2):
@@ -285,8 +290,8 @@ def test_gluon_mma_group_matches_twin_gpu(m):
     for ws in (qkv, gu, mixed):
         x = torch.randn(m, ws[0].k, dtype=torch.float16, device="cuda")
         refs = [qweight.matmul_torch(x, w) for w in ws]
-        buf = qm.gather_input(x, ws, whole=True)
-        offsets = qm.input_layout(ws)[1]
+        buf = permute.gather_input(x, ws, whole=True)
+        offsets = permute.input_layout(ws)[1]
         for splits in (None, [2, 4, 3][:len(ws)]):
             for _ in range(2):
                 for y, ref in zip(mma_dot.mma_group(buf, ws, offsets, 4, 2, splits, 4), refs):
@@ -319,14 +324,14 @@ def test_gather_input_matches_twin_for_several_weights():
     ws = [Exl2Weight.from_tensors(rand_exl2(MIXED, 32, seed=s), "L", device=DEV) for s in range(3)]
     x = torch.randn(3, ws[0].k, device=DEV).half()
     with force_triton():
-        got = qm.gather_input(x, ws)
+        got = permute.gather_input(x, ws)
     for g, w in zip(got, ws):
         ref = qweight.gather_torch(x, w)
         assert torch.equal(g, ref)
         assert (ref[:, w.x_index < 0] == 0).all()
         # and the kernels fed with it agree with feeding them x
         with force_triton():
-            _check_close(qm.gemv(x, w, qm.MatmulConfig(bs=2, bn=32, split=2), xp=g), qweight.matmul_torch(x, w))
+            _check_close(gemv_k.gemv(x, w, MatmulConfig(bs=2, bn=32, split=2), xp=g), qweight.matmul_torch(x, w))
 
 
 @needs_triton
@@ -369,7 +374,7 @@ def test_project_shares_one_gather_and_equals_separate_calls():
 @pytest.mark.parametrize("split", [1, 2])
 def test_gemv_group_equals_separate_gemvs(split, monkeypatch):
     """One launch for 2-3 weights (different widths, sizes, bias or not) equals the twin of each."""
-    monkeypatch.setattr(qm, "_auto_split", lambda w, programs, device, min_steps, per_sm=2: split)
+    monkeypatch.setattr(gemv_k, "auto_split", lambda w, programs, device, min_steps, per_sm=2: split)
     mixes = [MIXED, [(4, 128), (4, 128), (2, 48)], [(8, 32), (6, 64), (4, 128), (2, 80)]]
     ns = [64, 32, 96]
     ws = [Exl2Weight.from_tensors(rand_exl2(mix, n, bias=i != 1, seed=i), "L", device=DEV)
@@ -377,8 +382,8 @@ def test_gemv_group_equals_separate_gemvs(split, monkeypatch):
     for g in (2, 3):
         x = torch.randn(2, ws[0].k, device=DEV).half()
         with force_triton():
-            buf = qm.gather_input(x, ws[:g], whole=True)
-            outs = qm.GemvGroup(ws[:g])(buf, fast4=False)
+            buf = permute.gather_input(x, ws[:g], whole=True)
+            outs = gemv_k.GemvGroup(ws[:g])(buf, fast4=False)
         for w, y in zip(ws[:g], outs):
             assert y.shape == (2, w.n)
             _check_close(y, qweight.matmul_torch(x, w))
@@ -390,7 +395,7 @@ def test_project_uses_the_grouped_gemv_when_enabled(monkeypatch):
 
     monkeypatch.setattr(qm, "FUSE_SHARED_INPUT", True)
     calls = []
-    cls = qm.GemvGroup
+    cls = gemv_k.GemvGroup
     real = cls.__call__
     monkeypatch.setattr(cls, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     ws = [Exl2Weight.from_tensors(rand_exl2(MIXED, 32, seed=s), "L", device=DEV) for s in range(3)]
@@ -409,7 +414,7 @@ def test_dot_with_large_row_tiles_matches_twin():
     w = Exl2Weight.from_tensors(rand_exl2(MIXED, 64, seed=5), "L", device=DEV)
     x = torch.randn(70, w.k, device=DEV).half()
     with force_triton():
-        y = qm.dot(x, w, qm.MatmulConfig(bm=64, bs=1, bn=32, split=2))
+        y = dot_k.dot(x, w, MatmulConfig(bm=64, bs=1, bn=32, split=2))
     _check_close(y, qweight.matmul_torch(x, w))
 
 

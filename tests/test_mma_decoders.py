@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from exl2.kernels import mma_dot, qweight
-from exl2.kernels import quant_matmul as qm
+from exl2.kernels import gemv as gemv_k
 
 
 def _value(tok: str, regs: dict) -> int:
@@ -171,7 +171,7 @@ def test_gemv_step_decoders_give_the_step_dot_product(bits, acc16):
     inputs x (pair i = positions 2i, 2i+1); fp16 sums of 8 (per word) or 16 (per step, EXL2_GEMV_ACC16) products
     per lane bound the error."""
     order, zero = (qweight.PAIR_ORDER, 8) if bits == 4 else (qweight.PAIR_ORDER6, 32)
-    text = qm._words4_asm(acc16) if bits == 4 else qm._ptx_words6(acc16)
+    text = gemv_k._words4_asm(acc16) if bits == 4 else gemv_k._ptx_words6(acc16)
     rng = np.random.default_rng(bits + 2 * acc16)
     for trial in range(6):
         codes = torch.from_numpy(rng.integers(0, 1 << bits, (32, 1), dtype=np.uint8))

@@ -57,6 +57,7 @@ def test_norm_written_permuted_inputs_give_the_same_logits(monkeypatch):
 @pytest.mark.skipif(not triton_usable(), reason="needs Triton (the interpreter on CPU)")
 def test_grouped_gemv_in_the_model_matches(monkeypatch):
     """The whole decoder with q/k/v and gate/up as grouped launches (EXL2_FUSE_SHARED_INPUT) = one launch each."""
+    from exl2.kernels import gemv as gemv_k
     from exl2.kernels import quant_matmul as qm
     from exl2.models.decoder import DecoderModel
     from exl2.models.registry import read_config, spec_from_config
@@ -66,8 +67,8 @@ def test_grouped_gemv_in_the_model_matches(monkeypatch):
     model = DecoderModel(spec, WeightLoader(TensorSource(d), "cpu", torch.float16, use_kernels=True)).eval()
     ids = torch.tensor([[1, 45, 74]])
     launches = []
-    real = qm.GemvGroup.__call__
-    monkeypatch.setattr(qm.GemvGroup, "__call__", lambda self, *a, **k: launches.append(1) or real(self, *a, **k))
+    real = gemv_k.GemvGroup.__call__
+    monkeypatch.setattr(gemv_k.GemvGroup, "__call__", lambda self, *a, **k: launches.append(1) or real(self, *a, **k))
     with torch.no_grad(), force_triton():
         monkeypatch.setattr(qm, "FUSE_SHARED_INPUT", False)
         separate = model(ids)

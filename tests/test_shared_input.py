@@ -6,6 +6,8 @@ import torch
 
 from exl2.kernels import qweight
 from exl2.kernels import quant_matmul as qm
+from exl2.kernels import gemv as gemv_k
+from exl2.kernels import permute
 from exl2.kernels.backend import INTERPRET, force_triton, triton_usable
 from exl2.kernels.norm import rms_norm_gather
 from exl2.runtime.linear import Linear, permuted_indices, project, share_inputs
@@ -50,24 +52,24 @@ def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
 def test_equal_input_orders_are_aliased_and_others_are_not():
     ws = _qkv()
     assert len({id(w.x_index) for w in ws}) == 3
-    assert qm.share_input_orders(ws) == 2
+    assert permute.share_input_orders(ws) == 2
     assert ws[1].x_index is ws[0].x_index and ws[2].x_index is ws[0].x_index
-    assert qm.share_input_orders(ws) == 0  # idempotent
-    unique, offsets, total = qm.input_layout(ws)
+    assert permute.share_input_orders(ws) == 0  # idempotent
+    unique, offsets, total = permute.input_layout(ws)
     assert len(unique) == 1 and offsets == [0, 0, 0] and total == ws[0].x_index.numel()
 
     other = _qkv(perms=(0, 1, 2))
-    assert qm.share_input_orders(other) == 0
+    assert permute.share_input_orders(other) == 0
     assert len({id(w.x_index) for w in other}) == 3
-    assert qm.input_layout(other)[1] == [0, K, 2 * K]
+    assert permute.input_layout(other)[1] == [0, K, 2 * K]
 
     # the same permutation with another width-class layout gives another input order: no aliasing
     layouts = (LAYOUT, LAYOUT, [(4, 128), (4, 128)])
     ws = _qkv(layouts=layouts)
     assert not torch.equal(ws[0].x_index, ws[2].x_index)
-    assert qm.share_input_orders(ws) == 1
+    assert permute.share_input_orders(ws) == 1
     assert ws[1].x_index is ws[0].x_index and ws[2].x_index is not ws[0].x_index
-    assert qm.input_layout(ws)[1:] == ([0, 0, K], 2 * K)
+    assert permute.input_layout(ws)[1:] == ([0, 0, K], 2 * K)
     assert permuted_indices([Linear(w.k, w.n, kernel=w) for w in ws]) == [ws[0].x_index, ws[2].x_index]
 
 
@@ -77,7 +79,7 @@ def test_aliasing_keeps_the_weights_caches_consistent():
     ws = _qkv()
     ws[0]._cache[("group", tuple(map(id, ws)))] = "stale plan"
     inv = ws[1].scatter_index()
-    qm.share_input_orders(ws)
+    permute.share_input_orders(ws)
     assert not any(isinstance(k, tuple) for w in ws for k in w._cache)
     assert torch.equal(ws[1].scatter_index(), inv)
 
@@ -125,15 +127,15 @@ def test_grouped_outputs_with_aliased_orders_equal_separate_copies_and_the_twin(
     """M = 1: one gather + one grouped gemv launch; M = 8: one gather, the tensor-core kernel per weight (what
     runs here). Aliased = separate copies bit for bit, and both = the twin."""
     ws = _qkv(perms=(0, 0, 0) if alias == "all" else (0, 0, 1))
-    qm.share_input_orders(ws)
+    permute.share_input_orders(ws)
     apart = _separate(ws)
-    width = qm.input_layout(ws)[2]
-    assert width == (1 if alias == "all" else 2) * K and qm.input_layout(apart)[2] == 3 * K
+    width = permute.input_layout(ws)[2]
+    assert width == (1 if alias == "all" else 2) * K and permute.input_layout(apart)[2] == 3 * K
     x = torch.randn(m, K, device=DEV).half()
     refs = [qweight.matmul_torch(x, w) for w in ws]
     lin_s, lin_a = [Linear(w.k, w.n, kernel=w) for w in ws], [Linear(w.k, w.n, kernel=w) for w in apart]
     with force_triton():
-        assert qm.gather_input(x, ws, whole=True).shape == (m, width)
+        assert permute.gather_input(x, ws, whole=True).shape == (m, width)
         shared, separate = project(x, lin_s), project(x, lin_a)
         if m == 1:
             grouped = qm.grouped_matmul(x, ws)
@@ -153,7 +155,7 @@ def test_norm_writes_one_copy_per_distinct_order(m):
     """`rms_norm_gather` fed `permuted_indices` writes the unique width, and the projections reading that buffer
     give what separate copies give (kernel and twin)."""
     ws = _qkv(perms=(0, 0, 1))
-    qm.share_input_orders(ws)
+    permute.share_input_orders(ws)
     apart = _separate(ws)
     lin_s, lin_a = [Linear(w.k, w.n, kernel=w) for w in ws], [Linear(w.k, w.n, kernel=w) for w in apart]
     idx_s, idx_a = permuted_indices(lin_s), permuted_indices(lin_a)
@@ -182,16 +184,16 @@ def test_consumers_read_each_weights_copy_at_its_layout_offset():
     """q and k share an order, v has its own: the buffer is [q's copy | v's copy], 2·K wide. Cumulative offsets
     (0, K, 2K) would hand k v's copy and v a copy past the end; every consumer must read (0, 0, K)."""
     ws = _qkv(perms=(0, 0, 1))
-    qm.share_input_orders(ws)
+    permute.share_input_orders(ws)
     x = torch.randn(2, K, device=DEV).half()
     refs = [qweight.matmul_torch(x, w) for w in ws]
     with force_triton():
-        buf = qm.gather_input(x, ws, whole=True)
-        views = qm.split_permuted(buf, ws)
-        per_weight = qm.gather_input(x, ws)
-        outs = qm.GemvGroup(ws)(buf, fast4=False)
+        buf = permute.gather_input(x, ws, whole=True)
+        views = permute.split_permuted(buf, ws)
+        per_weight = permute.gather_input(x, ws)
+        outs = gemv_k.GemvGroup(ws)(buf, fast4=False)
         with pytest.raises(ValueError):  # a buffer in the old layout (one copy per weight) is refused
-            qm.GemvGroup(ws)(torch.cat([qweight.gather_torch(x, w) for w in ws], dim=1), fast4=False)
+            gemv_k.GemvGroup(ws)(torch.cat([qweight.gather_torch(x, w) for w in ws], dim=1), fast4=False)
     assert buf.shape == (2, 2 * K)
     for i, w in enumerate(ws):
         assert torch.equal(views[i], qweight.gather_torch(x, w))
@@ -199,5 +201,5 @@ def test_consumers_read_each_weights_copy_at_its_layout_offset():
         _close(outs[i], refs[i])
     assert views[1].data_ptr() == views[0].data_ptr()
     with pytest.raises(ValueError):
-        qm.split_permuted(torch.cat([buf, buf[:, :K]], dim=1), ws)
+        permute.split_permuted(torch.cat([buf, buf[:, :K]], dim=1), ws)
 

@@ -7,6 +7,8 @@ import torch
 from exl2.formats.safetensors_io import TensorSource
 from exl2.kernels import qweight
 from exl2.kernels import quant_matmul as qm
+from exl2.kernels.split_sum import SplitSum
+from exl2.kernels import permute
 from exl2.kernels.backend import INTERPRET, force_triton, triton_usable
 from exl2.kernels.norm import rms_norm_gather
 from exl2.runtime.weights import WeightLoader
@@ -32,12 +34,12 @@ def _weight(bias: bool) -> qweight.QuantWeight:
 @needs_triton
 def test_gemv_partials_add_up_to_its_output():
     w = _weight(bias=False)
-    xp = qm.gather_input(torch.randn(2, K, device=DEV).half(), [w])[0]
+    xp = permute.gather_input(torch.randn(2, K, device=DEV).half(), [w])[0]
     with force_triton():
         assert qm.choose_config(2, w)[1].split == 2
         plain = qm.permuted_matmul(xp, w)
         split = qm.permuted_matmul(xp, w, split_sum=True)
-    assert isinstance(split, qm.SplitSum) and split.parts.shape == (2, 2, N)
+    assert isinstance(split, SplitSum) and split.parts.shape == (2, 2, N)
     assert split.parts.dtype == torch.float32
     torch.testing.assert_close(split.total(torch.float16), plain, atol=0, rtol=0)  # two fp32 terms: one order
     with force_triton():  # a bias is added by the summing program: such a weight keeps its plain output
@@ -54,11 +56,11 @@ def test_gluon_partials_add_up_to_its_output(m):
     w = _weight(bias=False)
     if not mma_dot.supports(w, m):
         pytest.skip("the Gluon kernel does not take this weight here")
-    xp = qm.gather_input(torch.randn(m, K, device=DEV).half(), [w])[0]
+    xp = permute.gather_input(torch.randn(m, K, device=DEV).half(), [w])[0]
     for split in (2, 3):
         plain = mma_dot.mma(xp, w, 4, 2, split, 3)
         parts = mma_dot.mma(xp, w, 4, 2, split, 3, part_only=True)
-        assert isinstance(parts, qm.SplitSum) and parts.parts.shape == (split, m, N)
+        assert isinstance(parts, SplitSum) and parts.parts.shape == (split, m, N)
         torch.testing.assert_close(parts.total(torch.float16), plain, atol=1e-3 * plain.abs().max().item(), rtol=0)
     assert isinstance(mma_dot.mma(xp, _weight(bias=True), 4, 2, 2, 3, part_only=True), torch.Tensor)
 
@@ -75,8 +77,8 @@ def test_norm_gather_adds_the_partials():
     summed = parts.sum(0).half()
     with force_triton():
         ref_out, ref_xp, _ = rms_norm_gather(summed, w, 1e-5, idx, residual=res.clone())
-        out, xp, new_p = rms_norm_gather(qm.SplitSum(parts, (2,)), w, 1e-5, idx, residual=res.clone())
-    twin_out, twin_xp, _ = rms_norm_gather(qm.SplitSum(parts, (2,)), w, 1e-5, idx, residual=res.clone())
+        out, xp, new_p = rms_norm_gather(SplitSum(parts, (2,)), w, 1e-5, idx, residual=res.clone())
+    twin_out, twin_xp, _ = rms_norm_gather(SplitSum(parts, (2,)), w, 1e-5, idx, residual=res.clone())
     # the kernel adds the partials to the residual in fp32 (one rounding), the reference rounds their sum first
     torch.testing.assert_close(new_p, (parts.sum(0) + res.float()).half(), atol=0, rtol=0)
     for got in (out, twin_out):
@@ -85,7 +87,7 @@ def test_norm_gather_adds_the_partials():
         torch.testing.assert_close(got, ref_xp, atol=4e-3, rtol=0)
     torch.testing.assert_close(xp[:, :d], out[:, idx[0].long()], atol=0, rtol=0)
     with pytest.raises(ValueError, match="residual"):
-        rms_norm_gather(qm.SplitSum(parts, (2,)), w, 1e-5, idx)
+        rms_norm_gather(SplitSum(parts, (2,)), w, 1e-5, idx)
 
 
 @pytest.mark.skipif(not triton_usable(), reason="needs Triton (the interpreter on CPU)")
@@ -102,7 +104,7 @@ def test_decoder_routing_split_sums_keeps_the_logits(monkeypatch):
 
     def counting(xp, w, split_sum=False):
         y = real(xp, w, split_sum)
-        made.append(isinstance(y, qm.SplitSum))
+        made.append(isinstance(y, SplitSum))
         return y
     monkeypatch.setattr("exl2.runtime.linear.permuted_matmul", counting)
     with torch.no_grad(), force_triton():

@@ -14,7 +14,7 @@ exponent trick and one packed subtract (and multiply by the scale): bit-exact wi
 `convert_layout(assert_trivial=True)` proves at compile time that the decoded tile is the fragment. Only the
 input tile goes through shared memory (once per program).
 
-GPU only (Gluon has no interpreter); `quant_matmul` uses it where `supports()` and falls back to `_dot_kernel`.
+GPU only (Gluon has no interpreter); `quant_matmul` uses it where `supports()` and falls back to `dot`.
 """
 from __future__ import annotations
 
@@ -500,7 +500,7 @@ if HAVE_GLUON:
                 res += gl.expand_dims(gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32), 0)
             gl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            # as `quant_matmul._store_out`: publish the partial; the last program of the tile adds them all up
+            # as `matmul_launch.store_tile`: publish the partial; the last program of the tile adds them all up
             p_off = gl.expand_dims(om, 1).to(gl.int64) * N + gl.expand_dims(on, 0)
             gl.store(part_ptr + pid_k * M * N + p_off, res, mask=mask)
             if not PART_ONLY:

@@ -117,7 +117,7 @@ def rms_norm_gather(x: torch.Tensor | SplitSum, weight: torch.Tensor | None, eps
     """`rms_norm` that also returns the normed rows gathered by each of 1–3 index vectors (`QuantWeight.x_index`:
     -1 gives 0) side by side, `[rows, Σ len(index)]` — the permuted inputs of the quantized projections that read
     this norm, without a separate gather launch. Pass each distinct vector once (`runtime.linear.permuted_indices`,
-    laid out as `quant_matmul.input_layout`). Returns `(normed, permuted)`, or with `residual`
+    laid out as `permute.input_layout`). Returns `(normed, permuted)`, or with `residual`
     `(norm(x + residual), permuted, x + residual)`: the sum in a new tensor, `residual` only read. `x` may be a
     `SplitSum` (with a residual): the kernel adds its fp32 partial sums itself, so the matmul that made them
     skipped its own sum."""

@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl2.kernels import quant_matmul as qm
-from exl2.kernels.quant_matmul import (dequant_matmul_group, gather_input, grouped_matmul, input_layout,
-                                       permuted_matmul, quant_matmul, share_input_orders, split_permuted,
-                                       uses_dequant, uses_permuted_input)
+from exl2.kernels.dequant import dequant_matmul_group
+from exl2.kernels.permute import gather_input, input_layout, share_input_orders, split_permuted
+from exl2.kernels.quant_matmul import (grouped_matmul, permuted_matmul, quant_matmul, uses_dequant,
+                                       uses_permuted_input)
 from exl2.kernels.split_sum import SplitSum
 
 

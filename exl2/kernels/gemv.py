@@ -1,0 +1,560 @@
+"""The CUDA-core gemv for 1–4 rows of `x · W + bias`, W a `QuantWeight` (EXL2 or GPTQ): one permuted input row a
+program (`permute.gather_input`), each program owning BN output columns and a 1/SPLIT share of the steps of every
+width class, so each split reads the same mix of widths. The loop is a plain `tl.range` that Triton
+software-pipelines `num_stages` tiles deep through shared memory (cp.async). EXL2 4- and 6-bit classes decode two
+codes per instruction in packed fp16 (inline PTX, behind a one-time self-check, `fast4_available`); the others
+shift, mask and use the 2^23 exponent trick in fp32. `GemvGroup` runs the gemvs of 2–3 weights sharing an input
+(q/k/v, gate/up) as one launch.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync, prefetch_l2,
+                                  tl, triton)
+from exl2.kernels.matmul_launch import (MatmulConfig, auto_split, class_args, launch, pairs_view, store_tile,
+                                        width_mask)
+from exl2.kernels.packed_tiles import PTX_UNPACK4_CONSTANTS, load_class, ptx_unpack4, step_rows, step_scales
+from exl2.kernels.permute import buffer_offsets, gather_input, input_layout, permuted_for
+from exl2.kernels.qweight import QuantWeight, matmul_torch
+from exl2.kernels.split_sum import SplitSum
+
+# Software-pipelining depth of the gemv loop (EXL2_GEMV_STAGES).
+GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
+# K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM):
+# 4 splits q/k/v 4 ways instead of 2 (9.1 -> 8.2 us on the H200) and leaves gate/up unsplit (session 11).
+GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
+
+
+@triton.jit
+def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                offs_n, mask_n, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr = 2):
+    """Partial x·W over this program's share of one width class's steps, for BN columns ([BN] fp32).
+
+    x is the permuted input (`gather_input`). Tiles are [steps, low word j, row-in-word u, columns]; stored row
+    of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`; Triton pipelines the loop STAGES
+    deep."""
+    PER: tl.constexpr = 32 // LB
+    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
+    MAGIC: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
+    jj = tl.arange(0, LB)
+    uu = tl.arange(0, PER)
+    row = jj[:, None] * PER + uu[None, :]  # [LB, PER]
+    if BITS == 4:
+        pos = jj[:, None] * 8 + (uu % 4)[None, :] * 2 + (uu // 4)[None, :]
+    elif BITS == 6:
+        pos = (jj % 2)[:, None] * 16 + 2 * uu[None, :] + (jj // 2)[:, None]
+    else:
+        pos = row
+    lo_sh = (uu * LB)[None, None, :, None]
+    hi_sh = (HB * (row % HPER))[None, :, :, None]
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    acc = tl.zeros([BS, LB, BN], dtype=tl.float32)
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
+        w, h, sc, z = load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
+                                  mask_n, BITS, LB, HB, HAS_ZEROS, BS)
+        offs_s = s0 + tl.arange(0, BS)
+        code = (w[:, :, None, :] >> lo_sh) & ((1 << LB) - 1)
+        if HB > 0:
+            code = code | (((h[:, :, None, :] >> hi_sh) & ((1 << HB) - 1)) << LB)
+        xv = tl.load(x_ptr + offs_s[:, None, None] * 32 + pos[None, :, :], mask=(offs_s < s_hi)[:, None, None],
+                     other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        else:
+            cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC
+        t = tl.sum(xv[:, :, :, None] * cf, axis=2)
+        if HAS_ZEROS:
+            t = t - tl.sum(xv, axis=2)[:, :, None] * z.to(tl.float32)
+        acc += t * sc.to(tl.float32)
+    return tl.sum(tl.sum(acc, axis=1), axis=0)
+
+
+# The packed gemv decoders sum a whole step (32 products, two fp16x2 chains of 16) before converting to fp32,
+# instead of every word (8): 12 of a 4-bit step's 68 instructions fewer, and the gemv is instruction-bound (H200,
+# batch 1: 392 -> 415 tok/s at ctx 2048, benchmarks/RESULTS.md session 11). exllamav2's kernels sum at least as
+# long in fp16. EXL2_GEMV_ACC16=0 restores the per-word sums.
+GEMV_ACC16 = env_choice("EXL2_GEMV_ACC16", 1, range(0, 2)) == 1
+
+
+def _ptx_add_f32(acc: str, first: bool) -> list[str]:
+    """PTX adding both fp16 lanes of `acc` into the fp32 sum r (`first`: r is set instead)."""
+    lines = [f"mov.b32 {{lo, hi}}, {acc};", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;"]
+    return lines + (["add.f32 r, flo, fhi;"] if first else ["add.f32 r, r, flo;", "add.f32 r, r, fhi;"])
+
+
+def _ptx_close(acc16: bool, a: str, b: str) -> list[str]:
+    """The end of a packed step decoder: with whole-step fp16 sums the two chains a and b added and converted
+    into r; then r is the result."""
+    tail = [f"add.rn.f16x2 {a}, {a}, {b};"] + _ptx_add_f32(a, True) if acc16 else []
+    return tail + ["mov.f32 $0, r;", "}"]
+
+
+def _words4_asm(acc16: bool) -> str:
+    """The 4-bit step decoder: $1-$4 the words, $5-$20 the input pairs (4 per word), $0 the fp32 sum."""
+    lines = ["{", ".reg .b32 q0, q1, q2, q3, s, a, b, z, c, d;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;",
+             PTX_UNPACK4_CONSTANTS, "mov.f32 r, 0f00000000;"]
+    for j in range(4):
+        acc = ("a" if j < 2 else "b") if acc16 else "a"
+        first = j % 2 == 0 if acc16 else True
+        lines.append(ptx_unpack4(f"${1 + j}"))
+        lines.append(f"mul.rn.f16x2 {acc}, q0, ${5 + 4 * j};" if first
+                     else f"fma.rn.f16x2 {acc}, q0, ${5 + 4 * j}, {acc};")
+        lines += [f"fma.rn.f16x2 {acc}, q{i}, ${5 + 4 * j + i}, {acc};" for i in (1, 2, 3)]
+        if not acc16:
+            lines += _ptx_add_f32("a", False)
+    return "\n".join(lines + _ptx_close(acc16, "a", "b"))
+
+
+_WORDS4_ASM = tl.constexpr(_words4_asm(GEMV_ACC16))
+_WORDS4_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 20))
+
+
+@triton.jit
+def _by_word(t):
+    """[BS, 2, 2] indexed (j // 2, j % 2) -> its four [BS, 1] slices for j = 0..3 (words, or quarters of a step's
+    input pairs)."""
+    even, odd = tl.split(t)
+    j0, j2 = tl.split(even)
+    j1, j3 = tl.split(odd)
+    return j0[:, None], j1[:, None], j2[:, None], j3[:, None]
+
+
+@triton.jit
+def _step_pairs(x32_ptr, offs_s, mask_s):
+    """Each step's 16 input pairs (int32 4j + k: word j, codes k and k+4), split by k: four [BS, 2, 2] tensors
+    for `_by_word`."""
+    BS: tl.constexpr = offs_s.shape[0]
+    xw = tl.load(x32_ptr + offs_s[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_s[:, None], other=0)
+    k_even, k_odd = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # axes: step, j // 2, j % 2, k // 2, k % 2
+    k0, k2 = tl.split(k_even)
+    k1, k3 = tl.split(k_odd)
+    return k0, k1, k2, k3
+
+
+@triton.jit
+def step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n):
+    """A 4-bit class's four words [BS, BN] of the steps offs_s (zeros past the masks) and their scales."""
+    w_ptrs, m2 = step_rows(qw_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n, 4)
+    w0, w1 = tl.load(w_ptrs, mask=m2, other=0), tl.load(w_ptrs + N, mask=m2, other=0)
+    w2, w3 = tl.load(w_ptrs + 2 * N, mask=m2, other=0), tl.load(w_ptrs + 3 * N, mask=m2, other=0)
+    return w0, w1, w2, w3, step_scales(sc_ptr, sg_ptr, N, offs_s, mask_s, offs_n, m2)
+
+
+@triton.jit
+def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                      offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+    """`_gemv_class` for a 4-bit class without zero tensors (EXL2), with packed fp16x2 arithmetic: x32 is the
+    permuted fp16 input read as int32 pairs; a step's four words per asm call, each scale loaded once; Triton
+    pipelines the loop STAGES deep."""
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    acc = tl.zeros([BS, BN], dtype=tl.float32)
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
+        offs_s = s0 + tl.arange(0, BS)
+        mask_s = offs_s < s_hi
+        w0, w1, w2, w3, sc = step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_s, offs_n,
+                                         mask_n)
+        k0, k1, k2, k3 = _step_pairs(x32_ptr, offs_s, mask_s)
+        x00, x10, x20, x30 = _by_word(k0)
+        x01, x11, x21, x31 = _by_word(k1)
+        x02, x12, x22, x32 = _by_word(k2)
+        x03, x13, x23, x33 = _by_word(k3)
+        part = tl.inline_asm_elementwise(
+            _WORDS4_ASM, _WORDS4_CONSTRAINTS,
+            [w0, w1, w2, w3, x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33],
+            dtype=tl.float32, is_pure=True, pack=1)
+        acc += part * sc.to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
+# 6-bit classes: the permuted input pairs rows r and r + 16 (`PAIR_ORDER6`), which sit at the same bits of low
+# words j and j + 2 and of high words 0 and 1. One prmt per byte of a low-word pair puts both rows' nibbles in the
+# two fp16 lanes (the odd row of the byte comes out 16x, as in the 4-bit decoder), one prmt per byte of the high
+# words does the same for the top two bits, a shift and a lop3 merge them under the exponent of 1024, and one
+# packed subtraction (or fma) removes 1024 + 32. ~3 instructions per weight instead of ~10.
+def _ptx_words6(acc16: bool = False) -> str:
+    lines = ["{", ".reg .b32 a, b, c, t, acc, acc2, z, q, d;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;",
+             "mov.b32 z, 0x64206420;", "mov.b32 q, 0x2C002C00;", "mov.b32 d, 0xD600D600;", "mov.f32 r, 0f00000000;"]
+    for jp in range(2):
+        for k in range(4):
+            lines.append(f"prmt.b32 a, ${1 + jp}, ${3 + jp}, {((4 + k) << 8) | k:#x};")
+            if k % 2 == 0:
+                byte = 2 * jp + k // 2
+                lines.append(f"prmt.b32 b, $5, $6, {((4 + byte) << 8) | byte:#x};")
+            for e in range(2):
+                pair = 8 * jp + 2 * k + e
+                lo_mask, hi_mask = ("0x000F000F", "0x00300030") if e == 0 else ("0x00F000F0", "0x03000300")
+                shift = (4 if e == 0 else 6) - 4 * (k % 2)
+                lines.append(f"lop3.b32 t, a, {lo_mask}, 0x64006400, 0xEA;")
+                lines.append(f"shl.b32 c, b, {shift};")
+                lines.append(f"lop3.b32 t, c, {hi_mask}, t, 0xEA;")
+                lines.append("sub.f16x2 t, t, z;" if e == 0 else "fma.rn.f16x2 t, t, q, d;")
+                run = 8 if acc16 else 4  # products summed in fp16 before the conversion
+                acc = "acc2" if acc16 and pair >= 8 else "acc"
+                if pair % run == 0:
+                    lines.append(f"mul.rn.f16x2 {acc}, t, ${7 + pair};")
+                else:
+                    lines.append(f"fma.rn.f16x2 {acc}, t, ${7 + pair}, {acc};")
+                if pair % 4 == 3 and not acc16:
+                    lines += _ptx_add_f32("acc", False)
+    return "\n".join(lines + _ptx_close(acc16, "acc", "acc2"))
+
+
+_WORDS6_ASM = tl.constexpr(_ptx_words6(GEMV_ACC16))
+_WORDS6_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 22))
+
+
+@triton.jit
+def _gemv_class6_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                      offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+    """`_gemv_class4_pipe` for a 6-bit class without zero tensors (EXL2): a step's six words and 16 input pairs
+    per asm call."""
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    acc = tl.zeros([BS, BN], dtype=tl.float32)
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
+        offs_s = s0 + tl.arange(0, BS)
+        mask_s = offs_s < s_hi
+        w_ptrs, m2 = step_rows(qw_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n, 6)
+        w0, w1 = tl.load(w_ptrs, mask=m2, other=0), tl.load(w_ptrs + N, mask=m2, other=0)
+        w2, w3 = tl.load(w_ptrs + 2 * N, mask=m2, other=0), tl.load(w_ptrs + 3 * N, mask=m2, other=0)
+        h0, h1 = tl.load(w_ptrs + 4 * N, mask=m2, other=0), tl.load(w_ptrs + 5 * N, mask=m2, other=0)
+        sc = step_scales(sc_ptr, sg_ptr, N, offs_s, mask_s, offs_n, m2)
+        xw = tl.load(x32_ptr + offs_s[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_s[:, None], other=0)
+        d0, d1 = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # pair p = 8a + 4b + 2c + d
+        c0d0, c1d0 = tl.split(d0)
+        c0d1, c1d1 = tl.split(d1)
+        x0, x4, x8, x12 = _by_word(c0d0)
+        x1, x5, x9, x13 = _by_word(c0d1)
+        x2, x6, x10, x14 = _by_word(c1d0)
+        x3, x7, x11, x15 = _by_word(c1d1)
+        part = tl.inline_asm_elementwise(
+            _WORDS6_ASM, _WORDS6_CONSTRAINTS,
+            [w0, w1, w2, w3, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
+            dtype=tl.float32, is_pure=True, pack=1)
+        acc += part * sc.to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, offs_n,
+                mask_n, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                FAST4: tl.constexpr, STAGES: tl.constexpr):
+    """One width class's partial sums: the packed-fp16 decoder for EXL2 4-bit, the portable one otherwise (field
+    widths as in `qweight.split_bits`). x32r is the permuted input row read as int32 pairs."""
+    LB: tl.constexpr = 2 if BITS <= 3 else (8 if BITS == 8 else 4)
+    if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
+        return _gemv_class4_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                                 offs_n, mask_n, BS, BN, STAGES)
+    elif BITS == 6 and (FAST4 & 2) != 0 and not HAS_ZEROS:
+        return _gemv_class6_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                                 offs_n, mask_n, BS, BN, STAGES)
+    else:
+        return _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                           offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN, min(STAGES, 2))
+
+
+@triton.jit
+def _prefetch_class(qw_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, col0, BITS: tl.constexpr,
+                    BN: tl.constexpr, ROWS: tl.constexpr):
+    """L2 prefetch of the first ROWS word rows of this program's share of one width class (its BN columns)."""
+    s_lo = first_step + (n_steps * pid_k) // SPLIT
+    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    w_lo = first_word + (s_lo - first_step) * BITS
+    w_hi = first_word + (s_hi - first_step) * BITS
+    rows = w_lo + tl.arange(0, ROWS)
+    LINES: tl.constexpr = BN // 32 if BN >= 32 else 1
+    cols = col0 + tl.arange(0, LINES) * 32  # one address per 128-byte line
+    ok = (rows < w_hi)[:, None] & (cols < N)[None, :]
+    off = tl.where(ok, rows[:, None].to(tl.int64) * N + cols[None, :], 0)
+    prefetch_l2(qw_ptr + off)
+
+
+@triton.jit
+def _prefetch_widths(qw_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3,
+                     fs2, ns2, fw2, pid_k, SPLIT, col0, MASK: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr):
+    """`_prefetch_class` for each width class in MASK (classes of no steps prefetch nothing)."""
+    if (MASK & 32) != 0:
+        _prefetch_class(qw_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, col0, 8, BN, ROWS)
+    if (MASK & 16) != 0:
+        _prefetch_class(qw_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, col0, 6, BN, ROWS)
+    if (MASK & 8) != 0:
+        _prefetch_class(qw_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, col0, 5, BN, ROWS)
+    if (MASK & 4) != 0:
+        _prefetch_class(qw_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, col0, 4, BN, ROWS)
+    if (MASK & 2) != 0:
+        _prefetch_class(qw_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, col0, 3, BN, ROWS)
+    if (MASK & 1) != 0:
+        _prefetch_class(qw_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, col0, 2, BN, ROWS)
+
+
+@triton.jit
+def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
+                 fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
+                 MASK: tl.constexpr, SKIP_EMPTY: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr):
+    """Sum of `_gemv_width` over the width classes in MASK (`width_mask`); with SKIP_EMPTY a class of 0 steps is
+    also skipped at run time (kernels whose class table is runtime data)."""
+    HAS8: tl.constexpr = (MASK & 32) != 0
+    HAS6: tl.constexpr = (MASK & 16) != 0
+    HAS5: tl.constexpr = (MASK & 8) != 0
+    HAS4: tl.constexpr = (MASK & 4) != 0
+    HAS3: tl.constexpr = (MASK & 2) != 0
+    HAS2: tl.constexpr = (MASK & 1) != 0
+    res = tl.zeros([BN], dtype=tl.float32)
+    if HAS8 and (not SKIP_EMPTY or ns8 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n, mask_n,
+                           8, HAS_ZEROS, BS, BN, FAST4, STAGES)
+    if HAS6 and (not SKIP_EMPTY or ns6 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n, mask_n,
+                           6, HAS_ZEROS, BS, BN, FAST4, STAGES)
+    if HAS5 and (not SKIP_EMPTY or ns5 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n, mask_n,
+                           5, HAS_ZEROS, BS, BN, FAST4, STAGES)
+    if HAS4 and (not SKIP_EMPTY or ns4 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n,
+                           4, HAS_ZEROS, BS, BN, FAST4, STAGES)
+    if HAS3 and (not SKIP_EMPTY or ns3 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n, mask_n,
+                           3, HAS_ZEROS, BS, BN, FAST4, STAGES)
+    if HAS2 and (not SKIP_EMPTY or ns2 > 0):
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
+                           2, HAS_ZEROS, BS, BN, FAST4, STAGES)
+    return res
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr,
+                 M, N, stride_xm, stride_om, SPLIT,
+                 fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2,
+                 HAS8: tl.constexpr, HAS6: tl.constexpr, HAS5: tl.constexpr, HAS4: tl.constexpr,
+                 HAS3: tl.constexpr, HAS2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                 RED: tl.constexpr, FAST4: tl.constexpr = False, STAGES: tl.constexpr = 2,
+                 PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                 PART_ONLY: tl.constexpr = False):
+    """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
+    L2. With PDL the first PREFETCH word rows of each class are requested before waiting for the input.
+    PART_ONLY: split K, every program leaves its partial sum (`SplitSum`) and none adds them."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    if PDL:
+        if PREFETCH > 0:
+            _prefetch_widths(qw_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3,
+                             fs2, ns2, fw2, pid_k, SPLIT, pid_n * BN,
+                             HAS8 * 32 + HAS6 * 16 + HAS5 * 8 + HAS4 * 4 + HAS3 * 2 + HAS2, BN, PREFETCH)
+        pdl_sync()
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    xr = x_ptr + pid_m.to(tl.int64) * stride_xm
+    x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2)
+    res = _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
+                       fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
+                       HAS8 * 32 + HAS6 * 16 + HAS5 * 8 + HAS4 * 4 + HAS3 * 2 + HAS2, False, HAS_ZEROS, BS, BN,
+                       FAST4, STAGES)
+    offs_m = pid_m + tl.arange(0, 1)
+    store_tile(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
+               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED, PART_ONLY)
+
+
+@triton.jit
+def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pid_m, out_ptr, bias_ptr, qw_ptr,
+                  sc_ptr, zr_ptr, sg_ptr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr,
+                  STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """One program of `_gemv_group_kernel` for the matrix whose metadata row is `meta` (see `GemvGroup`): the
+    classes of the widths in MASK are runtime branches, so one compiled kernel serves every mix of them. The
+    metadata and the weights are not written by the previous kernel, so they are read (and, PREFETCH rows of
+    each class, prefetched) before waiting for it."""
+    N = tl.multiple_of(tl.load(meta + 18), 16)  # GemvGroup only takes N % 16 == 0: keeps loads vectorized
+    tiles = tl.load(meta + 19)
+    split = tl.load(meta + 20)
+    local = pid - tl.load(meta + 21)
+    pid_n = local % tiles
+    pid_k = local // tiles
+    if PDL:
+        if PREFETCH > 0:
+            _prefetch_widths(qw_ptr, N, tl.load(meta + 0), tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3),
+                             tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6), tl.load(meta + 7),
+                             tl.load(meta + 8), tl.load(meta + 9), tl.load(meta + 10), tl.load(meta + 11),
+                             tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14), tl.load(meta + 15),
+                             tl.load(meta + 16), tl.load(meta + 17), pid_k, split, pid_n * BN, MASK, BN, PREFETCH)
+        pdl_sync()
+    xoff = tl.multiple_of(tl.load(meta + 23), 32)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    xr = x_ptr + pid_m.to(tl.int64) * stride_xm + xoff
+    x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2) + xoff // 2
+    res = _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, tl.load(meta + 0), tl.load(meta + 1),
+                       tl.load(meta + 2), tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6),
+                       tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9), tl.load(meta + 10),
+                       tl.load(meta + 11), tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14),
+                       tl.load(meta + 15), tl.load(meta + 16), tl.load(meta + 17), pid_k, split, offs_n, mask_n,
+                       MASK, True, HAS_ZEROS, BS, BN, FAST4, STAGES)
+    offs_m = pid_m + tl.arange(0, 1)
+    tile = tl.load(meta + 22) + pid_m * tiles + pid_n
+    part = part_ptr + tl.multiple_of(tl.load(meta + 24), 16).to(tl.int64)
+    if split > 1:
+        store_tile(res[None, :], offs_m, offs_n, M, N, out_ptr, N, part, cnt_ptr, bias_ptr, tile, pid_k, split,
+                   HAS_BIAS, True, RED)
+    else:
+        store_tile(res[None, :], offs_m, offs_n, M, N, out_ptr, N, part, cnt_ptr, bias_ptr, tile, pid_k, split,
+                   HAS_BIAS, False, RED)
+
+
+@triton.jit
+def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M,
+                       out0, bias0, qw0, sc0, zr0, sg0, out1, bias1, qw1, sc1, zr1, sg1,
+                       out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                       B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                       RED: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr = 2,
+                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+    """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
+    over every (matrix, column tile, K split) program, axis 2 over the input rows."""
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(2)
+    if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
+        _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 25, part_ptr, cnt_ptr, M, pid, pid_m, out2, bias2,
+                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
+    elif G > 1 and pid >= tl.load(meta_ptr + 25 + 21):
+        _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 25, part_ptr, cnt_ptr, M, pid, pid_m, out1, bias1,
+                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
+    else:
+        _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
+                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
+
+
+def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
+         xp: torch.Tensor | None = None) -> torch.Tensor:
+    """CUDA-core path (small M); x `[M, K]` with a contiguous last dim (or its permuted form `xp` from
+    `gather_input`). `fast4` selects the packed-fp16 4-bit decoder (inline PTX; None: use it where the one-time
+    self-check passed)."""
+    return permuted_gemv(permuted_for(x, w, xp), w, cfg, fast4)
+
+
+def permuted_gemv(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | int | None = None,
+                  part_only: bool = False) -> torch.Tensor | SplitSum:
+    """`gemv` on the permuted input xp; `part_only`: where K is split, the partial sums as a `SplitSum`."""
+    fast4 = fast4_available(xp.device) if fast4 is None else fast4
+    return launch(_gemv_kernel, xp, w, cfg, fast4, part_only=part_only, prefetch=PREFETCH_ROWS,
+                  STAGES=cfg.num_stages)
+
+
+class GemvGroup:
+    """Launch plan of `_gemv_group_kernel` for 2–3 weights sharing an input: per matrix a 25-int metadata row —
+    (first step, steps, first word) of the 8/6/5/4/3/2-bit classes, N, column tiles, K split, first program,
+    first counter tile, offset of its permuted input, offset of its split-K partials (per input row count M)."""
+
+    MAX = 3
+
+    def __init__(self, ws: Sequence[QuantWeight], bn: int = 64, bs: int = 8, stages: int | None = None,
+                 per_sm: int | None = None, num_warps: int = 4):
+        """Defaults from the H200 sweeps (benchmarks/RESULTS.md, session 4 run 13 and session 11): 64-column tiles
+        (q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns), K split up to `GROUP_PER_SM`
+        programs per SM."""
+        if not self.accepts(ws):
+            raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
+                             "outputs a multiple of 16 wide.")
+        self.ws = list(ws)
+        self.BN, self.BS, self.num_warps = bn, bs, num_warps
+        self.stages = GEMV_STAGES if stages is None else stages
+        self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
+        self.mask = width_mask(self.ws)
+        self._plans: dict[int, tuple] = {}
+
+    @classmethod
+    def accepts(cls, ws: Sequence[QuantWeight]) -> bool:
+        return (1 < len(ws) <= cls.MAX and len({w.k for w in ws}) == 1 and len({w.zeros is None for w in ws}) == 1
+                and all(w.n % 16 == 0 for w in ws))
+
+    def plan(self, m: int, device: torch.device) -> tuple[torch.Tensor, int, int, int]:
+        """(metadata, programs, partial floats, RED) for m input rows, cached per m."""
+        cached = self._plans.get(m)
+        if cached is not None:
+            return cached
+        tiles = [triton.cdiv(w.n, self.BN) for w in self.ws]
+        total = sum(tiles) * m
+        rows, start, tile_base, part = [], 0, 0, 0
+        max_split = 1
+        for w, t, xoff in zip(self.ws, tiles, input_layout(self.ws)[1]):
+            split = auto_split(w, total, w.device, 8, self.per_sm)
+            cls, _ = class_args(w)
+            rows.append(cls + [w.n, t, split, start, tile_base, xoff, part])
+            start += t * split
+            tile_base += t * m
+            part += split * m * w.n if split > 1 else 0
+            max_split = max(max_split, split)
+        meta = torch.tensor(rows, dtype=torch.int32, device=device).contiguous()
+        red = min(next_pow2(max_split), max(1, 8192 // self.BN))
+        self._plans[m] = (meta, start, part, red)
+        return self._plans[m]
+
+    def __call__(self, xp: torch.Tensor, fast4: bool | None = None) -> list[torch.Tensor]:
+        """Outputs `[M, N_i]` for the permuted inputs `xp` `[M, total]` laid out by `input_layout` (the buffer
+        `gather_input` returns its views of)."""
+        buffer_offsets(xp, self.ws)
+        m = xp.shape[0]
+        outs = [torch.empty((m, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
+        if m == 0:
+            return outs
+        meta, programs, part_n, red = self.plan(m, xp.device)
+        fast4, x32 = pairs_view(xp, fast4_available(xp.device) if fast4 is None else fast4)
+        part = torch.empty(max(1, part_n), dtype=torch.float32, device=xp.device)
+        args = []
+        for i in range(self.MAX):
+            w = self.ws[min(i, len(self.ws) - 1)]
+            out = outs[min(i, len(self.ws) - 1)]
+            args += [out, w.bias if w.bias is not None else w.scales, w.qweight, w.scales,
+                     w.zeros if w.zeros is not None else w.scales, w.step_group]
+        has_bias = [w.bias is not None for w in self.ws] + [False] * (self.MAX - len(self.ws))
+        _gemv_group_kernel[(programs, 1, m)](
+            xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
+            G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
+            B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4,
+            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages,
+            **pdl_args(xp.device, m, prefetch=PREFETCH_ROWS))
+        return outs
+
+
+_FAST4: dict[torch.device, int] = {}
+
+
+def _packed_check(device: torch.device, bits: int, flag: int) -> bool:
+    """Whether the packed decoder of `bits`-bit classes compiles and agrees with the twin on a small random layer."""
+    from exl2.kernels.qweight import build
+
+    g = torch.Generator(device=device).manual_seed(bits)
+    k, n = 512, 256
+    codes = torch.randint(0, 1 << bits, (k, n), device=device, dtype=torch.uint8, generator=g)
+    scales = (torch.rand(k // 128, n, device=device, generator=g) * 0.01 + 0.001).half()
+    perm = torch.randperm(k, device=device, generator=g)
+    w = build(codes, [(bits, 128)] * (k // 128), scales, None, perm)
+    x = torch.randn(1, k, device=device, dtype=torch.float16, generator=g)
+    ref = matmul_torch(x, w).float()
+    got = permuted_gemv(gather_input(x, [w])[0], w, MatmulConfig(bs=4, bn=128, split=2), flag).float()
+    return bool(torch.allclose(got, ref, atol=2e-3 * ref.abs().max().item() + 1e-4, rtol=0))
+
+
+def fast4_available(device: torch.device) -> int:
+    """The packed decoders (inline PTX) that compile and agree with the twin on this device, as the kernels'
+    FAST4 mask (1: 4-bit, 2: 6-bit; checked once each, on a small random layer); the others use the portable
+    decoder."""
+    if device.type != "cuda" or triton.__class__.__name__ == "_Stub":
+        return 0
+    ok = _FAST4.get(device)
+    if ok is None:
+        _FAST4[device] = 0  # in case the check itself recurses or fails
+        ok = 0
+        for bits, flag in ((4, 1), (6, 2)):
+            try:
+                ok |= flag if _packed_check(device, bits, flag) else 0
+            except Exception:  # noqa: BLE001 - any compile/launch failure means "use the portable path"
+                pass
+        _FAST4[device] = ok
+    return ok
