@@ -15,7 +15,9 @@
 # decode-graph capture, and pinned to HOSTVAR_PIN when set).
 # Session steps: s17b (breakdowns at bs 1 and 16, then the bench over S17B_SPECS), s17c / s17d (PDL at batch 8/16),
 # q4attn (attention + merge at batch 1, ctx 2048 over splits x tiles, q4 and fp16, then fp16/q4 benches three times),
-# s18 (the next session's first call: the golden GPU tests with split sums, EXL2_SPLIT_SUM A/B twice, then q4attn).
+# s18 (the next session's first call): every GPU test (session 17 moved the matmul kernels into modules and removed
+# rejected variants without a GPU), the split-sum and shared-input tests on CUDA, then the default bench. s19 (the
+# second): the EXL2_SPLIT_SUM A/B twice, then q4attn.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -75,11 +77,11 @@ for s in $steps; do
             --ctx 2048 --mode $mode > "$OUT/attn_split_$mode.txt" 2>&1; echo "split sweep $mode rc=$?"
             sort -t'|' -k12 -n "$OUT/attn_split_$mode.txt" | grep -E "^\| 1 " | head -5; done
           AB_SPECS=";; " TAG=_q4 BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
-  s18) timeout -s INT -k 10 ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu tests/test_gpu_e2e.py -k "golden" -q -n 8 \
-         -p no:cacheprovider -rfE > "$OUT/gpu_golden.txt" 2>&1; echo "golden tests (split sums too) rc=$?"; tail -n 3 "$OUT/gpu_golden.txt"
-       timeout 80 python3 -m pytest tests/test_split_sum.py -k "partials" -q -p no:cacheprovider -rfE > "$OUT/gpu_split.txt" 2>&1
-       echo "split-sum kernel tests (cuda) rc=$?"; tail -n 2 "$OUT/gpu_split.txt"
-       AB_SPECS="EXL2_SPLIT_SUM=0;EXL2_SPLIT_SUM=1;EXL2_SPLIT_SUM=0;EXL2_SPLIT_SUM=1" TAG=_split \
+  s18) TEST_TIMEOUT=${TEST_TIMEOUT:-330} bash "$0" tests
+       timeout 100 python3 -m pytest tests/test_split_sum.py tests/test_shared_input.py -q -p no:cacheprovider -rfE \
+         > "$OUT/gpu_split_shared.txt" 2>&1; echo "split-sum and shared-input tests (cuda) rc=$?"; tail -n 2 "$OUT/gpu_split_shared.txt"
+       timeout 150 python3 -m exl2.cli.main bench > "$OUT/bench_s18.txt" 2>&1; echo "bench rc=$?"; tail -9 "$OUT/bench_s18.txt" ;;
+  s19) AB_SPECS="EXL2_SPLIT_SUM=0;EXL2_SPLIT_SUM=1;EXL2_SPLIT_SUM=0;EXL2_SPLIT_SUM=1" TAG=_split \
          BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 64" bash "$0" envab
        bash "$0" q4attn ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
