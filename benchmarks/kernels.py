@@ -354,7 +354,8 @@ def decode_section(bw: float) -> None:
         else:
             path, cfg = qm.choose_config(1, ws[0])
             t = graph_us([lambda s=s, b=b: gemv_k.gemv(x, s[0], cfg, xp=b) for s, b in zip(sets, bufs)])
-            row(name, 1, "gemv", t, wbytes, bw, None, rel_err(gemv_k.gemv(x, ws[0], cfg, xp=bufs[0]), refs[0]), str(cfg))
+            err = rel_err(gemv_k.gemv(x, ws[0], cfg, xp=bufs[0]), refs[0])
+            row(name, 1, "gemv", t, wbytes, bw, None, err, str(cfg))
         del ws, sets, bufs
         torch.cuda.empty_cache()
 

@@ -639,7 +639,8 @@ def mma(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: in
         post: bool | None = None, part_only: bool = False) -> torch.Tensor | SplitSum:
     """`xp · W + bias` for xp `[M ≤ 16, S·32]` fp16, the input permuted for w (`gather_input`). bs steps of 32 rows
     per iteration, 32·v columns per program, K split `split` ways, a ring of `stages` iterations in shared memory;
-    `post` scales after the mma (None: where `groups_align` and w has no zeros). `part_only` (split > 1, no bias): the split's partial sums as a `SplitSum`, not added."""
+    `post` scales after the mma (None: where `groups_align` and w has no zeros). `part_only` (split > 1, no bias):
+    the split's partial sums as a `SplitSum`, not added."""
     part_only = part_only and split > 1 and w.bias is None
     out, part, bias, zeros, post = _operands(xp, w, split, bs, post)
     mask, steps = class_steps(w)

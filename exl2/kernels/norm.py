@@ -64,9 +64,10 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, ro_ptr, D, strid
     (gathers, one GBLOCK chunk of the concatenated copies per program) run on several SMs at once. Each program
     reduces the whole row itself (two coalesced loads); program 0 writes the normed row and, with a residual, the
     new residual into a buffer of its own (`ro_ptr`): every program reads the old one, so writing it in place
-    would need an arrival counter and a last-program store on every launch's tail. NPART > 0: x is that many fp32 partial sums (a K-split matmul's, `SplitSum`), `stride_xs` apart, added
-    here. The index vectors and the norm weight, which no kernel writes, are read before the
-    PDL wait, so with PDL their latency overlaps the previous kernel's tail and only the row's loads follow it."""
+    would need an arrival counter and a last-program store on every launch's tail. NPART > 0: x is that many fp32
+    partial sums (a K-split matmul's, `SplitSum`), `stride_xs` apart, added here. The index vectors and the norm
+    weight, which no kernel writes, are read before the PDL wait, so with PDL their latency overlaps the previous
+    kernel's tail and only the row's loads follow it."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -132,8 +133,8 @@ def rms_norm_gather(x: torch.Tensor | SplitSum, weight: torch.Tensor | None, eps
     _check(x, residual)
     if not 0 < len(indices) <= 3:
         raise ValueError("rms_norm_gather takes one to three index vectors.")
-    new = residual.clone() if residual is not None else None
     if not use_triton(x):
+        new = residual.clone() if residual is not None else None  # the twin sums into it in place
         normed = _norm_torch(x, weight, None, eps, new, gemma, False)
         normed = normed[0] if new is not None else normed
         rows = normed.reshape(-1, normed.shape[-1])

@@ -138,6 +138,7 @@ def split_permuted(buf: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.T
 
 
 def permuted_for(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None) -> torch.Tensor:
+    """x `[M, K]` permuted for w: `xp` when the caller already has it (checked against w), else one gather."""
     if xp is None:
         return gather_input(x, [w])[0]
     if xp.shape != (x.shape[0], w.x_index.numel()) or xp.stride(-1) != 1:
