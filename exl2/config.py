@@ -63,3 +63,22 @@ class SamplingSettings(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+class ServerConfig(BaseModel):
+    """The OpenAI-compatible HTTP server (`exl2 serve`) and the MCP server's HTTP transport (`exl2 mcp`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(5000, ge=0, le=65535)
+    api_keys: tuple[str, ...] = ()           # empty: no authentication
+    model_name: Optional[str] = None         # the id /v1/models reports; default: the model directory's name
+    max_tokens: int = Field(1024, ge=1)      # completion length when a request names none
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v):
+        if any(not k.strip() for k in v):
+            raise ValueError("api_keys must not contain empty keys")
+        return v

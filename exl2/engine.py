@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import AsyncIterator, Iterator, Optional, Sequence
 
 from exl2.config import EngineConfig, SamplingSettings
@@ -21,6 +22,10 @@ class Engine:
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
         self.generator = Generator(self.model, self.tokenizer, min(config.max_seq_len, self.model.spec.max_position),
                                    config.kv_cache_mode)
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.config.model_dir).name
 
     def generate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = ()) -> GenerationResult:
@@ -52,3 +57,16 @@ class Engine:
             if chunk is sentinel:
                 return
             yield chunk
+
+    async def aevents(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
+                      max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None
+                      ) -> AsyncIterator[tuple[str, Optional[GenerationResult]]]:
+        """Yield (new text, None) as tokens arrive, then ("", result) with the token ids, finish reason and prompt
+        length. Chat prompts from `chat_prompt` pass add_bos=False (the template writes its own BOS)."""
+        it = self.generator.stream(prompt, settings, max_new_tokens, stop_strings, add_bos)
+        sentinel = object()
+        while True:
+            event = await asyncio.to_thread(next, it, sentinel)
+            if event is sentinel:
+                return
+            yield event
