@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 KV_CACHE_MODES = ("fp16", "q8", "q6", "q4", "q3", "q2")
 # exllamav2's integer cache codes: 0 = 16-bit, 1 = 8-bit, 2 = 4-bit, 3 = 2-bit.
@@ -23,6 +23,13 @@ class EngineConfig(BaseModel):
     flash_attention_enabled: bool = True
     device: Optional[str] = None
     max_batch_size: int = Field(16, ge=1, le=256)
+    cache_size: Optional[int] = Field(None, ge=512)   # tokens of KV cache all requests share; default max_seq_len
+
+    @model_validator(mode="after")
+    def _cache_size(self):
+        if self.cache_size is not None and self.cache_size < self.max_seq_len:
+            raise ValueError(f"cache_size ({self.cache_size}) must be at least max_seq_len ({self.max_seq_len})")
+        return self
 
     @field_validator("gpu_split")
     @classmethod

@@ -7,21 +7,27 @@ from typing import AsyncIterator, Iterator, Optional, Sequence
 
 from exl2.config import EngineConfig, SamplingSettings
 from exl2.generation.chat import ChatTemplate
+from exl2.generation.dynamic import DynamicGenerator
 from exl2.generation.generator import GenerationResult, Generator
 from exl2.generation.tokenizer import Tokenizer
+from exl2.generation.worker import BatchWorker
 from exl2.runtime.loader import load_model
 
 
 class Engine:
-    """A loaded model with its tokenizer and chat template."""
+    """A loaded model with its tokenizer and chat template. Calls from any number of threads or async tasks run
+    concurrently as one batch (a worker thread drives the dynamic generator)."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model = load_model(config.model_dir, config.device)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
-        self.generator = Generator(self.model, self.tokenizer, min(config.max_seq_len, self.model.spec.max_position),
-                                   config.kv_cache_mode)
+        max_seq_len = min(config.max_seq_len, self.model.spec.max_position)
+        self.dynamic = DynamicGenerator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode,
+                                        cache_tokens=config.cache_size, max_batch=config.max_batch_size)
+        self.worker = BatchWorker(self.dynamic)
+        self.generator = Generator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode, self.worker)
 
     @property
     def model_name(self) -> str:
@@ -44,29 +50,37 @@ class Engine:
              ) -> GenerationResult:
         return self.generator.generate(self.chat_prompt(messages), settings, max_new_tokens, add_bos=False)
 
+    def generate_batch(self, prompts: Sequence[str], settings: Optional[SamplingSettings] = None,
+                       max_new_tokens: int = 256, stop_strings: Sequence[str] = ()) -> list[GenerationResult]:
+        """Several prompts decoded together; results in prompt order."""
+        return self.worker.run_all([self.generator.job(p, settings, max_new_tokens, stop_strings) for p in prompts])
+
     async def agenerate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                         stop_strings: Sequence[str] = ()) -> GenerationResult:
-        return await asyncio.to_thread(self.generate, prompt, settings, max_new_tokens, stop_strings)
+        result = None
+        async for _, r in self.aevents(prompt, settings, max_new_tokens, stop_strings):
+            result = r or result
+        return result
 
     async def astream(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                       stop_strings: Sequence[str] = ()) -> AsyncIterator[str]:
-        it = self.stream(prompt, settings, max_new_tokens, stop_strings)
-        sentinel = object()
-        while True:
-            chunk = await asyncio.to_thread(next, it, sentinel)
-            if chunk is sentinel:
-                return
-            yield chunk
+        async for text, _ in self.aevents(prompt, settings, max_new_tokens, stop_strings):
+            if text:
+                yield text
 
     async def aevents(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
                       max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None
                       ) -> AsyncIterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) as tokens arrive, then ("", result) with the token ids, finish reason and prompt
-        length. Chat prompts from `chat_prompt` pass add_bos=False (the template writes its own BOS)."""
-        it = self.generator.stream(prompt, settings, max_new_tokens, stop_strings, add_bos)
-        sentinel = object()
-        while True:
-            event = await asyncio.to_thread(next, it, sentinel)
-            if event is sentinel:
-                return
-            yield event
+        length. Chat prompts from `chat_prompt` pass add_bos=False (the template writes its own BOS). Closing the
+        iterator early cancels the request."""
+        job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos)
+        events = self.worker.astream(job)
+        try:
+            async for event in events:
+                if event.text:
+                    yield event.text, None
+                if event.result is not None:
+                    yield "", event.result
+        finally:
+            await events.aclose()

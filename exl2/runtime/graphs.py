@@ -76,11 +76,16 @@ class DecodeGraphs:
         return graph, ids, pos, bt, out
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor,
-             max_len: int | None = None) -> torch.Tensor:
+             max_len: int | None = None, lazy: bool = False) -> torch.Tensor:
         """Logits [B, V] for one new token per sequence (ids [B, 1], positions [B], block table [B, pages]).
         `max_len`, the longest sequence's length including this token when the caller knows it on the host,
-        picks the one-split graph for short batches."""
+        picks the one-split graph for short batches. `lazy` captures the graph of the fitting batch size the first
+        time it is needed (a server sees few of them; capturing all costs start-up time and memory)."""
         b = ids.shape[0]
+        if lazy and self.enabled:
+            size = next((s for s in self.batch_sizes if s >= b), None)
+            if size is not None and size not in self.graphs:
+                self.capture([size])
         fit = next((s for s in self.batch_sizes if s >= b and s in self.graphs), None)
         if fit is None:
             with torch.inference_mode():

@@ -1,0 +1,237 @@
+"""Continuous batching: jobs share one paged KV cache, join and leave between steps, and decode together.
+
+Each `iterate()` admits queued jobs while the batch and the cache have room (a job reserves the pages of its
+whole prompt and completion up front, so a running job never waits for memory), prefills up to `chunk` prompt
+tokens (a long prompt takes several steps, so the running jobs keep decoding meanwhile), then runs one decode
+step for every job past its prompt: a single batched forward, a CUDA graph on the GPU. Prompts that start with
+pages already in the cache reuse them (runtime.page_pool).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from exl2.config import SamplingSettings
+from exl2.errors import ContextLengthError
+from exl2.generation.output import GenerationResult, Reply
+from exl2.generation.sampler import make_generator, sample
+from exl2.generation.tokenizer import Tokenizer
+from exl2.models.decoder import DecoderModel
+from exl2.runtime.graphs import DecodeGraphs
+from exl2.runtime.page_pool import PagePool, page_key
+from exl2.runtime.paged_cache import PagedKVCache
+
+_ids = itertools.count()
+
+
+class Job:
+    """One request: a prompt's token ids, how to sample and when to stop. The generator fills in the rest."""
+
+    def __init__(self, ids: Sequence[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
+                 stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = ()):
+        self.id = next(_ids)
+        self.ids = list(ids)
+        self.settings = settings or SamplingSettings()
+        self.max_new_tokens = max_new_tokens
+        self.stop_strings, self.stop_token_ids = tuple(stop_strings), tuple(stop_token_ids)
+        self.cached_tokens = 0           # prompt tokens found in the cache, not computed again
+        self.done = False
+        self.cancelled = False
+        # set on admission
+        self.tokens: list[int] = []      # prompt + sampled tokens (what repetition penalties look at)
+        self.pages: list[int] = []
+        self.length = 0                  # tokens written to the cache
+        self.pending: Optional[int] = None   # sampled, not yet fed back
+        self.reply: Optional[Reply] = None
+        self.generator: Optional[torch.Generator] = None
+        self.key: Optional[bytes] = None     # prefix key of the last full page published
+        self.published = 0
+
+    def __repr__(self) -> str:
+        return f"Job({self.id}, {len(self.ids)} prompt tokens, {'done' if self.done else 'running'})"
+
+
+@dataclass
+class Event:
+    """New text of a job; `result` is set on its last event."""
+
+    job: Job
+    text: str
+    result: Optional[GenerationResult] = None
+
+
+class DynamicGenerator:
+    """`cache_tokens` (at least max_seq_len) sizes the cache all jobs share; `max_batch` bounds the decode batch."""
+
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: int, cache_mode: str = "fp16",
+                 cache_tokens: Optional[int] = None, max_batch: int = 16, page_size: int = 256, chunk: int = 2048,
+                 use_graphs: bool = True):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_seq_len, self.max_batch, self.chunk, self.page_size = max_seq_len, max_batch, chunk, page_size
+        self.pages_per_seq = -(-max_seq_len // page_size)
+        num_pages = max(-(-(cache_tokens or 0) // page_size), self.pages_per_seq)
+        self.pool = PagePool(num_pages, page_size)
+        self.scratch = num_pages  # one spare page: where padded rows of a decode graph write
+        self.cache = PagedKVCache(model.spec, num_pages + 1, page_size, cache_mode, model.device, model.dtype)
+        model.prepare_rope(self.pages_per_seq * page_size)
+        self.graphs = None
+        if use_graphs and model.device.type == "cuda" and _graph_safe(model):
+            sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch) + (max_batch,)
+            self.graphs = DecodeGraphs(model, self.cache, self.pages_per_seq, batch_sizes=sizes,
+                                       scratch_page=self.scratch)
+        self.queue: deque[Job] = deque()
+        self.active: list[Job] = []
+
+    # ---- jobs ----------------------------------------------------------------------------------------------
+
+    def enqueue(self, job: Job) -> Job:
+        """Queue a job; raises ContextLengthError when its prompt does not fit the context."""
+        if not job.ids:
+            job.ids = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else [0]
+        if len(job.ids) >= self.max_seq_len:
+            raise ContextLengthError(
+                f"The prompt is {len(job.ids)} tokens long but the context holds {self.max_seq_len} tokens.")
+        job.max_new_tokens = max(1, min(job.max_new_tokens, self.max_seq_len - len(job.ids)))
+        self.queue.append(job)
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job now; its pages go back to the pool (those holding a full prefix stay cached)."""
+        job.cancelled = True
+        if job in self.queue:
+            self.queue.remove(job)
+            job.done = True
+        elif job in self.active:
+            self._finish(job)
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.active)
+
+    def _pages_needed(self, job: Job) -> int:
+        # The last sampled token is never fed back, so it takes no cache slot.
+        return -(-(len(job.ids) + job.max_new_tokens - 1) // self.page_size)
+
+    def _admit(self) -> None:
+        while self.queue and len(self.active) < self.max_batch:
+            job = self.queue[0]
+            shared, key = self.pool.match(job.ids, (len(job.ids) - 1) // self.page_size)
+            idle_shared = sum(1 for p in shared if self.pool.refs[p] == 0)
+            new = self._pages_needed(job) - len(shared)
+            if new > self.pool.available() - idle_shared:  # wait for running jobs to free pages
+                return
+            self.queue.popleft()
+            job.pages = self.pool.acquire(shared, new)
+            job.length = job.cached_tokens = len(shared) * self.page_size
+            job.key, job.published = key, len(shared)
+            job.tokens = list(job.ids)
+            job.reply = Reply(self.tokenizer, job.stop_strings, job.stop_token_ids)
+            job.generator = make_generator(job.settings.seed, self.model.device)
+            self.active.append(job)
+
+    def _table(self, jobs: list[Job]) -> torch.Tensor:
+        rows = [j.pages + [self.scratch] * (self.pages_per_seq - len(j.pages)) for j in jobs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.model.device)
+
+    def _publish(self, job: Job) -> None:
+        """Offer each page the job has filled to later prompts."""
+        while (job.published + 1) * self.page_size <= job.length:
+            i = job.published
+            job.key = page_key(job.key, job.tokens[i * self.page_size:(i + 1) * self.page_size])
+            self.pool.publish(job.pages[i], job.key)
+            job.published += 1
+
+    def _finish(self, job: Job) -> None:
+        job.done = True
+        self.active.remove(job)
+        self.pool.release(job.pages)
+        job.pages = []
+
+    # ---- one step ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def iterate(self) -> list[Event]:
+        """Admit, prefill a chunk, decode one token for every running job; the events of this step."""
+        events: list[Event] = []
+        self._admit()
+        budget = self.chunk
+        for job in [j for j in self.active if j.pending is None]:
+            if budget <= 0:
+                break
+            n = min(budget, len(job.ids) - job.length)
+            part = torch.tensor([job.ids[job.length:job.length + n]], dtype=torch.long, device=self.model.device)
+            self.cache.bind(self._table([job])[:, :len(job.pages)])
+            logits = self.model(part, self.cache, job.length, last_only=True)[:, -1]
+            job.length += n
+            budget -= n
+            self._publish(job)
+            if job.length == len(job.ids):
+                self._accept([job], logits, events)
+        running = [j for j in self.active if j.pending is not None]
+        if running:
+            ids = torch.tensor([[j.pending] for j in running], dtype=torch.long, device=self.model.device)
+            pos = torch.tensor([j.length for j in running], dtype=torch.long, device=self.model.device)
+            table = self._table(running)
+            if self.graphs is not None:
+                logits = self.graphs.step(ids, pos, table, max_len=max(j.length for j in running) + 1, lazy=True)
+            else:
+                self.cache.bind(table)
+                logits = self.model(ids, self.cache, pos, last_only=True)[:, -1]
+            for j in running:
+                j.length += 1
+                self._publish(j)
+            self._accept(running, logits, events)
+        return events
+
+    def _accept(self, jobs: list[Job], logits: torch.Tensor, events: list[Event]) -> None:
+        """Sample one token for each job (row of `logits`), stream its text, end the jobs that are done."""
+        logits = logits.float()
+        picks = []
+        for i, job in enumerate(jobs):
+            picks.append(sample(logits[i:i + 1], job.settings, job.generator, [job.tokens]))
+        for job, token in zip(jobs, torch.cat(picks).tolist()):
+            text = job.reply.push(token)
+            job.tokens.append(token)
+            job.pending = token
+            if job.reply.finish_reason is None and len(job.reply.ids) >= job.max_new_tokens:
+                text += job.reply.close("length")
+            if job.reply.finish_reason is not None:
+                self._finish(job)
+                events.append(Event(job, text, job.reply.result(len(job.ids))))
+            elif text:
+                events.append(Event(job, text))
+
+    # ---- conveniences --------------------------------------------------------------------------------------
+
+    def stream(self, job: Job) -> Iterator[Event]:
+        """Run one job (and whatever else is queued) to its end, yielding its events."""
+        self.enqueue(job)
+        try:
+            while not job.done:
+                for event in self.iterate():
+                    if event.job is job:
+                        yield event
+        finally:
+            if not job.done:
+                self.cancel(job)
+
+    def generate(self, jobs: Sequence[Job]) -> list[GenerationResult]:
+        """Run several jobs together to their ends; their results in order."""
+        results: dict[int, GenerationResult] = {}
+        for job in jobs:
+            self.enqueue(job)
+        while any(not j.done for j in jobs):
+            for event in self.iterate():
+                if event.result is not None:
+                    results[event.job.id] = event.result
+        return [results[j.id] for j in jobs]
+
+
+def _graph_safe(model: DecoderModel) -> bool:
+    """MoE routing and Llama 4 chunked attention read values on the host: those models decode eagerly."""
+    s = model.spec
+    return not any(l.moe or l.chunk_size for l in s.layers) and s.rope.static and \
+        (s.local_rope is None or s.local_rope.static)

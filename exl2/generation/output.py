@@ -1,0 +1,91 @@
+"""What a sequence's sampled tokens become: streamed text with stop tokens and stop strings applied, and the
+final result."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from exl2.generation.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"          # "stop" (EOS or stop string) or "length"
+    prompt_tokens: int = 0
+
+
+class StopMatcher:
+    """Holds back streamed text that might be the start of a stop string."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Reply:
+    """One sequence's output: tokens in, text safe to show out (a possible stop string's start is held back)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.stop_ids = set(tokenizer.eos_ids) | set(stop_token_ids)
+        self.stop_strings = [s for s in stop_strings if s]
+        self.decoder = tokenizer.stream_decoder()
+        self.matcher = StopMatcher(self.stop_strings)
+        self.ids: list[int] = []
+        self.finish_reason: Optional[str] = None   # set once the reply is over: "stop" or "length"
+        self._hit = False
+
+    def push(self, token: int) -> str:
+        """Add a sampled token; returns the new text. A stop token or stop string ends the reply."""
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return self._tail()
+        self.ids.append(token)
+        text, self._hit = self.matcher.push(self.decoder.push(token))
+        if self._hit:
+            self.finish_reason = "stop"
+        return text
+
+    def close(self, reason: str = "length") -> str:
+        """End the reply (if a stop did not) and return the text still held back."""
+        if self.finish_reason is not None:
+            return ""
+        self.finish_reason = reason
+        return self._tail()
+
+    def _tail(self) -> str:
+        if self._hit:
+            return ""
+        tail, _ = self.matcher.push(self.decoder.flush())
+        return tail + self.matcher.flush()
+
+    def result(self, prompt_tokens: int) -> GenerationResult:
+        text = self.tokenizer.decode(self.ids)
+        for s in self.stop_strings:
+            if s in text:
+                text = text[: text.index(s)]
+        return GenerationResult(text, list(self.ids), self.finish_reason or "length", prompt_tokens)

@@ -1,0 +1,137 @@
+"""The dynamic generator on a thread of its own, so that requests from any thread or event loop join one batch.
+
+Callers submit jobs and read their events from a queue; the thread admits new jobs and cancellations between
+steps (the generator itself is not thread-safe) and sleeps while there is nothing to do.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator, Callable, Iterator, Union
+
+from exl2.generation.dynamic import DynamicGenerator, Event, Job
+from exl2.generation.output import GenerationResult
+
+Sink = Callable[[Union[Event, BaseException]], None]
+
+
+class BatchWorker:
+    def __init__(self, generator: DynamicGenerator):
+        self.generator = generator
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[int, Sink] = {}
+        self._thread: threading.Thread | None = None
+        self._start = threading.Lock()
+
+    def submit(self, job: Job, sink: Sink) -> None:
+        """Queue `job`; `sink` receives its events, or the exception that ended it, on the worker thread."""
+        with self._start:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="exl2-generator", daemon=True)
+                self._thread.start()
+        self._inbox.put(("add", job, sink))
+
+    def cancel(self, job: Job) -> None:
+        self._inbox.put(("cancel", job, None))
+
+    def _take(self, block: bool) -> None:
+        while True:
+            try:
+                op, job, sink = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if op == "add":
+                try:
+                    self.generator.enqueue(job)
+                    self._sinks[job.id] = sink
+                except Exception as e:  # a prompt that does not fit: only this job fails
+                    _deliver(sink, e)
+            elif not job.done:
+                self.generator.cancel(job)
+                self._sinks.pop(job.id, None)
+
+    def _run(self) -> None:
+        while True:
+            self._take(block=not self.generator.has_work())
+            if not self.generator.has_work():
+                continue
+            try:
+                events = self.generator.iterate()
+            except Exception as e:  # e.g. out of GPU memory: end every job in flight with the error, keep serving
+                for job in list(self.generator.active) + list(self.generator.queue):
+                    self.generator.cancel(job)
+                    sink = self._sinks.pop(job.id, None)
+                    if sink is not None:
+                        _deliver(sink, e)
+                continue
+            for event in events:
+                sink = self._sinks.get(event.job.id)
+                if sink is None:
+                    continue
+                if event.result is not None:
+                    del self._sinks[event.job.id]
+                _deliver(sink, event)
+
+    def stream(self, job: Job) -> Iterator[Event]:
+        """The job's events, on the calling thread; leaving early cancels it."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self.submit(job, q.put)
+        finished = False
+        try:
+            while not finished:
+                item = q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.result is not None
+                yield item
+        finally:
+            if not finished:
+                self.cancel(job)
+
+    def run_all(self, jobs: list[Job]) -> list[GenerationResult]:
+        """Run jobs together to their ends, on the calling thread; results in order. An error cancels the rest."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        for job in jobs:
+            self.submit(job, q.put)
+        results: dict[int, GenerationResult] = {}
+        try:
+            while len(results) < len(jobs):
+                item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.result is not None:
+                    results[item.job.id] = item.result
+        finally:
+            for job in jobs:
+                if job.id not in results:
+                    self.cancel(job)
+        return [results[j.id] for j in jobs]
+
+    async def astream(self, job: Job) -> AsyncIterator[Event]:
+        """The job's events in the running event loop; closing the iterator early cancels the job."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self.submit(job, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.result is not None
+                yield item
+        finally:
+            if not finished:
+                self.cancel(job)
+
+
+def _deliver(sink: Sink, item) -> None:
+    """A consumer that went away (its event loop closed) must not stop the thread that serves the others."""
+    try:
+        sink(item)
+    except RuntimeError:
+        pass

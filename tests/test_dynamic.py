@@ -1,0 +1,191 @@
+"""Continuous batching (generation.dynamic), prompt-prefix sharing (runtime.page_pool) and the worker thread
+(generation.worker), on the golden 4.0 bpw model on CPU.
+
+The reference is a plain greedy loop that recomputes the whole sequence with no cache each step: batching,
+paging, shared prefixes and admission order must not change a single token."""
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from exl2.config import EngineConfig, SamplingSettings
+from exl2.engine import Engine
+from exl2.errors import ContextLengthError
+from exl2.generation.dynamic import DynamicGenerator, Job
+from exl2.generation.tokenizer import Tokenizer
+from exl2.runtime.loader import load_model
+from exl2.runtime.page_pool import PagePool, page_key
+
+MODEL = Path(__file__).parent / "fixtures" / "golden" / "b4.0_hb6"
+GREEDY = SamplingSettings(temperature=0)
+PROMPTS = ["Hello", "Once upon a time in a land far away", "The rain in Spain stays mainly in the plain, they say, "
+           "and the snow in", "def fibonacci(n):\n    return", "Paris is the capital of"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL, "cpu")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(MODEL)
+
+
+def greedy_reference(model, ids: list[int], n: int) -> list[int]:
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+@pytest.fixture(scope="module")
+def refs(model, tok):
+    return [greedy_reference(model, tok.encode(p), 12) for p in PROMPTS]
+
+
+def test_batched_greedy_matches_uncached_reference(model, tok, refs):
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16)  # 5 jobs: one waits for a free slot
+    results = gen.generate([Job(tok.encode(p), GREEDY, 12) for p in PROMPTS])
+    assert [r.token_ids for r in results] == refs
+    assert all(r.finish_reason == "length" for r in results)
+    assert not gen.active and gen.pool.available() == gen.pool.num_pages
+
+
+def test_shared_prefix_reuses_pages_and_keeps_tokens(model, tok):
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16)
+    system = tok.encode("You are a helpful assistant who answers in one short sentence. " * 3)
+    first = gen.generate([Job(system + tok.encode(" Q: why?"), GREEDY, 8)])[0]
+    ids = system + tok.encode(" Q: what is the time?")
+    job = Job(ids, GREEDY, 8)
+    again = gen.generate([job])[0]
+    assert job.cached_tokens == (len(system) // 16) * 16 > 0
+    assert again.token_ids == greedy_reference(model, ids, 8)
+    # the prompt's pages plus the reply's are offered to the next turn
+    turn2 = ids + again.token_ids + tok.encode(" And tomorrow?")
+    job2 = Job(turn2, GREEDY, 4)
+    gen.generate([job2])
+    assert job2.cached_tokens == ((len(ids) + len(again.token_ids) - 1) // 16) * 16
+    assert first.token_ids and gen.pool.available() == gen.pool.num_pages
+
+
+def test_small_cache_queues_jobs_and_still_matches(model, tok, refs):
+    # 2 jobs fit at a time (each needs 2 pages of 16 tokens, the cache holds 4 pages); the rest wait
+    gen = DynamicGenerator(model, tok, 64, cache_tokens=64, max_batch=8, page_size=16)
+    jobs = [Job(tok.encode(p), GREEDY, 12) for p in PROMPTS[:4]]
+    seen = []
+    for job in jobs:
+        gen.enqueue(job)
+    results = {}
+    while gen.has_work():
+        for ev in gen.iterate():
+            if ev.result is not None:
+                results[ev.job.id] = ev.result.token_ids
+        seen.append(len(gen.active))
+    assert max(seen) <= 2 and [results[j.id] for j in jobs] == refs[:4]
+
+
+def test_cancel_frees_pages_and_spares_the_others(model, tok, refs):
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16)
+    keep, drop = Job(tok.encode(PROMPTS[1]), GREEDY, 12), Job(tok.encode(PROMPTS[2]), GREEDY, 200)
+    gen.enqueue(keep)
+    gen.enqueue(drop)
+    gen.iterate()
+    gen.iterate()
+    gen.cancel(drop)
+    assert drop.done and drop not in gen.active
+    while not keep.done:
+        gen.iterate()
+    assert keep.reply.result(0).token_ids == refs[1]
+    assert gen.pool.available() == gen.pool.num_pages
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model, tok):
+    hot = SamplingSettings(temperature=1.0, top_p=0.9, repetition_penalty=1.2, seed=11)
+    alone = DynamicGenerator(model, tok, 512, max_batch=1, page_size=16).generate([Job(tok.encode("Once"), hot, 10)])
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16)
+    mixed = gen.generate([Job(tok.encode(PROMPTS[1]), SamplingSettings(temperature=1.0, seed=3), 10),
+                          Job(tok.encode("Once"), hot, 10), Job(tok.encode(PROMPTS[3]), GREEDY, 10)])
+    assert mixed[1].token_ids == alone[0].token_ids
+
+
+def test_stop_strings_and_prompt_too_long(model, tok, refs):
+    gen = DynamicGenerator(model, tok, 64, max_batch=2, page_size=16)
+    stop = tok.decode(refs[1][4:6])
+    r = gen.generate([Job(tok.encode(PROMPTS[1]), GREEDY, 12, stop_strings=[stop])])[0]
+    assert r.finish_reason == "stop" and stop not in r.text and tok.decode(refs[1]).startswith(r.text)
+    with pytest.raises(ContextLengthError):
+        gen.enqueue(Job(list(range(5, 69)), GREEDY, 4))
+
+
+def test_page_pool_keys_refcounts_and_eviction():
+    pool = PagePool(4, 2)
+    a = pool.acquire([], 2)
+    k1 = page_key(None, [1, 2])
+    k2 = page_key(k1, [3, 4])
+    pool.publish(a[0], k1)
+    pool.publish(a[1], k2)
+    assert pool.match([1, 2, 3, 4, 5], 4) == ([a[0], a[1]], k2)
+    assert pool.match([9, 2, 3, 4], 4) == ([], None)            # keys cover the whole prefix, not one page
+    assert pool.match([1, 2, 3, 4], 1) == ([a[0]], k1)
+    b = pool.acquire([a[0]], 1)                                 # shares page 0 while its owner still runs
+    assert pool.refs[a[0]] == 2 and pool.available() == 1
+    pool.release(a)
+    assert pool.available() == 2                                # a[1] kept cached but reclaimable
+    pool.release(b)
+    assert pool.available() == 4 and pool.match([1, 2, 3, 4], 2)[0] == [a[0], a[1]]
+    c = pool.acquire([], 4)                                     # evicts the cached pages, oldest first
+    assert sorted(c) == [0, 1, 2, 3] and pool.match([1, 2, 3, 4], 2) == ([], None)
+    with pytest.raises(RuntimeError):
+        pool.acquire([], 1)
+
+
+def test_engine_runs_concurrent_requests_as_one_batch(refs):
+    engine = Engine(EngineConfig(model_dir=MODEL, max_seq_len=512, device="cpu", max_batch_size=8))
+    sizes = []
+    step = engine.dynamic.iterate
+
+    def watched():
+        sizes.append(len(engine.dynamic.active))
+        return step()
+    engine.dynamic.iterate = watched
+
+    async def run_all():
+        return await asyncio.gather(*(engine.agenerate(p, GREEDY, 12) for p in PROMPTS))
+    results = asyncio.run(run_all())
+    assert [r.token_ids for r in results] == refs and max(sizes) > 1
+    assert [r.token_ids for r in engine.generate_batch(PROMPTS, GREEDY, 12)] == refs
+
+    # threads share the batch too
+    out = [None] * 3
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, engine.generate(PROMPTS[i], GREEDY, 12)))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.token_ids for r in out] == refs[:3]
+
+
+def test_engine_closing_a_stream_cancels_the_job():
+    engine = Engine(EngineConfig(model_dir=MODEL, max_seq_len=512, device="cpu"))
+
+    async def first_chunk():
+        events = engine.aevents(PROMPTS[2], GREEDY, 400)
+        async for text, _ in events:
+            if text:
+                break
+        await events.aclose()
+    asyncio.run(first_chunk())
+    deadline = time.time() + 10
+    while engine.dynamic.has_work() and time.time() < deadline:
+        time.sleep(0.01)
+    assert not engine.dynamic.has_work() and engine.dynamic.pool.available() == engine.dynamic.pool.num_pages
+
+    with pytest.raises(ContextLengthError):
+        engine.generate("word " * 600, GREEDY, 4)
+    assert engine.generate(PROMPTS[0], GREEDY, 3).token_ids  # the worker survives a rejected request
