@@ -85,6 +85,7 @@ class DynamicGenerator:
                                        scratch_page=self.scratch)
         self.queue: deque[Job] = deque()
         self.active: list[Job] = []
+        self._decode_table: tuple = ((), None)
 
     # ---- jobs ----------------------------------------------------------------------------------------------
 
@@ -174,7 +175,10 @@ class DynamicGenerator:
         if running:
             ids = torch.tensor([[j.pending] for j in running], dtype=torch.long, device=self.model.device)
             pos = torch.tensor([j.length for j in running], dtype=torch.long, device=self.model.device)
-            table = self._table(running)
+            key = tuple(j.id for j in running)
+            if self._decode_table[0] != key:  # pages are reserved up front: the table changes only with the batch
+                self._decode_table = (key, self._table(running))
+            table = self._decode_table[1]
             if self.graphs is not None:
                 logits = self.graphs.step(ids, pos, table, max_len=max(j.length for j in running) + 1, lazy=True)
             else:
@@ -189,10 +193,11 @@ class DynamicGenerator:
     def _accept(self, jobs: list[Job], logits: torch.Tensor, events: list[Event]) -> None:
         """Sample one token for each job (row of `logits`), stream its text, end the jobs that are done."""
         logits = logits.float()
-        picks = []
+        picks = logits.argmax(dim=-1)  # plain greedy rows share one launch; the others sample on their own
         for i, job in enumerate(jobs):
-            picks.append(sample(logits[i:i + 1], job.settings, job.generator, [job.tokens]))
-        for job, token in zip(jobs, torch.cat(picks).tolist()):
+            if not (job.settings.greedy and job.settings.repetition_penalty == 1.0):
+                picks[i] = sample(logits[i:i + 1], job.settings, job.generator, [job.tokens])[0]
+        for job, token in zip(jobs, picks.tolist()):
             text = job.reply.push(token)
             job.tokens.append(token)
             job.pending = token
