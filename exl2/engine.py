@@ -7,6 +7,7 @@ from typing import AsyncIterator, Iterator, Optional, Sequence
 
 from exl2.config import EngineConfig, SamplingSettings
 from exl2.generation.chat import ChatTemplate
+from exl2.generation.constraints import Grammar, json_grammar, regex_grammar
 from exl2.generation.dynamic import DynamicGenerator
 from exl2.generation.generator import GenerationResult, Generator
 from exl2.generation.tokenizer import Tokenizer
@@ -34,21 +35,30 @@ class Engine:
         return Path(self.config.model_dir).name
 
     def generate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-                 stop_strings: Sequence[str] = ()) -> GenerationResult:
-        return self.generator.generate(prompt, settings, max_new_tokens, stop_strings)
+                 stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None) -> GenerationResult:
+        """`grammar` (`json_grammar`, `regex_grammar`) restricts the reply to a format."""
+        return self.generator.generate(prompt, settings, max_new_tokens, stop_strings, grammar=grammar)
 
     def stream(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-               stop_strings: Sequence[str] = ()) -> Iterator[str]:
-        for text, _ in self.generator.stream(prompt, settings, max_new_tokens, stop_strings):
+               stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None) -> Iterator[str]:
+        for text, _ in self.generator.stream(prompt, settings, max_new_tokens, stop_strings, grammar=grammar):
             if text:
                 yield text
 
     def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
         return self.template.render(messages, tools=tools, add_generation_prompt=True)
 
-    def chat(self, messages: list[dict], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 512
-             ) -> GenerationResult:
-        return self.generator.generate(self.chat_prompt(messages), settings, max_new_tokens, add_bos=False)
+    def chat(self, messages: list[dict], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 512,
+             grammar: Optional[Grammar] = None) -> GenerationResult:
+        return self.generator.generate(self.chat_prompt(messages), settings, max_new_tokens, add_bos=False,
+                                       grammar=grammar)
+
+    def json_grammar(self, schema: Optional[dict] = None) -> Grammar:
+        """Replies that are JSON matching `schema` (None: any JSON object); one grammar per request."""
+        return json_grammar(self.tokenizer, schema)
+
+    def regex_grammar(self, pattern: str) -> Grammar:
+        return regex_grammar(self.tokenizer, pattern)
 
     def generate_batch(self, prompts: Sequence[str], settings: Optional[SamplingSettings] = None,
                        max_new_tokens: int = 256, stop_strings: Sequence[str] = ()) -> list[GenerationResult]:
@@ -56,9 +66,9 @@ class Engine:
         return self.worker.run_all([self.generator.job(p, settings, max_new_tokens, stop_strings) for p in prompts])
 
     async def agenerate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-                        stop_strings: Sequence[str] = ()) -> GenerationResult:
+                        stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None) -> GenerationResult:
         result = None
-        async for _, r in self.aevents(prompt, settings, max_new_tokens, stop_strings):
+        async for _, r in self.aevents(prompt, settings, max_new_tokens, stop_strings, grammar=grammar):
             result = r or result
         return result
 
@@ -69,12 +79,12 @@ class Engine:
                 yield text
 
     async def aevents(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
-                      max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None
-                      ) -> AsyncIterator[tuple[str, Optional[GenerationResult]]]:
+                      max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
+                      grammar: Optional[Grammar] = None) -> AsyncIterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) as tokens arrive, then ("", result) with the token ids, finish reason and prompt
         length. Chat prompts from `chat_prompt` pass add_bos=False (the template writes its own BOS). Closing the
         iterator early cancels the request."""
-        job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos)
+        job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar)
         events = self.worker.astream(job)
         try:
             async for event in events:

@@ -17,6 +17,7 @@ import torch
 
 from exl2.config import SamplingSettings
 from exl2.errors import ContextLengthError
+from exl2.generation.constraints import Grammar
 from exl2.generation.output import GenerationResult, Reply
 from exl2.generation.sampler import make_generator, sample
 from exl2.generation.tokenizer import Tokenizer
@@ -32,8 +33,10 @@ class Job:
     """One request: a prompt's token ids, how to sample and when to stop. The generator fills in the rest."""
 
     def __init__(self, ids: Sequence[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-                 stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = ()):
+                 stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                 grammar: Optional[Grammar] = None):
         self.id = next(_ids)
+        self.grammar = grammar           # structured output: only tokens it allows are sampled
         self.ids = list(ids)
         self.settings = settings or SamplingSettings()
         self.max_new_tokens = max_new_tokens
@@ -194,13 +197,31 @@ class DynamicGenerator:
         """Sample one token for each job (row of `logits`), stream its text, end the jobs that are done."""
         logits = logits.float()
         picks = logits.argmax(dim=-1)  # plain greedy rows share one launch; the others sample on their own
+        failed = set()
         for i, job in enumerate(jobs):
-            if not (job.settings.greedy and job.settings.repetition_penalty == 1.0):
-                picks[i] = sample(logits[i:i + 1], job.settings, job.generator, [job.tokens])[0]
-        for job, token in zip(jobs, picks.tolist()):
+            row = logits[i:i + 1]
+            if job.grammar is not None:
+                allowed = job.grammar.allowed(row.shape[-1], row.device)
+                if allowed is None:
+                    failed.add(i)
+                    continue
+                row = row.masked_fill(~allowed, float("-inf"))
+            elif job.settings.greedy and job.settings.repetition_penalty == 1.0:
+                continue
+            picks[i] = sample(row, job.settings, job.generator, [job.tokens])[0]
+        for i, (job, token) in enumerate(zip(jobs, picks.tolist())):
+            if i in failed:  # the grammar allows nothing more: end the reply where it is
+                text = job.reply.close("stop")
+                self._finish(job)
+                events.append(Event(job, text, job.reply.result(len(job.ids))))
+                continue
             text = job.reply.push(token)
             job.tokens.append(token)
             job.pending = token
+            if job.grammar is not None and job.reply.finish_reason is None:
+                job.grammar.advance(token)
+                if job.grammar.finished:  # complete: no need to wait for the model's end token
+                    text += job.reply.close("stop")
             if job.reply.finish_reason is None and len(job.reply.ids) >= job.max_new_tokens:
                 text += job.reply.close("length")
             if job.reply.finish_reason is not None:

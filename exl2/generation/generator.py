@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 from exl2.config import SamplingSettings
+from exl2.generation.constraints import Grammar
 from exl2.generation.dynamic import DynamicGenerator, Event, Job
 from exl2.generation.output import GenerationResult, StopMatcher
 from exl2.generation.tokenizer import Tokenizer
@@ -27,10 +28,11 @@ class Generator:
         self._dynamic: Optional[DynamicGenerator] = None
 
     def job(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-            stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None, stop_token_ids: Sequence[int] = ()
-            ) -> Job:
+            stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None, stop_token_ids: Sequence[int] = (),
+            grammar: Optional[Grammar] = None) -> Job:
+        """A job for the dynamic generator; `grammar` (generation.constraints) restricts the reply's format."""
         ids = self.tokenizer.encode(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
-        return Job(ids, settings, max_new_tokens, stop_strings, stop_token_ids)
+        return Job(ids, settings, max_new_tokens, stop_strings, stop_token_ids, grammar)
 
     def events(self, job: Job) -> Iterator[Event]:
         if self.worker is not None:
@@ -42,9 +44,10 @@ class Generator:
 
     def stream(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
-               stop_token_ids: Sequence[int] = ()) -> Iterator[tuple[str, Optional[GenerationResult]]]:
+               stop_token_ids: Sequence[int] = (), grammar: Optional[Grammar] = None
+               ) -> Iterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) while generating and finally ("", result)."""
-        job = self.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids)
+        job = self.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar)
         for event in self.events(job):
             if event.text:
                 yield event.text, None
@@ -52,9 +55,9 @@ class Generator:
                 yield "", event.result
 
     def generate(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
-                 max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None
-                 ) -> GenerationResult:
+                 max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
+                 grammar: Optional[Grammar] = None) -> GenerationResult:
         result = None
-        for _, r in self.stream(prompt, settings, max_new_tokens, stop_strings, add_bos):
+        for _, r in self.stream(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar):
             result = r or result
         return result

@@ -1,0 +1,100 @@
+"""Structured output: a JSON schema, a regular expression or a Lark grammar allows, at each step, only the
+tokens that keep the reply valid.
+
+The token masks come from llguidance (a Rust parser over the model's own tokenizer, tens of microseconds a
+step), which runs on the host while the GPU decodes; the sampler then draws among the allowed tokens only.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from exl2.errors import ConfigError
+from exl2.generation.tokenizer import Tokenizer
+
+
+# One line, spaces after separators: free whitespace lets a model pad a reply with blanks until it runs out of
+# tokens. Lenient: keywords the compiler does not implement are ignored instead of rejecting the schema.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise ConfigError("Structured output needs the llguidance package (pip install llguidance).") from None
+    return llguidance
+
+
+def _grammar_tokenizer(tokenizer: Tokenizer):
+    """The llguidance view of the model's tokenizer, built once per tokenizer (it costs about a second)."""
+    cached = getattr(tokenizer, "_llg_tokenizer", None)
+    if cached is None:
+        backend = getattr(tokenizer._b, "tok", None)
+        if backend is None:
+            raise ConfigError("Structured output needs a tokenizer.json; this model only has a SentencePiece "
+                              "tokenizer.model.")
+        eos = sorted(tokenizer.eos_ids) or None
+        cached = _llguidance().LLTokenizer(backend.to_str(), eos_token=eos)
+        tokenizer._llg_tokenizer = cached
+    return cached
+
+
+class Grammar:
+    """One reply's grammar state: `allowed()` before sampling, `advance(token)` after."""
+
+    def __init__(self, tokenizer: Tokenizer, grammar: str):
+        llg = _llguidance()
+        self.matcher = llg.LLMatcher(_grammar_tokenizer(tokenizer), grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ConfigError(f"The output format is invalid: {self.matcher.get_error()}")
+
+    def allowed(self, vocab: int, device: torch.device) -> Optional[torch.Tensor]:
+        """[vocab] bool: the tokens the grammar accepts next (logit columns past the tokenizer's are never);
+        None when it accepts none (the grammar failed)."""
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        mask = np.zeros(vocab, dtype=bool)
+        n = min(vocab, bits.size)
+        mask[:n] = bits[:n].astype(bool)
+        if self.matcher.is_error() or not mask.any():
+            return None
+        return torch.from_numpy(mask).to(device, non_blocking=True)
+
+    def advance(self, token: int) -> None:
+        self.matcher.consume_token(token)
+
+    @property
+    def finished(self) -> bool:
+        """The reply is complete: nothing but an end-of-sequence token may follow."""
+        return self.matcher.is_stopped()
+
+
+def json_grammar(tokenizer: Tokenizer, schema: Optional[dict[str, Any]] = None) -> Grammar:
+    """Replies that are JSON matching `schema` (None: any JSON object)."""
+    llg = _llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"},
+                                                         defaults=JSON_STYLE)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"The JSON schema cannot be used: {e}") from None
+    return _checked(tokenizer, grammar)
+
+
+def regex_grammar(tokenizer: Tokenizer, pattern: str) -> Grammar:
+    """Replies that match a regular expression."""
+    return _checked(tokenizer, _llguidance().LLMatcher.grammar_from_regex(pattern))
+
+
+def lark_grammar(tokenizer: Tokenizer, grammar: str) -> Grammar:
+    """Replies in a Lark grammar (llguidance's dialect)."""
+    return _checked(tokenizer, _llguidance().LLMatcher.grammar_from_lark(grammar))
+
+
+def _checked(tokenizer: Tokenizer, grammar: str) -> Grammar:
+    error = _llguidance().LLMatcher.validate_grammar(grammar, _grammar_tokenizer(tokenizer))
+    if error and not error.startswith("WARNING"):
+        raise ConfigError(f"The output format is invalid: {error.strip().splitlines()[0]}")
+    return Grammar(tokenizer, grammar)
+
