@@ -56,23 +56,18 @@ def run(args) -> int:
     from exl2.models.registry import read_config, spec_from_config
     from exl2.runtime.benchmark import (format_table, kernel_breakdown, prefill_breakdown, run_benchmark,
                                         weight_bytes)
-    from exl2.runtime.synthetic import LLAMA3_8B, MIXED_BODY_OPTION, BODY_OPTION, DictSource, llama_exl2_tensors
+    from exl2.runtime.synthetic import synthetic_model
     from exl2.runtime.weights import WeightLoader
     from exl2.formats.safetensors_io import TensorSource
 
     dev = torch.device("cuda")
     if args.model_dir:
-        cfg = read_config(args.model_dir)
         source = TensorSource(args.model_dir)
+        with torch.inference_mode():
+            model = DecoderModel(spec_from_config(read_config(args.model_dir)),
+                                 WeightLoader(source, dev, torch.float16)).eval()
     else:
-        cfg = dict(LLAMA3_8B)
-        if args.layers:
-            cfg["num_hidden_layers"] = args.layers
-        body = MIXED_BODY_OPTION if args.mixed else BODY_OPTION
-        source = DictSource(llama_exl2_tensors(cfg, device=dev, body=body))
-    spec = spec_from_config(cfg)
-    with torch.inference_mode():
-        model = DecoderModel(spec, WeightLoader(source, dev, torch.float16)).eval()
+        model, source = synthetic_model(dev, args.layers, args.mixed)
     wbytes = weight_bytes(source)
     kind = "5/4/3-bit mixed" if args.mixed else "4-bit"
     print(f"model: {args.model_dir or f'synthetic Llama-3-8B-shaped EXL2 ({kind} body), 6-bit head'}; "

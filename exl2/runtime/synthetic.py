@@ -82,3 +82,37 @@ class DictSource(dict):
 
     def shape(self, name: str) -> list[int]:
         return list(self[name].shape)
+
+
+def synthetic_model(device: torch.device, layers: int | None = None, mixed: bool = False):
+    """(model, tensor source) of the fabricated Llama-3-8B-shaped EXL2 model (`exl2 bench` without -m)."""
+    from exl2.models.decoder import DecoderModel
+    from exl2.models.registry import spec_from_config
+    from exl2.runtime.weights import WeightLoader
+
+    cfg = dict(LLAMA3_8B)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    source = DictSource(llama_exl2_tensors(cfg, device=device, body=MIXED_BODY_OPTION if mixed else BODY_OPTION))
+    with torch.inference_mode():
+        model = DecoderModel(spec_from_config(cfg), WeightLoader(source, device, torch.float16)).eval()
+    return model, source
+
+
+def synthetic_tokenizer(directory, vocab_size: int = LLAMA3_8B["vocab_size"]):
+    """A word-level tokenizer with one made-up word per id and no end token, written to `directory`, so the
+    generators can run the fabricated model to a fixed length."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    from exl2.generation.tokenizer import Tokenizer
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    return Tokenizer.from_dir(d)

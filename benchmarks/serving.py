@@ -1,0 +1,69 @@
+"""What a server gets out of the dynamic generator: N requests submitted at once on the synthetic 8B model (or -m
+MODEL), each a random prompt and a fixed number of new tokens. Prints per batch: time to the first token, decode
+tokens/s in total, and the whole run's tokens/s; compare the decode column with `exl2 bench` at the same batch
+(the bare graph replay: what the generator's host work costs is the difference). Run on a CUDA machine:
+
+    python benchmarks/serving.py [--batches 1,4,16] [--prompt 128] [--new 128] [--cache-mode fp16]
+"""
+import argparse
+import sys
+import tempfile
+import time
+
+import torch
+
+from exl2.config import SamplingSettings
+from exl2.generation.dynamic import DynamicGenerator, Job
+from exl2.runtime.synthetic import synthetic_model, synthetic_tokenizer
+
+
+def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int) -> tuple[float, float, float]:
+    """(time to first token of the last request admitted, decode tok/s over all requests, overall tok/s)."""
+    g = torch.Generator().manual_seed(batch)
+    jobs = [Job(torch.randint(10, vocab, (prompt,), generator=g).tolist(), SamplingSettings(temperature=0), new)
+            for _ in range(batch)]
+    for job in jobs:
+        gen.enqueue(job)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = None
+    while gen.has_work():
+        gen.iterate()
+        if first is None and all(j.pending is not None or j.done for j in jobs):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    decoded = batch * (new - 1)
+    return first - t0, decoded / (end - first), batch * new / (end - t0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--cache-mode", default="fp16")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers, for a quick check")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("error: benchmarks/serving.py needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in args.batches.split(",")]
+    model, _ = synthetic_model(torch.device("cuda"), args.layers)
+    with tempfile.TemporaryDirectory() as d:
+        tok = synthetic_tokenizer(d)
+    gen = DynamicGenerator(model, tok, args.prompt + args.new + 64, args.cache_mode,
+                           cache_tokens=max(batches) * (args.prompt + args.new + 256), max_batch=max(batches))
+    run(gen, max(batches), 16, 8, model.spec.vocab_size)  # warm-up: compiles kernels, captures graphs
+    for b in batches:
+        run(gen, b, 16, 4, model.spec.vocab_size)
+    print(f"dynamic generator, {args.prompt}-token prompts, {args.new} new tokens, {args.cache_mode} cache, "
+          f"{torch.cuda.get_device_name()}")
+    print(f"| batch | first token (ms) | decode tok/s (total) | overall tok/s |\n| --- | --- | --- | --- |")
+    for b in batches:
+        ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size)
+        print(f"| {b} | {ttft * 1e3:.1f} | {decode:,.0f} | {overall:,.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
