@@ -58,7 +58,7 @@ def main() -> int:
         run(gen, b, 16, 4, model.spec.vocab_size)
     print(f"dynamic generator, {args.prompt}-token prompts, {args.new} new tokens, {args.cache_mode} cache, "
           f"{torch.cuda.get_device_name()}")
-    print(f"| batch | first token (ms) | decode tok/s (total) | overall tok/s |\n| --- | --- | --- | --- |")
+    print("| batch | first token (ms) | decode tok/s (total) | overall tok/s |\n| --- | --- | --- | --- |")
     for b in batches:
         ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size)
         print(f"| {b} | {ttft * 1e3:.1f} | {decode:,.0f} | {overall:,.0f} |", flush=True)

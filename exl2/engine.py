@@ -1,7 +1,6 @@
 """The Python entry point: an Engine built from an EngineConfig, with generate/stream and async variants."""
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import AsyncIterator, Iterator, Optional, Sequence
 
