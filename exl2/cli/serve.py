@@ -1,0 +1,105 @@
+"""`exl2 serve`: the OpenAI-compatible HTTP API (docs/server.md) for one model, run by uvicorn."""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+
+from exl2.cli.common import add_model_args, resolve_model_dir
+from exl2.errors import ConfigError
+
+KEY_ENV = "EXL2_API_KEY"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve /v1/chat/completions, /v1/completions and /v1/models (streaming, tools, "
+                                   "API keys) for one model. See docs/server.md.")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
+    p.add_argument("--port", type=int, default=5000, help="TCP port (default 5000; 0 = any free port)")
+    p.add_argument("--api-key", "--api_key", dest="api_keys", action="append", default=[], metavar="KEY",
+                   help=f"accept this key (repeatable); without any, also read comma-separated keys from ${KEY_ENV}; "
+                        "no key at all = no authentication")
+    p.add_argument("--model-name", "--model_name", dest="model_name", default=None,
+                   help="model id reported by /v1/models and in responses (default: the model directory's name)")
+    p.add_argument("--max-batch-size", "--max_batch_size", dest="max_batch_size", type=int, default=16,
+                   help="most requests generated at once (default 16)")
+    p.add_argument("--cache-size", "--cache_size", dest="cache_size", type=int, default=None,
+                   help="tokens of KV cache all requests share (default: --max_seq_len; more lets more long "
+                        "requests run at once and keeps more prompt prefixes cached)")
+    p.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=1024,
+                   help="completion length for requests that give no max_tokens (default 1024)")
+    p.set_defaults(func=run)
+
+
+def _one_sentence(e: Exception) -> str:
+    """A pydantic ValidationError as 'field: message'."""
+    errs = getattr(e, "errors", lambda: [])()
+    if errs:
+        err = errs[0]
+        return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+    return str(e)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind the listening socket now, before the (slow) model load, so a busy port fails at once and clearly;
+    uvicorn then serves on this very socket."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"Cannot resolve --host {host!r} ({e.strerror}).") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"Port {port} on {host} is already in use; pick another with --port.") from None
+        if e.errno == errno.EACCES:
+            raise ConfigError(f"No permission to listen on {host}:{port}; use a port above 1023.") from None
+        raise ConfigError(f"Cannot listen on {host}:{port} ({e.strerror or e}).") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+
+        from exl2.server.app import create_app
+    except ImportError as e:
+        raise ConfigError(f"exl2 serve needs the server extras ({e.name} is missing): pip install 'exl2[serve]'.") \
+            from None
+    from exl2.config import EngineConfig, ServerConfig
+    from exl2.engine import Engine
+
+    keys = args.api_keys or [k.strip() for k in os.environ.get(KEY_ENV, "").split(",") if k.strip()]
+    try:
+        server_config = ServerConfig(host=args.host, port=args.port, api_keys=tuple(keys),
+                                     model_name=args.model_name, max_tokens=args.max_tokens)
+    except ValueError as e:   # pydantic's ValidationError
+        raise ConfigError(f"Invalid setting {_one_sentence(e)}.") from None
+
+    sock = _bind(server_config.host, server_config.port)
+    try:
+        try:
+            engine_config = EngineConfig(model_dir=resolve_model_dir(args.model_dir), max_seq_len=args.max_seq_len,
+                                         kv_cache_mode=args.cache_mode, device=args.device,
+                                         max_batch_size=args.max_batch_size, cache_size=args.cache_size)
+        except ValueError as e:
+            raise ConfigError(f"Invalid setting {_one_sentence(e)}.") from None
+        engine = Engine(engine_config)
+        app = create_app(engine, server_config)
+        host, port = sock.getsockname()[:2]
+        name = server_config.model_name or engine.model_name
+        print(f"Serving {name} at http://{f'[{host}]' if ':' in host else host}:{port}/v1", file=sys.stderr,
+              flush=True)
+        config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,61 @@
+"""OpenAI chat messages -> the message dicts Hugging Face chat templates are written against."""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Union
+
+from exl2.server.errors import APIError, unsupported
+from exl2.server.schemas import ChatMessage, ContentPart
+
+
+def _text(content: Optional[Union[str, list[ContentPart]]], param: str) -> str:
+    """Content as one string: templates expect a string, and text parts are all this engine can read."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        if part.type != "text":
+            raise unsupported(f"{param}[{i}].type", f"Message content of type '{part.type}' (only text)")
+        if part.text is None:
+            raise APIError(400, "A text content part needs a 'text' string.", param=f"{param}[{i}].text")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _arguments(raw: Union[str, dict[str, Any]], param: str) -> dict[str, Any]:
+    """Clients send arguments as a JSON string; most templates iterate them as a mapping (e.g. `|items`)."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        raise APIError(400, "Tool call arguments must be a JSON object string.", param=param) from None
+    if not isinstance(value, dict):
+        raise APIError(400, "Tool call arguments must be a JSON object string.", param=param)
+    return value
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as chat-template input: text content, 'developer' read as 'system' (HF templates do
+    not know it), assistant tool calls with dict arguments, tool results with their call id."""
+    out = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": _text(m.content, f"messages[{i}].content")}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise APIError(400, "Only assistant messages can carry tool_calls.", param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = [
+                {"id": c.id or f"call_{i}_{j}", "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _arguments(c.function.arguments,
+                                                      f"messages[{i}].tool_calls[{j}].function.arguments")}}
+                for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool" and m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out

@@ -1,0 +1,84 @@
+"""Request fields -> engine arguments, and the 400s for what the engine cannot do (never silently ignored)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from exl2.config import SamplingSettings
+from exl2.errors import ConfigError
+from exl2.generation.constraints import Grammar
+from exl2.server.errors import APIError, unsupported
+from exl2.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields
+
+MAX_STOPS = 4
+
+
+def response_grammar(engine, fmt: Optional[ResponseFormat]) -> Optional[Grammar]:
+    """The grammar a response_format asks for: json_object → any JSON object, json_schema → its `schema`."""
+    if fmt is None or fmt.type == "text":
+        return None
+    schema = None
+    if fmt.type == "json_schema":
+        spec = fmt.json_schema or {}
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema must carry a 'schema' object.", param="response_format")
+    try:
+        return engine.json_grammar(schema)
+    except ConfigError as e:
+        raise APIError(400, str(e), param="response_format") from None
+
+
+def check_supported(req: SamplingFields) -> None:
+    """Reject fields whose meaning the engine cannot deliver, so a client never gets a silently different reply."""
+    if req.n != 1:
+        raise unsupported("n", "n other than 1")
+    if req.frequency_penalty:
+        raise unsupported("frequency_penalty", "frequency_penalty (use repetition_penalty)")
+    if req.presence_penalty:
+        raise unsupported("presence_penalty", "presence_penalty (use repetition_penalty)")
+    if req.logit_bias:
+        raise unsupported("logit_bias", "logit_bias")
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs or req.top_logprobs:
+            raise unsupported("logprobs", "logprobs")
+        if req.functions:
+            raise unsupported("functions", "The deprecated 'functions' field (send 'tools')")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            raise unsupported("logprobs", "logprobs")
+        if req.suffix:
+            raise unsupported("suffix", "suffix (fill-in-the-middle)")
+        if req.best_of not in (None, 1):
+            raise unsupported("best_of", "best_of other than 1")
+
+
+def sampling(req: SamplingFields) -> SamplingSettings:
+    """OpenAI/TabbyAPI sampling fields as engine settings. top_p 0 keeps only the most likely token (greedy)."""
+    return SamplingSettings(temperature=req.temperature, top_k=1 if req.top_p == 0 else max(req.top_k, 0),
+                            top_p=req.top_p or 1.0, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                            seed=req.seed)
+
+
+def stop_strings(req: SamplingFields) -> list[str]:
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings.", param="stop")
+    return [s for s in stops if s]
+
+
+def max_new_tokens(req: SamplingFields, default: int) -> int:
+    """max_completion_tokens (the newer name) wins over max_tokens; the engine clamps to the context left."""
+    value = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    return value or default
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """One prompt, as text or token ids; a batch of prompts would need n-way fan-out (not offered)."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise unsupported("prompt", "More than one prompt per request")
+        p = p[0]
+    if isinstance(p, list) and not p:
+        raise APIError(400, "The prompt is empty.", param="prompt")
+    return p

@@ -1,0 +1,116 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic v2).
+
+Fields are declared so that types are checked and a wrong value becomes a 400 naming the field. Unknown fields
+are ignored, as OpenAI clients send extras (`user`, `metadata`, `service_tier`, ...) that change nothing here.
+Fields we declare but cannot honour are rejected in `exl2.server.params`, never silently dropped.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Body):
+    """One part of a message's content; only `text` parts are supported (checked when the prompt is built)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: Optional[str] = None
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"   # OpenAI sends a JSON string; a dict is accepted too
+
+
+class ToolCall(_Body):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: Optional[dict[str, Any]] = None
+
+
+class SamplingFields(_Body):
+    """What completions and chat completions share: length, sampling, stops, streaming."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)       # OpenAI's default is 1.0, not the engine's 0.8
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)                            # TabbyAPI: -1 means off, like 0
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = Field(None)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    response_format: Optional[ResponseFormat] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None             # accepted; the model decides how many calls it makes
+    functions: Optional[list[dict[str, Any]]] = None       # the pre-tools API: rejected with a pointer to `tools`
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0)
+    add_bos_token: Optional[bool] = None                    # TabbyAPI's extension; default: the tokenizer decides

@@ -1,0 +1,425 @@
+"""The OpenAI-compatible server as the official `openai` client meets it, checked against the engine itself.
+
+Greedy replies, token counts and stop strings are compared with `engine.generator.generate` on the same
+prompt; streaming runs over a real socket (uvicorn in a thread); tool-call translation uses a fake engine
+whose reply is canned text in the Hermes, Llama-3.1 and plain forms.
+"""
+import asyncio
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from exl2.cli.main import main
+from exl2.config import EngineConfig, SamplingSettings, ServerConfig
+from exl2.engine import Engine
+from exl2.generation.generator import GenerationResult
+from exl2.server.app import create_app
+
+from test_cli import SRC
+
+KEY = "sk-test-key"
+GREEDY = SamplingSettings(temperature=0)
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def aclient(app, key=KEY) -> openai.AsyncOpenAI:
+    """The async openai client talking to the app in-process (no socket)."""
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key=key, http_client=http, max_retries=0)
+
+
+@contextmanager
+def serving(app):
+    """uvicorn on a free port in a thread; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+class FakeEngine:
+    """The Engine surface the server uses, replying with canned text in small pieces (markers get split)."""
+
+    model_name = "fake-model"
+
+    def __init__(self):
+        self.config = EngineConfig(model_dir="fake-model", max_seq_len=512)
+        self.model = SimpleNamespace(spec=SimpleNamespace(arch="fake", max_position=4096))
+        self.tokenizer = SimpleNamespace(encode=lambda text, add_bos=None: list(range(len(text))),
+                                         decode=lambda ids: "x" * len(ids))
+        self.reply: str | None = CALL      # None: an endless reply, for the disconnect tests
+        self.rendered: list[tuple[list, object]] = []
+        self.closed = threading.Event()
+
+    def chat_prompt(self, messages, tools=None):
+        self.rendered.append((messages, tools))
+        return "PROMPT"
+
+    async def aevents(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None, grammar=None):
+        try:
+            if self.reply is None:
+                while True:
+                    await asyncio.sleep(0.01)
+                    yield "x", None
+            for i in range(0, len(self.reply), 3):
+                await asyncio.sleep(0)
+                yield self.reply[i:i + 3], None
+            yield "", GenerationResult(self.reply, list(range(9)), "stop", 5)
+        finally:
+            self.closed.set()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(model_dir=SRC, max_seq_len=512, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def app(engine):
+    return create_app(engine, ServerConfig(api_keys=(KEY, "second-key"), model_name="tiny", max_tokens=16))
+
+
+@pytest.fixture(scope="module")
+def url(app):
+    with serving(app) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def fake_app(fake):
+    return create_app(fake, ServerConfig())
+
+
+@pytest.fixture(scope="module")
+def fake_url(fake_app):
+    with serving(fake_app) as base:
+        yield base
+
+
+def reference(engine, prompt, n, stops=(), add_bos=None):
+    return engine.generator.generate(prompt, GREEDY, n, stops, add_bos=add_bos)
+
+
+# ---- models, health, auth ---------------------------------------------------------------------------------------
+
+def test_models_health_and_unknown_model(app):
+    async def go():
+        c = aclient(app)
+        models = await c.models.list()
+        assert [m.id for m in models.data] == ["tiny"] and models.data[0].owned_by == "exl2"
+        assert (await c.models.retrieve("tiny")).id == "tiny"
+        with pytest.raises(openai.NotFoundError) as e:
+            await c.models.retrieve("gpt-4o")
+        assert e.value.body["code"] == "model_not_found"
+        r = await c._client.get("http://test/health")       # no key needed
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+    run(go())
+
+
+def test_api_keys(app):
+    async def go():
+        with pytest.raises(openai.AuthenticationError) as e:
+            await aclient(app, key="sk-wrong").models.list()
+        err = e.value.body
+        assert e.value.status_code == 401 and set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == "invalid_api_key"
+        assert (await aclient(app, key="second-key").models.list()).data
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        assert (await http.get("/v1/models", headers={"x-api-key": KEY})).status_code == 200
+        missing = await http.get("/v1/models")
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+        assert (await http.get("/v1/models", headers={"x-api-key": "nope"})).status_code == 401
+
+    run(go())
+
+
+# ---- chat and text completions against the engine ---------------------------------------------------------------
+
+def test_chat_greedy_matches_engine(app, engine):
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    prompt = engine.chat_prompt([{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Hello\nthere"}])
+    ref = reference(engine, prompt, 12, add_bos=False)
+
+    async def go():
+        c = aclient(app)
+        r = await c.chat.completions.create(model="whatever", messages=messages, temperature=0,
+                                            max_completion_tokens=12)
+        default = await c.chat.completions.create(model="tiny", messages=messages, temperature=0)
+        return r, default
+
+    r, default = run(go())
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.message.tool_calls is None and choice.finish_reason == "length" == ref.finish_reason
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(prompt, add_bos=False)) == ref.prompt_tokens
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.model == "tiny" and r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.created > 0
+    # No max_tokens: ServerConfig.max_tokens (16) applies.
+    assert default.usage.completion_tokens == 16
+    assert default.choices[0].message.content == reference(engine, prompt, 16, add_bos=False).text
+
+
+def test_chat_streaming_over_socket(url, engine):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    ref = reference(engine, engine.chat_prompt(messages), 10, add_bos=False)
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=10,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert len({ch.id for ch in chunks}) == 1
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == ref.text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == ref.prompt_tokens
+    # The raw event stream: data events only, ending with [DONE].
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"messages": messages, "temperature": 0, "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and all(json.loads(d)["choices"] for d in data[:-1])
+
+
+def test_completions_stop_strings_stream_and_echo(url, app, engine):
+    prompt = "The quick brown fox"
+    full = reference(engine, prompt, 16)
+    stop = full.text[6:9]
+    cut = full.text[:full.text.index(stop)]
+    assert stop and cut != full.text
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+    r = c.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=16)
+    assert r.choices[0].text == full.text and r.usage.completion_tokens == len(full.token_ids)
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(prompt)) and r.object == "text_completion"
+
+    stopped = c.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=16, stop=[stop, "@@"])
+    assert stopped.choices[0].text == cut and stopped.choices[0].finish_reason == "stop"
+
+    chunks = list(c.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=16, stop=stop,
+                                       stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == cut
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == stopped.usage.completion_tokens
+
+    echoed = run(aclient(app).completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=16,
+                                                 echo=True))
+    assert echoed.choices[0].text == prompt + full.text
+
+
+def test_structured_output(url):
+    """response_format json_schema / json_object: replies parse and follow the schema, streamed or not."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+              "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}}}
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}}
+    hi = [{"role": "user", "content": "Plan a trip."}]
+    for seed in (1, 2):
+        r = c.chat.completions.create(model="tiny", messages=hi, max_tokens=120, temperature=1.0, seed=seed,
+                                      response_format=fmt)
+        value = json.loads(r.choices[0].message.content)
+        assert set(value) == {"city", "days"} and isinstance(value["days"], int) and len(value["city"]) <= 10
+        assert r.choices[0].finish_reason == "stop"
+    parts = c.chat.completions.create(model="tiny", messages=hi, max_tokens=120, temperature=1.0, seed=3,
+                                      response_format=fmt, stream=True)
+    value = json.loads("".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices))
+    assert set(value) == {"city", "days"}
+    r = c.completions.create(model="tiny", prompt="Data:", max_tokens=200, temperature=0.8, seed=4,
+                             extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:
+        assert r.choices[0].text.startswith("{")
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------
+
+def test_bad_requests_are_400_in_openai_shape(app):
+    hi = [{"role": "user", "content": "hi"}]
+
+    async def go():
+        c = aclient(app)
+        cases = [dict(n=2), dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+                 dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                     "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}),
+                 dict(frequency_penalty=0.5), dict(logprobs=True), dict(stop=["a", "b", "c", "d", "e"])]
+        params = []
+        for extra in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(model="tiny", messages=hi, max_tokens=2, **extra)
+            assert set(e.value.body) == {"message", "type", "param", "code"}
+            params.append(e.value.body["param"])
+        assert params == ["n", "response_format", "response_format", "frequency_penalty", "logprobs", "stop"]
+        assert "at most 4" in e.value.body["message"]
+
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+        assert "image_url" in e.value.body["message"]
+
+        long = "hello " * 600                    # > 512 tokens of context
+        for stream in (False, True):             # streamed too: a 400 before any event is sent
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.completions.create(model="tiny", prompt=long, max_tokens=2, stream=stream)
+            assert e.value.body["code"] == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long}], max_tokens=2)
+        assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+
+        http = c._client
+        auth = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+        bad_json = await http.post("http://test/v1/chat/completions", content=b"{not json", headers=auth)
+        missing = await http.post("http://test/v1/chat/completions", json={"model": "tiny"}, headers=auth)
+        wrong_type = await http.post("http://test/v1/completions", json={"prompt": "x", "temperature": "hot"},
+                                     headers=auth)
+        return bad_json, missing, wrong_type
+
+    bad_json, missing, wrong_type = run(go())
+    for r in (bad_json, missing, wrong_type):
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert "JSON" in bad_json.json()["error"]["message"]
+    assert missing.json()["error"]["param"] == "messages"
+    assert wrong_type.json()["error"]["param"] == "temperature"
+
+
+# ---- tools ------------------------------------------------------------------------------------------------------
+
+def test_tool_calls_non_streamed(fake_app, fake):
+    async def go(reply, **kw):
+        fake.reply = reply
+        return await aclient(fake_app).chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "1+2?"}], tools=TOOLS, **kw)
+
+    r = run(go(CALL))
+    msg, choice = r.choices[0].message, r.choices[0]
+    assert choice.finish_reason == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    assert fake.rendered[-1][1] == [{"type": "function", "function": TOOLS[0]["function"]}]
+
+    r = run(go("Let me add.\n" + CALL, tool_choice={"type": "function", "function": {"name": "add"}}))
+    assert r.choices[0].message.content == "Let me add." and r.choices[0].message.tool_calls
+
+    llama = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    r = run(go(llama, tool_choice="required"))
+    assert r.choices[0].message.tool_calls[0].function.name == "add" and r.choices[0].message.content is None
+
+    r = run(go(CALL, tool_choice="none"))            # no tools rendered, nothing parsed
+    assert fake.rendered[-1][1] is None
+    assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+
+    with pytest.raises(openai.BadRequestError):
+        run(go(CALL, tool_choice={"type": "function", "function": {"name": "missing"}}))
+
+
+def test_tool_calls_streamed(fake_url, fake):
+    c = openai.OpenAI(base_url=f"{fake_url}/v1", api_key="unused", max_retries=0)
+
+    def stream(reply):
+        fake.reply = reply
+        chunks = list(c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "1+2?"}],
+                                                tools=TOOLS, stream=True))
+        content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        calls = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+        return content, calls, chunks[-1].choices[0].finish_reason
+
+    content, calls, finish = stream("Let me add.\n" + CALL)
+    assert content == "Let me add.\n" and finish == "tool_calls"      # no piece of the call leaked as content
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
+    assert calls[0].type == "function" and calls[0].function.name == "add"
+    assert json.loads(calls[0].function.arguments) == {"a": 1, "b": 2}
+
+    content, calls, finish = stream('  {"name": "add", "parameters": {"a": 1, "b": 2}}')
+    assert content == "" and [tc.function.name for tc in calls] == ["add"] and finish == "tool_calls"
+
+    content, calls, finish = stream("[1, 2] are <tool numbers")     # held back, then released as text
+    assert content == "[1, 2] are <tool numbers" and calls == [] and finish == "stop"
+
+    content, calls, finish = stream("Plain answer <b>3</b>.")
+    assert content == "Plain answer <b>3</b>." and calls == [] and finish == "stop"
+
+
+def test_tool_history_renders_through_real_engine(app, engine):
+    history = [{"role": "user", "content": "What is 1+2?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    as_template = [history[0],             # what HF templates expect: arguments as a dict, content a string
+                   {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                                                                        "function": {"name": "add",
+                                                                                     "arguments": {"a": 1, "b": 2}}}]},
+                   history[2]]
+    ref = reference(engine, engine.chat_prompt(as_template, TOOLS), 6, add_bos=False)
+    r = run(aclient(app).chat.completions.create(model="tiny", messages=history, tools=TOOLS, temperature=0,
+                                                 max_tokens=6))
+    assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.prompt_tokens
+
+
+# ---- cancellation -----------------------------------------------------------------------------------------------
+
+def test_client_disconnect_closes_the_engine_stream(fake_url, fake):
+    fake.reply = None                                    # endless
+    fake.closed.clear()
+    with httpx.stream("POST", f"{fake_url}/v1/completions", json={"prompt": "go", "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert not fake.closed.is_set()
+    assert fake.closed.wait(5), "the engine stream was not closed after the client left"
+
+    fake.closed.clear()                                  # non-streamed: the server polls for the hang-up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{fake_url}/v1/completions", json={"prompt": "go"}, timeout=0.3)
+    assert fake.closed.wait(5)
+
+
+# ---- exl2 serve -------------------------------------------------------------------------------------------------
+
+def test_serve_cli_errors_are_one_line(capsys, tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        rc = main(["serve", "-m", str(SRC), "--device", "cpu", "--port", str(busy.getsockname()[1])])
+    finally:
+        busy.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "already in use" in err[0] and "Traceback" not in err[0]
+
+    rc = main(["serve", "-m", str(tmp_path / "missing"), "--port", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "does not exist" in err[0]
