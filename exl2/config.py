@@ -24,11 +24,18 @@ class EngineConfig(BaseModel):
     device: Optional[str] = None
     max_batch_size: int = Field(16, ge=1, le=256)
     cache_size: Optional[int] = Field(None, ge=512)   # tokens of KV cache all requests share; default max_seq_len
+    # Speculative decoding (a request decoding alone): guesses from n-grams of its own text or from a small model
+    # with the same tokenizer, checked num_draft_tokens at a time.
+    ngram_draft: bool = False
+    draft_model_dir: Optional[Path] = None
+    num_draft_tokens: int = Field(4, ge=1, le=16)
 
     @model_validator(mode="after")
     def _cache_size(self):
         if self.cache_size is not None and self.cache_size < self.max_seq_len:
             raise ValueError(f"cache_size ({self.cache_size}) must be at least max_seq_len ({self.max_seq_len})")
+        if self.ngram_draft and self.draft_model_dir is not None:
+            raise ValueError("choose ngram_draft or a draft_model_dir, not both")
         return self
 
     @field_validator("gpu_split")

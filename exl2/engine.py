@@ -9,6 +9,7 @@ from exl2.generation.chat import ChatTemplate
 from exl2.generation.constraints import Grammar, json_grammar, regex_grammar
 from exl2.generation.dynamic import DynamicGenerator
 from exl2.generation.generator import GenerationResult, Generator
+from exl2.generation.speculative import make_drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.generation.worker import BatchWorker
 from exl2.runtime.loader import load_model
@@ -24,8 +25,11 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
         max_seq_len = min(config.max_seq_len, self.model.spec.max_position)
+        draft = make_drafter(self.model, config.ngram_draft, config.draft_model_dir, max_seq_len,
+                             config.kv_cache_mode, config.num_draft_tokens)
         self.dynamic = DynamicGenerator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode,
-                                        cache_tokens=config.cache_size, max_batch=config.max_batch_size)
+                                        cache_tokens=config.cache_size, max_batch=config.max_batch_size,
+                                        draft=draft, num_draft_tokens=config.num_draft_tokens)
         self.worker = BatchWorker(self.dynamic)
         self.generator = Generator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode, self.worker)
 

@@ -20,9 +20,10 @@ from exl2.errors import ContextLengthError
 from exl2.generation.constraints import Grammar
 from exl2.generation.output import GenerationResult, Reply
 from exl2.generation.sampler import make_generator, sample
+from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import DecoderModel
-from exl2.runtime.graphs import DecodeGraphs
+from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.page_pool import PagePool, page_key
 from exl2.runtime.paged_cache import PagedKVCache
 
@@ -53,6 +54,7 @@ class Job:
         self.generator: Optional[torch.Generator] = None
         self.key: Optional[bytes] = None     # prefix key of the last full page published
         self.published = 0
+        self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
 
     def __repr__(self) -> str:
         return f"Job({self.id}, {len(self.ids)} prompt tokens, {'done' if self.done else 'running'})"
@@ -72,8 +74,9 @@ class DynamicGenerator:
 
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: int, cache_mode: str = "fp16",
                  cache_tokens: Optional[int] = None, max_batch: int = 16, page_size: int = 256, chunk: int = 2048,
-                 use_graphs: bool = True):
+                 use_graphs: bool = True, draft: Optional[Drafter] = None, num_draft_tokens: int = 4):
         self.model, self.tokenizer = model, tokenizer
+        self.draft, self.num_draft_tokens = draft, num_draft_tokens
         self.max_seq_len, self.max_batch, self.chunk, self.page_size = max_seq_len, max_batch, chunk, page_size
         self.pages_per_seq = -(-max_seq_len // page_size)
         num_pages = max(-(-(cache_tokens or 0) // page_size), self.pages_per_seq)
@@ -81,11 +84,14 @@ class DynamicGenerator:
         self.scratch = num_pages  # one spare page: where padded rows of a decode graph write
         self.cache = PagedKVCache(model.spec, num_pages + 1, page_size, cache_mode, model.device, model.dtype)
         model.prepare_rope(self.pages_per_seq * page_size)
-        self.graphs = None
-        if use_graphs and model.device.type == "cuda" and _graph_safe(model):
+        self.graphs = self.verify_graphs = None
+        if use_graphs and model.device.type == "cuda" and graph_safe(model):
             sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch) + (max_batch,)
             self.graphs = DecodeGraphs(model, self.cache, self.pages_per_seq, batch_sizes=sizes,
                                        scratch_page=self.scratch)
+            if draft is not None:  # one sequence checks its drafts: the last token + num_draft_tokens guesses
+                self.verify_graphs = DecodeGraphs(model, self.cache, self.pages_per_seq, batch_sizes=(1,),
+                                                  scratch_page=self.scratch, tokens=num_draft_tokens + 1)
         self.queue: deque[Job] = deque()
         self.active: list[Job] = []
         self._decode_table: tuple = ((), None)
@@ -175,6 +181,9 @@ class DynamicGenerator:
             if job.length == len(job.ids):
                 self._accept([job], logits, events)
         running = [j for j in self.active if j.pending is not None]
+        if len(running) == 1 and self.draft is not None and running[0].grammar is None and \
+                self._speculate(running[0], events):
+            return events
         if running:
             ids = torch.tensor([[j.pending] for j in running], dtype=torch.long, device=self.model.device)
             pos = torch.tensor([j.length for j in running], dtype=torch.long, device=self.model.device)
@@ -211,24 +220,75 @@ class DynamicGenerator:
             picks[i] = sample(row, job.settings, job.generator, [job.tokens])[0]
         for i, (job, token) in enumerate(zip(jobs, picks.tolist())):
             if i in failed:  # the grammar allows nothing more: end the reply where it is
-                text = job.reply.close("stop")
-                self._finish(job)
-                events.append(Event(job, text, job.reply.result(len(job.ids))))
-                continue
-            text = job.reply.push(token)
-            job.tokens.append(token)
-            job.pending = token
-            if job.grammar is not None and job.reply.finish_reason is None:
-                job.grammar.advance(token)
-                if job.grammar.finished:  # complete: no need to wait for the model's end token
-                    text += job.reply.close("stop")
-            if job.reply.finish_reason is None and len(job.reply.ids) >= job.max_new_tokens:
-                text += job.reply.close("length")
+                self._emit(job, job.reply.close("stop"), events)
+            else:
+                self._emit(job, self._push(job, token), events)
+
+    def _push(self, job: Job, token: int) -> str:
+        """Add a sampled token to a job; its new text. Sets the reply's finish reason when the job is done."""
+        text = job.reply.push(token)
+        job.tokens.append(token)
+        job.pending = token
+        if job.grammar is not None and job.reply.finish_reason is None:
+            job.grammar.advance(token)
+            if job.grammar.finished:  # complete: no need to wait for the model's end token
+                text += job.reply.close("stop")
+        if job.reply.finish_reason is None and len(job.reply.ids) >= job.max_new_tokens:
+            text += job.reply.close("length")
+        return text
+
+    def _emit(self, job: Job, text: str, events: list[Event]) -> None:
+        if job.reply.finish_reason is not None:
+            self._finish(job)
+            if self.draft is not None:
+                self.draft.forget(job.id)
+            events.append(Event(job, text, job.reply.result(len(job.ids))))
+        elif text:
+            events.append(Event(job, text))
+
+    def _speculate(self, job: Job, events: list[Event]) -> bool:
+        """Decode a lone job with drafts: feed its last token and the drafter's guesses in one forward, keep the
+        guesses the model's own sampler agrees with, plus the model's token after them. Sampling position by
+        position and stopping at the first disagreement gives exactly the distribution of plain decoding.
+        False when there is nothing to guess (plain decoding then)."""
+        room = job.max_new_tokens - len(job.reply.ids) - 1  # every fed guess needs a reserved cache slot
+        k = min(self.num_draft_tokens, room)
+        drafts = self.draft.propose(job.id, job.tokens, k)[:k] if k > 0 else []
+        if not drafts:
+            return False
+        dev = self.model.device
+        if self.verify_graphs is not None and k == self.num_draft_tokens:
+            fed = [job.pending] + drafts + [drafts[-1]] * (k - len(drafts))  # padding guesses are just checked
+            logits = self.verify_graphs.step(torch.tensor([fed], dtype=torch.long, device=dev),
+                                             torch.tensor([job.length], dtype=torch.long, device=dev),
+                                             self._table([job]), lazy=True)[0]
+            drafts = fed[1:]
+        else:
+            self.cache.bind(self._table([job])[:, :len(job.pages)])
+            fed = torch.tensor([[job.pending] + drafts], dtype=torch.long, device=dev)
+            logits = self.model(fed, self.cache, job.length)[0]
+        logits = logits.float()
+        s = job.settings
+        if s.greedy and s.repetition_penalty == 1.0:
+            choices = logits.argmax(dim=-1).tolist()
+        else:
+            choices = []
+            for i in range(len(drafts) + 1):
+                choices.append(int(sample(logits[i:i + 1], s, job.generator, [job.tokens + choices])[0]))
+                if i == len(drafts) or choices[i] != drafts[i]:
+                    break
+        kept = next((i for i, d in enumerate(drafts) if choices[i] != d), len(drafts))
+        text = ""
+        for token in choices[:kept + 1]:
+            text += self._push(job, token)
             if job.reply.finish_reason is not None:
-                self._finish(job)
-                events.append(Event(job, text, job.reply.result(len(job.ids))))
-            elif text:
-                events.append(Event(job, text))
+                break
+        job.drafted += len(drafts)
+        job.accepted += kept
+        job.length += 1 + kept  # the last token and the kept guesses now hold valid cache entries
+        self._publish(job)
+        self._emit(job, text, events)
+        return True
 
     # ---- conveniences --------------------------------------------------------------------------------------
 
@@ -255,9 +315,3 @@ class DynamicGenerator:
                     results[event.job.id] = event.result
         return [results[j.id] for j in jobs]
 
-
-def _graph_safe(model: DecoderModel) -> bool:
-    """MoE routing and Llama 4 chunked attention read values on the host: those models decode eagerly."""
-    s = model.spec
-    return not any(l.moe or l.chunk_size for l in s.layers) and s.rope.static and \
-        (s.local_rope is None or s.local_rope.static)

@@ -11,6 +11,7 @@ from exl2.config import SamplingSettings
 from exl2.generation.constraints import Grammar
 from exl2.generation.dynamic import DynamicGenerator, Event, Job
 from exl2.generation.output import GenerationResult, StopMatcher
+from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.generation.worker import BatchWorker
 from exl2.models.decoder import DecoderModel
@@ -20,8 +21,10 @@ __all__ = ["GenerationResult", "Generator", "StopMatcher"]
 
 class Generator:
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: Optional[int] = None,
-                 cache_mode: str = "fp16", worker: Optional[BatchWorker] = None):
+                 cache_mode: str = "fp16", worker: Optional[BatchWorker] = None, draft: Optional[Drafter] = None,
+                 num_draft_tokens: int = 4):
         self.model, self.tokenizer = model, tokenizer
+        self.draft, self.num_draft_tokens = draft, num_draft_tokens
         self.max_seq_len = max_seq_len or min(model.spec.max_position, 4096)
         self.cache_mode = cache_mode
         self.worker = worker
@@ -39,7 +42,7 @@ class Generator:
             return self.worker.stream(job)
         if self._dynamic is None:
             self._dynamic = DynamicGenerator(self.model, self.tokenizer, self.max_seq_len, self.cache_mode,
-                                             max_batch=1)
+                                             max_batch=1, draft=self.draft, num_draft_tokens=self.num_draft_tokens)
         return self._dynamic.stream(job)
 
     def stream(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,

@@ -370,12 +370,13 @@ class DecoderModel(nn.Module):
         return (steps + start).expand(b, t)
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
-                last_only: bool = False) -> torch.Tensor:
-        """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared)."""
+                last_only: bool = False, fresh: bool | None = None) -> torch.Tensor:
+        """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared).
+        `fresh`: whether every row starts at 0, when a tensor `start` hides it (saves the cache a GPU read)."""
         q_pos = self.positions(ids, start)
         note = getattr(cache, "note_positions", None)
         if note is not None:
-            note(q_pos, start == 0 if isinstance(start, int) else None)
+            note(q_pos, (start == 0) if isinstance(start, int) else fresh)
         tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
         x, delta = self.embed(ids).contiguous(), None
         for i, layer in enumerate(self.layers):

@@ -25,10 +25,20 @@ SHORT_CONTEXT = env_choice("EXL2_SHORT_CTX", 256, range(0, 1 << 20))
 SHORT_MAX_SPLITS = 4
 
 
+def graph_safe(model: DecoderModel) -> bool:
+    """MoE routing and Llama 4 chunked attention read values on the host: those models decode eagerly."""
+    s = model.spec
+    return not any(l.moe or l.chunk_size for l in s.layers) and s.rope.static and \
+        (s.local_rope is None or s.local_rope.static)
+
+
 class DecodeGraphs:
+    """`tokens` new tokens per sequence a step: 1 for decoding; more to check speculative drafts, when the step
+    returns the logits of every position, [B, tokens, V]."""
+
     def __init__(self, model: DecoderModel, cache: PagedKVCache, max_pages_per_seq: int,
-                 batch_sizes=BATCH_SIZES, scratch_page: int = 0):
-        self.model, self.cache = model, cache
+                 batch_sizes=BATCH_SIZES, scratch_page: int = 0, tokens: int = 1):
+        self.model, self.cache, self.tokens = model, cache, tokens
         self.max_pages, self.scratch = max_pages_per_seq, scratch_page
         self.enabled = model.device.type == "cuda"
         self.graphs: dict[int, tuple] = {}
@@ -38,11 +48,14 @@ class DecodeGraphs:
 
     def _inputs(self, bs: int):
         dev = self.model.device
-        return (torch.zeros(bs, 1, dtype=torch.long, device=dev), torch.zeros(bs, dtype=torch.long, device=dev),
+        return (torch.zeros(bs, self.tokens, dtype=torch.long, device=dev),
+                torch.zeros(bs, dtype=torch.long, device=dev),
                 torch.full((bs, self.max_pages), self.scratch, dtype=torch.int32, device=dev))
 
     def _forward(self, ids, pos, bt):
         self.cache.bind(bt)
+        if self.tokens > 1:  # positions are never 0 here: the sequences have a cached prefix
+            return self.model(ids, self.cache, pos, fresh=False)
         return self.model(ids, self.cache, pos, last_only=True)[:, -1]
 
     def capture(self, batch_sizes=None) -> None:
@@ -66,7 +79,7 @@ class DecodeGraphs:
 
     def _wants_short(self, bs: int) -> bool:
         c = self.cache
-        return bool(SHORT_CONTEXT and c.decode_splits is None and c.v_bits == 16
+        return bool(SHORT_CONTEXT and self.tokens == 1 and c.decode_splits is None and c.v_bits == 16
                     and decode_splits(bs * c.kv_heads, self.model.device) <= SHORT_MAX_SPLITS)
 
     def _capture_one(self, ids, pos, bt) -> tuple:
@@ -77,7 +90,8 @@ class DecodeGraphs:
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor,
              max_len: int | None = None, lazy: bool = False) -> torch.Tensor:
-        """Logits [B, V] for one new token per sequence (ids [B, 1], positions [B], block table [B, pages]).
+        """Logits [B, V] for one new token per sequence (ids [B, 1], positions [B], block table [B, pages]);
+        [B, T, V] for T tokens per sequence.
         `max_len`, the longest sequence's length including this token when the caller knows it on the host,
         picks the one-split graph for short batches. `lazy` captures the graph of the fitting batch size the first
         time it is needed (a server sees few of them; capturing all costs start-up time and memory)."""
@@ -89,8 +103,7 @@ class DecodeGraphs:
         fit = next((s for s in self.batch_sizes if s >= b and s in self.graphs), None)
         if fit is None:
             with torch.inference_mode():
-                self.cache.bind(block_table)
-                return self.model(ids, self.cache, pos, last_only=True)[:, -1]
+                return self._forward(ids, pos, block_table)
         short = max_len is not None and max_len <= SHORT_CONTEXT and fit in self.short
         graph, s_ids, s_pos, s_bt, out = (self.short if short else self.graphs)[fit]
         s_ids[:b].copy_(ids)

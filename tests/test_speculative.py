@@ -1,0 +1,90 @@
+"""Speculative decoding (generation.speculative + DynamicGenerator._speculate) on CPU: whatever the drafter
+guesses, greedy output must be exactly the uncached reference's; guesses must actually be kept when they are right.
+Models: the golden 6.0 bpw file as the model, the 3.0 bpw file (a worse copy of it) and itself as draft models."""
+import pytest
+
+from exl2.config import EngineConfig, SamplingSettings
+from exl2.engine import Engine
+from exl2.errors import ConfigError
+from exl2.generation.dynamic import DynamicGenerator, Job
+from exl2.generation.speculative import ModelDraft, NgramDraft, make_drafter
+from exl2.generation.tokenizer import Tokenizer
+from exl2.runtime.loader import load_model
+
+from test_dynamic import GREEDY, PROMPTS, greedy_reference
+from test_exl2_model import GOLDEN
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(GOLDEN / "b6.0_hb6", "cpu")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(GOLDEN / "b6.0_hb6")
+
+
+@pytest.fixture(scope="module")
+def small():
+    return load_model(GOLDEN / "b3.0_hb6", "cpu")
+
+
+def test_ngram_draft_finds_the_latest_repeat():
+    d = NgramDraft(max_n=3)
+    assert d.propose(0, [1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]   # latest match of [1, 2, 3] wins
+    assert d.propose(0, [5, 6, 7, 5, 6], 4) == [7, 5, 6]                    # stops at the end of the sequence
+    assert d.propose(0, [1, 2, 3, 4], 4) == []
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "small", "self"])
+def test_greedy_output_is_exactly_plain_decoding(model, tok, small, drafter):
+    draft = {"ngram": lambda: NgramDraft(), "small": lambda: ModelDraft(small, 600, page_size=16),
+             "self": lambda: ModelDraft(model, 600, page_size=16)}[drafter]()
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16, draft=draft, num_draft_tokens=4)
+    kept = 0
+    for p in PROMPTS[:3]:
+        ids = tok.encode(p * 3)  # repeated text: n-grams have something to find
+        job = Job(ids, GREEDY, 20)
+        assert gen.generate([job])[0].token_ids == greedy_reference(model, ids, 20)
+        assert job.drafted > 0
+        kept += job.accepted
+    assert kept > 0 and gen.pool.available() == gen.pool.num_pages
+    if drafter == "self":  # a model guessing its own tokens is always right
+        assert kept >= 3 * 15
+
+
+def test_speculation_respects_limits_stops_and_batching(model, tok):
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16, draft=ModelDraft(model, 600, page_size=16))
+    ids = tok.encode(PROMPTS[1] * 2)
+    ref = greedy_reference(model, ids, 12)
+    for n in (1, 2, 5, 12):  # max_new_tokens never exceeded, even when guesses run past it
+        assert gen.generate([Job(ids, GREEDY, n)])[0].token_ids == ref[:n]
+    stop = tok.decode(ref[5:7])
+    r = gen.generate([Job(ids, GREEDY, 12, stop_strings=[stop])])[0]
+    assert r.finish_reason == "stop" and stop not in r.text and tok.decode(ref).startswith(r.text)
+    # several jobs at once decode plainly; a job left alone speculates again; outputs unchanged
+    jobs = [Job(tok.encode(p), GREEDY, 12) for p in PROMPTS[:3]] + [Job(ids, GREEDY, 40)]
+    out = gen.generate(jobs)
+    assert [r.token_ids for r in out] == [greedy_reference(model, j.ids, j.max_new_tokens) for j in jobs]
+    assert jobs[-1].accepted > 0
+
+
+def test_sampled_speculation_runs_to_length(model, tok):
+    gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16, draft=NgramDraft())
+    hot = SamplingSettings(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=3)
+    a = gen.generate([Job(tok.encode(PROMPTS[2] * 3), hot, 24)])[0]
+    b = gen.generate([Job(tok.encode(PROMPTS[2] * 3), hot, 24)])[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) <= 24
+
+
+def test_engine_settings(tmp_path):
+    with pytest.raises(ValueError):
+        EngineConfig(model_dir=GOLDEN / "b6.0_hb6", ngram_draft=True, draft_model_dir=GOLDEN / "b3.0_hb6")
+    engine = Engine(EngineConfig(model_dir=GOLDEN / "b6.0_hb6", max_seq_len=512, device="cpu",
+                                 draft_model_dir=GOLDEN / "b3.0_hb6", num_draft_tokens=3))
+    assert isinstance(engine.dynamic.draft, ModelDraft) and engine.dynamic.num_draft_tokens == 3
+    ids = engine.tokenizer.encode(PROMPTS[0] * 4)
+    assert engine.generate(PROMPTS[0] * 4, GREEDY, 10).token_ids == greedy_reference(engine.model, ids, 10)
+    with pytest.raises(ConfigError):
+        make_drafter(engine.model, ngram=True, draft_model_dir=GOLDEN / "b3.0_hb6")
