@@ -1,7 +1,8 @@
 """What a server gets out of the dynamic generator: N requests submitted at once on the synthetic 8B model (or -m
 MODEL), each a random prompt and a fixed number of new tokens. Prints per batch: time to the first token, decode
 tokens/s in total, and the whole run's tokens/s; compare the decode column with `exl2 bench` at the same batch
-(the bare graph replay: what the generator's host work costs is the difference). Run on a CUDA machine:
+(the bare graph replay: what the generator's host work costs is the difference). Then the cost of checking k
+speculative guesses in one step against a plain step. Run on a CUDA machine:
 
     python benchmarks/serving.py [--batches 1,4,16] [--prompt 128] [--new 128] [--cache-mode fp16]
 """
@@ -62,7 +63,35 @@ def main() -> int:
     for b in batches:
         ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size)
         print(f"| {b} | {ttft * 1e3:.1f} | {decode:,.0f} | {overall:,.0f} |", flush=True)
+    print("\nspeculative decoding, batch 1: one step checking k guesses against a plain decode step")
+    print("| tokens fed | step (ms) | against plain | break-even guesses kept |\n| --- | --- | --- | --- |")
+    plain = None
+    for k in (0, 2, 4, 8):
+        t = verify_step_ms(model, args.prompt, k, args.cache_mode)
+        plain = plain or t
+        print(f"| {k + 1} | {t:.3f} | {t / plain:.2f}x | {t / plain - 1:.2f} |", flush=True)
     return 0
+
+
+def verify_step_ms(model, context: int, k: int, cache_mode: str, iters: int = 50) -> float:
+    """Time of one graph replay feeding 1 + k tokens of one sequence after `context` cached tokens."""
+    from exl2.runtime.graphs import DecodeGraphs
+    from exl2.runtime.paged_cache import PagedKVCache
+
+    page = 256
+    pages = -(-(context + k + 1) // page)
+    cache = PagedKVCache(model.spec, pages + 1, page, cache_mode, model.device, model.dtype)
+    graphs = DecodeGraphs(model, cache, pages, batch_sizes=(1,), scratch_page=pages, tokens=k + 1)
+    table = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, -1)
+    ids = torch.randint(10, 1000, (1, k + 1), device="cuda")
+    pos = torch.tensor([context], device="cuda")
+    graphs.step(ids, pos, table, lazy=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        graphs.step(ids, pos, table)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters * 1e3
 
 
 if __name__ == "__main__":
