@@ -17,7 +17,8 @@
 # q4attn (attention + merge at batch 1, ctx 2048 over splits x tiles, q4 and fp16, then fp16/q4 benches three times),
 # s18 (the next session's first call): every GPU test (session 17 moved the matmul kernels into modules and removed
 # rejected variants without a GPU), the split-sum and shared-input tests on CUDA, then the default bench. s19 (the
-# second): the EXL2_SPLIT_SUM A/B twice, then q4attn.
+# second): the EXL2_SPLIT_SUM A/B twice, then q4attn. s20 (session 18's work): the dynamic generator's and speculative
+# decoding's GPU tests, then benchmarks/serving.py (N requests at once; the cost of a speculative check step).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -84,6 +85,10 @@ for s in $steps; do
   s19) AB_SPECS="EXL2_SPLIT_SUM=0;EXL2_SPLIT_SUM=1;EXL2_SPLIT_SUM=0;EXL2_SPLIT_SUM=1" TAG=_split \
          BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 64" bash "$0" envab
        bash "$0" q4attn ;;
+  s20) timeout -s INT -k 15 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py -k "dynamic or speculative" -q \
+         -p no:cacheprovider -rfE > "$OUT/gpu_dynamic.txt" 2>&1; echo "dynamic/speculative GPU tests rc=$?"
+       tail -n 4 "$OUT/gpu_dynamic.txt"
+       timeout 240 python3 benchmarks/serving.py > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"; tail -16 "$OUT/serving.txt" ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"
