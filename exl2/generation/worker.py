@@ -78,17 +78,14 @@ class BatchWorker:
         """The job's events, on the calling thread; leaving early cancels it."""
         q: queue.SimpleQueue = queue.SimpleQueue()
         self.submit(job, q.put)
-        finished = False
         try:
-            while not finished:
-                item = q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.result is not None
-                yield item
+            while True:
+                event = _checked(q.get())
+                yield event
+                if event.result is not None:
+                    return
         finally:
-            if not finished:
+            if not job.done:
                 self.cancel(job)
 
     def run_all(self, jobs: list[Job]) -> list[GenerationResult]:
@@ -99,11 +96,9 @@ class BatchWorker:
         results: dict[int, GenerationResult] = {}
         try:
             while len(results) < len(jobs):
-                item = q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.result is not None:
-                    results[item.job.id] = item.result
+                event = _checked(q.get())
+                if event.result is not None:
+                    results[event.job.id] = event.result
         finally:
             for job in jobs:
                 if job.id not in results:
@@ -115,18 +110,22 @@ class BatchWorker:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self.submit(job, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
-        finished = False
         try:
-            while not finished:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.result is not None
-                yield item
+            while True:
+                event = _checked(await q.get())
+                yield event
+                if event.result is not None:
+                    return
         finally:
-            if not finished:
+            if not job.done:
                 self.cancel(job)
+
+
+def _checked(item: Union[Event, BaseException]) -> Event:
+    """An event, or the exception that ended the job raised in the consumer."""
+    if isinstance(item, BaseException):
+        raise item
+    return item
 
 
 def _deliver(sink: Sink, item) -> None:
