@@ -44,8 +44,8 @@ class EngineConfig(BaseModel):
         if isinstance(v, list):
             if not v:
                 raise ValueError("gpu_split must list at least one GPU (or be 'auto')")
-            if any(x <= 0 for x in v):
-                raise ValueError("gpu_split entries must be positive numbers of GB")
+            if any(x < 0 for x in v) or not any(x > 0 for x in v):
+                raise ValueError("gpu_split entries must be GB per GPU (0 skips a GPU), at least one above 0")
         return v
 
     @field_validator("kv_cache_mode", mode="before")

@@ -21,7 +21,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model = load_model(config.model_dir, config.device)
+        self.model = load_model(config.model_dir, config.device, gpu_split=config.gpu_split,
+                                cache_tokens=config.cache_size or config.max_seq_len, cache_mode=config.kv_cache_mode)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
         max_seq_len = min(config.max_seq_len, self.model.spec.max_position)

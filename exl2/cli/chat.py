@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from exl2.cli.common import add_model_args, add_sampling_args, load_generator, sampling_from_args
+from exl2.cli.common import add_draft_args, add_model_args, add_sampling_args, load_generator, sampling_from_args
 
 HELP = "Commands: /clear forgets the conversation, /exit quits (Ctrl-D too)."
 
@@ -12,6 +12,7 @@ def register(sub) -> None:
     p = sub.add_parser("chat", help="chat with a model in the terminal",
                        description="Interactive chat through the model's chat template. " + HELP)
     add_model_args(p)
+    add_draft_args(p)
     p.add_argument("-sp", "--system_prompt", "--system-prompt", dest="system_prompt", default=None,
                    help="system prompt for the conversation")
     p.add_argument("-maxr", "--max_response_tokens", "--max-response-tokens", dest="max_response_tokens", type=int,

@@ -17,6 +17,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-cm", "--cache-mode", "--cache_mode", dest="cache_mode", default="fp16",
                    choices=["fp16", "q8", "q6", "q4", "q3", "q2"],
                    help="KV cache storage: fp16 or quantized (q8, q6 = 8-bit keys/4-bit values, q4, q3, q2)")
+    p.add_argument("-gs", "--gpu_split", "--gpu-split", dest="gpu_split", default=None, metavar="GB,GB,...|auto",
+                   help="split the model's layers over several CUDA GPUs: GB per GPU in order, each filled before "
+                        "the next (e.g. 20,24; weights plus the KV cache of their layers), or 'auto' (the free "
+                        "memory of every visible GPU less 1 GB each); default: one device. See docs/multi_gpu.md")
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-ngram", "--ngram", dest="ngram_draft", action="store_true",
+                   help="speculative decoding from n-grams of the text itself (a request decoding alone)")
+    p.add_argument("-dm", "--draft_model_dir", "--draft-model", dest="draft_model_dir", default=None,
+                   help="speculative decoding with this small draft model (same tokenizer)")
+    p.add_argument("-dn", "--draft_tokens", "--num-draft-tokens", dest="num_draft_tokens", type=int, default=4,
+                   help="tokens guessed and checked per step when drafting (default 4)")
+
+
+def engine_settings(args) -> dict:
+    """The EngineConfig fields the shared model and draft flags set."""
+    from exl2.runtime.placement import parse_gpu_split
+
+    return dict(model_dir=resolve_model_dir(args.model_dir), max_seq_len=args.max_seq_len,
+                kv_cache_mode=args.cache_mode, device=args.device, gpu_split=parse_gpu_split(args.gpu_split),
+                ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
+                num_draft_tokens=args.num_draft_tokens)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> None:
@@ -52,10 +75,20 @@ def resolve_model_dir(model_dir: str | None) -> Path:
 def load_generator(args):
     """(model_dir, tokenizer, generator) for the model flags of generate/chat."""
     from exl2.generation.generator import Generator
+    from exl2.generation.speculative import make_drafter
     from exl2.generation.tokenizer import Tokenizer
     from exl2.runtime.loader import load_model
+    from exl2.runtime.placement import parse_gpu_split
 
+    split = parse_gpu_split(args.gpu_split)
     model_dir = resolve_model_dir(args.model_dir)
-    model = load_model(model_dir, args.device)
+    model = load_model(model_dir, args.device, gpu_split=split, cache_tokens=args.max_seq_len,
+                       cache_mode=args.cache_mode)
     tok = Tokenizer.from_dir(model_dir)
-    return model_dir, tok, Generator(model, tok, min(args.max_seq_len, model.spec.max_position), args.cache_mode)
+    max_seq_len = min(args.max_seq_len, model.spec.max_position)
+    if not 1 <= args.num_draft_tokens <= 16:
+        raise ConfigError("--draft_tokens must be between 1 and 16.")
+    draft = make_drafter(model, args.ngram_draft, args.draft_model_dir, max_seq_len, args.cache_mode,
+                         args.num_draft_tokens)
+    return model_dir, tok, Generator(model, tok, max_seq_len, args.cache_mode, draft=draft,
+                                     num_draft_tokens=args.num_draft_tokens)

@@ -20,6 +20,10 @@ def register(sub) -> None:
     p.add_argument("-l", "--length", type=int, default=DEFAULT_LENGTH,
                    help=f"tokens per row (default {DEFAULT_LENGTH})")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
+    p.add_argument("-gs", "--gpu_split", "--gpu-split", dest="gpu_split", default=None, metavar="GB,GB,...|auto",
+                   help="split the model over several CUDA GPUs: GB per GPU in order, or 'auto' (docs/multi_gpu.md); "
+                        "--ref is split the same way, planned on its own (with 'auto', over what the model left); "
+                        "default: one device")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
 
@@ -33,9 +37,11 @@ def run(args) -> int:
     from exl2.quantize.evaluate import eval_rows, evaluate
     from exl2.quantize.progress import Reporter
     from exl2.runtime.loader import load_model
+    from exl2.runtime.placement import parse_gpu_split
 
     if args.rows < 1 or args.length < 2:
         raise ConfigError("-r must be at least 1 and -l at least 2.")
+    split = parse_gpu_split(args.gpu_split)
     ui = Reporter(quiet=args.json)
     model_dir = resolve_model_dir(args.model_dir)
     tok = Tokenizer.from_dir(model_dir)
@@ -43,10 +49,10 @@ def run(args) -> int:
     if warning:
         ui.warn(warning)
     dtype = torch.float32 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu" else None
-    model = load_model(model_dir, args.device, dtype)
+    model = load_model(model_dir, args.device, dtype, gpu_split=split, cache_tokens=args.length)
     ref = None
     if args.ref:
-        ref = load_model(args.ref, args.device, dtype)
+        ref = load_model(args.ref, args.device, dtype, gpu_split=split, cache_tokens=args.length)
         if ref.spec.vocab_size != model.spec.vocab_size:
             raise ConfigError(f"The reference model has a vocabulary of {ref.spec.vocab_size} tokens and the model "
                               f"{model.spec.vocab_size}; they must share a tokenizer.")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from exl2.cli.common import add_model_args, add_sampling_args, resolve_model_dir, sampling_from_args
+from exl2.cli.common import add_draft_args, add_model_args, add_sampling_args, engine_settings, sampling_from_args
 from exl2.errors import ConfigError, ContextLengthError
 
 # Launchers whose first real argument names the server better than the launcher does (`python weather.py`).
@@ -30,6 +30,7 @@ def register(sub) -> None:
                            description="Run an MCP server whose tools use the model: generate, chat (with progress "
                                        "notifications as tokens arrive), tokenize, detokenize, model_info.")
     add_model_args(s)
+    add_draft_args(s)
     s.add_argument("--transport", choices=["stdio", "http"], default="stdio",
                    help="stdio (default; the client launches this command) or http (Streamable HTTP at /mcp)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default 127.0.0.1)")
@@ -46,6 +47,7 @@ def register(sub) -> None:
                                   "environment), or a JSON file with {\"mcpServers\": {...}} as Claude Desktop uses. "
                                   "With several servers, tool names get the server's name as a prefix.")
     add_model_args(a)
+    add_draft_args(a)
     a.add_argument("--server", dest="servers", action="append", required=True, metavar="SPEC",
                    help="MCP server: URL, command line or JSON config file (repeatable)")
     a.add_argument("-p", "--prompt", required=True, help="the user's request")
@@ -67,8 +69,7 @@ def load_engine(args):
     from exl2.engine import Engine
 
     try:
-        config = EngineConfig(model_dir=resolve_model_dir(args.model_dir), max_seq_len=args.max_seq_len,
-                              kv_cache_mode=args.cache_mode, device=args.device)
+        config = EngineConfig(**engine_settings(args))
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         raise ConfigError(f"Invalid --{err['loc'][0]}: {err['msg']}.") from None

@@ -6,7 +6,7 @@ import os
 import socket
 import sys
 
-from exl2.cli.common import add_model_args, resolve_model_dir
+from exl2.cli.common import add_draft_args, add_model_args, engine_settings
 from exl2.errors import ConfigError
 
 KEY_ENV = "EXL2_API_KEY"
@@ -17,6 +17,7 @@ def register(sub) -> None:
                        description="Serve /v1/chat/completions, /v1/completions and /v1/models (streaming, tools, "
                                    "API keys) for one model. See docs/server.md.")
     add_model_args(p)
+    add_draft_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=5000, help="TCP port (default 5000; 0 = any free port)")
     p.add_argument("--api-key", "--api_key", dest="api_keys", action="append", default=[], metavar="KEY",
@@ -87,9 +88,8 @@ def run(args) -> int:
     sock = _bind(server_config.host, server_config.port)
     try:
         try:
-            engine_config = EngineConfig(model_dir=resolve_model_dir(args.model_dir), max_seq_len=args.max_seq_len,
-                                         kv_cache_mode=args.cache_mode, device=args.device,
-                                         max_batch_size=args.max_batch_size, cache_size=args.cache_size)
+            engine_config = EngineConfig(**engine_settings(args), max_batch_size=args.max_batch_size,
+                                         cache_size=args.cache_size)
         except ValueError as e:
             raise ConfigError(f"Invalid setting {_one_sentence(e)}.") from None
         engine = Engine(engine_config)

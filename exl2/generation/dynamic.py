@@ -82,7 +82,8 @@ class DynamicGenerator:
         num_pages = max(-(-(cache_tokens or 0) // page_size), self.pages_per_seq)
         self.pool = PagePool(num_pages, page_size)
         self.scratch = num_pages  # one spare page: where padded rows of a decode graph write
-        self.cache = PagedKVCache(model.spec, num_pages + 1, page_size, cache_mode, model.device, model.dtype)
+        self.cache = PagedKVCache(model.spec, num_pages + 1, page_size, cache_mode, model.device, model.dtype,
+                                  layer_devices=getattr(model, "layer_devices", None))
         model.prepare_rope(self.pages_per_seq * page_size)
         self.graphs = self.verify_graphs = None
         if use_graphs and model.device.type == "cuda" and graph_safe(model):

@@ -1,11 +1,13 @@
 """One generic decoder for every supported architecture, driven by a ModelSpec.
 
 Weights come through a `WeightProvider` (see exl2.runtime.weights): the decoder asks for linears and tensors by
-their Hugging Face names and never sees file formats.
+their Hugging Face names and never sees file formats. A model split over several GPUs (runtime.placement) gets one
+provider per decoder layer and one for the final norm and head, each loading onto its own device.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from contextlib import nullcontext
+from typing import Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +27,12 @@ def _summed(y, like: torch.Tensor) -> torch.Tensor:
     return y.total(like.dtype) if isinstance(y, SplitSum) else y
 
 
+def on_device(device: Optional[torch.device]):
+    """Make `device` the current CUDA device inside the block: Triton launches on the current device, not on
+    its tensors' device (a no-op context for the CPU)."""
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else nullcontext()
+
+
 class WeightProvider(Protocol):
     def has(self, name: str) -> bool: ...
     def tensor(self, name: str) -> torch.Tensor: ...
@@ -37,12 +45,14 @@ class KVCache:
     """Contiguous per-layer key/value cache for incremental decoding: [B, max_len, Hkv, D].
 
     Caches implement `attend`, so the decoder never knows how keys are stored (the paged, quantized cache in
-    exl2.runtime has the same method, backed by kernels)."""
+    exl2.runtime has the same method, backed by kernels). `layer_devices` (one per layer) overrides `device`."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, k_dim: int, v_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        self.k = [torch.zeros(batch, max_len, kv_heads, k_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(batch, max_len, kv_heads, v_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device | str,
+                 layer_devices: Optional[Sequence[torch.device]] = None):
+        devs = list(layer_devices) if layer_devices is not None else [device] * num_layers
+        self.k = [torch.zeros(batch, max_len, kv_heads, k_dim, dtype=dtype, device=d) for d in devs]
+        self.v = [torch.zeros(batch, max_len, kv_heads, v_dim, dtype=dtype, device=d) for d in devs]
         self.max_len = max_len
         self.length = 0
 
@@ -263,13 +273,47 @@ def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> n
 
 
 class DecoderModel(nn.Module):
-    """Embeddings → decoder layers → final norm → head, for any ModelSpec."""
+    """Embeddings → decoder layers → final norm → head, for any ModelSpec.
 
-    def __init__(self, spec: ModelSpec, w: WeightProvider):
+    `w` provides the embedding (and everything else, unless split). A split model (`layer_w`: one provider per
+    decoder layer, `head_w`: the final norm and head's) runs each run of layers that share a provider on that
+    provider's device and moves the hidden state between them; logits come back on `device`, the embedding's."""
+
+    def __init__(self, spec: ModelSpec, w: WeightProvider, layer_w: Optional[Sequence[WeightProvider]] = None,
+                 head_w: Optional[WeightProvider] = None):
         super().__init__()
         self.spec = spec
+        self.is_split = layer_w is not None or head_w is not None
+        layer_w = list(layer_w) if layer_w is not None else [w] * spec.num_layers
+        head_w = head_w if head_w is not None else w
+        if len(layer_w) != spec.num_layers:
+            raise ValueError(f"{len(layer_w)} layer weight providers for {spec.num_layers} layers")
         self.embed_tokens = nn.Parameter(w.tensor("model.embed_tokens.weight"), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, w) for i in range(spec.num_layers))
+        layers = []
+        for i, lw in enumerate(layer_w):
+            with self._loading_on(lw):
+                layers.append(DecoderLayer(spec, i, lw))
+        self.layers = nn.ModuleList(layers)
+        with self._loading_on(head_w):
+            self._build_head(spec, head_w)
+        # the devices the norms' weights landed on (a layer's every tensor is on its provider's device)
+        self.layer_devices: list[torch.device] = [layer.input_layernorm.weight.device for layer in self.layers]
+        self.head_device: torch.device = self.norm.weight.device
+        # runs of consecutive layers with one provider (one device): (device, first, end); one run unless split
+        starts = [i for i in range(spec.num_layers) if i == 0 or layer_w[i] is not layer_w[i - 1]]
+        self._groups = [(self.layer_devices[a], a, b) for a, b in zip(starts, starts[1:] + [spec.num_layers])]
+        self._tables_by_device: dict = {}
+        # q/k/v (and gate/up) of exllamav2 files share one act-order permutation: one permuted copy of their input
+        # where their input orders are equal (EXL2_SHARED_INPUT=0: one per weight)
+        share_inputs(self)
+        self.route_split_sums()
+
+    def _loading_on(self, w: WeightProvider):
+        """A split model's parts load with their device current (kernels may run while repacking)."""
+        dev = getattr(w, "device", None) if self.is_split else None
+        return on_device(torch.device(dev) if dev is not None else None)
+
+    def _build_head(self, spec: ModelSpec, w: WeightProvider) -> None:
         self.norm = RMSNorm(w.tensor("model.norm.weight"), spec.norm_eps, spec.norm_offset)
         if w.has("lm_head.weight") or w.has("lm_head.q_weight") or w.has("lm_head.qweight"):
             self.lm_head = w.linear("lm_head", spec.hidden_size, spec.vocab_size, False)
@@ -277,10 +321,6 @@ class DecoderModel(nn.Module):
             self.lm_head = w.linear("model.embed_tokens", spec.hidden_size, spec.vocab_size, False)
         else:
             self.lm_head = w.linear("lm_head", spec.hidden_size, spec.vocab_size, False)
-        # q/k/v (and gate/up) of exllamav2 files share one act-order permutation: one permuted copy of their input
-        # where their input orders are equal (EXL2_SHARED_INPUT=0: one per weight)
-        share_inputs(self)
-        self.route_split_sums()
 
     def route_split_sums(self, enabled: Optional[bool] = None) -> int:
         """Let o_proj and down leave their K-split partial sums to the norm-gather that reads their output in
@@ -289,9 +329,10 @@ class DecoderModel(nn.Module):
         them."""
         on = qm.SPLIT_SUM if enabled is None else enabled
         routed = 0
+        starts = {first for _, first, _ in self._groups}  # partial sums do not cross to another device
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            nxt = self.layers[i + 1].self_attn if i + 1 < len(self.layers) else None
+            nxt = self.layers[i + 1].self_attn if i + 1 < len(self.layers) and i + 1 not in starts else None
             pairs = [(getattr(attn, "o_proj", None), getattr(mlp, "permuted_indices", lambda: None)()),
                      (getattr(mlp, "down_proj", None) if isinstance(mlp, GatedMLP) else None,
                       getattr(nxt, "permuted_indices", lambda: None)() if nxt is not None else None)]
@@ -346,6 +387,18 @@ class DecoderModel(nn.Module):
                 tables[name] = (*r.table(end, self.device), r.interleaved)
         return tables
 
+    def tables_on(self, tables: dict, device: torch.device) -> dict:
+        """`rope_tables`' tables on `device`, for a split model's layers there: copied once per device and kept
+        while the source tables are (the static ones live until regrown), not once per layer or step."""
+        out = {}
+        for name, t in tables.items():
+            hit = self._tables_by_device.get((name, device))
+            if hit is None or hit[0] is not t:
+                hit = (t, (t[0].to(device), t[1].to(device), *t[2:]))
+                self._tables_by_device[(name, device)] = hit
+            out[name] = hit[1]
+        return out
+
     def layer_rope(self, tables: dict, i: int):
         layer = self.spec.layers[i]
         if not layer.use_rope:
@@ -375,18 +428,48 @@ class DecoderModel(nn.Module):
         `fresh`: whether every row starts at 0, when a tensor `start` hides it (saves the cache a GPU read)."""
         q_pos = self.positions(ids, start)
         note = getattr(cache, "note_positions", None)
+        fresh = (start == 0) if isinstance(start, int) else fresh
         if note is not None:
-            note(q_pos, (start == 0) if isinstance(start, int) else fresh)
+            note(q_pos, fresh)
         tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
         x, delta = self.embed(ids).contiguous(), None
+        if self.is_split:
+            return self._forward_split(x, q_pos, tables, cache, fresh, last_only)
         for i, layer in enumerate(self.layers):
             x, delta = layer.fused_step(x, delta, q_pos, self.layer_rope(tables, i), cache)
         normed = self.norm.add_norm(delta, x) if delta is not None else self.norm(x)
         return self.logits(normed[:, -1:] if last_only else normed)
 
+    def _forward_split(self, x: torch.Tensor, q_pos: torch.Tensor, tables: dict, cache, fresh: Optional[bool],
+                       last_only: bool) -> torch.Tensor:
+        """`forward` over several devices: each run of layers with its device current, the residual stream and the
+        pending MLP output (`fused_step`'s pair) moved where the run starts, positions and RoPE tables copied once
+        per device and forward (the cache is told of each copy); the head's logits back on the embedding's device.
+        `.to` returns a tensor already on the device itself, so runs on one device copy nothing."""
+        note = getattr(cache, "note_positions", None)
+        delta = None
+        for dev, first, end in self._groups:
+            with on_device(dev):
+                x = x.to(dev)
+                delta = None if delta is None else _summed(delta, x).to(dev)
+                pos = q_pos.to(dev)
+                if note is not None and pos is not q_pos:
+                    note(pos, fresh)
+                local = self.tables_on(tables, dev)
+                for i in range(first, end):
+                    x, delta = self.layers[i].fused_step(x, delta, pos, self.layer_rope(local, i), cache)
+        dev = self.head_device
+        with on_device(dev):
+            x = x.to(dev)
+            normed = self.norm.add_norm(_summed(delta, x).to(dev), x) if delta is not None else self.norm(x)
+            logits = self.logits(normed[:, -1:] if last_only else normed)
+        return logits.to(self.device)
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         s = self.spec
+        devs = self.layer_devices if self.is_split else None
         if s.mla is not None:
             return KVCache(s.num_layers, batch, max_len, s.num_heads, s.head_dim, s.mla.v_head_dim, self.dtype,
-                           self.device)
-        return KVCache(s.num_layers, batch, max_len, s.num_kv_heads, s.head_dim, s.head_dim, self.dtype, self.device)
+                           self.device, devs)
+        return KVCache(s.num_layers, batch, max_len, s.num_kv_heads, s.head_dim, s.head_dim, self.dtype, self.device,
+                       devs)

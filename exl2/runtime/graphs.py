@@ -40,7 +40,8 @@ class DecodeGraphs:
                  batch_sizes=BATCH_SIZES, scratch_page: int = 0, tokens: int = 1):
         self.model, self.cache, self.tokens = model, cache, tokens
         self.max_pages, self.scratch = max_pages_per_seq, scratch_page
-        self.enabled = model.device.type == "cuda"
+        # a model split over several GPUs decodes eagerly (one graph would have to span the devices' streams)
+        self.enabled = model.device.type == "cuda" and not getattr(model, "is_split", False)
         self.graphs: dict[int, tuple] = {}
         self.short: dict[int, tuple] = {}  # one key split: batches of sequences of at most SHORT_CONTEXT tokens
         self.batch_sizes = tuple(sorted(batch_sizes))

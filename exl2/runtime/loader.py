@@ -1,15 +1,21 @@
-"""Load a model directory (HF, EXL2, GPTQ) into a DecoderModel on a device."""
+"""Load a model directory (HF, EXL2, GPTQ) into a DecoderModel on a device, or split over several GPUs."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from exl2.errors import ConfigError
 from exl2.formats.safetensors_io import TensorSource
 from exl2.models.decoder import DecoderModel
 from exl2.models.registry import read_config, spec_from_config
+from exl2.models.spec import ModelSpec
+from exl2.runtime.paged_cache import layer_bytes_per_token
+from exl2.runtime.placement import GpuSplit, Plan, plan_model
 from exl2.runtime.weights import WeightLoader
+
+PAGE_SIZE = 256  # the dynamic generator's page: the cache it allocates is whole pages plus one scratch page
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -19,24 +25,65 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def pick_device(device: Optional[str] = None) -> torch.device:
     if device:
         if device.startswith("cuda") and not torch.cuda.is_available():
-            from exl2.errors import ConfigError
             raise ConfigError("--device cuda was requested but no CUDA GPU is available.")
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optional[torch.dtype] = None
+def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+               gpu_split: Optional[GpuSplit] = None, cache_tokens: Optional[int] = None, cache_mode: str = "fp16"
                ) -> DecoderModel:
+    """`gpu_split` (GB per GPU, or "auto"; runtime.placement) spreads the decoder layers over several GPUs, with
+    room for the KV cache of `cache_tokens` tokens (default: the model's context, at most 4096) in `cache_mode`
+    next to each layer. A plan that uses one GPU loads the model there as if no split had been asked for."""
     cfg = read_config(model_dir)
     spec = spec_from_config(cfg)
-    dev = pick_device(device)
     qc = cfg.get("quantization_config") or {}
-    loader = WeightLoader(TensorSource(model_dir), dev, dtype or default_dtype(dev),
-                          checkpoint_format=qc.get("checkpoint_format", "gptq"), gptq_bits=int(qc.get("bits", 4))
-                          if qc.get("quant_method") == "gptq" else 4)
-    with torch.no_grad():
-        model = DecoderModel(spec, loader)
-    model.eval()
+    fmt = dict(checkpoint_format=qc.get("checkpoint_format", "gptq"),
+               gptq_bits=int(qc.get("bits", 4)) if qc.get("quant_method") == "gptq" else 4)
+    src = TensorSource(model_dir)
+    if gpu_split is None:
+        dev = pick_device(device)
+        model = _build(spec, WeightLoader(src, dev, dtype or default_dtype(dev), **fmt))
+    else:
+        model = _load_split(src, spec, device, dtype or torch.float16, gpu_split, cache_tokens, cache_mode, fmt)
     model.config_dict = cfg
     model.model_dir = Path(model_dir)
     return model
+
+
+def _build(spec: ModelSpec, w, layer_w=None, head_w=None) -> DecoderModel:
+    with torch.no_grad():
+        model = DecoderModel(spec, w, layer_w, head_w)
+    return model.eval()
+
+
+def _load_split(src: TensorSource, spec: ModelSpec, device: Optional[str], dtype: torch.dtype, gpu_split: GpuSplit,
+                cache_tokens: Optional[int], cache_mode: str, fmt: dict) -> DecoderModel:
+    if device is not None and not device.startswith("cuda"):
+        raise ConfigError(f"--gpu_split places the model on CUDA GPUs; it cannot be combined with --device {device}.")
+    if not torch.cuda.is_available():
+        raise ConfigError("--gpu_split needs CUDA GPUs, and none is available; leave it out to run on the CPU.")
+    tokens = cache_tokens or min(spec.max_position, 4096)
+    pages = -(-tokens // PAGE_SIZE) + 1
+    per_layer = int(pages * PAGE_SIZE * layer_bytes_per_token(spec, cache_mode, dtype.itemsize))
+    plan = plan_model(src, spec, dtype, gpu_split, per_layer)
+    devices = [torch.device("cuda", i) for i in range(max(plan.gpus) + 1)]
+    # the embedding's GPU becomes the current one: input ids, sampling and captured graphs work there, and Triton
+    # launches on the current device
+    torch.cuda.set_device(devices[plan.embed])
+    try:
+        if len(plan.gpus) == 1:
+            return _build(spec, WeightLoader(src, devices[plan.embed], dtype, **fmt))
+        return build_split(src, spec, plan, devices, dtype, **fmt)
+    except torch.cuda.OutOfMemoryError:
+        raise ConfigError("Loading the model ran out of GPU memory: lower the GB per GPU of --gpu_split (each "
+                          "budget must leave room for activations) or use 'auto'.") from None
+
+
+def build_split(src: TensorSource, spec: ModelSpec, plan: Plan, devices: Sequence[torch.device],
+                dtype: torch.dtype, **fmt) -> DecoderModel:
+    """A model laid out by `plan`, GPU i of the plan being `devices[i]`: one WeightLoader per planned GPU, so the
+    model runs its split path even where several entries name one device (how the CPU tests exercise it)."""
+    loaders = {g: WeightLoader(src, devices[g], dtype, **fmt) for g in plan.gpus}
+    return _build(spec, loaders[plan.embed], [loaders[g] for g in plan.layers], loaders[plan.head])
