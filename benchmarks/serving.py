@@ -10,12 +10,15 @@ import argparse
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from exl2.config import SamplingSettings
-from exl2.generation.dynamic import DynamicGenerator, Job
-from exl2.runtime.synthetic import synthetic_model, synthetic_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from exl2.config import SamplingSettings  # noqa: E402
+from exl2.generation.dynamic import DynamicGenerator, Job  # noqa: E402
+from exl2.runtime.synthetic import synthetic_model, synthetic_tokenizer  # noqa: E402
 
 
 def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int) -> tuple[float, float, float]:

@@ -37,11 +37,12 @@ FUSE_SHARED_INPUT = env_choice("EXL2_FUSE_SHARED_INPUT", 1, range(0, 2)) == 1
 # permutation) get one x_index tensor at load (`permute.share_input_orders`), so the small-batch path writes and
 # reads one permuted copy for them instead of one each. EXL2_SHARED_INPUT=0 keeps a copy per weight (for A/B runs).
 SHARED_INPUT = env_choice("EXL2_SHARED_INPUT", 1, range(0, 2)) == 1
-# EXL2_SPLIT_SUM=1: up to 16 rows o and down, where the gemv or the Gluon kernel splits their K, leave the partial
-# sums to the norm-gather that reads their output (`SplitSum`), so they end without the counter and the last
-# program's sum (~1 µs a call predicted, ~+3 % at batch 1). Off until measured on a GPU (session 16 had no device
-# time left for it).
-SPLIT_SUM = env_choice("EXL2_SPLIT_SUM", 0, range(0, 2)) == 1
+# o and down, where the gemv splits their K, leave the partial sums to the norm-gather that reads their output
+# (`SplitSum`), so they end without the arrival counter and the last program's sum: +4.2-4.3 % at batch 1 (H100,
+# session 18). The Gluon kernel's partials (batches past the gemv) lost 18-19 % at batch 16, so they are off
+# unless EXL2_SPLIT_SUM=2; 0 turns split sums off.
+SPLIT_SUM_MODE = env_choice("EXL2_SPLIT_SUM", 1, range(0, 3))
+SPLIT_SUM = SPLIT_SUM_MODE >= 1
 # Up to 16 rows: the Gluon kernel (`mma_dot`), MMA4_BS steps per iteration, 32·MMA4_V columns
 # per program, a ring of MMA4_STAGES iterations, K split to about MMA4_PER_SM programs per SM. EXL2_MMA4=0 keeps
 # the Triton kernel.
@@ -122,7 +123,7 @@ def permuted_matmul(xp: torch.Tensor, w: QuantWeight, split_sum: bool = False) -
         return matmul_torch(x, w)
     path, cfg = choose_config(m, w, xp.dtype)
     if path != "gemv":
-        return _dot_or_mma(xp, w, cfg, split_sum)
+        return _dot_or_mma(xp, w, cfg, split_sum and SPLIT_SUM_MODE == 2)
     return permuted_gemv(xp, w, cfg, part_only=split_sum)
 
 
