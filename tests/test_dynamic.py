@@ -189,3 +189,26 @@ def test_engine_closing_a_stream_cancels_the_job():
     with pytest.raises(ContextLengthError):
         engine.generate("word " * 600, GREEDY, 4)
     assert engine.generate(PROMPTS[0], GREEDY, 3).token_ids  # the worker survives a rejected request
+
+
+def test_a_big_job_lets_small_ones_pass_but_is_not_starved(model, tok):
+    from exl2.generation.dynamic import MAX_SKIPS
+
+    gen = DynamicGenerator(model, tok, 64, cache_tokens=64, max_batch=16, page_size=16)  # 4 pages of 16 tokens
+    words = tok.encode("one two three four five six seven eight nine ten " * 6)
+    first = Job(words[:30], GREEDY, 18)       # 47 tokens: 3 pages, runs first
+    big = Job(words[:40], GREEDY, 24)         # 63 tokens: needs all 4 pages, waits for `first`
+    small = [Job(words[i:i + 5], GREEDY, 8) for i in range(8)]  # 12 tokens: 1 page each
+    results = gen.generate([first, big] + small)
+    started_before_big = [j for j in small if j.times[1] < big.times[1]]
+    assert 0 < len(started_before_big) <= MAX_SKIPS and big.skipped == len(started_before_big)
+    for job, r in zip([first, big] + small, results):
+        assert r.token_ids == greedy_reference(model, job.ids, job.max_new_tokens)
+        assert r.time_queued >= 0 and r.time_prefill >= 0 and r.time_generate >= 0
+
+
+def test_results_report_cached_tokens(model, tok):
+    gen = DynamicGenerator(model, tok, 512, page_size=16)
+    ids = tok.encode("A shared opening that is long enough to fill two pages of sixteen tokens each, at least.")
+    assert gen.generate([Job(ids, GREEDY, 4)])[0].cached_tokens == 0
+    assert gen.generate([Job(ids + [5, 6], GREEDY, 4)])[0].cached_tokens == (len(ids) // 16) * 16 > 0

@@ -9,6 +9,7 @@ pages already in the cache reuse them (runtime.page_pool).
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -28,6 +29,7 @@ from exl2.runtime.page_pool import PagePool, page_key
 from exl2.runtime.paged_cache import PagedKVCache
 
 _ids = itertools.count()
+MAX_SKIPS = 4  # how often younger jobs may start before a waiting one (exllamav2's max_skips)
 
 
 class Job:
@@ -55,6 +57,8 @@ class Job:
         self.key: Optional[bytes] = None     # prefix key of the last full page published
         self.published = 0
         self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
+        self.skipped = 0                     # times younger jobs were admitted past it (see DynamicGenerator)
+        self.times = [0.0, 0.0, 0.0, 0.0]   # enqueued, admitted, first token, finished (time.perf_counter)
 
     def __repr__(self) -> str:
         return f"Job({self.id}, {len(self.ids)} prompt tokens, {'done' if self.done else 'running'})"
@@ -107,6 +111,7 @@ class DynamicGenerator:
             raise ContextLengthError(
                 f"The prompt is {len(job.ids)} tokens long but the context holds {self.max_seq_len} tokens.")
         job.max_new_tokens = max(1, min(job.max_new_tokens, self.max_seq_len - len(job.ids)))
+        job.times[0] = time.perf_counter()
         self.queue.append(job)
         return job
 
@@ -127,21 +132,35 @@ class DynamicGenerator:
         return -(-(len(job.ids) + job.max_new_tokens - 1) // self.page_size)
 
     def _admit(self) -> None:
-        while self.queue and len(self.active) < self.max_batch:
-            job = self.queue[0]
-            shared, key = self.pool.match(job.ids, (len(job.ids) - 1) // self.page_size)
-            idle_shared = sum(1 for p in shared if self.pool.refs[p] == 0)
-            new = self._pages_needed(job) - len(shared)
-            if new > self.pool.available() - idle_shared:  # wait for running jobs to free pages
+        """Start queued jobs, oldest first, while the batch and the cache have room. A job whose pages are not free
+        yet lets younger jobs that fit go first, at most MAX_SKIPS times; then it blocks the queue until it fits,
+        so a long request is delayed but never starved."""
+        waiting: list[Job] = []
+        for job in list(self.queue):
+            if len(self.active) >= self.max_batch or any(w.skipped >= MAX_SKIPS for w in waiting):
                 return
-            self.queue.popleft()
-            job.pages = self.pool.acquire(shared, new)
-            job.length = job.cached_tokens = len(shared) * self.page_size
-            job.key, job.published = key, len(shared)
-            job.tokens = list(job.ids)
-            job.reply = Reply(self.tokenizer, job.stop_strings, job.stop_token_ids)
-            job.generator = make_generator(job.settings.seed, self.model.device)
-            self.active.append(job)
+            if self._start(job):
+                for w in waiting:
+                    w.skipped += 1
+            else:
+                waiting.append(job)
+
+    def _start(self, job: Job) -> bool:
+        shared, key = self.pool.match(job.ids, (len(job.ids) - 1) // self.page_size)
+        idle_shared = sum(1 for p in shared if self.pool.refs[p] == 0)
+        new = self._pages_needed(job) - len(shared)
+        if new > self.pool.available() - idle_shared:  # wait for running jobs to free pages
+            return False
+        self.queue.remove(job)
+        job.pages = self.pool.acquire(shared, new)
+        job.length = job.cached_tokens = len(shared) * self.page_size
+        job.key, job.published = key, len(shared)
+        job.tokens = list(job.ids)
+        job.reply = Reply(self.tokenizer, job.stop_strings, job.stop_token_ids)
+        job.generator = make_generator(job.settings.seed, self.model.device)
+        job.times[1] = time.perf_counter()
+        self.active.append(job)
+        return True
 
     def _table(self, jobs: list[Job]) -> torch.Tensor:
         rows = [j.pages + [self.scratch] * (self.pages_per_seq - len(j.pages)) for j in jobs]
@@ -227,6 +246,8 @@ class DynamicGenerator:
 
     def _push(self, job: Job, token: int) -> str:
         """Add a sampled token to a job; its new text. Sets the reply's finish reason when the job is done."""
+        if not job.times[2]:
+            job.times[2] = time.perf_counter()
         text = job.reply.push(token)
         job.tokens.append(token)
         job.pending = token
@@ -243,9 +264,18 @@ class DynamicGenerator:
             self._finish(job)
             if self.draft is not None:
                 self.draft.forget(job.id)
-            events.append(Event(job, text, job.reply.result(len(job.ids))))
+            events.append(Event(job, text, self._result(job)))
         elif text:
             events.append(Event(job, text))
+
+    def _result(self, job: Job) -> GenerationResult:
+        r = job.reply.result(len(job.ids))
+        queued, admitted, first, _ = job.times
+        job.times[3] = end = time.perf_counter()
+        first = first or end
+        r.cached_tokens, r.draft_tokens, r.accepted_draft_tokens = job.cached_tokens, job.drafted, job.accepted
+        r.time_queued, r.time_prefill, r.time_generate = admitted - queued, first - admitted, end - first
+        return r
 
     def _speculate(self, job: Job, events: list[Event]) -> bool:
         """Decode a lone job with drafts: feed its last token and the drafter's guesses in one forward, keep the

@@ -14,6 +14,12 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"          # "stop" (EOS or stop string) or "length"
     prompt_tokens: int = 0
+    cached_tokens: int = 0                 # prompt tokens whose keys/values came from the prompt cache
+    draft_tokens: int = 0                  # speculative decoding: guesses checked
+    accepted_draft_tokens: int = 0         # ... and kept
+    time_queued: float = 0.0               # seconds waiting for a batch slot and cache pages
+    time_prefill: float = 0.0              # seconds from admission to the first token
+    time_generate: float = 0.0             # seconds from the first token to the end
 
 
 class StopMatcher:
