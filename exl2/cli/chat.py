@@ -59,5 +59,15 @@ def run(args) -> int:
                 sys.stdout.flush()
         sys.stdout.write("\n" if interactive else "\n\n")
         sys.stdout.flush()
+        if interactive:
+            print(_stats(result), file=sys.stderr)
         history.append({"role": "assistant", "content": result.text.strip()})
     return 0
+
+
+def _stats(r) -> str:
+    """One dim line after a reply: prompt (and how much of it the cache held), reply length, speeds."""
+    speed = f", {(len(r.token_ids) - 1) / r.time_generate:.1f} tok/s" if r.time_generate > 0 else ""
+    drafts = f", {r.accepted_draft_tokens}/{r.draft_tokens} guesses kept" if r.draft_tokens else ""
+    return (f"[prompt {r.prompt_tokens} tokens ({r.cached_tokens} cached) in {r.time_prefill:.2f} s; "
+            f"reply {len(r.token_ids)} tokens{speed}{drafts}]")
