@@ -73,14 +73,17 @@ class FakeEngine:
         self.tokenizer = SimpleNamespace(encode=lambda text, add_bos=None: list(range(len(text))),
                                          decode=lambda ids: "x" * len(ids))
         self.reply: str | None = CALL      # None: an endless reply, for the disconnect tests
+        self.fail_seed: int | None = None  # the job sampling with this seed fails after its first piece
         self.rendered: list[tuple[list, object]] = []
         self.closed = threading.Event()
+        self.opened = self.closes = 0      # streams started and closed, for the disconnect tests
 
     def chat_prompt(self, messages, tools=None):
         self.rendered.append((messages, tools))
         return "PROMPT"
 
     async def aevents(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None, grammar=None):
+        self.opened += 1
         try:
             if self.reply is None:
                 while True:
@@ -89,8 +92,11 @@ class FakeEngine:
             for i in range(0, len(self.reply), 3):
                 await asyncio.sleep(0)
                 yield self.reply[i:i + 3], None
+                if settings is not None and settings.seed is not None and settings.seed == self.fail_seed:
+                    raise RuntimeError("fake engine failure")
             yield "", GenerationResult(self.reply, list(range(9)), "stop", 5)
         finally:
+            self.closes += 1
             self.closed.set()
 
 
@@ -128,6 +134,22 @@ def fake_url(fake_app):
 
 def reference(engine, prompt, n, stops=(), add_bos=None):
     return engine.generator.generate(prompt, GREEDY, n, stops, add_bos=add_bos)
+
+
+def sse_data(url, path, body) -> list[str]:
+    """The `data:` payloads of a streamed request, [DONE] included."""
+    with httpx.stream("POST", f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"}, json=body) as r:
+        assert r.status_code == 200, r.read()
+        return [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def wait_until(condition, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 # ---- models, health, auth ---------------------------------------------------------------------------------------
@@ -240,6 +262,20 @@ def test_completions_stop_strings_stream_and_echo(url, app, engine):
     assert echoed.choices[0].text == prompt + full.text
 
 
+def test_usage_reports_cached_prompt_tokens(url, engine):
+    """A prompt longer than a cache page (256 tokens), sent twice: the second time its first page comes from the
+    prompt cache, and the reply is the same."""
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    prompt = ""
+    while len(engine.tokenizer.encode(prompt)) <= 260:
+        prompt += "alpha beta gamma delta "
+    assert len(engine.tokenizer.encode(prompt)) < 480
+    first = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    again = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens in (0, 256)  # another test may have sent it before
+    assert again.usage.prompt_tokens_details.cached_tokens == 256 and again.choices[0].text == first.choices[0].text
+
+
 def test_structured_output(url):
     """response_format json_schema / json_object: replies parse and follow the schema, streamed or not."""
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -247,12 +283,17 @@ def test_structured_output(url):
     c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}}
     hi = [{"role": "user", "content": "Plan a trip."}]
+    replies = []
     for seed in (1, 2):
         r = c.chat.completions.create(model="tiny", messages=hi, max_tokens=120, temperature=1.0, seed=seed,
                                       response_format=fmt)
         value = json.loads(r.choices[0].message.content)
         assert set(value) == {"city", "days"} and isinstance(value["days"], int) and len(value["city"]) <= 10
         assert r.choices[0].finish_reason == "stop"
+        replies.append(r.choices[0].message.content)
+    both = c.chat.completions.create(model="tiny", messages=hi, max_tokens=120, temperature=1.0, seed=1, n=2,
+                                     response_format=fmt)      # a grammar per choice: seeds 1 and 2 as above
+    assert [ch.message.content for ch in both.choices] == replies
     parts = c.chat.completions.create(model="tiny", messages=hi, max_tokens=120, temperature=1.0, seed=3,
                                       response_format=fmt, stream=True)
     value = json.loads("".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices))
@@ -265,6 +306,77 @@ def test_structured_output(url):
         assert r.choices[0].text.startswith("{")
 
 
+# ---- several choices and prompts --------------------------------------------------------------------------------
+
+def test_chat_n_choices(app):
+    hi = [{"role": "user", "content": "Tell me a story."}]
+
+    async def go():
+        c = aclient(app)
+        create = c.chat.completions.create
+        one = await create(model="tiny", messages=hi, temperature=0, max_tokens=8)
+        greedy = await create(model="tiny", messages=hi, temperature=0, max_tokens=8, n=3)
+        seeded = await create(model="tiny", messages=hi, temperature=1, max_tokens=8, n=3, seed=5)
+        again = await create(model="tiny", messages=hi, temperature=1, max_tokens=8, n=3, seed=5)
+        singles = await asyncio.gather(*(create(model="tiny", messages=hi, temperature=1, max_tokens=8, seed=5 + i)
+                                         for i in range(3)))
+        return one, greedy, seeded, again, singles
+
+    one, greedy, seeded, again, singles = run(go())
+    assert [ch.index for ch in greedy.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in greedy.choices] == [one.choices[0].message.content] * 3
+    assert [ch.finish_reason for ch in greedy.choices] == ["length"] * 3
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens
+    assert greedy.usage.total_tokens == greedy.usage.prompt_tokens + greedy.usage.completion_tokens
+    texts = [ch.message.content for ch in seeded.choices]
+    assert texts == [s.choices[0].message.content for s in singles]      # choice i samples with seed + i
+    assert texts == [ch.message.content for ch in again.choices] and len(set(texts)) > 1
+
+
+def test_completions_several_prompts(app, engine):
+    prompts = ["The quick brown fox", "Once upon a time"]
+
+    async def go():
+        c = aclient(app)
+        create = c.completions.create
+        many = await create(model="tiny", prompt=prompts, n=2, temperature=1, seed=7, max_tokens=6)
+        singles = await asyncio.gather(*(create(model="tiny", prompt=p, temperature=1, seed=7 + i, max_tokens=6)
+                                         for p in prompts for i in range(2)))
+        ids = await create(model="tiny", prompt=[engine.tokenizer.encode(p) for p in prompts], temperature=0,
+                           max_tokens=6, echo=True)
+        return many, singles, ids
+
+    many, singles, ids = run(go())
+    assert [ch.index for ch in many.choices] == [0, 1, 2, 3]              # prompt-major: prompt * n + i
+    assert [ch.text for ch in many.choices] == [s.choices[0].text for s in singles]
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens + singles[2].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    for p, ch in zip(prompts, ids.choices):                               # token-id prompts, echoed as text
+        assert ch.text == engine.tokenizer.decode(engine.tokenizer.encode(p)) + reference(engine, p, 6).text
+
+
+def test_streaming_n_choices_over_socket(url):
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 1, "seed": 11,
+            "max_tokens": 10, "n": 2}
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    whole = c.chat.completions.create(model="tiny", **body)
+    data = sse_data(url, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert data.count("[DONE]") == 1 and data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    with_usage = [i for i, ch in enumerate(chunks) if ch.get("usage")]
+    assert with_usage == [len(chunks) - 1] and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == whole.usage.model_dump(exclude_none=True)
+    parts = [ch["choices"][0] for ch in chunks[:-1]]
+    assert all(len(ch["choices"]) == 1 for ch in chunks[:-1]) and {p["index"] for p in parts} == {0, 1}
+    for i in (0, 1):
+        mine = [p for p in parts if p["index"] == i]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert "".join(p["delta"].get("content") or "" for p in mine) == whole.choices[i].message.content
+        assert [p["finish_reason"] for p in mine if p["finish_reason"]] == [whole.choices[i].finish_reason]
+        assert mine[-1]["finish_reason"]                                  # the finish chunk ends its choice
+
+
 # ---- errors -----------------------------------------------------------------------------------------------------
 
 def test_bad_requests_are_400_in_openai_shape(app):
@@ -272,7 +384,7 @@ def test_bad_requests_are_400_in_openai_shape(app):
 
     async def go():
         c = aclient(app)
-        cases = [dict(n=2), dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        cases = [dict(n=17), dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
                  dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
                      "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}),
                  dict(frequency_penalty=0.5), dict(logprobs=True), dict(stop=["a", "b", "c", "d", "e"])]
@@ -284,6 +396,12 @@ def test_bad_requests_are_400_in_openai_shape(app):
             params.append(e.value.body["param"])
         assert params == ["n", "response_format", "response_format", "frequency_penalty", "logprobs", "stop"]
         assert "at most 4" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, n=17)
+        assert e.value.body["param"] == "n" and "16" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="tiny", prompt="a", max_tokens=2, best_of=2)
+        assert e.value.body["param"] == "best_of"
 
         with pytest.raises(openai.BadRequestError) as e:
             await c.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
@@ -346,6 +464,13 @@ def test_tool_calls_non_streamed(fake_app, fake):
     with pytest.raises(openai.BadRequestError):
         run(go(CALL, tool_choice={"type": "function", "function": {"name": "missing"}}))
 
+    r = run(go("Let me add.\n" + CALL, n=2))                # parsed per choice
+    assert [ch.index for ch in r.choices] == [0, 1] and [ch.finish_reason for ch in r.choices] == ["tool_calls"] * 2
+    assert [ch.message.content for ch in r.choices] == ["Let me add."] * 2
+    ids = [ch.message.tool_calls[0].id for ch in r.choices]
+    assert len(set(ids)) == 2 and all(ch.message.tool_calls[0].function.name == "add" for ch in r.choices)
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == 5
+
 
 def test_tool_calls_streamed(fake_url, fake):
     c = openai.OpenAI(base_url=f"{fake_url}/v1", api_key="unused", max_retries=0)
@@ -372,6 +497,32 @@ def test_tool_calls_streamed(fake_url, fake):
 
     content, calls, finish = stream("Plain answer <b>3</b>.")
     assert content == "Plain answer <b>3</b>." and calls == [] and finish == "stop"
+
+    fake.reply = "Let me add.\n" + CALL                    # n=2: each choice holds back and parses its own call
+    chunks = list(c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "1+2?"}],
+                                            tools=TOOLS, stream=True, n=2))
+    ids = set()
+    for i in (0, 1):
+        mine = [ch.choices[0] for ch in chunks if ch.choices[0].index == i]
+        assert "".join(p.delta.content or "" for p in mine) == "Let me add.\n"
+        calls = [tc for p in mine for tc in p.delta.tool_calls or []]
+        assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "add"
+        assert json.loads(calls[0].function.arguments) == {"a": 1, "b": 2}
+        assert [p.finish_reason for p in mine if p.finish_reason] == ["tool_calls"]
+        ids.add(calls[0].id)
+    assert len(ids) == 2
+
+
+def test_error_in_one_choice_ends_the_stream(fake_url, fake):
+    fake.reply, fake.fail_seed = "Some plain text that takes a while to send.", 1
+    fake.opened = fake.closes = 0
+    try:
+        data = sse_data(fake_url, "/v1/completions", {"prompt": "go", "stream": True, "n": 2, "seed": 0})
+    finally:
+        fake.fail_seed = None
+    assert "[DONE]" not in data and json.loads(data[-1])["error"]["type"] == "server_error"
+    assert all("error" not in json.loads(d) for d in data[:-1])
+    assert wait_until(lambda: fake.closes == fake.opened == 2), "not every choice's engine stream was closed"
 
 
 def test_tool_history_renders_through_real_engine(app, engine):
@@ -405,6 +556,19 @@ def test_client_disconnect_closes_the_engine_stream(fake_url, fake):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{fake_url}/v1/completions", json={"prompt": "go"}, timeout=0.3)
     assert fake.closed.wait(5)
+
+    for stream in (True, False):                         # n=2: every choice's engine stream is closed
+        assert wait_until(lambda: fake.closes == fake.opened)
+        fake.opened = fake.closes = 0
+        body = {"messages": [{"role": "user", "content": "go"}], "stream": stream, "n": 2}
+        if stream:
+            with httpx.stream("POST", f"{fake_url}/v1/chat/completions", json=body) as r:
+                assert next(line for line in r.iter_lines() if line.startswith("data: "))
+                assert wait_until(lambda: fake.opened == 2), fake.opened
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{fake_url}/v1/chat/completions", json=body, timeout=0.3)
+        assert wait_until(lambda: fake.closes == fake.opened == 2), f"streams left open (stream={stream})"
 
 
 # ---- exl2 serve -------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """POST /v1/chat/completions and /v1/completions, streamed (SSE) or not.
 
-Requests are not serialized here: each one is its own `engine.aevents` stream and the engine batches them.
-Closing that stream (`aclose`) is how the engine learns a client went away, so every path closes it.
+Requests are not serialized here: each choice of a request (n per prompt) is its own `engine.aevents` stream,
+and the engine batches them with every other request's. Closing a stream (`aclose`) is how the engine learns a
+client went away, so every path closes all of a request's streams.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from exl2.config import SamplingSettings
 from exl2.errors import Exl2Error
 from exl2.generation.chat import parse_tool_calls
 from exl2.generation.constraints import Grammar
+from exl2.generation.generator import GenerationResult
 from exl2.server import params
 from exl2.server.errors import APIError, from_engine
 from exl2.server.messages import template_messages
@@ -35,7 +37,7 @@ Event = tuple[str, Any]
 
 @dataclass
 class Job:
-    """What one request asks the engine for; `param` names the request field blamed for engine errors."""
+    """What one choice asks the engine for; `param` names the request field blamed for engine errors."""
 
     prompt: str | list[int]
     settings: SamplingSettings
@@ -54,20 +56,97 @@ class _ClientGone(Exception):
     pass
 
 
-def _usage(result) -> dict[str, int]:
-    done = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": done,
-            "total_tokens": result.prompt_tokens + done}
+def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, default_max: int) -> list[Job]:
+    """The request fanned out into one job per choice, prompt-major: choice index = prompt index * n + i.
+    Choice i samples with seed + i; each job gets its own grammar, since a grammar holds parse state."""
+    max_new, stops = params.max_new_tokens(req, default_max), params.stop_strings(req)
+    return [Job(prompt, params.sampling(req, i), max_new, stops, add_bos, param,
+                params.response_grammar(engine, req.response_format))
+            for prompt in prompts for i in range(req.n)]
 
 
-def _job(req, engine, prompt, add_bos: Optional[bool], param: str, default_max: int) -> Job:
-    return Job(prompt, params.sampling(req), params.max_new_tokens(req, default_max), params.stop_strings(req),
-               add_bos, param, params.response_grammar(engine, req.response_format))
+def _usage(results: list[GenerationResult], n: int) -> dict[str, Any]:
+    """Prompt tokens once per prompt (every n-th result starts a prompt), completion tokens of every choice, and
+    how many prompt tokens the prompt cache held (OpenAI's prompt_tokens_details.cached_tokens)."""
+    prompt = sum(r.prompt_tokens for r in results[::n])
+    done = sum(len(r.token_ids) for r in results)
+    cached = sum(r.cached_tokens for r in results[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _close(agen) -> None:
     with contextlib.suppress(RuntimeError):      # already running: its task was cancelled and is unwinding
         await agen.aclose()
+
+
+def _engine_error(e: Exception, param: Optional[str]) -> APIError:
+    err = from_engine(e, param)
+    if err.status >= 500:
+        log.error("generation failed", exc_info=e)
+    return err
+
+
+class _Choices:
+    """A request's jobs running together: one task per choice owns its engine stream and feeds a shared queue,
+    so `events()` interleaves the choices as the engine produces them. `close()` cancels the tasks, which
+    closes every stream (the engine then cancels the jobs)."""
+
+    def __init__(self, engine, jobs: list[Job]):
+        self.engine, self.jobs = engine, jobs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.results: list[Optional[GenerationResult]] = [None] * len(jobs)
+
+    async def start(self) -> None:
+        """Start every job and wait for each one's first event, so a prompt that does not fit is answered with
+        a 400 before the 200 and the event stream begin."""
+        loop = asyncio.get_running_loop()
+        started = [loop.create_future() for _ in self.jobs]
+        self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(started)]
+        firsts = await asyncio.gather(*started, return_exceptions=True)
+        errors = [e for e in firsts if isinstance(e, BaseException)]
+        if errors:
+            await self.close()
+            raise _engine_error(errors[0], self.jobs[0].param) from errors[0]
+
+    async def _pump(self, i: int, started: asyncio.Future) -> None:
+        stream = self.jobs[i].events(self.engine)
+        try:
+            async for text, result in stream:
+                if not started.done():
+                    started.set_result(None)
+                self.queue.put_nowait((i, text, result, None))
+                if result is not None:
+                    return
+            raise RuntimeError("the engine's event stream ended without a result")
+        except BaseException as e:       # start() and events() must hear of every end, a cancellation included
+            error = e if isinstance(e, Exception) else RuntimeError(f"the engine stream ended: {e!r}")
+            if not started.done():
+                started.set_exception(error)
+            self.queue.put_nowait((i, "", None, error))
+            if error is not e:
+                raise
+        finally:
+            await _close(stream)
+
+    async def events(self) -> AsyncIterator[tuple[int, str, Optional[GenerationResult]]]:
+        """(choice index, new text, result or None) until every choice has its result (then all are in
+        `results`); a choice's error is raised."""
+        left = len(self.jobs)
+        while left:
+            i, text, result, error = await self.queue.get()
+            if error is not None:
+                raise error
+            if result is not None:
+                self.results[i] = result
+                left -= 1
+            yield i, text, result
+
+    async def close(self) -> None:
+        for task in self.tasks:       # synchronous, so it holds even if this coroutine is cancelled at the await
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable):
@@ -86,175 +165,170 @@ async def _unless_disconnected(request: Request, work: Awaitable):
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _generate(request: Request, engine, job: Job):
-    """Run a job to the end; the final GenerationResult."""
-    agen = job.events(engine)
+async def _generate(request: Request, engine, jobs: list[Job]) -> list[GenerationResult]:
+    """Run the jobs to the end; their final GenerationResults in choice order."""
+    choices = _Choices(engine, jobs)
 
     async def collect():
-        result = None
-        async for _, r in agen:
-            result = r or result
-        if result is None:
-            raise RuntimeError("the engine's event stream ended without a result")
-        return result
+        await choices.start()
+        async for _ in choices.events():
+            pass
+        return choices.results
 
     try:
         return await _unless_disconnected(request, collect())
     except (APIError, _ClientGone):
         raise
     except Exception as e:
-        raise _engine_error(e, job.param) from e
+        raise _engine_error(e, jobs[0].param) from e
     finally:
-        await _close(agen)
+        await choices.close()
 
 
-def _engine_error(e: Exception, param: str) -> APIError:
-    err = from_engine(e, param)
-    if err.status >= 500:
-        log.error("generation failed", exc_info=e)
-    return err
-
-
-async def _start(engine, job: Job) -> tuple[Optional[Event], AsyncIterator[Event]]:
-    """Start a streamed job and wait for its first event, so a prompt that does not fit is answered with a 400
-    before the 200 and the event stream begin."""
-    agen = job.events(engine)
-    try:
-        return await agen.__anext__(), agen
-    except StopAsyncIteration:
-        return None, agen
-    except Exception as e:
-        await _close(agen)
-        raise _engine_error(e, job.param) from e
-
-
-def _sse(chunks: AsyncIterator[str]) -> EventSourceResponse:
-    return EventSourceResponse(chunks, ping=15)
-
-
-async def _stream(first: Optional[Event], agen: AsyncIterator[Event], prelude: list[str], on_text, finish
-                  ) -> AsyncIterator[str]:
-    """Drive a started job: the `prelude` chunks, `on_text(text)` chunks while tokens arrive, `finish(result)`
-    chunks at the end, then [DONE]. An error after the 200 can only be reported in-band, as an OpenAI error
-    event (the openai client raises it). One generator, so closing it (client gone) closes the job.
+async def _stream(engine, jobs: list[Job], prelude, on_text, finish, usage_head: Optional[dict], n: int
+                  ) -> EventSourceResponse:
+    """Start the jobs, then stream SSE data: each choice's `prelude(i)` chunks, `on_text(i, text)` chunks while
+    its tokens arrive and `finish(i, result)` chunks when it ends (choices interleaved as produced), the usage
+    chunk (`usage_head` plus `usage`, if given) once all ended, then [DONE]. An error after the 200 can only be
+    reported in-band, as an OpenAI error event (the openai client raises it). Closing the event generator
+    (client gone) closes every choice's job.
     """
-    try:
-        for chunk in prelude:
-            yield chunk
-        event, result = first, None
-        while event is not None:
-            text, r = event
-            result = r or result
-            if text:
-                for chunk in on_text(text):
+    choices = _Choices(engine, jobs)
+    await choices.start()
+
+    async def chunks() -> AsyncIterator[str]:
+        try:
+            for i in range(len(jobs)):
+                for chunk in prelude(i):
                     yield chunk
-            event = None if result is not None else await anext(agen, None)
-        if result is None:
-            raise RuntimeError("the engine's event stream ended without a result")
-        for chunk in finish(result):
-            yield chunk
-        yield "[DONE]"
-    except Exception as e:
-        yield json.dumps(_engine_error(e, None).body())
-    finally:
-        await _close(agen)
+            async for i, text, result in choices.events():
+                if text:
+                    for chunk in on_text(i, text):
+                        yield chunk
+                if result is not None:
+                    for chunk in finish(i, result):
+                        yield chunk
+            if usage_head is not None:
+                yield json.dumps({**usage_head, "usage": _usage(choices.results, n)})
+            yield "[DONE]"
+        except Exception as e:
+            yield json.dumps(_engine_error(e, None).body())
+        finally:
+            await choices.close()
+
+    return EventSourceResponse(chunks(), ping=15)
 
 
 def _state(request: Request):
     return request.app.state.exl2
 
 
+def _usage_head(body, head: dict) -> Optional[dict]:
+    """The usage chunk's fields but `usage`, or None when stream_options.include_usage is off."""
+    return {**head, "choices": []} if body.stream_options and body.stream_options.include_usage else None
+
+
+def _chat_message(result: GenerationResult, tools) -> tuple[dict[str, Any], str]:
+    """A finished reply as an assistant message with its finish_reason; tool calls parsed when tools were given."""
+    calls = parse_tool_calls(result.text) if tools else []
+    if calls:
+        return {"role": "assistant", "content": content_before_calls(result.text),
+                "tool_calls": openai_tool_calls(calls)}, "tool_calls"
+    return {"role": "assistant", "content": result.text}, result.finish_reason
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = _state(request)
     params.check_supported(body)
-    job = _job(body, st.engine, "", False, "messages", st.config.max_tokens)      # checks every field before rendering
+    jobs = _jobs(body, st.engine, [""], False, "messages", st.config.max_tokens)   # checks every field first
     tools = template_tools(body.tools, body.tool_choice)
     messages = template_messages(body.messages)
     try:
-        job.prompt = st.engine.chat_prompt(messages, tools)
+        prompt = st.engine.chat_prompt(messages, tools)
     except Exl2Error as e:
         raise _engine_error(e, "messages") from e
+    for job in jobs:
+        job.prompt = prompt
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": st.name}
 
     if not body.stream:
         try:
-            result = await _generate(request, st.engine, job)
+            results = await _generate(request, st.engine, jobs)
         except _ClientGone:
             return Response(status_code=499)
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
-        finish = result.finish_reason
-        calls = parse_tool_calls(result.text) if tools else []
-        if calls:
-            message = {"role": "assistant", "content": content_before_calls(result.text),
-                       "tool_calls": openai_tool_calls(calls)}
-            finish = "tool_calls"
-        return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-                "usage": _usage(result)}
+        choices = []
+        for i, result in enumerate(results):
+            message, finish = _chat_message(result, tools)
+            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish})
+        return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(results, body.n)}
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    holdback = ToolCallHoldback() if tools else None
+    head["object"] = "chat.completion.chunk"
+    holdbacks = [ToolCallHoldback() for _ in jobs] if tools else None
 
-    def chunk(delta: dict, finish: Optional[str] = None) -> str:
-        return json.dumps({**head, "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}, ensure_ascii=False)
+    def chunk(i: int, delta: dict, finish: Optional[str] = None) -> str:
+        return json.dumps({**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
+                                                "finish_reason": finish}]}, ensure_ascii=False)
 
-    def on_text(text: str):
-        out = holdback.push(text) if holdback else text
+    def prelude(i: int):
+        yield chunk(i, {"role": "assistant", "content": ""})
+
+    def on_text(i: int, text: str):
+        out = holdbacks[i].push(text) if holdbacks else text
         if out:
-            yield chunk({"content": out})
+            yield chunk(i, {"content": out})
 
-    def finish(result):
+    def finish(i: int, result):
         reason = result.finish_reason
-        if holdback:
-            calls = parse_tool_calls(holdback.text)
+        if holdbacks:
+            calls = parse_tool_calls(holdbacks[i].text)
             if calls:
-                for i, call in enumerate(openai_tool_calls(calls)):
-                    yield chunk({"tool_calls": [{"index": i, **call}]})
+                for k, call in enumerate(openai_tool_calls(calls)):
+                    yield chunk(i, {"tool_calls": [{"index": k, **call}]})
                 reason = "tool_calls"
-            elif holdback.rest():
-                yield chunk({"content": holdback.rest()})
-        yield chunk({}, reason)
-        if include_usage:
-            yield json.dumps({**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(result)})
+            elif holdbacks[i].rest():
+                yield chunk(i, {"content": holdbacks[i].rest()})
+        yield chunk(i, {}, reason)
 
-    first, agen = await _start(st.engine, job)
-    return _sse(_stream(first, agen, [chunk({"role": "assistant", "content": ""})], on_text, finish))
+    return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     st = _state(request)
     params.check_supported(body)
-    prompt = params.completion_prompt(body)
-    job = _job(body, st.engine, prompt, body.add_bos_token if isinstance(prompt, str) else None, "prompt", st.config.max_tokens)
-    echo = "" if not body.echo else prompt if isinstance(prompt, str) else st.engine.tokenizer.decode(prompt)
+    prompts = params.completion_prompts(body)
+    add_bos = body.add_bos_token if isinstance(prompts[0], str) else None
+    jobs = _jobs(body, st.engine, prompts, add_bos, "prompt", st.config.max_tokens)
+    echoes = [p if isinstance(p, str) else st.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
     head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": st.name}
 
-    def choice(text: str, finish: Optional[str]) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def echo(i: int) -> str:
+        return echoes[i // body.n] if echoes else ""
+
+    def choice(i: int, text: str, finish: Optional[str]) -> dict:
+        return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
 
     if not body.stream:
         try:
-            result = await _generate(request, st.engine, job)
+            results = await _generate(request, st.engine, jobs)
         except _ClientGone:
             return Response(status_code=499)
-        return {**head, "choices": [choice(echo + result.text, result.finish_reason)], "usage": _usage(result)}
+        return {**head, "choices": [choice(i, echo(i) + r.text, r.finish_reason) for i, r in enumerate(results)],
+                "usage": _usage(results, body.n)}
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    def chunk(i: int, text: str, finish: Optional[str] = None) -> str:
+        return json.dumps({**head, "choices": [choice(i, text, finish)]}, ensure_ascii=False)
 
-    def chunk(text: str, finish: Optional[str] = None) -> str:
-        return json.dumps({**head, "choices": [choice(text, finish)]}, ensure_ascii=False)
+    def prelude(i: int):
+        if echo(i):
+            yield chunk(i, echo(i))
 
-    def on_text(text: str):
-        yield chunk(text)
+    def on_text(i: int, text: str):
+        yield chunk(i, text)
 
-    def finish(result):
-        yield chunk("", result.finish_reason)
-        if include_usage:
-            yield json.dumps({**head, "choices": [], "usage": _usage(result)})
+    def finish(i: int, result):
+        yield chunk(i, "", result.finish_reason)
 
-    first, agen = await _start(st.engine, job)
-    return _sse(_stream(first, agen, [chunk(echo)] if echo else [], on_text, finish))
+    return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)

@@ -10,6 +10,7 @@ from exl2.server.errors import APIError, unsupported
 from exl2.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields
 
 MAX_STOPS = 4
+MAX_N = 16
 
 
 def response_grammar(engine, fmt: Optional[ResponseFormat]) -> Optional[Grammar]:
@@ -30,8 +31,8 @@ def response_grammar(engine, fmt: Optional[ResponseFormat]) -> Optional[Grammar]
 
 def check_supported(req: SamplingFields) -> None:
     """Reject fields whose meaning the engine cannot deliver, so a client never gets a silently different reply."""
-    if req.n != 1:
-        raise unsupported("n", "n other than 1")
+    if req.n > MAX_N:
+        raise APIError(400, f"'n' is at most {MAX_N}.", param="n")
     if req.frequency_penalty:
         raise unsupported("frequency_penalty", "frequency_penalty (use repetition_penalty)")
     if req.presence_penalty:
@@ -52,11 +53,12 @@ def check_supported(req: SamplingFields) -> None:
             raise unsupported("best_of", "best_of other than 1")
 
 
-def sampling(req: SamplingFields) -> SamplingSettings:
-    """OpenAI/TabbyAPI sampling fields as engine settings. top_p 0 keeps only the most likely token (greedy)."""
+def sampling(req: SamplingFields, choice: int = 0) -> SamplingSettings:
+    """OpenAI/TabbyAPI sampling fields as engine settings. top_p 0 keeps only the most likely token (greedy).
+    Choice i of n samples with seed + i: the choices differ, yet a seeded request is reproducible."""
     return SamplingSettings(temperature=req.temperature, top_k=1 if req.top_p == 0 else max(req.top_k, 0),
                             top_p=req.top_p or 1.0, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                            seed=req.seed)
+                            seed=None if req.seed is None else req.seed + choice)
 
 
 def stop_strings(req: SamplingFields) -> list[str]:
@@ -72,13 +74,10 @@ def max_new_tokens(req: SamplingFields, default: int) -> int:
     return value or default
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """One prompt, as text or token ids; a batch of prompts would need n-way fan-out (not offered)."""
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts, each text or token ids: `prompt` is one prompt (a string or token ids) or a list of them."""
     p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise unsupported("prompt", "More than one prompt per request")
-        p = p[0]
-    if isinstance(p, list) and not p:
+    prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+    if any(isinstance(one, list) and not one for one in prompts):
         raise APIError(400, "The prompt is empty.", param="prompt")
-    return p
+    return prompts
