@@ -212,3 +212,20 @@ def test_results_report_cached_tokens(model, tok):
     ids = tok.encode("A shared opening that is long enough to fill two pages of sixteen tokens each, at least.")
     assert gen.generate([Job(ids, GREEDY, 4)])[0].cached_tokens == 0
     assert gen.generate([Job(ids + [5, 6], GREEDY, 4)])[0].cached_tokens == (len(ids) // 16) * 16 > 0
+
+
+def test_new_prompts_of_equal_length_prefill_together(model, tok, monkeypatch):
+    gen = DynamicGenerator(model, tok, 512, max_batch=8, page_size=16)
+    words = tok.encode("red green blue yellow purple orange black white grey pink " * 4)
+    prompts = [words[i:i + 21] for i in range(4)] + [words[:9]]   # four of 21 tokens, one of 9
+    calls = []
+    forward = model.forward
+
+    def counting(ids, *a, **k):
+        calls.append(tuple(ids.shape))
+        return forward(ids, *a, **k)
+    monkeypatch.setattr(model, "forward", counting)
+    results = gen.generate([Job(p, GREEDY, 6) for p in prompts])
+    assert calls[:2] == [(4, 21), (1, 9)]                            # one forward for the four equal prompts
+    monkeypatch.setattr(model, "forward", forward)
+    assert [r.token_ids for r in results] == [greedy_reference(model, p, 6) for p in prompts]

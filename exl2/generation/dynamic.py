@@ -188,18 +188,20 @@ class DynamicGenerator:
         events: list[Event] = []
         self._admit()
         budget = self.chunk
-        for job in [j for j in self.active if j.pending is None]:
+        for group in self._prefill_groups():
             if budget <= 0:
                 break
-            n = min(budget, len(job.ids) - job.length)
-            part = torch.tensor([job.ids[job.length:job.length + n]], dtype=torch.long, device=self.model.device)
-            self.cache.bind(self._table([job])[:, :len(job.pages)])
-            logits = self.model(part, self.cache, job.length, last_only=True)[:, -1]
-            job.length += n
-            budget -= n
-            self._publish(job)
-            if job.length == len(job.ids):
-                self._accept([job], logits, events)
+            start = group[0].length
+            n = min(budget, len(group[0].ids) - start)  # a group of several always fits the budget whole
+            part = torch.tensor([j.ids[start:start + n] for j in group], dtype=torch.long, device=self.model.device)
+            self.cache.bind(self._table(group)[:, :max(len(j.pages) for j in group)])
+            logits = self.model(part, self.cache, start, last_only=True)[:, -1]
+            budget -= n * len(group)
+            for job in group:
+                job.length += n
+                self._publish(job)
+            if group[0].length == len(group[0].ids):
+                self._accept(group, logits, events)
         running = [j for j in self.active if j.pending is not None]
         if len(running) == 1 and self.draft is not None and running[0].grammar is None and \
                 self._speculate(running[0], events):
@@ -221,6 +223,24 @@ class DynamicGenerator:
                 self._publish(j)
             self._accept(running, logits, events)
         return events
+
+    def _prefill_groups(self) -> list[list[Job]]:
+        """The jobs still in their prompt, in order; new prompts (nothing cached) of equal length that fit one
+        chunk together share one forward (a burst of requests, or a request's n choices), others go one by one."""
+        groups: list[list[Job]] = []
+        by_length: dict[int, list[Job]] = {}
+        for job in self.active:
+            if job.pending is not None:
+                continue
+            size = len(job.ids)
+            same = by_length.get(size) if job.length == 0 else None
+            if same is not None and size * (len(same) + 1) <= self.chunk:
+                same.append(job)
+                continue
+            groups.append([job])
+            if job.length == 0:
+                by_length[size] = groups[-1]
+        return groups
 
     def _accept(self, jobs: list[Job], logits: torch.Tensor, events: list[Event]) -> None:
         """Sample one token for each job (row of `logits`), stream its text, end the jobs that are done."""
