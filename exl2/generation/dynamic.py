@@ -147,9 +147,8 @@ class DynamicGenerator:
 
     def _start(self, job: Job) -> bool:
         shared, key = self.pool.match(job.ids, (len(job.ids) - 1) // self.page_size)
-        idle_shared = sum(1 for p in shared if self.pool.refs[p] == 0)
         new = self._pages_needed(job) - len(shared)
-        if new > self.pool.available() - idle_shared:  # wait for running jobs to free pages
+        if new > self.pool.room(shared):  # wait for running jobs to free pages
             return False
         self.queue.remove(job)
         job.pages = self.pool.acquire(shared, new)
@@ -192,7 +191,7 @@ class DynamicGenerator:
             if budget <= 0:
                 break
             start = group[0].length
-            n = min(budget, len(group[0].ids) - start)  # a group of several always fits the budget whole
+            n = min(budget, len(group[0].ids) - start)  # every job of a group is at the same point of its prompt
             part = torch.tensor([j.ids[start:start + n] for j in group], dtype=torch.long, device=self.model.device)
             self.cache.bind(self._table(group)[:, :max(len(j.pages) for j in group)])
             logits = self.model(part, self.cache, start, last_only=True)[:, -1]

@@ -53,11 +53,16 @@ class PagePool:
             key = k
         return pages, key
 
+    def room(self, shared: list[int]) -> int:
+        """How many empty pages a sequence that takes the `shared` cached pages could get besides them (those of
+        the shared pages nobody uses count as available until taken)."""
+        return self.available() - sum(1 for p in shared if self.refs[p] == 0)
+
     def acquire(self, shared: list[int], new: int) -> list[int]:
         """Take the `shared` cached pages and `new` empty ones; raises if there are not enough."""
-        idle_shared = sum(1 for p in shared if self.refs[p] == 0)
-        if new > self.available() - idle_shared:
-            raise RuntimeError(f"the cache has {self.available() - idle_shared} free pages, {new} needed")
+        room = self.room(shared)
+        if new > room:
+            raise RuntimeError(f"the cache has {room} free pages, {new} needed")
         for p in shared:
             if self.refs[p] == 0:
                 del self.idle[p]
