@@ -245,7 +245,7 @@ def test_cli_serve_over_stdio(engine):
                                env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=str(REPO))
 
     async def drive():
-        async with Client(transport) as client:
+        async with Client(transport, init_timeout=300, timeout=300) as client:  # a loaded CI machine starts slowly
             names = {t.name for t in await client.list_tools()}
             return names, (await client.call_tool("tokenize", {"text": "Hello world"})).structured_content
 

@@ -70,12 +70,33 @@ def test_speculation_respects_limits_stops_and_batching(model, tok):
     assert jobs[-1].accepted > 0
 
 
-def test_sampled_speculation_runs_to_length(model, tok):
-    gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16, draft=NgramDraft())
-    hot = SamplingSettings(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=3)
-    a = gen.generate([Job(tok.encode(PROMPTS[2] * 3), hot, 24)])[0]
-    b = gen.generate([Job(tok.encode(PROMPTS[2] * 3), hot, 24)])[0]
-    assert a.token_ids == b.token_ids and len(a.token_ids) <= 24
+class _Oracle:
+    """Guesses a known reply: every guess is right exactly when the verify step draws what plain decoding drew."""
+
+    def __init__(self, prompt: list[int], reply: list[int]):
+        self.prompt, self.reply = prompt, reply
+
+    def propose(self, job_id, tokens, k):
+        done = len(tokens) - len(self.prompt)
+        return self.reply[done:done + k]
+
+    def forget(self, job_id):
+        pass
+
+
+def test_sampled_speculation_is_plain_sampling(model, tok):
+    """Every position draws from the stream position plain decoding would use, with the same seen tokens: a seeded
+    sampled reply (with a repetition penalty) is the same token for token with and without a drafter, and guesses
+    of that very reply are all kept."""
+    hot = SamplingSettings(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=3)
+    ids = tok.encode(PROMPTS[2] * 3)
+    plain = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16).generate([Job(ids, hot, 24)])[0].token_ids
+    assert len(plain) >= 12
+    gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16, draft=_Oracle(ids, plain),
+                           num_draft_tokens=4)
+    job = Job(ids, hot, 24)
+    assert gen.generate([job])[0].token_ids == plain
+    assert job.drafted > 0 and job.accepted == job.drafted  # every guess kept
 
 
 def test_engine_settings(tmp_path):

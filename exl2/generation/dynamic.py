@@ -20,7 +20,7 @@ from exl2.config import SamplingSettings
 from exl2.errors import ContextLengthError
 from exl2.generation.constraints import Grammar
 from exl2.generation.output import GenerationResult, Reply
-from exl2.generation.sampler import make_generator, sample
+from exl2.generation.sampler import SeenTokens, fresh_seed, sample_rows
 from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import DecoderModel
@@ -53,7 +53,8 @@ class Job:
         self.length = 0                  # tokens written to the cache
         self.pending: Optional[int] = None   # sampled, not yet fed back
         self.reply: Optional[Reply] = None
-        self.generator: Optional[torch.Generator] = None
+        self.seed = 0                    # its random stream (settings.seed, or a fresh one)
+        self.slot: Optional[int] = None  # its row of the generator's seen-token mask (repetition penalty)
         self.key: Optional[bytes] = None     # prefix key of the last full page published
         self.published = 0
         self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
@@ -100,6 +101,7 @@ class DynamicGenerator:
         self.queue: deque[Job] = deque()
         self.active: list[Job] = []
         self._decode_table: tuple = ((), None)
+        self.seen: Optional[SeenTokens] = None  # made when a job first asks for a repetition penalty
 
     # ---- jobs ----------------------------------------------------------------------------------------------
 
@@ -156,7 +158,7 @@ class DynamicGenerator:
         job.key, job.published = key, len(shared)
         job.tokens = list(job.ids)
         job.reply = Reply(self.tokenizer, job.stop_strings, job.stop_token_ids)
-        job.generator = make_generator(job.settings.seed, self.model.device)
+        job.seed = job.settings.seed if job.settings.seed is not None else fresh_seed()
         job.times[1] = time.perf_counter()
         self.active.append(job)
         return True
@@ -178,6 +180,9 @@ class DynamicGenerator:
         self.active.remove(job)
         self.pool.release(job.pages)
         job.pages = []
+        if job.slot is not None:
+            self.seen.give_back(job.slot)
+            job.slot = None
 
     # ---- one step ------------------------------------------------------------------------------------------
 
@@ -242,26 +247,52 @@ class DynamicGenerator:
         return groups
 
     def _accept(self, jobs: list[Job], logits: torch.Tensor, events: list[Event]) -> None:
-        """Sample one token for each job (row of `logits`), stream its text, end the jobs that are done."""
+        """Sample one token for each job (row of `logits`) in one batched draw, stream its text, end the jobs that
+        are done."""
         logits = logits.float()
-        picks = logits.argmax(dim=-1)  # plain greedy rows share one launch; the others sample on their own
         failed = set()
-        for i, job in enumerate(jobs):
-            row = logits[i:i + 1]
-            if job.grammar is not None:
-                allowed = job.grammar.allowed(row.shape[-1], row.device)
+        if any(j.grammar is not None for j in jobs):
+            logits = logits.clone()
+            for i, job in enumerate(jobs):
+                if job.grammar is None:
+                    continue
+                allowed = job.grammar.allowed(logits.shape[-1], logits.device)
                 if allowed is None:
                     failed.add(i)
-                    continue
-                row = row.masked_fill(~allowed, float("-inf"))
-            elif job.settings.greedy and job.settings.repetition_penalty == 1.0:
-                continue
-            picks[i] = sample(row, job.settings, job.generator, [job.tokens])[0]
+                else:
+                    logits[i].masked_fill_(~allowed, float("-inf"))
+        picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs],
+                            [self._drawn(j) for j in jobs], self._seen_rows(jobs, logits.shape[-1]))
+        self._mark_seen(jobs, picks)
         for i, (job, token) in enumerate(zip(jobs, picks.tolist())):
             if i in failed:  # the grammar allows nothing more: end the reply where it is
                 self._emit(job, job.reply.close("stop"), events)
             else:
                 self._emit(job, self._push(job, token), events)
+
+    @staticmethod
+    def _drawn(job: Job) -> int:
+        """Tokens the job has sampled so far: the counter of its next draw."""
+        return len(job.tokens) - len(job.ids)
+
+    def _seen_rows(self, jobs: list[Job], vocab: int, extra: int = 1) -> Optional[torch.Tensor]:
+        """[len(jobs) · extra, vocab] seen-token rows (each job's row `extra` times) when any job has a repetition
+        penalty, else None; gives such jobs a slot the first time."""
+        if all(j.settings.repetition_penalty == 1.0 for j in jobs):
+            return None
+        if self.seen is None:
+            self.seen = SeenTokens(self.max_batch, vocab, self.model.device)
+        for job in jobs:
+            if job.slot is None and job.settings.repetition_penalty != 1.0:
+                job.slot = self.seen.take(job.tokens)
+        index = torch.tensor([j.slot or 0 for j in jobs for _ in range(extra)], dtype=torch.long,
+                             device=self.model.device)
+        return self.seen.mask[index]
+
+    def _mark_seen(self, jobs: list[Job], picks: torch.Tensor) -> None:
+        rows = [i for i, j in enumerate(jobs) if j.slot is not None]
+        if rows:
+            self.seen.add([jobs[i].slot for i in rows], picks[rows])
 
     def _push(self, job: Job, token: int) -> str:
         """Add a sampled token to a job; its new text. Sets the reply's finish reason when the job is done."""
@@ -298,8 +329,9 @@ class DynamicGenerator:
 
     def _speculate(self, job: Job, events: list[Event]) -> bool:
         """Decode a lone job with drafts: feed its last token and the drafter's guesses in one forward, keep the
-        guesses the model's own sampler agrees with, plus the model's token after them. Sampling position by
-        position and stopping at the first disagreement gives exactly the distribution of plain decoding.
+        guesses the model's own sampler agrees with, plus the model's token after them. Each position draws what
+        plain decoding would draw there (same stream position, same seen tokens), so the output is plain
+        decoding's, token for token.
         False when there is nothing to guess (plain decoding then)."""
         room = job.max_new_tokens - len(job.reply.ids) - 1  # every fed guess needs a reserved cache slot
         k = min(self.num_draft_tokens, room)
@@ -317,22 +349,24 @@ class DynamicGenerator:
             self.cache.bind(self._table([job])[:, :len(job.pages)])
             fed = torch.tensor([[job.pending] + drafts], dtype=torch.long, device=dev)
             logits = self.model(fed, self.cache, job.length)[0]
-        logits = logits.float()
-        s = job.settings
-        if s.greedy and s.repetition_penalty == 1.0:
-            choices = logits.argmax(dim=-1).tolist()
-        else:
-            choices = []
-            for i in range(len(drafts) + 1):
-                choices.append(int(sample(logits[i:i + 1], s, job.generator, [job.tokens + choices])[0]))
-                if i == len(drafts) or choices[i] != drafts[i]:
-                    break
+        # Position i's token only counts if the guesses before it were all kept, so its draw can assume them:
+        # every position is sampled at once, from the stream position plain decoding would use for it.
+        n = len(drafts) + 1
+        seen = self._seen_rows([job], logits.shape[-1], extra=n)
+        if seen is not None:
+            for i in range(1, n):
+                seen[i, drafts[:i]] = True
+        picks = sample_rows(logits.float()[:n], [job.settings] * n, [job.seed] * n,
+                            [self._drawn(job) + i for i in range(n)], seen)
+        choices = picks.tolist()
         kept = next((i for i, d in enumerate(drafts) if choices[i] != d), len(drafts))
         text = ""
         for token in choices[:kept + 1]:
             text += self._push(job, token)
             if job.reply.finish_reason is not None:
                 break
+        if job.slot is not None:
+            self.seen.add([job.slot] * (kept + 1), picks[:kept + 1])
         job.drafted += len(drafts)
         job.accepted += kept
         job.length += 1 + kept  # the last token and the kept guesses now hold valid cache entries

@@ -93,3 +93,128 @@ def sample(logits: torch.Tensor, settings: SamplingSettings, generator: Optional
     x = filter_logits(x, settings)
     probs = x.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ---- batched sampling: one set of launches for a whole decode batch -------------------------------------------
+# Each row keeps its own settings and its own seeded random stream, but the whole batch is filtered and drawn with
+# the same ~25 tensor operations instead of ~5 launches a row: at batch 16 the per-row sampler cost more host time
+# than the decode step's graph replay. The draw is a Gumbel-max over counter-based noise (a hash of the row's seed,
+# its draw counter and the token id), so a row's tokens depend only on its seed and how many tokens it has drawn:
+# not on which other jobs share the batch, nor on whether speculative decoding checked several positions at once.
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x · c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow (16-bit halves of c)."""
+    return ((x * (c & 0xFFFF)) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (lowbias32) of int64 values in [0, 2^32): uniform, decorrelated outputs."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 uniforms in (0, 1), a function of (seed, counter, token id) only. seeds, counters: [B]
+    int64 (seeds any 64-bit value, counters ≥ 0)."""
+    seeds = seeds.to(torch.int64)
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    row = _hash32(lo ^ _hash32(hi ^ _hash32(counters.to(torch.int64) & _M32)))
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = _hash32((row[:, None] + _mul32(idx, 0x9E3779B9)[None, :]) & _M32)
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _signed64(seed: int) -> int:
+    """A seed of any size as the int64 with the same low 64 bits."""
+    seed = int(seed) & ((1 << 64) - 1)
+    return seed - (1 << 64) if seed >> 63 else seed
+
+
+def fresh_seed() -> int:
+    """A random 63-bit seed for a job that gave none."""
+    return int(torch.randint(0, 1 << 62, (1,), generator=make_generator(None)).item())
+
+
+class SeenTokens:
+    """Which tokens each job has seen (prompt and sampled), kept on the device for repetition penalties: one row
+    per slot, updated in place with one launch a step instead of rebuilt from the token lists."""
+
+    def __init__(self, slots: int, vocab: int, device: torch.device):
+        self.mask = torch.zeros(slots, vocab, dtype=torch.bool, device=device)
+        self.free = list(range(slots))
+
+    def take(self, ids: Sequence[int]) -> int:
+        """A free slot, set to the prompt `ids`."""
+        slot = self.free.pop()
+        self.mask[slot].zero_()
+        ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.mask.device)
+        self.mask[slot, ids[(ids >= 0) & (ids < self.mask.shape[1])]] = True
+        return slot
+
+    def add(self, slots: Sequence[int], tokens: torch.Tensor) -> None:
+        """Mark tokens[i] (int64 [len(slots)], sampled tokens: inside the vocabulary) seen by slots[i]."""
+        self.mask[torch.as_tensor(list(slots), dtype=torch.long, device=self.mask.device), tokens] = True
+
+    def give_back(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(penalized, filtered) float32 [B, V]: row i through settings[i]'s chain of `sample` (repetition penalty
+    from `seen` [B, V] bool; then temperature, top-k, top-p, min-p; greedy rows are left unfiltered)."""
+    x = logits.float()
+    b, vocab = x.shape
+    dev = x.device
+    pen = [s.repetition_penalty for s in settings]
+    if seen is not None and any(p != 1.0 for p in pen):
+        p = torch.tensor(pen, dtype=torch.float32, device=dev)[:, None]
+        x = torch.where(seen, torch.where(x < 0, x * p, x / p), x)
+    live = [not s.greedy for s in settings]
+    if not any(live):
+        return x, x
+    params = torch.tensor([[s.temperature if g else 1.0, s.top_p, s.min_p] for s, g in zip(settings, live)],
+                          dtype=torch.float32, device=dev)
+    temp, top_p, min_p = params[:, :1], params[:, 1:2], params[:, 2:3]
+    neg_inf = float("-inf")
+    y = x / temp
+    ks = [s.top_k if 0 < s.top_k < vocab and g else 0 for s, g in zip(settings, live)]
+    if any(ks):
+        k = torch.tensor(ks, dtype=torch.long, device=dev)[:, None]
+        kth = torch.topk(y, max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
+        y = y.masked_fill((k > 0) & (y < kth), neg_inf)
+    if any(s.top_p < 1.0 and g for s, g in zip(settings, live)):
+        sorted_y, order = torch.sort(y, dim=-1, descending=False)
+        cum = sorted_y.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = (cum <= (1.0 - top_p)) & (top_p < 1.0)
+        drop_sorted[..., -1] = False
+        y = y.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), neg_inf)
+    if any(s.min_p > 0.0 and g for s, g in zip(settings, live)):
+        probs = y.softmax(dim=-1)
+        drop = probs < min_p * probs.max(dim=-1, keepdim=True).values
+        drop.scatter_(-1, y.argmax(dim=-1, keepdim=True), False)
+        y = y.masked_fill(drop, neg_inf)
+    return x, y
+
+
+def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seeds: Sequence[int],
+                counters: Sequence[int], seen: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One token per row of `logits` [B, V], row i sampled with settings[i] (`filter_rows`) from its own stream
+    (seeds[i], counters[i]: see `counter_uniform`) by a Gumbel-max draw; `seen` [B, V] bool feeds repetition
+    penalties. Returns int64 [B] on the logits' device, without waiting for the GPU."""
+    x, y = filter_rows(logits, settings, seen)
+    greedy = [s.greedy for s in settings]
+    if all(greedy):
+        return x.argmax(dim=-1)
+    state = torch.tensor([[_signed64(s), int(c)] for s, c in zip(seeds, counters)], dtype=torch.int64,
+                         device=x.device)
+    drawn = (y - torch.log(-torch.log(counter_uniform(state[:, 0], state[:, 1], x.shape[-1])))).argmax(dim=-1)
+    if not any(greedy):
+        return drawn
+    return torch.where(torch.tensor(greedy, device=x.device), x.argmax(dim=-1), drawn)
