@@ -229,3 +229,39 @@ def test_new_prompts_of_equal_length_prefill_together(model, tok, monkeypatch):
     assert calls[:2] == [(4, 21), (1, 9)]                            # one forward for the four equal prompts
     monkeypatch.setattr(model, "forward", forward)
     assert [r.token_ids for r in results] == [greedy_reference(model, p, 6) for p in prompts]
+
+
+def test_overlapped_decode_keeps_every_token(model, tok, refs):
+    """Decode steps launched before the previous step's tokens are read (fed from the sampled tensor) give the
+    synchronous path's tokens: greedy against the uncached reference, seeded sampling with a repetition penalty
+    against overlap off; jobs that end early (length, stop string, cancel) or arrive late change the batch."""
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16, overlap=True)
+    jobs = [Job(tok.encode(p), GREEDY, n) for p, n in zip(PROMPTS, (12, 5, 11, 12))]
+    out = gen.generate(jobs)
+    assert [r.token_ids for r in out] == [refs[i][:n] for i, n in enumerate((12, 5, 11, 12))]
+    assert gen.chained >= 6 and gen.pool.available() == gen.pool.num_pages
+
+    hot = [SamplingSettings(temperature=1.0, top_p=0.9, repetition_penalty=1.2, seed=s) for s in range(3)]
+    sync = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16, overlap=False)
+    want = [r.token_ids for r in sync.generate([Job(tok.encode(p), h, 14) for p, h in zip(PROMPTS, hot)])]
+    chained = gen.chained
+    got = [r.token_ids for r in gen.generate([Job(tok.encode(p), h, 14) for p, h in zip(PROMPTS, hot)])]
+    assert got == want and sync.chained == 0 and gen.chained > chained
+
+    stop = tok.decode(refs[0][6:8])
+    first = gen.enqueue(Job(tok.encode(PROMPTS[0]), GREEDY, 16, stop_strings=[stop]))
+    second = gen.enqueue(Job(tok.encode(PROMPTS[1]), GREEDY, 16))
+    results = {}
+    for i in range(200):
+        if i == 3:
+            late = gen.enqueue(Job(tok.encode(PROMPTS[2]), GREEDY, 8))
+        if i == 6:
+            gen.cancel(second)
+        for event in gen.iterate():
+            if event.result is not None:
+                results[event.job.id] = event.result
+        if not gen.has_work():
+            break
+    assert results[first.id].finish_reason == "stop" and tok.decode(refs[0]).startswith(results[first.id].text)
+    assert results[late.id].token_ids == refs[2][:8] and second.id not in results
+    assert gen.pool.available() == gen.pool.num_pages

@@ -66,6 +66,19 @@ class Job:
 
 
 @dataclass
+class _Step:
+    """A decode step on its way: its jobs, sampled tokens (on the GPU and, once `done` fires, on the host), the
+    positions it fed and the stream positions it drew from."""
+
+    jobs: list[Job]
+    picks: torch.Tensor
+    pos: torch.Tensor
+    draws: list[int]
+    host: torch.Tensor
+    done: Optional[torch.cuda.Event]
+
+
+@dataclass
 class Event:
     """New text of a job; `result` is set on its last event."""
 
@@ -75,11 +88,13 @@ class Event:
 
 
 class DynamicGenerator:
-    """`cache_tokens` (at least max_seq_len) sizes the cache all jobs share; `max_batch` bounds the decode batch."""
+    """`cache_tokens` (at least max_seq_len) sizes the cache all jobs share; `max_batch` bounds the decode batch;
+    `overlap` (default: on a GPU) lets decode steps run ahead of the host's text handling (see `iterate`)."""
 
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: int, cache_mode: str = "fp16",
                  cache_tokens: Optional[int] = None, max_batch: int = 16, page_size: int = 256, chunk: int = 2048,
-                 use_graphs: bool = True, draft: Optional[Drafter] = None, num_draft_tokens: int = 4):
+                 use_graphs: bool = True, draft: Optional[Drafter] = None, num_draft_tokens: int = 4,
+                 overlap: Optional[bool] = None):
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens = draft, num_draft_tokens
         self.max_seq_len, self.max_batch, self.chunk, self.page_size = max_seq_len, max_batch, chunk, page_size
@@ -102,6 +117,9 @@ class DynamicGenerator:
         self.active: list[Job] = []
         self._decode_table: tuple = ((), None)
         self.seen: Optional[SeenTokens] = None  # made when a job first asks for a repetition penalty
+        self.overlap = model.device.type == "cuda" if overlap is None else overlap
+        self._inflight: Optional[_Step] = None  # a decode step launched, its tokens not read yet
+        self.chained = 0                          # decode steps launched before the previous one's tokens were read
 
     # ---- jobs ----------------------------------------------------------------------------------------------
 
@@ -169,7 +187,7 @@ class DynamicGenerator:
 
     def _publish(self, job: Job) -> None:
         """Offer each page the job has filled to later prompts."""
-        while (job.published + 1) * self.page_size <= job.length:
+        while (job.published + 1) * self.page_size <= min(job.length, len(job.tokens)):
             i = job.published
             job.key = page_key(job.key, job.tokens[i * self.page_size:(i + 1) * self.page_size])
             self.pool.publish(job.pages[i], job.key)
@@ -188,8 +206,20 @@ class DynamicGenerator:
 
     @torch.inference_mode()
     def iterate(self) -> list[Event]:
-        """Admit, prefill a chunk, decode one token for every running job; the events of this step."""
+        """Admit, prefill a chunk, decode one token for every running job; the events of this step.
+
+        With `overlap`, a decode step whose batch can go on unchanged is left running on the GPU: the next call
+        launches the step after it (fed the sampled tokens straight from the GPU) before reading its tokens, so
+        the host's text handling runs while the GPU computes. Its events come one call later."""
         events: list[Event] = []
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            if self._can_chain(step):
+                self._inflight = self._launch(step.jobs, step)
+                self.chained += 1
+            self._land(step, events)
+            if self._inflight is not None:
+                return events
         self._admit()
         budget = self.chunk
         for group in self._prefill_groups():
@@ -210,23 +240,72 @@ class DynamicGenerator:
         if len(running) == 1 and self.draft is not None and running[0].grammar is None and \
                 self._speculate(running[0], events):
             return events
-        if running:
-            ids = torch.tensor([[j.pending] for j in running], dtype=torch.long, device=self.model.device)
-            pos = torch.tensor([j.length for j in running], dtype=torch.long, device=self.model.device)
-            key = tuple(j.id for j in running)
-            if self._decode_table[0] != key:  # pages are reserved up front: the table changes only with the batch
-                self._decode_table = (key, self._table(running))
-            table = self._decode_table[1]
-            if self.graphs is not None:
-                logits = self.graphs.step(ids, pos, table, max_len=max(j.length for j in running) + 1, lazy=True)
-            else:
-                self.cache.bind(table)
-                logits = self.model(ids, self.cache, pos, last_only=True)[:, -1]
-            for j in running:
-                j.length += 1
-                self._publish(j)
+        if running and self.overlap and all(j.grammar is None for j in running):
+            self._inflight = self._launch(running)
+        elif running:
+            logits = self._decode(running, torch.tensor([[j.pending] for j in running], dtype=torch.long,
+                                                        device=self.model.device),
+                                  torch.tensor([j.length for j in running], dtype=torch.long,
+                                               device=self.model.device))
             self._accept(running, logits, events)
         return events
+
+    def _decode(self, jobs: list[Job], ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One batched decode step feeding ids [B, 1] at positions pos [B]; its logits [B, V]."""
+        key = tuple(j.id for j in jobs)
+        if self._decode_table[0] != key:  # pages are reserved up front: the table changes only with the batch
+            self._decode_table = (key, self._table(jobs))
+        table = self._decode_table[1]
+        if self.graphs is not None:
+            logits = self.graphs.step(ids, pos, table, max_len=max(j.length for j in jobs) + 1, lazy=True)
+        else:
+            self.cache.bind(table)
+            logits = self.model(ids, self.cache, pos, last_only=True)[:, -1]
+        for j in jobs:
+            j.length += 1
+            self._publish(j)
+        return logits
+
+    def _launch(self, jobs: list[Job], prev: Optional["_Step"] = None) -> "_Step":
+        """Queue a decode step and its sampling without waiting for them; `prev`, the step still in flight before
+        it, gives the tokens to feed (on the GPU) and the stream positions to draw from."""
+        dev = self.model.device
+        if prev is None:
+            ids = torch.tensor([[j.pending] for j in jobs], dtype=torch.long, device=dev)
+            pos = torch.tensor([j.length for j in jobs], dtype=torch.long, device=dev)
+            draws = [self._drawn(j) for j in jobs]
+        else:
+            ids, pos, draws = prev.picks[:, None], prev.pos + 1, [d + 1 for d in prev.draws]
+        logits = self._decode(jobs, ids, pos).float()
+        picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs], draws,
+                            self._seen_rows(jobs, logits.shape[-1]))
+        self._mark_seen(jobs, picks)
+        host, done = picks, None
+        if dev.type == "cuda":
+            host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+            host.copy_(picks, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return _Step(jobs, picks, pos, draws, host, done)
+
+    def _can_chain(self, step: "_Step") -> bool:
+        """Whether the next step can be launched before `step`'s tokens are read: same batch (nobody waiting to
+        join, prefilling, cancelled or at its last token), no grammar, no speculation."""
+        if self.queue and len(self.active) < self.max_batch or (self.draft is not None and len(step.jobs) == 1):
+            return False
+        if len(self.active) != len(step.jobs) or any(j.done for j in step.jobs):
+            return False
+        # the token `step` samples must not be a job's last (the last token is never fed: no cache slot for it)
+        return all(j.grammar is None and len(j.reply.ids) + 2 <= j.max_new_tokens for j in step.jobs)
+
+    def _land(self, step: "_Step", events: list[Event]) -> None:
+        """Read a launched step's tokens and stream them (jobs that ended meanwhile are skipped)."""
+        if step.done is not None:
+            step.done.synchronize()
+        for job, token in zip(step.jobs, step.host.tolist()):
+            if not job.done:
+                self._emit(job, self._push(job, token), events)
+                self._publish(job)
 
     def _prefill_groups(self) -> list[list[Job]]:
         """The jobs still in their prompt, in order; new prompts (nothing cached) of equal length that fit one
