@@ -1,7 +1,8 @@
 """What a server gets out of the dynamic generator: N requests submitted at once on the synthetic 8B model (or -m
 MODEL), each a random prompt and a fixed number of new tokens. Prints per batch: time to the first token, decode
 tokens/s in total, and the whole run's tokens/s; compare the decode column with `exl2 bench` at the same batch
-(the bare graph replay: what the generator's host work costs is the difference). Then the cost of checking k
+(the bare graph replay: what the generator's host work costs is the difference), greedy and sampled (temperature
+0.8, top-p 0.9), with the decode steps overlapping the host's work and without. Then the cost of checking k
 speculative guesses in one step against a plain step. Run on a CUDA machine:
 
     python benchmarks/serving.py [--batches 1,4,16] [--prompt 128] [--new 128] [--cache-mode fp16]
@@ -21,11 +22,15 @@ from exl2.generation.dynamic import DynamicGenerator, Job  # noqa: E402
 from exl2.runtime.synthetic import synthetic_model, synthetic_tokenizer  # noqa: E402
 
 
-def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, seed: int = 0
-        ) -> tuple[float, float, float]:
+GREEDY = SamplingSettings(temperature=0)
+SAMPLED = SamplingSettings(temperature=0.8, top_p=0.9)
+
+
+def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, seed: int = 0,
+        settings: SamplingSettings = GREEDY) -> tuple[float, float, float]:
     """(time to first token of the last request admitted, decode tok/s over all requests, overall tok/s)."""
     g = torch.Generator().manual_seed(seed)
-    jobs = [Job(torch.randint(10, vocab, (prompt,), generator=g).tolist(), SamplingSettings(temperature=0), new)
+    jobs = [Job(torch.randint(10, vocab, (prompt,), generator=g).tolist(), settings, new)
             for _ in range(batch)]
     for job in jobs:
         gen.enqueue(job)
@@ -61,13 +66,20 @@ def main() -> int:
     # Warm-up at the measured shapes (compiles the prefill's kernels, captures the decode graphs); other prompts
     # than the measured ones, so nothing comes from the prompt cache.
     for b in batches:
-        run(gen, b, args.prompt, 4, model.spec.vocab_size, seed=1000 + b)
+        run(gen, b, args.prompt, 4, model.spec.vocab_size, seed=1000 + b, settings=SAMPLED)
     print(f"dynamic generator, {args.prompt}-token prompts, {args.new} new tokens, {args.cache_mode} cache, "
           f"{torch.cuda.get_device_name()}")
-    print("| batch | first token (ms) | decode tok/s (total) | overall tok/s |\n| --- | --- | --- | --- |")
+    print("| batch | sampling | overlap | first token (ms) | decode tok/s (total) | overall tok/s |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     for b in batches:
-        ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size, seed=b)
-        print(f"| {b} | {ttft * 1e3:.1f} | {decode:,.0f} | {overall:,.0f} |", flush=True)
+        for name, settings in (("greedy", GREEDY), ("T 0.8, top-p 0.9", SAMPLED)):
+            for overlap in (True, False):
+                gen.overlap = overlap
+                ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size, seed=b,
+                                            settings=settings)
+                print(f"| {b} | {name} | {'on' if overlap else 'off'} | {ttft * 1e3:.1f} | {decode:,.0f} | "
+                      f"{overall:,.0f} |", flush=True)
+    gen.overlap = True
     print("\nspeculative decoding, batch 1: one step checking k guesses against a plain decode step")
     print("| tokens fed | step (ms) | against plain | break-even guesses kept |\n| --- | --- | --- | --- |")
     plain = None
