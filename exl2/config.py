@@ -19,6 +19,8 @@ class EngineConfig(BaseModel):
     model_dir: Path = Field(validation_alias=AliasChoices("model_dir", "model_directory"))
     max_seq_len: int = Field(4096, ge=512, le=131072)
     gpu_split: Optional[Union[list[float], Literal["auto"]]] = None
+    # shard every layer over the GPUs gpu_split lists (budget above 0), or over every visible GPU (runtime.tp)
+    tensor_parallel: bool = False
     kv_cache_mode: str = "fp16"
     flash_attention_enabled: bool = True
     device: Optional[str] = None
@@ -36,6 +38,10 @@ class EngineConfig(BaseModel):
             raise ValueError(f"cache_size ({self.cache_size}) must be at least max_seq_len ({self.max_seq_len})")
         if self.ngram_draft and self.draft_model_dir is not None:
             raise ValueError("choose ngram_draft or a draft_model_dir, not both")
+        if self.tensor_parallel and self.device is not None and not self.device.startswith("cuda"):
+            raise ValueError(f"tensor_parallel runs on CUDA GPUs and cannot be combined with device {self.device!r}")
+        if self.tensor_parallel and isinstance(self.gpu_split, list) and sum(x > 0 for x in self.gpu_split) < 2:
+            raise ValueError("tensor_parallel needs at least two GPUs with a budget above 0 in gpu_split")
         return self
 
     @field_validator("gpu_split")

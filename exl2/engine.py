@@ -5,8 +5,8 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator, Optional, Sequence
 
 from exl2.config import EngineConfig, SamplingSettings
-from exl2.generation.chat import ChatTemplate
-from exl2.generation.constraints import Grammar, json_grammar, regex_grammar
+from exl2.generation.chat import ChatTemplate, tool_call_format
+from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, tool_call_grammar
 from exl2.generation.dynamic import DynamicGenerator
 from exl2.generation.generator import GenerationResult, Generator
 from exl2.generation.speculative import make_drafter
@@ -22,7 +22,8 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model = load_model(config.model_dir, config.device, gpu_split=config.gpu_split,
-                                cache_tokens=config.cache_size or config.max_seq_len, cache_mode=config.kv_cache_mode)
+                                cache_tokens=config.cache_size or config.max_seq_len, cache_mode=config.kv_cache_mode,
+                                tensor_parallel=config.tensor_parallel)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
         max_seq_len = min(config.max_seq_len, self.model.spec.max_position)
@@ -63,6 +64,11 @@ class Engine:
 
     def regex_grammar(self, pattern: str) -> Grammar:
         return regex_grammar(self.tokenizer, pattern)
+
+    def tool_grammar(self, tools: list[dict], name: Optional[str] = None) -> Grammar:
+        """Replies that call `tools` (OpenAI-shaped; only the one called `name`, if given) in this model's own
+        tool-call format, arguments following each tool's schema; one grammar per request."""
+        return tool_call_grammar(self.tokenizer, tools, tool_call_format(self.template), name)
 
     def generate_batch(self, prompts: Sequence[str], settings: Optional[SamplingSettings] = None,
                        max_new_tokens: int = 256, stop_strings: Sequence[str] = ()) -> list[GenerationResult]:

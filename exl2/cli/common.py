@@ -21,6 +21,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="split the model's layers over several CUDA GPUs: GB per GPU in order, each filled before "
                         "the next (e.g. 20,24; weights plus the KV cache of their layers), or 'auto' (the free "
                         "memory of every visible GPU less 1 GB each); default: one device. See docs/multi_gpu.md")
+    p.add_argument("-tp", "--tensor_parallel", "--tensor-parallel", dest="tensor_parallel", action="store_true",
+                   help="shard every layer over several CUDA GPUs instead of splitting the layers: those -gs gives "
+                        "a budget above 0, or every visible GPU (needs the KV head count to be a multiple of the "
+                        "GPU count; not for MoE or MLA models)")
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -38,6 +42,7 @@ def engine_settings(args) -> dict:
 
     return dict(model_dir=resolve_model_dir(args.model_dir), max_seq_len=args.max_seq_len,
                 kv_cache_mode=args.cache_mode, device=args.device, gpu_split=parse_gpu_split(args.gpu_split),
+                tensor_parallel=args.tensor_parallel,
                 ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
                 num_draft_tokens=args.num_draft_tokens)
 
@@ -83,7 +88,7 @@ def load_generator(args):
     split = parse_gpu_split(args.gpu_split)
     model_dir = resolve_model_dir(args.model_dir)
     model = load_model(model_dir, args.device, gpu_split=split, cache_tokens=args.max_seq_len,
-                       cache_mode=args.cache_mode)
+                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel)
     tok = Tokenizer.from_dir(model_dir)
     max_seq_len = min(args.max_seq_len, model.spec.max_position)
     if not 1 <= args.num_draft_tokens <= 16:

@@ -24,6 +24,9 @@ def register(sub) -> None:
                    help="split the model over several CUDA GPUs: GB per GPU in order, or 'auto' (docs/multi_gpu.md); "
                         "--ref is split the same way, planned on its own (with 'auto', over what the model left); "
                         "default: one device")
+    p.add_argument("-tp", "--tensor_parallel", "--tensor-parallel", dest="tensor_parallel", action="store_true",
+                   help="shard every layer (of the model and --ref) over the GPUs -gs lists, or every visible GPU "
+                        "(docs/multi_gpu.md)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
 
@@ -49,10 +52,12 @@ def run(args) -> int:
     if warning:
         ui.warn(warning)
     dtype = torch.float32 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu" else None
-    model = load_model(model_dir, args.device, dtype, gpu_split=split, cache_tokens=args.length)
+    model = load_model(model_dir, args.device, dtype, gpu_split=split, cache_tokens=args.length,
+                       tensor_parallel=args.tensor_parallel)
     ref = None
     if args.ref:
-        ref = load_model(args.ref, args.device, dtype, gpu_split=split, cache_tokens=args.length)
+        ref = load_model(args.ref, args.device, dtype, gpu_split=split, cache_tokens=args.length,
+                         tensor_parallel=args.tensor_parallel)
         if ref.spec.vocab_size != model.spec.vocab_size:
             raise ConfigError(f"The reference model has a vocabulary of {ref.spec.vocab_size} tokens and the model "
                               f"{model.spec.vocab_size}; they must share a tokenizer.")

@@ -28,6 +28,7 @@ exllamav2's reconstruct kernel (spec §1.6).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -252,3 +253,85 @@ def matmul_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         if w.bias is not None:
             y = y + w.bias.float()
     return y.to(x.dtype)
+
+
+# ---- shards of a weight (tensor parallelism: runtime.tp) ---------------------------------------------------------
+
+def _derived(w: QuantWeight, **fields) -> QuantWeight:
+    """A new weight of w's class with some fields replaced and an empty launch-plan cache."""
+    return dataclasses.replace(w, _cache={}, **fields)
+
+
+def take_outputs(w: QuantWeight, cols: torch.Tensor) -> QuantWeight:
+    """The weight of the output columns `cols` (a column slice: q/k/v by head, gate/up by the features a down
+    share reads), the rows and their act-order untouched."""
+    c = cols.to(w.device, torch.long)
+    pick = lambda t: None if t is None else t.index_select(-1, c).contiguous()  # noqa: E731
+    return _derived(w, qweight=pick(w.qweight), scales=pick(w.scales), zeros=pick(w.zeros), bias=pick(w.bias),
+                    n=c.numel(), out_features=None)
+
+
+def step_shares(counts: list[int], part: int, parts: int) -> list[tuple[int, int]]:
+    """Steps [a, b) of each width class (of `counts[i]` steps) that share `part` of `parts` holds: q or q + 1 of
+    every class, the extra steps of one class going to the shares after the previous class's, so the shares'
+    totals differ by one step at most."""
+    out, offset = [], 0
+    for n in counts:
+        q, rem = divmod(n, parts)
+        sizes = [q + int((r - offset) % parts < rem) for r in range(parts)]
+        a = sum(sizes[:part])
+        out.append((a, a + sizes[part]))
+        offset = (offset + rem) % parts
+    return out
+
+
+def slice_steps(w: QuantWeight, part: int, parts: int) -> QuantWeight:
+    """Share `part` of `parts` of w's input rows, as the kernels' split-K cuts K: an even share of the steps of
+    every width class, with their rows' `row_index`/`x_index` and the scale rows their steps use. Inputs stay
+    global (k unchanged), so the shares' products sum to the whole: Σ_r x·slice_steps(w, r, n) = x·W; the bias
+    goes with share 0 only."""
+    if not 0 <= part < parts:
+        raise ValueError(f"share {part} of {parts} does not exist.")
+    words, steps, classes = [], [], []
+    step = word = 0
+    for c, (a, b) in zip(w.classes, step_shares([c.n_steps for c in w.classes], part, parts)):
+        if a == b:
+            continue
+        words.append(w.qweight[c.first_word + a * c.bits:c.first_word + b * c.bits])
+        steps.append(torch.arange(c.first_step + a, c.first_step + b, device=w.device))
+        classes.append(WidthClass(c.bits, step, b - a, word))
+        step += b - a
+        word += (b - a) * c.bits
+    s = torch.cat(steps) if steps else torch.zeros(0, dtype=torch.long, device=w.device)
+    rows = (s[:, None] * 32 + torch.arange(32, device=w.device)).reshape(-1)
+    used, step_group = torch.unique(w.step_group.index_select(0, s).long(), return_inverse=True)
+    qweight = torch.cat(words) if words else w.qweight[:0]
+    pick = lambda t: None if t is None else t.index_select(0, used).contiguous()  # noqa: E731
+    return _derived(w, qweight=qweight.contiguous(), scales=pick(w.scales), zeros=pick(w.zeros),
+                    step_group=step_group.to(torch.int32).contiguous(),
+                    row_index=w.row_index.index_select(0, rows).contiguous(),
+                    x_index=w.x_index.index_select(0, rows).contiguous(), classes=tuple(classes),
+                    bias=w.bias if part == 0 else None)
+
+
+def input_features(w: QuantWeight) -> torch.Tensor:
+    """The input features w's rows read (padding rows excluded), ascending: what a share of steps needs of x."""
+    ri = w.row_index.long()
+    return torch.sort(ri[ri >= 0]).values
+
+
+def with_inputs(w: QuantWeight, features: torch.Tensor) -> QuantWeight:
+    """w reading `x[..., features]` instead of x: `row_index`/`x_index` renumbered to positions in `features`,
+    k = len(features). Every feature a row reads must be listed (a down share and the gate/up columns made of
+    its `input_features`)."""
+    f = features.to(w.device, torch.long)
+    local = torch.full((w.k,), -1, dtype=torch.long, device=w.device)
+    local[f] = torch.arange(f.numel(), device=w.device)
+
+    def renumber(index: torch.Tensor) -> torch.Tensor:
+        i = index.long()
+        out = torch.where(i >= 0, local.index_select(0, i.clamp(min=0)), -1)
+        if bool(((out < 0) & (i >= 0)).any()):
+            raise ValueError("the weight reads input features outside the given ones.")
+        return out.to(index.dtype).contiguous()
+    return _derived(w, row_index=renumber(w.row_index), x_index=renumber(w.x_index), k=f.numel())

@@ -105,6 +105,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None,
                 xp: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, t, _ = x.shape
+        order = self._o_order(b * t, x) if cache is not None else None
+        if order is not None:  # the attention writes o_proj's permuted input: no gather launch
+            return self.o_proj.forward_permuted(self.heads(x, q_pos, rope, cache, xp, order), (b, t))
+        return self.o_proj(self.heads(x, q_pos, rope, cache, xp))
+
+    def heads(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None,
+              xp: Optional[torch.Tensor] = None, out_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention output before o_proj, `[B, T, H·Dv]` (with `out_index`, the rows `[B·T, H·Dv]` in that
+        column order): what a tensor-parallel shard exchanges before its share of o_proj (runtime.tp)."""
+        b, t, _ = x.shape
         s, layer = self.spec, self.layer
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), xp)
         q = q.view(b, t, s.num_heads, s.head_dim)
@@ -123,13 +133,11 @@ class Attention(nn.Module):
             q = temperature_scale(q, q_pos, *s.attn_temperature)
         args = (q_pos, self.scale, layer.sliding_window, layer.chunk_size, s.attn_softcap)
         if cache is None:
-            return self.o_proj(attention(q, k, v, *args).reshape(b, t, -1))
+            return attention(q, k, v, *args).reshape(b, t, -1)
         kw = {"rope": rope} if rope_in_cache else {}
-        order = self._o_order(b * t, x)
-        if order is not None:  # the attention writes o_proj's permuted input: no gather launch
-            return self.o_proj.forward_permuted(cache.attend(self.idx, q, k, v, *args, out_index=order, **kw),
-                                                (b, t))
-        return self.o_proj(cache.attend(self.idx, q, k, v, *args, **kw).reshape(b, t, -1))
+        if out_index is not None:
+            return cache.attend(self.idx, q, k, v, *args, out_index=out_index, **kw)
+        return cache.attend(self.idx, q, k, v, *args, **kw).reshape(b, t, -1)
 
     def _o_order(self, rows: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Where each attention output column goes in o_proj's permuted input, when o_proj reads one."""

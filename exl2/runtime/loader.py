@@ -12,7 +12,7 @@ from exl2.models.decoder import DecoderModel
 from exl2.models.registry import read_config, spec_from_config
 from exl2.models.spec import ModelSpec
 from exl2.runtime.paged_cache import layer_bytes_per_token
-from exl2.runtime.placement import GpuSplit, Plan, plan_model
+from exl2.runtime.placement import GpuSplit, Plan, plan_model, split_budgets
 from exl2.runtime.weights import WeightLoader
 
 PAGE_SIZE = 256  # the dynamic generator's page: the cache it allocates is whole pages plus one scratch page
@@ -31,18 +31,22 @@ def pick_device(device: Optional[str] = None) -> torch.device:
 
 
 def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
-               gpu_split: Optional[GpuSplit] = None, cache_tokens: Optional[int] = None, cache_mode: str = "fp16"
-               ) -> DecoderModel:
+               gpu_split: Optional[GpuSplit] = None, cache_tokens: Optional[int] = None, cache_mode: str = "fp16",
+               tensor_parallel: bool = False) -> DecoderModel:
     """`gpu_split` (GB per GPU, or "auto"; runtime.placement) spreads the decoder layers over several GPUs, with
     room for the KV cache of `cache_tokens` tokens (default: the model's context, at most 4096) in `cache_mode`
-    next to each layer. A plan that uses one GPU loads the model there as if no split had been asked for."""
+    next to each layer. A plan that uses one GPU loads the model there as if no split had been asked for.
+    `tensor_parallel` shards every layer over the GPUs instead (runtime.tp): those `gpu_split` lists with a
+    budget above 0, or every visible GPU."""
     cfg = read_config(model_dir)
     spec = spec_from_config(cfg)
     qc = cfg.get("quantization_config") or {}
     fmt = dict(checkpoint_format=qc.get("checkpoint_format", "gptq"),
                gptq_bits=int(qc.get("bits", 4)) if qc.get("quant_method") == "gptq" else 4)
     src = TensorSource(model_dir)
-    if gpu_split is None:
+    if tensor_parallel:
+        model = _load_tensor_parallel(src, spec, device, dtype or torch.float16, gpu_split, fmt)
+    elif gpu_split is None:
         dev = pick_device(device)
         model = _build(spec, WeightLoader(src, dev, dtype or default_dtype(dev), **fmt))
     else:
@@ -87,3 +91,39 @@ def build_split(src: TensorSource, spec: ModelSpec, plan: Plan, devices: Sequenc
     model runs its split path even where several entries name one device (how the CPU tests exercise it)."""
     loaders = {g: WeightLoader(src, devices[g], dtype, **fmt) for g in plan.gpus}
     return _build(spec, loaders[plan.embed], [loaders[g] for g in plan.layers], loaders[plan.head])
+
+
+def tensor_parallel_devices(gpu_split: Optional[GpuSplit], visible: int) -> list[int]:
+    """The GPUs a tensor-parallel model shards over: those `gpu_split` gives a budget above 0 (its GB are not
+    planned: every GPU holds an equal share), or with "auto" or no split every visible one."""
+    if visible == 0:
+        raise ConfigError("--tensor-parallel needs CUDA GPUs, and none is available; leave it out to run on the "
+                          "CPU.")
+    if gpu_split is None or gpu_split == "auto":
+        gpus = list(range(visible))
+    else:
+        split_budgets(gpu_split, [0] * visible)  # the split's own checks: entries, GPUs visible
+        gpus = [i for i, gb in enumerate(gpu_split) if gb > 0]
+    if len(gpus) < 2:
+        have = "only one is visible" if gpu_split is None or gpu_split == "auto" else "the GPU split lists one"
+        raise ConfigError(f"--tensor-parallel needs at least two GPUs, but {have}; leave it out to run on one.")
+    return gpus
+
+
+def _load_tensor_parallel(src: TensorSource, spec: ModelSpec, device: Optional[str], dtype: torch.dtype,
+                          gpu_split: Optional[GpuSplit], fmt: dict) -> DecoderModel:
+    from exl2.runtime.tp.model import build_tensor_parallel
+    from exl2.runtime.tp.shard import check_supported
+
+    if device is not None and not device.startswith("cuda"):
+        raise ConfigError(f"--tensor-parallel shards the model over CUDA GPUs; it cannot be combined with --device "
+                          f"{device}.")
+    gpus = tensor_parallel_devices(gpu_split, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    check_supported(spec, len(gpus))
+    devices = [torch.device("cuda", i) for i in gpus]
+    torch.cuda.set_device(devices[0])  # input ids, the head and sampling live on the first GPU
+    try:
+        return build_tensor_parallel(src, spec, devices, dtype, **fmt)
+    except torch.cuda.OutOfMemoryError:
+        raise ConfigError("Loading the tensor-parallel model ran out of GPU memory: each GPU holds an equal share "
+                          "of every layer; add GPUs or use a smaller model.") from None

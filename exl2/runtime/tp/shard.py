@@ -1,0 +1,197 @@
+"""Megatron-style shards of one decoder layer for tensor parallelism: which columns and rows of each projection a
+shard holds, made from a layer loaded whole on the host.
+
+- Attention: shard r holds a contiguous group of KV heads and the query heads that read them (q/k/v column
+  slices by head) and the paged cache of those heads only.
+- o_proj: a dense one is row-parallel over the shard's own heads (one all-reduce). A quantized one reads its
+  input in act-order, its rows scattered over every head, so the shards all-gather the attention output (hidden
+  wide) and each computes a column slice of o_proj from it, then all-gather those columns: exact (every output
+  is one whole dot product, the same as unsharded) and an all-gather moves half the bytes of an all-reduce.
+- MLP: down is row-parallel. A quantized down's share is a share of the 32-row steps of every width class
+  (`qweight.slice_steps`, like the kernels' split-K); gate and up keep exactly the intermediate features that
+  share reads (its `row_index`), renumbered so the GLU stays local and down needs no gather; one all-reduce.
+  Dense weights: the same with contiguous slices.
+- Norms are replicated; a bias of a row-parallel projection goes with shard 0 only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from exl2.errors import ConfigError
+from exl2.kernels.qweight import QuantWeight, input_features, slice_steps, take_outputs, with_inputs
+from exl2.models.decoder import Attention, DecoderLayer, on_device
+from exl2.models.layers import GatedMLP, RMSNorm
+from exl2.models.spec import ModelSpec
+from exl2.runtime.linear import Linear
+from exl2.runtime.tp.collectives import Collectives
+
+
+def check_supported(spec: ModelSpec, parts: int) -> None:
+    """Raise ConfigError (one sentence) where this model cannot be sharded over `parts` devices."""
+    if parts < 2:
+        raise ConfigError("Tensor parallelism needs at least two devices; leave it off to run on one.")
+    if spec.moe is not None or any(layer.moe for layer in spec.layers):
+        raise ConfigError(f"Tensor parallelism does not support mixture-of-experts models ({spec.arch}) yet; use "
+                          "the layer split (--gpu_split without --tensor-parallel).")
+    if spec.mla is not None:
+        raise ConfigError(f"Tensor parallelism does not support multi-head latent attention ({spec.arch}) yet; use "
+                          "the layer split (--gpu_split without --tensor-parallel).")
+    if spec.num_kv_heads % parts:
+        raise ConfigError(f"Tensor parallel over {parts} devices needs the KV head count ({spec.num_kv_heads}) to be "
+                          f"a multiple of {parts}.")
+
+
+def shard_spec(spec: ModelSpec, parts: int) -> ModelSpec:
+    """The spec one shard's attention and cache see: its share of the query and KV heads."""
+    return dataclasses.replace(spec, num_heads=spec.num_heads // parts, num_kv_heads=spec.num_kv_heads // parts)
+
+
+def _move_kernel(w: QuantWeight, device: torch.device) -> QuantWeight:
+    """w on `device`, keeping its class (QuantWeight.to makes a plain QuantWeight)."""
+    moved = {f.name: getattr(w, f.name).to(device) for f in dataclasses.fields(w)
+             if isinstance(getattr(w, f.name), torch.Tensor)}
+    return dataclasses.replace(w, _cache={}, **moved)
+
+
+def linear_on(in_features: int, out_features: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+              kernel: Optional[QuantWeight], info: dict, device: torch.device) -> Linear:
+    """A Linear with its tensors on `device` (contiguous copies: a slice never pins the whole host matrix)."""
+    mv = lambda t: None if t is None else t.to(device).contiguous().clone()  # noqa: E731
+    return Linear(in_features, out_features, mv(weight), mv(bias),
+                  None if kernel is None else _move_kernel(kernel, device), dict(info))
+
+
+def columns(lin: Linear, cols: torch.Tensor, device: torch.device) -> Linear:
+    """The output columns `cols` of a linear (all its inputs)."""
+    if lin.kernel is not None:
+        return linear_on(lin.in_features, cols.numel(), None, None, take_outputs(lin.kernel, cols), lin.info, device)
+    bias = None if lin.bias is None else lin.bias[cols]
+    return linear_on(lin.in_features, cols.numel(), lin.weight[cols], bias, None, lin.info, device)
+
+
+def dense_rows(lin: Linear, features: torch.Tensor, keep_bias: bool, device: torch.device) -> Linear:
+    """A dense linear reading only the input features `features` (a row share; the bias on one share only)."""
+    bias = lin.bias if keep_bias else None
+    return linear_on(features.numel(), lin.out_features, lin.weight[:, features], bias, None, lin.info, device)
+
+
+def _heads(count: int, dim: int, part: int, parts: int) -> torch.Tensor:
+    per = count // parts
+    return torch.arange(part * per * dim, (part + 1) * per * dim)
+
+
+class _Prepared:
+    """A WeightProvider serving ready-made shard linears and tensors by name, so that a shard's Attention is
+    built by Attention's own constructor."""
+
+    def __init__(self, linears: dict, tensors: dict):
+        self.linears, self.tensors = linears, tensors
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def linear(self, prefix: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        return self.linears[prefix]
+
+
+def norm_on(norm: Optional[RMSNorm], device: torch.device) -> Optional[RMSNorm]:
+    if norm is None:
+        return None
+    weight = None if norm.weight is None else norm.weight.detach().to(device).clone()
+    return RMSNorm(weight, norm.eps, norm.offset)
+
+
+def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, device: torch.device
+                    ) -> tuple[Attention, str]:
+    """Shard `part`'s Attention (its heads; its `o_proj` as `o_mode` says) and `o_mode`: "reduce" (dense o_proj
+    over the shard's heads, outputs all-reduced) or "gather" (quantized o_proj: all-gathered input, a column
+    slice of the output, all-gathered)."""
+    d = spec.head_dim
+    q_cols, kv_cols = _heads(spec.num_heads, d, part, parts), _heads(spec.num_kv_heads, d, part, parts)
+    prefix = f"model.layers.{attn.idx}.self_attn"
+    o = attn.o_proj
+    if o.kernel is None:
+        o_mode, o_shard = "reduce", dense_rows(o, q_cols, part == 0, device)
+    else:
+        cols = torch.tensor_split(torch.arange(o.out_features), parts)[part]
+        o_mode, o_shard = "gather", columns(o, cols, device)
+    linears = {f"{prefix}.q_proj": columns(attn.q_proj, q_cols, device),
+               f"{prefix}.k_proj": columns(attn.k_proj, kv_cols, device),
+               f"{prefix}.v_proj": columns(attn.v_proj, kv_cols, device),
+               f"{prefix}.o_proj": o_shard}
+    tensors = {}
+    if attn.q_norm is not None:
+        tensors = {f"{prefix}.q_norm.weight": attn.q_norm.weight.detach().to(device).clone(),
+                   f"{prefix}.k_norm.weight": attn.k_norm.weight.detach().to(device).clone()}
+    with torch.no_grad():
+        shard = Attention(shard_spec(spec, parts), attn.layer, attn.idx, _Prepared(linears, tensors), prefix)
+    shard.scale = attn.scale
+    return shard, o_mode
+
+
+def shard_mlp(mlp: GatedMLP, part: int, parts: int, device: torch.device) -> GatedMLP:
+    """Shard `part`'s GatedMLP: its share of down's input rows and the gate/up columns producing exactly them."""
+    down = mlp.down_proj
+    if down.kernel is not None:
+        share = slice_steps(down.kernel, part, parts)
+        features = input_features(share)
+        down_shard = linear_on(features.numel(), down.out_features, None, None, with_inputs(share, features),
+                               down.info, device)
+    else:
+        features = torch.tensor_split(torch.arange(down.in_features), parts)[part]
+        down_shard = dense_rows(down, features, part == 0, device)
+    return GatedMLP(columns(mlp.gate_proj, features, device), columns(mlp.up_proj, features, device), down_shard,
+                    mlp.act_name)
+
+
+class ShardedLayer(nn.Module):
+    """One decoder layer as `parts` shards: per shard its norms, attention and MLP (on that shard's device)."""
+
+    def __init__(self, layer: DecoderLayer, devices: list[torch.device]):
+        super().__init__()
+        self.spec, self.idx = layer.spec, layer.idx
+        self.sandwich = layer.spec.sandwich_norm
+        parts = len(devices)
+        attns, modes = zip(*[shard_attention(layer.self_attn, layer.spec, r, parts, d) for r, d in enumerate(devices)])
+        self.o_mode = modes[0]
+        self.attn = nn.ModuleList(attns)
+        self.mlp = nn.ModuleList([shard_mlp(layer.mlp, r, parts, d) for r, d in enumerate(devices)])
+        names = ["input_layernorm", "post_attention_layernorm"]
+        if self.sandwich:
+            names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for name in names:
+            setattr(self, name, nn.ModuleList([norm_on(getattr(layer, name), d) for d in devices]))
+
+    def forward(self, xs: list[torch.Tensor], positions: list[torch.Tensor], ropes: list, caches: list,
+                coll: Collectives, devices: list[torch.device]) -> list[torch.Tensor]:
+        """The residual stream after this layer, one replica per shard: three collectives with a quantized
+        o_proj (gather, gather, reduce), two with a dense one (reduce, reduce)."""
+        def each(fn) -> list:
+            out = []
+            for r, d in enumerate(devices):  # queued one device after another; the GPUs run them side by side
+                with on_device(d):
+                    out.append(fn(r))
+            return out
+
+        h = each(lambda r: self.input_layernorm[r](xs[r]))
+        a = each(lambda r: self.attn[r].heads(h[r], positions[r], ropes[r], caches[r]))
+        if self.o_mode == "reduce":
+            o = coll.all_reduce(each(lambda r: self.attn[r].o_proj(a[r])))
+        else:
+            full = coll.all_gather(a)
+            o = coll.all_gather(each(lambda r: self.attn[r].o_proj(full[r])))
+        if self.sandwich:
+            o = each(lambda r: self.post_attention_layernorm[r](o[r]))
+        xs = each(lambda r: xs[r] + o[r])
+        norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+        m = coll.all_reduce(each(lambda r: self.mlp[r](norm[r](xs[r]))))
+        if self.sandwich:
+            m = each(lambda r: self.post_feedforward_layernorm[r](m[r]))
+        return each(lambda r: xs[r] + m[r])
