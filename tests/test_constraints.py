@@ -9,7 +9,8 @@ import pytest
 from exl2.config import EngineConfig, SamplingSettings
 from exl2.engine import Engine
 from exl2.errors import ConfigError
-from exl2.generation.constraints import json_grammar, regex_grammar
+from exl2.generation.chat import ChatTemplate, parse_tool_calls, tool_call_format
+from exl2.generation.constraints import json_grammar, regex_grammar, tool_call_grammar
 from exl2.generation.dynamic import DynamicGenerator, Job
 
 from test_dynamic import GREEDY, MODEL, PROMPTS, greedy_reference
@@ -65,3 +66,57 @@ def test_bad_formats_are_user_errors(engine):
         regex_grammar(engine.tokenizer, "([a-z")
     with pytest.raises(ConfigError):
         json_grammar(engine.tokenizer, {"type": "object", "properties": {"x": {"type": "no-such-type"}}})
+
+
+# ---- forced tool calls -------------------------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["a", "b"],
+             "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                            "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}},
+         {"type": "function", "function": {"name": "now"}}]
+WRITTEN = {"hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+                     '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+           "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "now", "arguments": {}}]',
+           "llama": '{"name": "add", "parameters": {"a": 1, "b": 2}}'}
+
+
+def _accepts(grammar, tok, text: str) -> bool:
+    ids = [i for i in tok.encode(text) if i != tok.bos_id]
+    return all(grammar.advance(i) is None and not grammar.matcher.is_error() for i in ids) and \
+        grammar.matcher.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITTEN))
+def test_tool_call_grammar_accepts_calls_in_the_models_format(engine, fmt):
+    tok = engine.tokenizer
+    text = WRITTEN[fmt]
+    assert parse_tool_calls(text)[0] == {"name": "add", "arguments": {"a": 1, "b": 2}}
+    assert _accepts(tool_call_grammar(tok, TOOLS, fmt), tok, text)
+    assert not _accepts(tool_call_grammar(tok, TOOLS, fmt, name="now"), tok, text)      # only 'now' may be called
+    assert not _accepts(tool_call_grammar(tok, TOOLS, fmt), tok, text.replace("2}", "200}"))  # out of its schema
+    assert not _accepts(tool_call_grammar(tok, TOOLS, fmt), tok, "Sure! " + text)           # nothing but calls
+    with pytest.raises(ConfigError):
+        tool_call_grammar(tok, TOOLS, fmt, name="missing")
+
+
+def test_tool_call_format_follows_the_template():
+    assert tool_call_format(ChatTemplate(None)) == "hermes"   # the ChatML fallback announces Hermes-style calls
+    assert tool_call_format(ChatTemplate("{{ '[TOOL_CALLS]' }}")) == "mistral"
+    assert tool_call_format(ChatTemplate("{{ '<|python_tag|>' }}{{ messages }}")) == "llama"
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_random_model_forced_to_call_a_tool_calls_it(engine, seed):
+    """tool_choice 'required' / a named function on a model that writes gibberish: the reply is still calls of
+    the allowed tools with arguments in their schemas."""
+    prompt = engine.chat_prompt([{"role": "user", "content": "What is 1+2?"}], TOOLS)
+    for name in (None, "add"):
+        r = engine.generate(prompt, SamplingSettings(temperature=1.0, seed=seed), 160,
+                            grammar=engine.tool_grammar(TOOLS, name))
+        calls = parse_tool_calls(r.text)
+        assert r.finish_reason == "stop" and calls, r.text
+        for call in calls:
+            assert call["name"] in ({"add", "now"} if name is None else {name})
+            if call["name"] == "add":
+                assert set(call["arguments"]) == {"a", "b"} and all(0 <= v <= 99 for v in call["arguments"].values())

@@ -75,12 +75,20 @@ class FakeEngine:
         self.reply: str | None = CALL      # None: an endless reply, for the disconnect tests
         self.fail_seed: int | None = None  # the job sampling with this seed fails after its first piece
         self.rendered: list[tuple[list, object]] = []
+        self.forced: list[str] = []         # the tool_choice grammars asked for
         self.closed = threading.Event()
         self.opened = self.closes = 0      # streams started and closed, for the disconnect tests
 
     def chat_prompt(self, messages, tools=None):
         self.rendered.append((messages, tools))
         return "PROMPT"
+
+    def json_grammar(self, schema=None):
+        return None
+
+    def tool_grammar(self, tools, name=None):
+        self.forced.append(name or "required")
+        return None
 
     async def aevents(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None, grammar=None):
         self.opened += 1
@@ -456,6 +464,12 @@ def test_tool_calls_non_streamed(fake_app, fake):
     r = run(go(llama, tool_choice="required"))
     assert r.choices[0].message.tool_calls[0].function.name == "add" and r.choices[0].message.content is None
 
+    assert fake.forced[-2:] == ["add", "required"]    # forced choices are enforced by a grammar, 'auto' is not
+    r = run(go(CALL, tool_choice="auto"))
+    assert fake.forced[-2:] == ["add", "required"]
+    with pytest.raises(openai.BadRequestError):
+        run(go(CALL, tool_choice="required", response_format={"type": "json_object"}))
+
     r = run(go(CALL, tool_choice="none"))            # no tools rendered, nothing parsed
     assert fake.rendered[-1][1] is None
     assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
@@ -587,3 +601,19 @@ def test_serve_cli_errors_are_one_line(capsys, tmp_path):
     rc = main(["serve", "-m", str(tmp_path / "missing"), "--port", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "does not exist" in err[0]
+
+
+def test_forced_tool_choice_through_real_engine(app):
+    """A named tool_choice on the (random) real model: its reply is a call of that tool, arguments in its schema."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["a", "b"],
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                       "b": {"type": "integer", "minimum": 0, "maximum": 9}}}}}, TOOLS[0] | {"function": {"name": "sub"}}]
+    r = run(aclient(app).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "1+2?"}], tools=tools, max_tokens=120, seed=7,
+        tool_choice={"type": "function", "function": {"name": "add"}}))
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    assert [c.function.name for c in choice.message.tool_calls] == ["add"] * len(choice.message.tool_calls)
+    args = json.loads(choice.message.tool_calls[0].function.arguments)
+    assert set(args) == {"a", "b"} and all(0 <= v <= 9 for v in args.values())

@@ -103,6 +103,23 @@ class ChatTemplate:
 
 # ---- tool calls -----------------------------------------------------------------------------------------------
 
+TOOL_FORMATS = ("hermes", "mistral", "llama")
+
+
+def tool_call_format(template: ChatTemplate) -> str:
+    """How the model writes tool calls, from its template: 'hermes' (`<tool_call>{json}</tool_call>`: Qwen, Hermes
+    and the ChatML fallback), 'mistral' (`[TOOL_CALLS][{json}, ...]`) or 'llama' (Llama 3.1: the bare JSON object
+    `{"name": ..., "parameters": {...}}`). Templates that name none of them get 'hermes'."""
+    src = template.source
+    if "<tool_call>" in src:
+        return "hermes"
+    if "[TOOL_CALLS]" in src:
+        return "mistral"
+    if "<|python_tag|>" in src or "ipython" in src:
+        return "llama"
+    return "hermes"
+
+
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 

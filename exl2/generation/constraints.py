@@ -6,6 +6,7 @@ step), which runs on the host while the GPU decodes; the sampler then draws amon
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 import numpy as np
@@ -90,6 +91,34 @@ def regex_grammar(tokenizer: Tokenizer, pattern: str) -> Grammar:
 def lark_grammar(tokenizer: Tokenizer, grammar: str) -> Grammar:
     """Replies in a Lark grammar (llguidance's dialect)."""
     return _checked(tokenizer, _llguidance().LLMatcher.grammar_from_lark(grammar))
+
+
+def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict[str, Any]], fmt: str = "hermes",
+                      name: Optional[str] = None) -> Grammar:
+    """Replies that are one or more calls of `tools` (OpenAI-shaped {"type": "function", "function": {...}}), or of
+    the tool called `name` only, in the model's own format (`chat.tool_call_format`), arguments following each
+    tool's JSON schema: what tool_choice 'required' or a named function means, enforced rather than hoped for."""
+    args_key = "parameters" if fmt == "llama" else "arguments"
+    calls = []
+    for tool in tools:
+        fn = tool.get("function", tool)
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+        calls.append({"type": "object", "additionalProperties": False, "required": ["name", args_key],
+                      "properties": {"name": {"const": fn["name"]}, args_key: params}})
+    if not calls:
+        raise ConfigError(f"No tool named '{name}' to call." if name else "A tool call needs at least one tool.")
+    call = json.dumps({"anyOf": calls, "x-guidance": JSON_STYLE})
+    if fmt == "hermes":
+        lark = f'start: call ("\\n" call)*\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {call}'
+    elif fmt == "mistral":
+        lark = f'start: "[TOOL_CALLS]" "[" body (", " body)* "]"\nbody: %json {call}'
+    elif fmt == "llama":
+        lark = f'start: body\nbody: %json {call}'
+    else:
+        raise ConfigError(f"Unknown tool-call format '{fmt}'.")
+    return _checked(tokenizer, lark)
 
 
 def _checked(tokenizer: Tokenizer, grammar: str) -> Grammar:

@@ -243,6 +243,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params.check_supported(body)
     jobs = _jobs(body, st.engine, [""], False, "messages", st.config.max_tokens)   # checks every field first
     tools = template_tools(body.tools, body.tool_choice)
+    for job in jobs:  # a grammar holds parse state: one per choice
+        job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice, body.response_format) or job.grammar
     messages = template_messages(body.messages)
     try:
         prompt = st.engine.chat_prompt(messages, tools)

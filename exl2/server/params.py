@@ -7,7 +7,8 @@ from exl2.config import SamplingSettings
 from exl2.errors import ConfigError
 from exl2.generation.constraints import Grammar
 from exl2.server.errors import APIError, unsupported
-from exl2.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields
+from exl2.server.schemas import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat,
+                                 SamplingFields)
 
 MAX_STOPS = 4
 MAX_N = 16
@@ -27,6 +28,20 @@ def response_grammar(engine, fmt: Optional[ResponseFormat]) -> Optional[Grammar]
         return engine.json_grammar(schema)
     except ConfigError as e:
         raise APIError(400, str(e), param="response_format") from None
+
+
+def tool_grammar(engine, tools: Optional[list[dict]], choice, fmt: Optional[ResponseFormat]) -> Optional[Grammar]:
+    """The grammar of a tool_choice that forces a call ('required', or a named function): the reply is then one or
+    more calls in the model's own format, arguments following each tool's schema. None for 'auto'/'none'."""
+    if not tools or not (choice == "required" or isinstance(choice, NamedToolChoice)):
+        return None
+    if fmt is not None and fmt.type != "text":
+        raise APIError(400, "response_format cannot be combined with a tool_choice that forces a call.",
+                       param="response_format")
+    try:
+        return engine.tool_grammar(tools, choice.function.name if isinstance(choice, NamedToolChoice) else None)
+    except ConfigError as e:
+        raise APIError(400, str(e), param="tools") from None
 
 
 def check_supported(req: SamplingFields) -> None:

@@ -21,7 +21,8 @@ ToolChoice = Union[str, NamedToolChoice, None]
 def template_tools(tools: Optional[list[Tool]], choice: ToolChoice) -> Optional[list[dict[str, Any]]]:
     """The tools to render into the prompt, or None (no tools, or tool_choice 'none').
 
-    'required' and a named function render all tools like 'auto': nothing constrains the model's output yet.
+    'required' and a named function render all tools like 'auto'; their grammar (`params.tool_grammar`) then
+    allows only calls.
     """
     names = [t.function.name for t in tools or ()]
     if not names:
