@@ -2,7 +2,6 @@
 from a random model, and constrained jobs batch with free ones without changing them."""
 import json
 import re
-from pathlib import Path
 
 import pytest
 
