@@ -214,10 +214,12 @@ def test_results_report_cached_tokens(model, tok):
     assert gen.generate([Job(ids + [5, 6], GREEDY, 4)])[0].cached_tokens == (len(ids) // 16) * 16 > 0
 
 
-def test_new_prompts_of_equal_length_prefill_together(model, tok, monkeypatch):
+def test_new_prompts_prefill_together(model, tok, monkeypatch):
+    """New prompts share one forward, right-padded to the longest; each row's logits come from its own last
+    token, and the padding's cache entries are overwritten before anything reads them."""
     gen = DynamicGenerator(model, tok, 512, max_batch=8, page_size=16)
     words = tok.encode("red green blue yellow purple orange black white grey pink " * 4)
-    prompts = [words[i:i + 21] for i in range(4)] + [words[:9]]   # four of 21 tokens, one of 9
+    prompts = [words[i:i + 21] for i in range(4)] + [words[:9], words[3:20]]   # four of 21 tokens, 9, 17
     calls = []
     forward = model.forward
 
@@ -226,9 +228,17 @@ def test_new_prompts_of_equal_length_prefill_together(model, tok, monkeypatch):
         return forward(ids, *a, **k)
     monkeypatch.setattr(model, "forward", counting)
     results = gen.generate([Job(p, GREEDY, 6) for p in prompts])
-    assert calls[:2] == [(4, 21), (1, 9)]                            # one forward for the four equal prompts
+    assert calls[0] == (6, 21) and all(c[1] == 1 for c in calls[1:])      # one prefill forward, then decoding
     monkeypatch.setattr(model, "forward", forward)
     assert [r.token_ids for r in results] == [greedy_reference(model, p, 6) for p in prompts]
+
+    calls.clear()
+    monkeypatch.setattr(model, "forward", counting)
+    long = tok.encode("word " * 200)[:200]
+    results = gen.generate([Job(words[:5], GREEDY, 4), Job(long, GREEDY, 4)])   # too much padding: apart
+    assert sorted(calls[:2]) == [(1, 5), (1, 200)]
+    monkeypatch.setattr(model, "forward", forward)
+    assert [r.token_ids for r in results] == [greedy_reference(model, p, 4) for p in (words[:5], long)]
 
 
 def test_overlapped_decode_keeps_every_token(model, tok, refs):

@@ -30,6 +30,8 @@ from exl2.runtime.paged_cache import PagedKVCache
 
 _ids = itertools.count()
 MAX_SKIPS = 4  # how often younger jobs may start before a waiting one (exllamav2's max_skips)
+# New prompts prefill together while the padded forward has at most PAD_SLACK x their tokens + PAD_TOKENS.
+PAD_SLACK, PAD_TOKENS = 1.5, 64
 
 
 class Job:
@@ -223,18 +225,27 @@ class DynamicGenerator:
         self._admit()
         budget = self.chunk
         for group in self._prefill_groups():
-            if budget <= 0:
+            if len(group) == 1:  # a prompt alone, from where it stands, as much of it as the budget allows
+                job = group[0]
+                start = job.length
+                width = min(budget, len(job.ids) - start)
+                rows, ends, last = [job.ids[start:start + width]], [start + width], True
+            else:  # new prompts, sorted by length, right-padded to the longest: each row's own last position
+                start, width = 0, len(group[-1].ids)
+                rows = [j.ids + [j.ids[-1]] * (width - len(j.ids)) for j in group]
+                ends = [len(j.ids) for j in group]
+                last = True if ends[0] == width else torch.tensor([e - 1 for e in ends], dtype=torch.long,
+                                                                  device=self.model.device)
+            if width <= 0 or width * len(rows) > budget:
                 break
-            start = group[0].length
-            n = min(budget, len(group[0].ids) - start)  # every job of a group is at the same point of its prompt
-            part = torch.tensor([j.ids[start:start + n] for j in group], dtype=torch.long, device=self.model.device)
+            part = torch.tensor(rows, dtype=torch.long, device=self.model.device)
             self.cache.bind(self._table(group)[:, :max(len(j.pages) for j in group)])
-            logits = self.model(part, self.cache, start, last_only=True)[:, -1]
-            budget -= n * len(group)
-            for job in group:
-                job.length += n
+            logits = self.model(part, self.cache, start, last_only=last)[:, -1]
+            budget -= width * len(rows)
+            for job, end in zip(group, ends):
+                job.length = end
                 self._publish(job)
-            if group[0].length == len(group[0].ids):
+            if all(j.length == len(j.ids) for j in group):
                 self._accept(group, logits, events)
         running = [j for j in self.active if j.pending is not None]
         if len(running) == 1 and self.draft is not None and running[0].grammar is None and \
@@ -308,21 +319,31 @@ class DynamicGenerator:
                 self._publish(job)
 
     def _prefill_groups(self) -> list[list[Job]]:
-        """The jobs still in their prompt, in order; new prompts (nothing cached) of equal length that fit one
-        chunk together share one forward (a burst of requests, or a request's n choices), others go one by one."""
+        """The jobs still in their prompt: prompts under way or starting from cached pages one by one, then new
+        prompts that fit a chunk grouped shortest first into shared forwards (a burst of requests, a request's n
+        choices), each group right-padded to its longest prompt as long as the padding stays small
+        (PAD_SLACK, PAD_TOKENS): one forward instead of one per prompt, which at short prompts costs about the
+        same."""
         groups: list[list[Job]] = []
-        by_length: dict[int, list[Job]] = {}
+        fresh = []
         for job in self.active:
             if job.pending is not None:
                 continue
-            size = len(job.ids)
-            same = by_length.get(size) if job.length == 0 else None
-            if same is not None and size * (len(same) + 1) <= self.chunk:
-                same.append(job)
-                continue
-            groups.append([job])
-            if job.length == 0:
-                by_length[size] = groups[-1]
+            if job.length == 0 and len(job.ids) <= self.chunk:
+                fresh.append(job)
+            else:
+                groups.append([job])
+        group: list[Job] = []
+        real = 0
+        for job in sorted(fresh, key=lambda j: len(j.ids)):
+            size = len(job.ids) * (len(group) + 1)  # padded tokens with this job, the longest so far
+            if group and (size > self.chunk or size > PAD_SLACK * (real + len(job.ids)) + PAD_TOKENS):
+                groups.append(group)
+                group, real = [], 0
+            group.append(job)
+            real += len(job.ids)
+        if group:
+            groups.append(group)
         return groups
 
     def _accept(self, jobs: list[Job], logits: torch.Tensor, events: list[Event]) -> None:

@@ -22,6 +22,14 @@ from exl2.kernels.split_sum import SplitSum
 from exl2.runtime.linear import Linear, permuted_indices, project, share_inputs
 
 
+def last_rows(normed: torch.Tensor, last_only: bool | torch.Tensor) -> torch.Tensor:
+    """The positions whose logits a forward returns: all, the last ([B, 1, H]), or per row ([B] indices)."""
+    if isinstance(last_only, torch.Tensor):
+        rows = torch.arange(normed.shape[0], device=normed.device)
+        return normed[rows, last_only.to(normed.device)][:, None]
+    return normed[:, -1:] if last_only else normed
+
+
 def _summed(y, like: torch.Tensor) -> torch.Tensor:
     """y, or the sum of a `SplitSum` in like's dtype (for the paths that add a module's output themselves)."""
     return y.total(like.dtype) if isinstance(y, SplitSum) else y
@@ -431,8 +439,10 @@ class DecoderModel(nn.Module):
         return (steps + start).expand(b, t)
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
-                last_only: bool = False, fresh: bool | None = None) -> torch.Tensor:
+                last_only: bool | torch.Tensor = False, fresh: bool | None = None) -> torch.Tensor:
         """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared).
+        `last_only`: only the last position's logits [B, 1, V]; a [B] tensor: the logits at those positions of each
+        row (right-padded rows of different lengths).
         `fresh`: whether every row starts at 0, when a tensor `start` hides it (saves the cache a GPU read)."""
         q_pos = self.positions(ids, start)
         note = getattr(cache, "note_positions", None)
@@ -446,10 +456,10 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x, delta = layer.fused_step(x, delta, q_pos, self.layer_rope(tables, i), cache)
         normed = self.norm.add_norm(delta, x) if delta is not None else self.norm(x)
-        return self.logits(normed[:, -1:] if last_only else normed)
+        return self.logits(last_rows(normed, last_only))
 
     def _forward_split(self, x: torch.Tensor, q_pos: torch.Tensor, tables: dict, cache, fresh: Optional[bool],
-                       last_only: bool) -> torch.Tensor:
+                       last_only: bool | torch.Tensor) -> torch.Tensor:
         """`forward` over several devices: each run of layers with its device current, the residual stream and the
         pending MLP output (`fused_step`'s pair) moved where the run starts, positions and RoPE tables copied once
         per device and forward (the cache is told of each copy); the head's logits back on the embedding's device.
@@ -470,7 +480,7 @@ class DecoderModel(nn.Module):
         with on_device(dev):
             x = x.to(dev)
             normed = self.norm.add_norm(_summed(delta, x).to(dev), x) if delta is not None else self.norm(x)
-            logits = self.logits(normed[:, -1:] if last_only else normed)
+            logits = self.logits(last_rows(normed, last_only))
         return logits.to(self.device)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from exl2.models.decoder import DecoderLayer, DecoderModel, KVCache, WeightProvider, on_device
+from exl2.models.decoder import DecoderLayer, DecoderModel, KVCache, WeightProvider, last_rows, on_device
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import share_inputs
 from exl2.runtime.paged_cache import PagedKVCache
@@ -76,7 +76,7 @@ class TensorParallelModel(DecoderModel):
         return cache.shards
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
-                last_only: bool = False, fresh: bool | None = None) -> torch.Tensor:
+                last_only: bool | torch.Tensor = False, fresh: bool | None = None) -> torch.Tensor:
         """As DecoderModel.forward; ids on the first device, logits there."""
         q_pos = self.positions(ids, start)
         fresh = (start == 0) if isinstance(start, int) else fresh
@@ -95,7 +95,7 @@ class TensorParallelModel(DecoderModel):
             xs = layer(xs, positions, ropes, caches, self.collectives, self.devices)
         with on_device(self.devices[0]):
             normed = self.norm(xs[0])
-            return self.logits(normed[:, -1:] if last_only else normed)
+            return self.logits(last_rows(normed, last_only))
 
 
 def build_tensor_parallel(src, spec: ModelSpec, devices: Sequence[torch.device | str], dtype: torch.dtype,
