@@ -27,11 +27,13 @@ SAMPLED = SamplingSettings(temperature=0.8, top_p=0.9)
 
 
 def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, seed: int = 0,
-        settings: SamplingSettings = GREEDY) -> tuple[float, float, float]:
-    """(time to first token of the last request admitted, decode tok/s over all requests, overall tok/s)."""
+        settings: SamplingSettings = GREEDY, spread: float = 0.0) -> tuple[float, float, float]:
+    """(time to first token of the last request admitted, decode tok/s over all requests, overall tok/s). Prompt
+    lengths are drawn from prompt · [1 - spread, 1 + spread]."""
     g = torch.Generator().manual_seed(seed)
-    jobs = [Job(torch.randint(10, vocab, (prompt,), generator=g).tolist(), settings, new)
-            for _ in range(batch)]
+    lo, hi = max(1, round(prompt * (1 - spread))), max(1, round(prompt * (1 + spread)))
+    sizes = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
+    jobs = [Job(torch.randint(10, vocab, (n,), generator=g).tolist(), settings, new) for n in sizes]
     for job in jobs:
         gen.enqueue(job)
     torch.cuda.synchronize()
@@ -52,6 +54,7 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--cache-mode", default="fp16")
+    p.add_argument("--spread", type=float, default=0.5, help="prompt lengths vary by this fraction (default 0.5)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers, for a quick check")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -61,14 +64,15 @@ def main() -> int:
     model, _ = synthetic_model(torch.device("cuda"), args.layers)
     with tempfile.TemporaryDirectory() as d:
         tok = synthetic_tokenizer(d)
-    gen = DynamicGenerator(model, tok, args.prompt + args.new + 64, args.cache_mode,
-                           cache_tokens=max(batches) * (args.prompt + args.new + 256), max_batch=max(batches))
+    longest = round(args.prompt * (1 + args.spread)) + args.new + 64
+    gen = DynamicGenerator(model, tok, longest, args.cache_mode, cache_tokens=max(batches) * (longest + 256),
+                           max_batch=max(batches))
     # Warm-up at the measured shapes (compiles the prefill's kernels, captures the decode graphs); other prompts
     # than the measured ones, so nothing comes from the prompt cache.
     for b in batches:
-        run(gen, b, args.prompt, 4, model.spec.vocab_size, seed=1000 + b, settings=SAMPLED)
-    print(f"dynamic generator, {args.prompt}-token prompts, {args.new} new tokens, {args.cache_mode} cache, "
-          f"{torch.cuda.get_device_name()}")
+        run(gen, b, args.prompt, 4, model.spec.vocab_size, seed=1000 + b, settings=SAMPLED, spread=args.spread)
+    print(f"dynamic generator, prompts of {args.prompt} tokens ± {args.spread:.0%}, {args.new} new tokens, "
+          f"{args.cache_mode} cache, {torch.cuda.get_device_name()}")
     print("| batch | sampling | overlap | first token (ms) | decode tok/s (total) | overall tok/s |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for b in batches:
@@ -76,7 +80,7 @@ def main() -> int:
             for overlap in (True, False):
                 gen.overlap = overlap
                 ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size, seed=b,
-                                            settings=settings)
+                                            settings=settings, spread=args.spread)
                 print(f"| {b} | {name} | {'on' if overlap else 'off'} | {ttft * 1e3:.1f} | {decode:,.0f} | "
                       f"{overall:,.0f} |", flush=True)
     gen.overlap = True
