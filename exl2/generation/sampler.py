@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from exl2.config import SamplingSettings
+from exl2.kernels.sampling import gumbel_argmax, row_keys
 
 PastIds = Union[torch.Tensor, Sequence[Sequence[int]], None]
 
@@ -96,44 +97,9 @@ def sample(logits: torch.Tensor, settings: SamplingSettings, generator: Optional
 
 
 # ---- batched sampling: one set of launches for a whole decode batch -------------------------------------------
-# Each row keeps its own settings and its own seeded random stream, but the whole batch is filtered and drawn with
-# the same ~25 tensor operations instead of ~5 launches a row: at batch 16 the per-row sampler cost more host time
-# than the decode step's graph replay. The draw is a Gumbel-max over counter-based noise (a hash of the row's seed,
-# its draw counter and the token id), so a row's tokens depend only on its seed and how many tokens it has drawn:
-# not on which other jobs share the batch, nor on whether speculative decoding checked several positions at once.
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x · c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow (16-bit halves of c)."""
-    return ((x * (c & 0xFFFF)) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (lowbias32) of int64 values in [0, 2^32): uniform, decorrelated outputs."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] float32 uniforms in (0, 1), a function of (seed, counter, token id) only. seeds, counters: [B]
-    int64 (seeds any 64-bit value, counters ≥ 0)."""
-    seeds = seeds.to(torch.int64)
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    row = _hash32(lo ^ _hash32(hi ^ _hash32(counters.to(torch.int64) & _M32)))
-    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = _hash32((row[:, None] + _mul32(idx, 0x9E3779B9)[None, :]) & _M32)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-def _signed64(seed: int) -> int:
-    """A seed of any size as the int64 with the same low 64 bits."""
-    seed = int(seed) & ((1 << 64) - 1)
-    return seed - (1 << 64) if seed >> 63 else seed
+# Each row keeps its own settings and its own seeded random stream, but the whole batch is filtered with a few
+# tensor operations and drawn in one launch (kernels.sampling: Gumbel-max over counter-based noise), where a
+# per-row sampler took ~5 launches a row.
 
 
 def fresh_seed() -> int:
@@ -206,15 +172,14 @@ def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen
 def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seeds: Sequence[int],
                 counters: Sequence[int], seen: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One token per row of `logits` [B, V], row i sampled with settings[i] (`filter_rows`) from its own stream
-    (seeds[i], counters[i]: see `counter_uniform`) by a Gumbel-max draw; `seen` [B, V] bool feeds repetition
+    (seeds[i], counters[i]: `kernels.sampling.row_keys`) by a Gumbel-max draw; `seen` [B, V] bool feeds repetition
     penalties. Returns int64 [B] on the logits' device, without waiting for the GPU."""
     x, y = filter_rows(logits, settings, seen)
     greedy = [s.greedy for s in settings]
     if all(greedy):
         return x.argmax(dim=-1)
-    state = torch.tensor([[_signed64(s), int(c)] for s, c in zip(seeds, counters)], dtype=torch.int64,
-                         device=x.device)
-    drawn = (y - torch.log(-torch.log(counter_uniform(state[:, 0], state[:, 1], x.shape[-1])))).argmax(dim=-1)
+    keys = torch.tensor(row_keys(seeds, counters), dtype=torch.int64, device=x.device)
+    drawn = gumbel_argmax(y, keys)
     if not any(greedy):
         return drawn
     return torch.where(torch.tensor(greedy, device=x.device), x.argmax(dim=-1), drawn)
