@@ -99,13 +99,13 @@ for s in $steps; do
        echo "sampler tests (cpu + cuda) rc=$?"; tail -n 2 "$OUT/sampler_cuda.txt"
        timeout 200 python3 benchmarks/serving.py > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"; tail -22 "$OUT/serving.txt"
        timeout 150 python3 -m exl2.cli.main bench --breakdown > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"; tail -28 "$OUT/bench.txt" ;;
-  s22) timeout -s INT -k 10 ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu tests/test_gpu_e2e.py -k "dynamic or speculative" -q \
-         -p no:cacheprovider -rfE --durations=3 > "$OUT/gpu_dynamic.txt" 2>&1; echo "dynamic/speculative GPU tests rc=$?"
-       tail -n 6 "$OUT/gpu_dynamic.txt"
-       timeout -s INT -k 10 60 python3 -m pytest tests/test_sampler.py -q -p no:cacheprovider -rfE > "$OUT/sampler_cuda.txt" 2>&1
+  s22) timeout -s INT -k 10 60 python3 -m pytest tests/test_sampler.py -q -p no:cacheprovider -rfE > "$OUT/sampler_cuda.txt" 2>&1
        echo "sampler tests (cpu + cuda) rc=$?"; tail -n 2 "$OUT/sampler_cuda.txt"
        timeout ${SERVING_TIMEOUT:-150} python3 benchmarks/serving.py --batches 1,16 > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"
-       tail -22 "$OUT/serving.txt" ;;
+       tail -22 "$OUT/serving.txt"
+       timeout -s INT -k 10 ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu tests/test_gpu_e2e.py -k "${S22_TESTS:-dynamic or speculative}" \
+         -q -p no:cacheprovider -rfE --durations=3 > "$OUT/gpu_dynamic.txt" 2>&1; echo "dynamic/speculative GPU tests rc=$?"
+       tail -n 6 "$OUT/gpu_dynamic.txt" ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"
