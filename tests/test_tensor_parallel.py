@@ -302,6 +302,20 @@ def test_shards_on_one_gpu_match_unsharded():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_collectives_on_one_gpu():
+    """The torch.cuda.nccl calls and the all-gather's layout, with one rank (all that one GPU allows)."""
+    from exl2.runtime.tp.collectives import NcclCollectives, collectives_for
+
+    d = torch.device("cuda", 0)
+    nccl = NcclCollectives([d])
+    x = torch.randn(2, 3, 8, device=d, dtype=torch.float16)
+    assert torch.equal(nccl.all_reduce([x.clone()])[0], x)
+    assert torch.equal(nccl.all_gather([x])[0], x) and torch.equal(nccl.broadcast(x)[0], x)
+    assert type(collectives_for([d, d])) is Collectives
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_two_gpus_over_nccl_match_one_gpu():
     from exl2.runtime.tp.collectives import NcclCollectives
