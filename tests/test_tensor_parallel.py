@@ -19,7 +19,7 @@ from exl2.kernels.qweight import (build, input_features, matmul_torch, slice_ste
 from exl2.models.decoder import DecoderModel
 from exl2.models.registry import read_config, spec_from_config
 from exl2.runtime.loader import load_model, tensor_parallel_devices
-from exl2.runtime.paged_cache import PagedKVCache
+from exl2.runtime.paged_cache import paged_cache_for
 from exl2.runtime.synthetic import LLAMA3_8B, DictSource, llama_exl2_tensors
 from exl2.runtime.tp.cache import ShardedCache
 from exl2.runtime.tp.collectives import Collectives
@@ -111,8 +111,7 @@ def paged_run(model, ids: torch.Tensor, steps: int, page_size: int = 16) -> list
     """Prefill logits, then the logits of `steps` greedy decode steps through a paged cache."""
     b = ids.shape[0]
     pages = -(-(ids.shape[1] + steps) // page_size)
-    cache = PagedKVCache(model.spec, b * pages, page_size, "fp16", model.device, model.dtype,
-                         layer_devices=getattr(model, "layer_devices", None))
+    cache = paged_cache_for(model, b * pages, page_size, "fp16")
     cache.bind(torch.arange(b * pages, dtype=torch.int32).view(b, pages))
     out = []
     with torch.inference_mode():

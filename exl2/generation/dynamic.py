@@ -26,7 +26,7 @@ from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import DecoderModel
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.page_pool import PagePool, page_key
-from exl2.runtime.paged_cache import PagedKVCache
+from exl2.runtime.paged_cache import paged_cache_for
 
 _ids = itertools.count()
 MAX_SKIPS = 4  # how often younger jobs may start before a waiting one (exllamav2's max_skips)
@@ -104,8 +104,7 @@ class DynamicGenerator:
         num_pages = max(-(-(cache_tokens or 0) // page_size), self.pages_per_seq)
         self.pool = PagePool(num_pages, page_size)
         self.scratch = num_pages  # one spare page: where padded rows of a decode graph write
-        self.cache = PagedKVCache(model.spec, num_pages + 1, page_size, cache_mode, model.device, model.dtype,
-                                  layer_devices=getattr(model, "layer_devices", None))
+        self.cache = paged_cache_for(model, num_pages + 1, page_size, cache_mode)
         model.prepare_rope(self.pages_per_seq * page_size)
         self.graphs = self.verify_graphs = None
         if use_graphs and model.device.type == "cuda" and graph_safe(model):

@@ -14,7 +14,7 @@ import torch
 from exl2.errors import ConfigError
 from exl2.models.decoder import DecoderModel
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
-from exl2.runtime.paged_cache import PagedKVCache
+from exl2.runtime.paged_cache import paged_cache_for
 
 
 class Drafter(Protocol):
@@ -53,7 +53,7 @@ class ModelDraft:
     def __init__(self, model: DecoderModel, max_seq_len: int, cache_mode: str = "fp16", page_size: int = 256):
         self.model = model
         pages = -(-max_seq_len // page_size)
-        self.cache = PagedKVCache(model.spec, pages + 1, page_size, cache_mode, model.device, model.dtype)
+        self.cache = paged_cache_for(model, pages + 1, page_size, cache_mode)
         self.table = torch.arange(pages, dtype=torch.int32, device=model.device).view(1, -1)
         model.prepare_rope(pages * page_size)
         self.graphs = None

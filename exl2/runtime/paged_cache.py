@@ -10,7 +10,6 @@ device, and the bound block table and the per-forward slot metadata have one cop
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Sequence
 
 import torch
@@ -55,22 +54,7 @@ class PagedKVCache:
     """`decode_splits` fixes the key-range splits of decode attention; None lets the kernel pick them from the
     batch alone (enough programs to fill the GPU: 32 at batch 1, 3 at batch 16 for 8 KV heads), which stays
     constant inside a captured graph whatever the context length. `layer_devices` (one per layer; None: all on
-    `device`) places each layer's pages; `device` is where callers' block tables and positions come from.
-
-    A tensor-parallel model's `layer_devices` (runtime.tp.cache.ShardLayout) carries its own cache maker: built
-    with it, this class returns that model's cache instead (one cache per shard, runtime.tp), so that code
-    building a cache for whatever model it is given (the dynamic generator) needs no case for tensor
-    parallelism."""
-
-    def __new__(cls, *args, **kwargs):
-        layout = kwargs.get("layer_devices", args[7] if len(args) > 7 else None)
-        make = getattr(layout, "make_cache", None)
-        if make is None:
-            return super().__new__(cls)
-        a = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
-        a.apply_defaults()
-        # not an instance of cls: Python then skips __init__
-        return make(*(a.arguments[k] for k in ("num_pages", "page_size", "mode", "decode_splits")))
+    `device`) places each layer's pages; `device` is where callers' block tables and positions come from."""
 
     def __init__(self, spec: ModelSpec, num_pages: int, page_size: int = 256, mode: str = "fp16",
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
@@ -219,3 +203,12 @@ class PagedKVCache:
             return scatter_columns(out, out_index)
         return out.view(b, t, *out.shape[1:])
 
+
+def paged_cache_for(model, num_pages: int, page_size: int = 256, mode: str = "fp16"):
+    """The paged cache `model`'s forward takes, on its devices: a tensor-parallel model (runtime.tp) makes its own
+    (one cache per shard, `new_paged_cache`); any other gets a PagedKVCache over its layers' devices."""
+    make = getattr(model, "new_paged_cache", None)
+    if make is not None:
+        return make(num_pages, page_size, mode)
+    return PagedKVCache(model.spec, num_pages, page_size, mode, model.device, model.dtype,
+                        layer_devices=getattr(model, "layer_devices", None))

@@ -2,18 +2,9 @@
 the same page tables (the page pool allocates once; every shard stores the same pages of its heads)."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
-
-
-class ShardLayout(list):
-    """A tensor-parallel model's `layer_devices`: the first device for every layer (where callers' tensors go),
-    plus `make_cache`, the model's paged-cache maker, which PagedKVCache's constructor defers to."""
-
-    def __init__(self, devices: Sequence[torch.device], make_cache: Callable):
-        super().__init__(devices)
-        self.make_cache = make_cache
 
 
 class ShardedCache:

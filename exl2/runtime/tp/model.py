@@ -13,7 +13,7 @@ from exl2.models.decoder import DecoderLayer, DecoderModel, KVCache, WeightProvi
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import share_inputs
 from exl2.runtime.paged_cache import PagedKVCache
-from exl2.runtime.tp.cache import ShardedCache, ShardLayout
+from exl2.runtime.tp.cache import ShardedCache
 from exl2.runtime.tp.collectives import Collectives, collectives_for
 from exl2.runtime.tp.shard import ShardedLayer, check_supported, shard_spec
 
@@ -43,8 +43,7 @@ class TensorParallelModel(DecoderModel):
         with on_device(self.devices[0]):
             self._build_head(spec, head_w)
         self.head_device = self.devices[0]
-        # what the generator hands PagedKVCache: it then builds this model's cache (one per shard)
-        self.layer_devices = ShardLayout([self.devices[0]] * spec.num_layers, self.new_paged_cache)
+        self.layer_devices = [self.devices[0]] * spec.num_layers  # where callers' tensors go
         self._tables_by_device: dict = {}
         share_inputs(self)  # q/k/v and gate/up of a shard read one permuted copy where their orders are equal
 
