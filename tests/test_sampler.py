@@ -10,7 +10,8 @@ from exl2.config import SamplingSettings
 from exl2.generation.sampler import (SeenTokens, apply_repetition_penalty, filter_logits, filter_rows, make_generator,
                                     sample, sample_rows)
 from exl2.kernels.backend import force_triton
-from exl2.kernels.sampling import counter_uniform, gumbel_argmax, gumbel_argmax_torch, hash32, row_keys
+from exl2.kernels.sampling import (counter_uniform, gumbel_argmax, gumbel_argmax_torch, hash32, kernel_ok,
+                                   row_keys)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -187,6 +188,7 @@ def test_gumbel_argmax_kernel_matches_twin():
     keys = torch.tensor(row_keys([1, 2, 3, 4, 5], [0, 9, 2, 7, 1]))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with force_triton():
+        assert kernel_ok(torch.device(device))   # else gumbel_argmax would quietly run the twin
         got = gumbel_argmax(y.to(device), keys.to(device)).cpu()
     assert got.tolist() == gumbel_argmax_torch(y, keys).tolist()
     assert got[4].item() == 0 and got[1].item() % 2 == 1

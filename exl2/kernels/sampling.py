@@ -8,12 +8,14 @@ The kernel fuses what took ~90 small tensor operations a step (host-bound: 1.6 m
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
 
 from exl2.kernels.backend import tl, triton, use_triton
 
+log = logging.getLogger("exl2.sampling")
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
@@ -60,10 +62,11 @@ def gumbel_argmax_torch(y: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _hash32_tl(x):
+    """lowbias32 on values in [0, 2^32); the masks keep it exact whether the constants type as uint32 or int64."""
     x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x = x ^ (x >> 15)
-    x = x * 0x846CA68B
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
 
@@ -77,7 +80,7 @@ def _gumbel_argmax_kernel(y_ptr, key_ptr, out_ptr, V, stride_y, BLOCK: tl.conste
         idx = start + tl.arange(0, BLOCK)
         ok = idx < V
         y = tl.load(y_ptr + row.to(tl.int64) * stride_y + idx, mask=ok, other=-float("inf")).to(tl.float32)
-        x = _hash32_tl(key + idx.to(tl.uint32) * 0x9E3779B9)
+        x = _hash32_tl((key + ((idx.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF)
         u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         v = tl.where(ok, y - tl.log(-tl.log(u)), -float("inf"))
         m = tl.max(v, axis=0)
@@ -88,12 +91,38 @@ def _gumbel_argmax_kernel(y_ptr, key_ptr, out_ptr, V, stride_y, BLOCK: tl.conste
     tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
-def gumbel_argmax(y: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """int64 [B]: row b's draw from softmax(y[b]) (y [B, V], -inf where a token is excluded) with the noise of
-    keys[b] (int64 [B], 32-bit values from `row_keys`); one launch on the GPU, no wait for it."""
-    if not use_triton(y):
-        return gumbel_argmax_torch(y, keys)
+def _launch(y: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     y = y.contiguous()
     out = torch.empty(y.shape[0], dtype=torch.int64, device=y.device)
     _gumbel_argmax_kernel[(y.shape[0],)](y, keys, out, y.shape[1], y.stride(0), BLOCK=4096, num_warps=8)
     return out
+
+
+_CHECKED: dict[torch.device, bool] = {}
+
+
+def kernel_ok(device: torch.device) -> bool:
+    """Whether the kernel compiles and draws its twin's tokens on this device (checked once, on a small batch);
+    where it does not, `gumbel_argmax` runs the twin."""
+    ok = _CHECKED.get(device)
+    if ok is None:
+        g = torch.Generator().manual_seed(0)
+        y = (torch.randn(3, 5000, generator=g) * 3).to(device)
+        y[1, ::3] = float("-inf")
+        keys = torch.tensor(row_keys([1, 2, 3], [0, 5, 9]), device=device)
+        try:
+            ok = torch.equal(_launch(y, keys).cpu(), gumbel_argmax_torch(y, keys).cpu())
+        except Exception:  # noqa: BLE001 - any compile or launch failure means "use the twin"
+            ok = False
+        if not ok:
+            log.warning("The fused sampling kernel failed its check on %s; sampling runs the PyTorch twin.", device)
+        _CHECKED[device] = ok
+    return ok
+
+
+def gumbel_argmax(y: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: row b's draw from softmax(y[b]) (y [B, V], -inf where a token is excluded) with the noise of
+    keys[b] (int64 [B], 32-bit values from `row_keys`); one launch on the GPU, no wait for it."""
+    if not use_triton(y) or not kernel_ok(y.device):
+        return gumbel_argmax_torch(y, keys)
+    return _launch(y, keys)
