@@ -40,9 +40,12 @@ class Engine:
         return Path(self.config.model_dir).name
 
     def generate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-                 stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None) -> GenerationResult:
-        """`grammar` (`json_grammar`, `regex_grammar`) restricts the reply to a format."""
-        return self.generator.generate(prompt, settings, max_new_tokens, stop_strings, grammar=grammar)
+                 stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None,
+                 logprobs: Optional[int] = None) -> GenerationResult:
+        """`grammar` (`json_grammar`, `regex_grammar`) restricts the reply to a format; `logprobs` (k) puts each
+        token's log-probability and its k likeliest alternatives in `result.logprobs`."""
+        return self.generator.generate(prompt, settings, max_new_tokens, stop_strings, grammar=grammar,
+                                       logprobs=logprobs)
 
     def stream(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None) -> Iterator[str]:
@@ -90,11 +93,13 @@ class Engine:
 
     async def aevents(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
                       max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
-                      grammar: Optional[Grammar] = None) -> AsyncIterator[tuple[str, Optional[GenerationResult]]]:
+                      grammar: Optional[Grammar] = None, logprobs: Optional[int] = None
+                      ) -> AsyncIterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) as tokens arrive, then ("", result) with the token ids, finish reason and prompt
         length. Chat prompts from `chat_prompt` pass add_bos=False (the template writes its own BOS). Closing the
         iterator early cancels the request."""
-        job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar)
+        job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar,
+                                 logprobs=logprobs)
         events = self.worker.astream(job)
         try:
             async for event in events:

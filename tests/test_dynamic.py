@@ -275,3 +275,25 @@ def test_overlapped_decode_keeps_every_token(model, tok, refs):
     assert results[first.id].finish_reason == "stop" and tok.decode(refs[0]).startswith(results[first.id].text)
     assert results[late.id].token_ids == refs[2][:8] and second.id not in results
     assert gen.pool.available() == gen.pool.num_pages
+
+
+def test_logprobs_are_the_models_own(model, tok, refs):
+    """Each token's log-probability and top alternatives are the log-softmax of the model's raw logits at that
+    step (the uncached reference's), whatever the sampling settings; jobs that ask for none get None."""
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16)
+    hot = SamplingSettings(temperature=1.3, top_k=20, repetition_penalty=1.3, seed=2)
+    jobs = [Job(tok.encode(PROMPTS[0]), GREEDY, 6, logprobs=3), Job(tok.encode(PROMPTS[1]), hot, 6, logprobs=0),
+            Job(tok.encode(PROMPTS[2]), GREEDY, 6)]
+    out = gen.generate(jobs)
+    assert out[0].token_ids == refs[0][:6] and out[2].logprobs is None
+    for job, r in zip(jobs[:2], out[:2]):
+        assert [x.token_id for x in r.logprobs] == r.token_ids
+        seq = list(job.ids)
+        for x in r.logprobs:
+            with torch.inference_mode():
+                want = torch.log_softmax(model(torch.tensor([seq]))[0, -1].float(), -1)
+            assert abs(x.logprob - want[x.token_id].item()) < 1e-4
+            assert len(x.top) == job.logprobs
+            for (t, lp), (wv, wi) in zip(x.top, zip(*want.topk(job.logprobs))):
+                assert t == wi.item() and abs(lp - wv.item()) < 1e-4
+            seq.append(x.token_id)

@@ -617,3 +617,53 @@ def test_forced_tool_choice_through_real_engine(app):
     assert [c.function.name for c in choice.message.tool_calls] == ["add"] * len(choice.message.tool_calls)
     args = json.loads(choice.message.tool_calls[0].function.arguments)
     assert set(args) == {"a", "b"} and all(0 <= v <= 9 for v in args.values())
+
+
+# ---- log-probabilities --------------------------------------------------------------------------------------------
+
+def test_logprobs_chat_and_completions(app, engine):
+    """Greedy requests with logprobs: every generated token comes with the engine's own log-probability (the
+    model's raw distribution) and its top alternatives, the sampled token first among them."""
+    prompt = engine.chat_prompt([{"role": "user", "content": "Hello"}])
+    ref = engine.generator.generate(prompt, GREEDY, 6, add_bos=False, logprobs=2)
+
+    async def go():
+        c = aclient(app)
+        chat = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                               temperature=0, max_tokens=6, logprobs=True, top_logprobs=2)
+        text = await c.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=5,
+                                          logprobs=3)
+        plain = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                                temperature=0, max_tokens=2)
+        return chat, text, plain
+
+    chat, text, plain = run(go())
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(ref.token_ids) == chat.usage.completion_tokens
+    for entry, want in zip(content, ref.logprobs):
+        assert entry.token == engine.tokenizer.decode([want.token_id]) and entry.logprob == pytest.approx(want.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([lp for _, lp in want.top])
+        assert entry.top_logprobs[0].token == entry.token and entry.logprob <= 0
+        assert bytes(entry.bytes).decode("utf-8") == entry.token
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs,
+                                                                                           lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and plain.choices[0].logprobs is None
+
+
+def test_logprobs_requests_the_engine_cannot_serve(app):
+    async def bad(**kw):
+        with pytest.raises(openai.BadRequestError):
+            await aclient(app).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                       max_tokens=2, **kw)
+
+    async def go():
+        await bad(top_logprobs=2)                          # without logprobs=true
+        await bad(logprobs=True, top_logprobs=21)
+        await bad(logprobs=True, stream=True)
+        with pytest.raises(openai.BadRequestError):
+            await aclient(app).completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=1, echo=True)
+        with pytest.raises(openai.BadRequestError):
+            await aclient(app).completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=6)
+    run(go())

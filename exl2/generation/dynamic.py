@@ -19,7 +19,7 @@ import torch
 from exl2.config import SamplingSettings
 from exl2.errors import ContextLengthError
 from exl2.generation.constraints import Grammar
-from exl2.generation.output import GenerationResult, Reply
+from exl2.generation.output import GenerationResult, Reply, TokenLogprob
 from exl2.generation.sampler import SeenTokens, fresh_seed, sample_rows
 from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
@@ -39,8 +39,10 @@ class Job:
 
     def __init__(self, ids: Sequence[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                 grammar: Optional[Grammar] = None):
+                 grammar: Optional[Grammar] = None, logprobs: Optional[int] = None):
         self.id = next(_ids)
+        self.logprobs = logprobs         # None: off; k: each token's log-probability and the k likeliest tokens
+        self.token_logprobs: list[TokenLogprob] = []
         self.grammar = grammar           # structured output: only tokens it allows are sampled
         self.ids = list(ids)
         self.settings = settings or SamplingSettings()
@@ -248,9 +250,9 @@ class DynamicGenerator:
                 self._accept(group, logits, events)
         running = [j for j in self.active if j.pending is not None]
         if len(running) == 1 and self.draft is not None and running[0].grammar is None and \
-                self._speculate(running[0], events):
+                running[0].logprobs is None and self._speculate(running[0], events):
             return events
-        if running and self.overlap and all(j.grammar is None for j in running):
+        if running and self.overlap and all(j.grammar is None and j.logprobs is None for j in running):
             self._inflight = self._launch(running)
         elif running:
             logits = self._decode(running, torch.tensor([[j.pending] for j in running], dtype=torch.long,
@@ -306,7 +308,8 @@ class DynamicGenerator:
         if len(self.active) != len(step.jobs) or any(j.done for j in step.jobs):
             return False
         # the token `step` samples must not be a job's last (the last token is never fed: no cache slot for it)
-        return all(j.grammar is None and len(j.reply.ids) + 2 <= j.max_new_tokens for j in step.jobs)
+        return all(j.grammar is None and j.logprobs is None and len(j.reply.ids) + 2 <= j.max_new_tokens
+                   for j in step.jobs)
 
     def _land(self, step: "_Step", events: list[Event]) -> None:
         """Read a launched step's tokens and stream them (jobs that ended meanwhile are skipped)."""
@@ -350,8 +353,9 @@ class DynamicGenerator:
         are done."""
         logits = logits.float()
         failed = set()
+        raw = None   # the model's own logits, for log-probabilities, when grammars mask them
         if any(j.grammar is not None for j in jobs):
-            logits = logits.clone()
+            raw, logits = logits, logits.clone()
             for i, job in enumerate(jobs):
                 if job.grammar is None:
                     continue
@@ -363,11 +367,30 @@ class DynamicGenerator:
         picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs],
                             [self._drawn(j) for j in jobs], self._seen_rows(jobs, logits.shape[-1]))
         self._mark_seen(jobs, picks)
+        records = self._logprobs(jobs, logits if raw is None else raw, picks)
         for i, (job, token) in enumerate(zip(jobs, picks.tolist())):
             if i in failed:  # the grammar allows nothing more: end the reply where it is
                 self._emit(job, job.reply.close("stop"), events)
-            else:
-                self._emit(job, self._push(job, token), events)
+                continue
+            kept = len(job.reply.ids)
+            text = self._push(job, token)
+            if records[i] is not None and len(job.reply.ids) > kept:  # not for an end token
+                job.token_logprobs.append(records[i])
+            self._emit(job, text, events)
+
+    @staticmethod
+    def _logprobs(jobs: list[Job], logits: torch.Tensor, picks: torch.Tensor) -> list[Optional[TokenLogprob]]:
+        """Each job's record of its sampled token (None where it asked for none): the model's log-softmax."""
+        want = [j.logprobs for j in jobs]
+        if all(k is None for k in want):
+            return [None] * len(jobs)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, picks[:, None])[:, 0].tolist()
+        k = max(w or 0 for w in want)
+        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], picks[:, None][:, :0]))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        return [None if w is None else TokenLogprob(int(t), chosen[i], list(zip(top_i[i][:w], top_v[i][:w])))
+                for i, (w, t) in enumerate(zip(want, picks.tolist()))]
 
     @staticmethod
     def _drawn(job: Job) -> int:
@@ -424,6 +447,8 @@ class DynamicGenerator:
         first = first or end
         r.cached_tokens, r.draft_tokens, r.accepted_draft_tokens = job.cached_tokens, job.drafted, job.accepted
         r.time_queued, r.time_prefill, r.time_generate = admitted - queued, first - admitted, end - first
+        if job.logprobs is not None:
+            r.logprobs = list(job.token_logprobs)
         return r
 
     def _speculate(self, job: Job, events: list[Event]) -> bool:

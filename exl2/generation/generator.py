@@ -32,10 +32,11 @@ class Generator:
 
     def job(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
             stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None, stop_token_ids: Sequence[int] = (),
-            grammar: Optional[Grammar] = None) -> Job:
-        """A job for the dynamic generator; `grammar` (generation.constraints) restricts the reply's format."""
+            grammar: Optional[Grammar] = None, logprobs: Optional[int] = None) -> Job:
+        """A job for the dynamic generator; `grammar` (generation.constraints) restricts the reply's format;
+        `logprobs` (k) puts each token's log-probability and the k likeliest alternatives in the result."""
         ids = self.tokenizer.encode(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
-        return Job(ids, settings, max_new_tokens, stop_strings, stop_token_ids, grammar)
+        return Job(ids, settings, max_new_tokens, stop_strings, stop_token_ids, grammar, logprobs)
 
     def events(self, job: Job) -> Iterator[Event]:
         if self.worker is not None:
@@ -47,10 +48,10 @@ class Generator:
 
     def stream(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
-               stop_token_ids: Sequence[int] = (), grammar: Optional[Grammar] = None
-               ) -> Iterator[tuple[str, Optional[GenerationResult]]]:
+               stop_token_ids: Sequence[int] = (), grammar: Optional[Grammar] = None,
+               logprobs: Optional[int] = None) -> Iterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) while generating and finally ("", result)."""
-        job = self.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar)
+        job = self.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar, logprobs)
         for event in self.events(job):
             if event.text:
                 yield event.text, None
@@ -59,8 +60,9 @@ class Generator:
 
     def generate(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
                  max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
-                 grammar: Optional[Grammar] = None) -> GenerationResult:
+                 grammar: Optional[Grammar] = None, logprobs: Optional[int] = None) -> GenerationResult:
         result = None
-        for _, r in self.stream(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar):
+        for _, r in self.stream(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar,
+                                logprobs=logprobs):
             result = r or result
         return result

@@ -9,6 +9,16 @@ from exl2.generation.tokenizer import Tokenizer
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model's own distribution (its raw logits, before penalties,
+    temperature and filters), and the `top` most likely tokens at that step as (id, log-probability)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class GenerationResult:
     text: str
     token_ids: list[int] = field(default_factory=list)
@@ -20,6 +30,7 @@ class GenerationResult:
     time_queued: float = 0.0               # seconds waiting for a batch slot and cache pages
     time_prefill: float = 0.0              # seconds from admission to the first token
     time_generate: float = 0.0             # seconds from the first token to the end
+    logprobs: Optional[list[TokenLogprob]] = None   # one per token id, when the job asked for them
 
 
 class StopMatcher:

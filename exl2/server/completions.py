@@ -46,10 +46,12 @@ class Job:
     add_bos: Optional[bool]
     param: str
     grammar: Optional[Grammar] = None
+    logprobs: Optional[int] = None
 
     def events(self, engine) -> AsyncIterator[Event]:
+        kw = {} if self.logprobs is None else {"logprobs": self.logprobs}
         return engine.aevents(self.prompt, self.settings, self.max_new_tokens, self.stop_strings, self.add_bos,
-                              grammar=self.grammar)
+                              grammar=self.grammar, **kw)
 
 
 class _ClientGone(Exception):
@@ -61,8 +63,34 @@ def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, defau
     Choice i samples with seed + i; each job gets its own grammar, since a grammar holds parse state."""
     max_new, stops = params.max_new_tokens(req, default_max), params.stop_strings(req)
     return [Job(prompt, params.sampling(req, i), max_new, stops, add_bos, param,
-                params.response_grammar(engine, req.response_format))
+                params.response_grammar(engine, req.response_format), params.logprobs(req))
             for prompt in prompts for i in range(req.n)]
+
+
+def _token(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_logprobs(tokenizer, result: GenerationResult) -> Optional[dict[str, Any]]:
+    """A chat choice's `logprobs`: every generated token with its log-probability and top alternatives."""
+    if result.logprobs is None:
+        return None
+    return {"content": [{**_token(tokenizer, x.token_id, x.logprob),
+                         "top_logprobs": [_token(tokenizer, t, lp) for t, lp in x.top]} for x in result.logprobs],
+            "refusal": None}
+
+
+def _completion_logprobs(tokenizer, result: GenerationResult) -> Optional[dict[str, Any]]:
+    """A text completion choice's legacy `logprobs` object (tokens, their log-probabilities, top alternatives by
+    token text, offsets into the text)."""
+    if result.logprobs is None:
+        return None
+    tokens = [tokenizer.decode([x.token_id]) for x in result.logprobs]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in result.logprobs],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in x.top} for x in result.logprobs],
+            "text_offset": offsets}
 
 
 def _usage(results: list[GenerationResult], n: int) -> dict[str, Any]:
@@ -262,7 +290,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         choices = []
         for i, result in enumerate(results):
             message, finish = _chat_message(result, tools)
-            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish})
+            choices.append({"index": i, "message": message, "finish_reason": finish,
+                            "logprobs": _chat_logprobs(st.engine.tokenizer, result)})
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(results, body.n)}
 
     head["object"] = "chat.completion.chunk"
@@ -309,15 +338,17 @@ async def completions(body: CompletionRequest, request: Request):
     def echo(i: int) -> str:
         return echoes[i // body.n] if echoes else ""
 
-    def choice(i: int, text: str, finish: Optional[str]) -> dict:
-        return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(i: int, text: str, finish: Optional[str], logprobs: Optional[dict] = None) -> dict:
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     if not body.stream:
         try:
             results = await _generate(request, st.engine, jobs)
         except _ClientGone:
             return Response(status_code=499)
-        return {**head, "choices": [choice(i, echo(i) + r.text, r.finish_reason) for i, r in enumerate(results)],
+        return {**head, "choices": [choice(i, echo(i) + r.text, r.finish_reason,
+                                           _completion_logprobs(st.engine.tokenizer, r))
+                                    for i, r in enumerate(results)],
                 "usage": _usage(results, body.n)}
 
     def chunk(i: int, text: str, finish: Optional[str] = None) -> str:

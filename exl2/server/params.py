@@ -12,6 +12,14 @@ from exl2.server.schemas import (ChatCompletionRequest, CompletionRequest, Named
 
 MAX_STOPS = 4
 MAX_N = 16
+MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5   # OpenAI's bounds
+
+
+def logprobs(req: SamplingFields) -> Optional[int]:
+    """How many alternatives each token's log-probability comes with (None: no log-probabilities)."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def response_grammar(engine, fmt: Optional[ResponseFormat]) -> Optional[Grammar]:
@@ -55,13 +63,19 @@ def check_supported(req: SamplingFields) -> None:
     if req.logit_bias:
         raise unsupported("logit_bias", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs or req.top_logprobs:
-            raise unsupported("logprobs", "logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+        if (req.top_logprobs or 0) > MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs is at most {MAX_TOP_LOGPROBS}.", param="top_logprobs")
+        if req.logprobs and req.stream:
+            raise unsupported("logprobs", "logprobs with stream")
         if req.functions:
             raise unsupported("functions", "The deprecated 'functions' field (send 'tools')")
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None:
-            raise unsupported("logprobs", "logprobs")
+        if (req.logprobs or 0) > MAX_COMPLETION_LOGPROBS:
+            raise APIError(400, f"logprobs is at most {MAX_COMPLETION_LOGPROBS}.", param="logprobs")
+        if req.logprobs is not None and (req.stream or req.echo):
+            raise unsupported("logprobs", "logprobs with stream or echo")
         if req.suffix:
             raise unsupported("suffix", "suffix (fill-in-the-middle)")
         if req.best_of not in (None, 1):
