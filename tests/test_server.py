@@ -395,14 +395,14 @@ def test_bad_requests_are_400_in_openai_shape(app):
         cases = [dict(n=17), dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
                  dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
                      "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}),
-                 dict(frequency_penalty=0.5), dict(logprobs=True), dict(stop=["a", "b", "c", "d", "e"])]
+                 dict(frequency_penalty=0.5), dict(top_logprobs=3), dict(stop=["a", "b", "c", "d", "e"])]
         params = []
         for extra in cases:
             with pytest.raises(openai.BadRequestError) as e:
                 await c.chat.completions.create(model="tiny", messages=hi, max_tokens=2, **extra)
             assert set(e.value.body) == {"message", "type", "param", "code"}
             params.append(e.value.body["param"])
-        assert params == ["n", "response_format", "response_format", "frequency_penalty", "logprobs", "stop"]
+        assert params == ["n", "response_format", "response_format", "frequency_penalty", "top_logprobs", "stop"]
         assert "at most 4" in e.value.body["message"]
         with pytest.raises(openai.BadRequestError) as e:
             await c.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, n=17)
