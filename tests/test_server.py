@@ -651,6 +651,15 @@ def test_logprobs_chat_and_completions(app, engine):
                                                                                            lp.token_logprobs))
     assert lp.text_offset[0] == 0 and plain.choices[0].logprobs is None
 
+    async def streamed():
+        c = aclient(app)
+        stream = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                                 temperature=0, max_tokens=6, logprobs=True, top_logprobs=2,
+                                                 stream=True)
+        return [ch async for ch in stream]
+    got = [e for ch in run(streamed()) for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in got] == [(e.token, e.logprob) for e in content]
+
 
 def test_logprobs_requests_the_engine_cannot_serve(app):
     async def bad(**kw):
@@ -661,7 +670,6 @@ def test_logprobs_requests_the_engine_cannot_serve(app):
     async def go():
         await bad(top_logprobs=2)                          # without logprobs=true
         await bad(logprobs=True, top_logprobs=21)
-        await bad(logprobs=True, stream=True)
         with pytest.raises(openai.BadRequestError):
             await aclient(app).completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=1, echo=True)
         with pytest.raises(openai.BadRequestError):

@@ -297,8 +297,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     head["object"] = "chat.completion.chunk"
     holdbacks = [ToolCallHoldback() for _ in jobs] if tools else None
 
-    def chunk(i: int, delta: dict, finish: Optional[str] = None) -> str:
-        return json.dumps({**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
+    def chunk(i: int, delta: dict, finish: Optional[str] = None, logprobs: Optional[dict] = None) -> str:
+        return json.dumps({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
                                                 "finish_reason": finish}]}, ensure_ascii=False)
 
     def prelude(i: int):
@@ -319,6 +319,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 reason = "tool_calls"
             elif holdbacks[i].rest():
                 yield chunk(i, {"content": holdbacks[i].rest()})
+        if result.logprobs is not None:  # every token's, in one chunk before the last (see docs/server.md)
+            yield chunk(i, {}, None, _chat_logprobs(st.engine.tokenizer, result))
         yield chunk(i, {}, reason)
 
     return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
@@ -351,8 +353,8 @@ async def completions(body: CompletionRequest, request: Request):
                                     for i, r in enumerate(results)],
                 "usage": _usage(results, body.n)}
 
-    def chunk(i: int, text: str, finish: Optional[str] = None) -> str:
-        return json.dumps({**head, "choices": [choice(i, text, finish)]}, ensure_ascii=False)
+    def chunk(i: int, text: str, finish: Optional[str] = None, logprobs: Optional[dict] = None) -> str:
+        return json.dumps({**head, "choices": [choice(i, text, finish, logprobs)]}, ensure_ascii=False)
 
     def prelude(i: int):
         if echo(i):
@@ -362,6 +364,8 @@ async def completions(body: CompletionRequest, request: Request):
         yield chunk(i, text)
 
     def finish(i: int, result):
+        if result.logprobs is not None:
+            yield chunk(i, "", None, _completion_logprobs(st.engine.tokenizer, result))
         yield chunk(i, "", result.finish_reason)
 
     return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
