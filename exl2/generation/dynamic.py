@@ -27,6 +27,7 @@ from exl2.models.decoder import DecoderModel
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.page_pool import PagePool, page_key
 from exl2.runtime.paged_cache import paged_cache_for
+from exl2.runtime.upload import upload
 
 _ids = itertools.count()
 MAX_SKIPS = 4  # how often younger jobs may start before a waiting one (exllamav2's max_skips)
@@ -283,8 +284,8 @@ class DynamicGenerator:
         it, gives the tokens to feed (on the GPU) and the stream positions to draw from."""
         dev = self.model.device
         if prev is None:
-            ids = torch.tensor([[j.pending] for j in jobs], dtype=torch.long, device=dev)
-            pos = torch.tensor([j.length for j in jobs], dtype=torch.long, device=dev)
+            ids = upload([[j.pending] for j in jobs], torch.long, dev)
+            pos = upload([j.length for j in jobs], torch.long, dev)
             draws = [self._drawn(j) for j in jobs]
         else:
             ids, pos, draws = prev.picks[:, None], prev.pos + 1, [d + 1 for d in prev.draws]
@@ -407,14 +408,13 @@ class DynamicGenerator:
         for job in jobs:
             if job.slot is None and job.settings.repetition_penalty != 1.0:
                 job.slot = self.seen.take(job.tokens)
-        index = torch.tensor([j.slot or 0 for j in jobs for _ in range(extra)], dtype=torch.long,
-                             device=self.model.device)
+        index = upload([j.slot or 0 for j in jobs for _ in range(extra)], torch.long, self.model.device)
         return self.seen.mask[index]
 
     def _mark_seen(self, jobs: list[Job], picks: torch.Tensor) -> None:
         rows = [i for i, j in enumerate(jobs) if j.slot is not None]
         if rows:
-            self.seen.add([jobs[i].slot for i in rows], picks[rows])
+            self.seen.add([jobs[i].slot for i in rows], picks[upload(rows, torch.long, picks.device)])
 
     def _push(self, job: Job, token: int) -> str:
         """Add a sampled token to a job; its new text. Sets the reply's finish reason when the job is done."""

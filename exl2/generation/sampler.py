@@ -10,6 +10,7 @@ import torch
 
 from exl2.config import SamplingSettings
 from exl2.kernels.sampling import gumbel_argmax, row_keys
+from exl2.runtime.upload import upload
 
 PastIds = Union[torch.Tensor, Sequence[Sequence[int]], None]
 
@@ -125,7 +126,7 @@ class SeenTokens:
 
     def add(self, slots: Sequence[int], tokens: torch.Tensor) -> None:
         """Mark tokens[i] (int64 [len(slots)], sampled tokens: inside the vocabulary) seen by slots[i]."""
-        self.mask[torch.as_tensor(list(slots), dtype=torch.long, device=self.mask.device), tokens] = True
+        self.mask[upload(list(slots), torch.long, self.mask.device), tokens] = True
 
     def give_back(self, slot: int) -> None:
         self.free.append(slot)
@@ -140,19 +141,19 @@ def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen
     dev = x.device
     pen = [s.repetition_penalty for s in settings]
     if seen is not None and any(p != 1.0 for p in pen):
-        p = torch.tensor(pen, dtype=torch.float32, device=dev)[:, None]
+        p = upload(pen, torch.float32, dev)[:, None]
         x = torch.where(seen, torch.where(x < 0, x * p, x / p), x)
     live = [not s.greedy for s in settings]
     if not any(live):
         return x, x
-    params = torch.tensor([[s.temperature if g else 1.0, s.top_p, s.min_p] for s, g in zip(settings, live)],
-                          dtype=torch.float32, device=dev)
+    params = upload([[s.temperature if g else 1.0, s.top_p, s.min_p] for s, g in zip(settings, live)],
+                    torch.float32, dev)
     temp, top_p, min_p = params[:, :1], params[:, 1:2], params[:, 2:3]
     neg_inf = float("-inf")
     y = x / temp
     ks = [s.top_k if 0 < s.top_k < vocab and g else 0 for s, g in zip(settings, live)]
     if any(ks):
-        k = torch.tensor(ks, dtype=torch.long, device=dev)[:, None]
+        k = upload(ks, torch.long, dev)[:, None]
         kth = torch.topk(y, max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
         y = y.masked_fill((k > 0) & (y < kth), neg_inf)
     if any(s.top_p < 1.0 and g for s, g in zip(settings, live)):
@@ -178,8 +179,8 @@ def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seed
     greedy = [s.greedy for s in settings]
     if all(greedy):
         return x.argmax(dim=-1)
-    keys = torch.tensor(row_keys(seeds, counters), dtype=torch.int64, device=x.device)
+    keys = upload(row_keys(seeds, counters), torch.int64, x.device)
     drawn = gumbel_argmax(y, keys)
     if not any(greedy):
         return drawn
-    return torch.where(torch.tensor(greedy, device=x.device), x.argmax(dim=-1), drawn)
+    return torch.where(upload(greedy, torch.bool, x.device), x.argmax(dim=-1), drawn)
