@@ -8,7 +8,6 @@ pages already in the cache reuse them (runtime.page_pool).
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -16,9 +15,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from exl2.config import SamplingSettings
 from exl2.errors import ContextLengthError
-from exl2.generation.constraints import Grammar
+from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, Reply, TokenLogprob
 from exl2.generation.sampler import SeenTokens, fresh_seed, sample_rows
 from exl2.generation.speculative import Drafter
@@ -29,45 +27,9 @@ from exl2.runtime.page_pool import PagePool, page_key
 from exl2.runtime.paged_cache import paged_cache_for
 from exl2.runtime.upload import upload
 
-_ids = itertools.count()
 MAX_SKIPS = 4  # how often younger jobs may start before a waiting one (exllamav2's max_skips)
 # New prompts prefill together while the padded forward has at most PAD_SLACK x their tokens + PAD_TOKENS.
 PAD_SLACK, PAD_TOKENS = 1.5, 64
-
-
-class Job:
-    """One request: a prompt's token ids, how to sample and when to stop. The generator fills in the rest."""
-
-    def __init__(self, ids: Sequence[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-                 stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                 grammar: Optional[Grammar] = None, logprobs: Optional[int] = None):
-        self.id = next(_ids)
-        self.logprobs = logprobs         # None: off; k: each token's log-probability and the k likeliest tokens
-        self.token_logprobs: list[TokenLogprob] = []
-        self.grammar = grammar           # structured output: only tokens it allows are sampled
-        self.ids = list(ids)
-        self.settings = settings or SamplingSettings()
-        self.max_new_tokens = max_new_tokens
-        self.stop_strings, self.stop_token_ids = tuple(stop_strings), tuple(stop_token_ids)
-        self.cached_tokens = 0           # prompt tokens found in the cache, not computed again
-        self.done = False
-        self.cancelled = False
-        # set on admission
-        self.tokens: list[int] = []      # prompt + sampled tokens (what repetition penalties look at)
-        self.pages: list[int] = []
-        self.length = 0                  # tokens written to the cache
-        self.pending: Optional[int] = None   # sampled, not yet fed back
-        self.reply: Optional[Reply] = None
-        self.seed = 0                    # its random stream (settings.seed, or a fresh one)
-        self.slot: Optional[int] = None  # its row of the generator's seen-token mask (repetition penalty)
-        self.key: Optional[bytes] = None     # prefix key of the last full page published
-        self.published = 0
-        self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
-        self.skipped = 0                     # times younger jobs were admitted past it (see DynamicGenerator)
-        self.times = [0.0, 0.0, 0.0, 0.0]   # enqueued, admitted, first token, finished (time.perf_counter)
-
-    def __repr__(self) -> str:
-        return f"Job({self.id}, {len(self.ids)} prompt tokens, {'done' if self.done else 'running'})"
 
 
 @dataclass
@@ -81,15 +43,6 @@ class _Step:
     draws: list[int]
     host: torch.Tensor
     done: Optional[torch.cuda.Event]
-
-
-@dataclass
-class Event:
-    """New text of a job; `result` is set on its last event."""
-
-    job: Job
-    text: str
-    result: Optional[GenerationResult] = None
 
 
 class DynamicGenerator:

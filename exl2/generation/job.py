@@ -1,0 +1,57 @@
+"""A request to the dynamic generator (`Job`: what to generate, and the generator's bookkeeping of it) and what
+it streams back (`Event`)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from exl2.config import SamplingSettings
+from exl2.generation.constraints import Grammar
+from exl2.generation.output import GenerationResult, Reply, TokenLogprob
+
+_ids = itertools.count()
+
+
+class Job:
+    """One request: a prompt's token ids, how to sample and when to stop. The generator fills in the rest."""
+
+    def __init__(self, ids: Sequence[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
+                 stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                 grammar: Optional[Grammar] = None, logprobs: Optional[int] = None):
+        self.id = next(_ids)
+        self.logprobs = logprobs         # None: off; k: each token's log-probability and the k likeliest tokens
+        self.token_logprobs: list[TokenLogprob] = []
+        self.grammar = grammar           # structured output: only tokens it allows are sampled
+        self.ids = list(ids)
+        self.settings = settings or SamplingSettings()
+        self.max_new_tokens = max_new_tokens
+        self.stop_strings, self.stop_token_ids = tuple(stop_strings), tuple(stop_token_ids)
+        self.cached_tokens = 0           # prompt tokens found in the cache, not computed again
+        self.done = False
+        self.cancelled = False
+        # set on admission
+        self.tokens: list[int] = []      # prompt + sampled tokens (what repetition penalties look at)
+        self.pages: list[int] = []
+        self.length = 0                  # tokens written to the cache
+        self.pending: Optional[int] = None   # sampled, not yet fed back
+        self.reply: Optional[Reply] = None
+        self.seed = 0                    # its random stream (settings.seed, or a fresh one)
+        self.slot: Optional[int] = None  # its row of the generator's seen-token mask (repetition penalty)
+        self.key: Optional[bytes] = None     # prefix key of the last full page published
+        self.published = 0
+        self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
+        self.skipped = 0                     # times younger jobs were admitted past it (see DynamicGenerator)
+        self.times = [0.0, 0.0, 0.0, 0.0]   # enqueued, admitted, first token, finished (time.perf_counter)
+
+    def __repr__(self) -> str:
+        return f"Job({self.id}, {len(self.ids)} prompt tokens, {'done' if self.done else 'running'})"
+
+
+@dataclass
+class Event:
+    """New text of a job; `result` is set on its last event."""
+
+    job: Job
+    text: str
+    result: Optional[GenerationResult] = None
