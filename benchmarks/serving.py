@@ -27,12 +27,13 @@ SAMPLED = SamplingSettings(temperature=0.8, top_p=0.9)
 
 
 def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, seed: int = 0,
-        settings: SamplingSettings = GREEDY, spread: float = 0.0) -> tuple[float, float, float]:
+        settings: SamplingSettings = GREEDY, spread: float = 0.0, sizes_seed: int = 0) -> tuple[float, float, float]:
     """(time to first token of the last request admitted, decode tok/s over all requests, overall tok/s). Prompt
-    lengths are drawn from prompt · [1 - spread, 1 + spread]."""
-    g = torch.Generator().manual_seed(seed)
+    lengths are drawn from prompt · [1 - spread, 1 + spread] (by `sizes_seed`, so a warm-up can use the measured
+    shapes), their tokens by `seed` (so nothing comes from the prompt cache)."""
     lo, hi = max(1, round(prompt * (1 - spread))), max(1, round(prompt * (1 + spread)))
-    sizes = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
+    sizes = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(sizes_seed)).tolist()
+    g = torch.Generator().manual_seed(seed)
     jobs = [Job(torch.randint(10, vocab, (n,), generator=g).tolist(), settings, new) for n in sizes]
     for job in jobs:
         gen.enqueue(job)
@@ -69,8 +70,12 @@ def main() -> int:
                            max_batch=max(batches))
     # Warm-up at the measured shapes (compiles the prefill's kernels, captures the decode graphs); other prompts
     # than the measured ones, so nothing comes from the prompt cache.
-    for b in batches:
-        run(gen, b, args.prompt, 4, model.spec.vocab_size, seed=1000 + b, settings=SAMPLED, spread=args.spread)
+    for b in batches:  # every variant once, at the measured prompt shapes
+        for settings in (GREEDY, SAMPLED):
+            for overlap in (True, False):
+                gen.overlap = overlap
+                run(gen, b, args.prompt, 4, model.spec.vocab_size, seed=1000 + b, settings=settings,
+                    spread=args.spread, sizes_seed=b)
     print(f"dynamic generator, prompts of {args.prompt} tokens ± {args.spread:.0%}, {args.new} new tokens, "
           f"{args.cache_mode} cache, {torch.cuda.get_device_name()}")
     print("| batch | sampling | overlap | first token (ms) | decode tok/s (total) | overall tok/s |\n"
@@ -79,8 +84,9 @@ def main() -> int:
         for name, settings in (("greedy", GREEDY), ("T 0.8, top-p 0.9", SAMPLED)):
             for overlap in (True, False):
                 gen.overlap = overlap
-                ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size, seed=b,
-                                            settings=settings, spread=args.spread)
+                ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size,
+                                            seed=b * 100 + 2 * (settings is SAMPLED) + overlap, settings=settings,
+                                            spread=args.spread, sizes_seed=b)
                 print(f"| {b} | {name} | {'on' if overlap else 'off'} | {ttft * 1e3:.1f} | {decode:,.0f} | "
                       f"{overall:,.0f} |", flush=True)
     gen.overlap = True
