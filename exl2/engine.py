@@ -9,6 +9,7 @@ from exl2.generation.chat import ChatTemplate, tool_call_format
 from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, tool_call_grammar
 from exl2.generation.dynamic import DynamicGenerator
 from exl2.generation.generator import GenerationResult, Generator
+from exl2.generation.job import Event
 from exl2.generation.speculative import make_drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.generation.worker import BatchWorker
@@ -98,14 +99,26 @@ class Engine:
         """Yield (new text, None) as tokens arrive, then ("", result) with the token ids, finish reason and prompt
         length. Chat prompts from `chat_prompt` pass add_bos=False (the template writes its own BOS). Closing the
         iterator early cancels the request."""
-        job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar,
-                                 logprobs=logprobs)
-        events = self.worker.astream(job)
+        events = self.aevent_stream(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar, logprobs)
         try:
             async for event in events:
                 if event.text:
                     yield event.text, None
                 if event.result is not None:
                     yield "", event.result
+        finally:
+            await events.aclose()
+
+    async def aevent_stream(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
+                            max_new_tokens: int = 256, stop_strings: Sequence[str] = (),
+                            add_bos: Optional[bool] = None, grammar: Optional[Grammar] = None,
+                            logprobs: Optional[int] = None) -> AsyncIterator[Event]:
+        """`aevents` as the generator's Event objects (text, the new tokens' log-probabilities, the result)."""
+        job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar,
+                                 logprobs=logprobs)
+        events = self.worker.astream(job)
+        try:
+            async for event in events:
+                yield event
         finally:
             await events.aclose()

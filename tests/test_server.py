@@ -657,8 +657,18 @@ def test_logprobs_chat_and_completions(app, engine):
                                                  temperature=0, max_tokens=6, logprobs=True, top_logprobs=2,
                                                  stream=True)
         return [ch async for ch in stream]
-    got = [e for ch in run(streamed()) for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    chunks = run(streamed())
+    got = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
     assert [(e.token, e.logprob) for e in got] == [(e.token, e.logprob) for e in content]
+    assert sum(1 for ch in chunks for c in ch.choices if c.logprobs) > 1     # with the text, not all at the end
+
+    async def streamed_text():
+        stream = await aclient(app).completions.create(model="tiny", prompt="Once upon a time", temperature=0,
+                                                       max_tokens=5, logprobs=3, stream=True)
+        return [ch async for ch in stream]
+    parts = [c.logprobs for ch in run(streamed_text()) for c in ch.choices if c.logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
 
 
 def test_logprobs_requests_the_engine_cannot_serve(app):

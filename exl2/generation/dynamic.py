@@ -385,13 +385,15 @@ class DynamicGenerator:
         return text
 
     def _emit(self, job: Job, text: str, events: list[Event]) -> None:
+        new = job.token_logprobs[job.logprobs_sent:]
+        job.logprobs_sent = len(job.token_logprobs)
         if job.reply.finish_reason is not None:
             self._finish(job)
             if self.draft is not None:
                 self.draft.forget(job.id)
-            events.append(Event(job, text, self._result(job)))
-        elif text:
-            events.append(Event(job, text))
+            events.append(Event(job, text, self._result(job), new))
+        elif text or new:
+            events.append(Event(job, text, None, new))
 
     def _result(self, job: Job) -> GenerationResult:
         r = job.reply.result(len(job.ids))

@@ -3,7 +3,7 @@ it streams back (`Event`)."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from exl2.config import SamplingSettings
@@ -22,6 +22,7 @@ class Job:
         self.id = next(_ids)
         self.logprobs = logprobs         # None: off; k: each token's log-probability and the k likeliest tokens
         self.token_logprobs: list[TokenLogprob] = []
+        self.logprobs_sent = 0           # records already in an Event
         self.grammar = grammar           # structured output: only tokens it allows are sampled
         self.ids = list(ids)
         self.settings = settings or SamplingSettings()
@@ -50,8 +51,11 @@ class Job:
 
 @dataclass
 class Event:
-    """New text of a job; `result` is set on its last event."""
+    """New text of a job; `result` is set on its last event; `logprobs`, for a job that asked for them, the
+    records of the tokens added since its previous event (text a stop string may still claim is held back, its
+    tokens' records are not)."""
 
     job: Job
     text: str
     result: Optional[GenerationResult] = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -23,6 +23,7 @@ from exl2.errors import Exl2Error
 from exl2.generation.chat import parse_tool_calls
 from exl2.generation.constraints import Grammar
 from exl2.generation.generator import GenerationResult
+from exl2.generation.output import TokenLogprob
 from exl2.server import params
 from exl2.server.errors import APIError, from_engine
 from exl2.server.messages import template_messages
@@ -32,7 +33,7 @@ from exl2.server.tools import ToolCallHoldback, content_before_calls, openai_too
 log = logging.getLogger("exl2.server")
 router = APIRouter()
 DISCONNECT_POLL_S = 0.5
-Event = tuple[str, Any]
+Event = tuple[str, Optional[GenerationResult], Optional[list[TokenLogprob]]]
 
 
 @dataclass
@@ -48,10 +49,18 @@ class Job:
     grammar: Optional[Grammar] = None
     logprobs: Optional[int] = None
 
-    def events(self, engine) -> AsyncIterator[Event]:
-        kw = {} if self.logprobs is None else {"logprobs": self.logprobs}
-        return engine.aevents(self.prompt, self.settings, self.max_new_tokens, self.stop_strings, self.add_bos,
-                              grammar=self.grammar, **kw)
+    async def events(self, engine) -> AsyncIterator[Event]:
+        """(new text, result or None, the new tokens' log-probabilities or None) from the engine."""
+        args = (self.prompt, self.settings, self.max_new_tokens, self.stop_strings, self.add_bos)
+        if self.logprobs is None:
+            stream = engine.aevents(*args, grammar=self.grammar)
+        else:
+            stream = engine.aevent_stream(*args, self.grammar, self.logprobs)
+        try:
+            async for item in stream:
+                yield (*item, None) if self.logprobs is None else (item.text, item.result, item.logprobs)
+        finally:
+            await _close(stream)
 
 
 class _ClientGone(Exception):
@@ -72,24 +81,25 @@ def _token(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def _chat_logprobs(tokenizer, result: GenerationResult) -> Optional[dict[str, Any]]:
-    """A chat choice's `logprobs`: every generated token with its log-probability and top alternatives."""
-    if result.logprobs is None:
+def _chat_logprobs(tokenizer, records: Optional[list[TokenLogprob]]) -> Optional[dict[str, Any]]:
+    """A chat choice's `logprobs`: each token with its log-probability and top alternatives."""
+    if records is None:
         return None
     return {"content": [{**_token(tokenizer, x.token_id, x.logprob),
-                         "top_logprobs": [_token(tokenizer, t, lp) for t, lp in x.top]} for x in result.logprobs],
+                         "top_logprobs": [_token(tokenizer, t, lp) for t, lp in x.top]} for x in records],
             "refusal": None}
 
 
-def _completion_logprobs(tokenizer, result: GenerationResult) -> Optional[dict[str, Any]]:
+def _completion_logprobs(tokenizer, records: Optional[list[TokenLogprob]], start: int = 0
+                         ) -> Optional[dict[str, Any]]:
     """A text completion choice's legacy `logprobs` object (tokens, their log-probabilities, top alternatives by
-    token text, offsets into the text)."""
-    if result.logprobs is None:
+    token text, offsets into the text, the first at `start`)."""
+    if records is None:
         return None
-    tokens = [tokenizer.decode([x.token_id]) for x in result.logprobs]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": [x.logprob for x in result.logprobs],
-            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in x.top} for x in result.logprobs],
+    tokens = [tokenizer.decode([x.token_id]) for x in records]
+    offsets = [start + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in records],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in x.top} for x in records],
             "text_offset": offsets}
 
 
@@ -141,10 +151,10 @@ class _Choices:
     async def _pump(self, i: int, started: asyncio.Future) -> None:
         stream = self.jobs[i].events(self.engine)
         try:
-            async for text, result in stream:
+            async for text, result, logprobs in stream:
                 if not started.done():
                     started.set_result(None)
-                self.queue.put_nowait((i, text, result, None))
+                self.queue.put_nowait((i, text, result, logprobs, None))
                 if result is not None:
                     return
             raise RuntimeError("the engine's event stream ended without a result")
@@ -152,24 +162,24 @@ class _Choices:
             error = e if isinstance(e, Exception) else RuntimeError(f"the engine stream ended: {e!r}")
             if not started.done():
                 started.set_exception(error)
-            self.queue.put_nowait((i, "", None, error))
+            self.queue.put_nowait((i, "", None, None, error))
             if error is not e:
                 raise
         finally:
             await _close(stream)
 
-    async def events(self) -> AsyncIterator[tuple[int, str, Optional[GenerationResult]]]:
-        """(choice index, new text, result or None) until every choice has its result (then all are in
-        `results`); a choice's error is raised."""
+    async def events(self) -> AsyncIterator[tuple[int, str, Optional[GenerationResult], Optional[list]]]:
+        """(choice index, new text, result or None, new tokens' log-probabilities or None) until every choice
+        has its result (then all are in `results`); a choice's error is raised."""
         left = len(self.jobs)
         while left:
-            i, text, result, error = await self.queue.get()
+            i, text, result, logprobs, error = await self.queue.get()
             if error is not None:
                 raise error
             if result is not None:
                 self.results[i] = result
                 left -= 1
-            yield i, text, result
+            yield i, text, result, logprobs
 
     async def close(self) -> None:
         for task in self.tasks:       # synchronous, so it holds even if this coroutine is cancelled at the await
@@ -215,8 +225,8 @@ async def _generate(request: Request, engine, jobs: list[Job]) -> list[Generatio
 
 async def _stream(engine, jobs: list[Job], prelude, on_text, finish, usage_head: Optional[dict], n: int
                   ) -> EventSourceResponse:
-    """Start the jobs, then stream SSE data: each choice's `prelude(i)` chunks, `on_text(i, text)` chunks while
-    its tokens arrive and `finish(i, result)` chunks when it ends (choices interleaved as produced), the usage
+    """Start the jobs, then stream SSE data: each choice's `prelude(i)` chunks, `on_text(i, text, logprobs)` chunks
+    while its tokens arrive and `finish(i, result)` chunks when it ends (choices interleaved as produced), the usage
     chunk (`usage_head` plus `usage`, if given) once all ended, then [DONE]. An error after the 200 can only be
     reported in-band, as an OpenAI error event (the openai client raises it). Closing the event generator
     (client gone) closes every choice's job.
@@ -229,9 +239,9 @@ async def _stream(engine, jobs: list[Job], prelude, on_text, finish, usage_head:
             for i in range(len(jobs)):
                 for chunk in prelude(i):
                     yield chunk
-            async for i, text, result in choices.events():
-                if text:
-                    for chunk in on_text(i, text):
+            async for i, text, result, logprobs in choices.events():
+                if text or logprobs:
+                    for chunk in on_text(i, text, logprobs):
                         yield chunk
                 if result is not None:
                     for chunk in finish(i, result):
@@ -291,7 +301,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         for i, result in enumerate(results):
             message, finish = _chat_message(result, tools)
             choices.append({"index": i, "message": message, "finish_reason": finish,
-                            "logprobs": _chat_logprobs(st.engine.tokenizer, result)})
+                            "logprobs": _chat_logprobs(st.engine.tokenizer, result.logprobs)})
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(results, body.n)}
 
     head["object"] = "chat.completion.chunk"
@@ -304,10 +314,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     def prelude(i: int):
         yield chunk(i, {"role": "assistant", "content": ""})
 
-    def on_text(i: int, text: str):
+    def on_text(i: int, text: str, logprobs: Optional[list]):
         out = holdbacks[i].push(text) if holdbacks else text
-        if out:
-            yield chunk(i, {"content": out})
+        lp = _chat_logprobs(st.engine.tokenizer, logprobs) if logprobs else None
+        if out or lp:
+            yield chunk(i, {"content": out} if out else {}, None, lp)
 
     def finish(i: int, result):
         reason = result.finish_reason
@@ -319,8 +330,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 reason = "tool_calls"
             elif holdbacks[i].rest():
                 yield chunk(i, {"content": holdbacks[i].rest()})
-        if result.logprobs is not None:  # every token's, in one chunk before the last (see docs/server.md)
-            yield chunk(i, {}, None, _chat_logprobs(st.engine.tokenizer, result))
         yield chunk(i, {}, reason)
 
     return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
@@ -349,7 +358,7 @@ async def completions(body: CompletionRequest, request: Request):
         except _ClientGone:
             return Response(status_code=499)
         return {**head, "choices": [choice(i, echo(i) + r.text, r.finish_reason,
-                                           _completion_logprobs(st.engine.tokenizer, r))
+                                           _completion_logprobs(st.engine.tokenizer, r.logprobs))
                                     for i, r in enumerate(results)],
                 "usage": _usage(results, body.n)}
 
@@ -360,12 +369,15 @@ async def completions(body: CompletionRequest, request: Request):
         if echo(i):
             yield chunk(i, echo(i))
 
-    def on_text(i: int, text: str):
-        yield chunk(i, text)
+    offsets = [0] * len(jobs)   # where each streamed choice's next token starts in its text
+
+    def on_text(i: int, text: str, logprobs: Optional[list]):
+        lp = _completion_logprobs(st.engine.tokenizer, logprobs, offsets[i]) if logprobs else None
+        if lp:
+            offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        yield chunk(i, text, None, lp)
 
     def finish(i: int, result):
-        if result.logprobs is not None:
-            yield chunk(i, "", None, _completion_logprobs(st.engine.tokenizer, result))
         yield chunk(i, "", result.finish_reason)
 
     return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
