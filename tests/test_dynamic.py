@@ -253,10 +253,15 @@ def test_overlapped_decode_keeps_every_token(model, tok, refs):
 
     hot = [SamplingSettings(temperature=1.0, top_p=0.9, repetition_penalty=1.2, seed=s) for s in range(3)]
     sync = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16, overlap=False)
-    want = [r.token_ids for r in sync.generate([Job(tok.encode(p), h, 14) for p, h in zip(PROMPTS, hot)])]
+    want = sync.generate([Job(tok.encode(p), h, 14, logprobs=2 * (i % 2)) for i, (p, h) in enumerate(zip(PROMPTS, hot))])
     chained = gen.chained
-    got = [r.token_ids for r in gen.generate([Job(tok.encode(p), h, 14) for p, h in zip(PROMPTS, hot)])]
-    assert got == want and sync.chained == 0 and gen.chained > chained
+    got = gen.generate([Job(tok.encode(p), h, 14, logprobs=2 * (i % 2)) for i, (p, h) in enumerate(zip(PROMPTS, hot))])
+    assert [r.token_ids for r in got] == [r.token_ids for r in want] and sync.chained == 0 and gen.chained > chained
+    for g, w in zip(got, want):  # `gen` prefills from its prompt cache: the same tokens, rounding apart
+        assert [(x.token_id, [t for t, _ in x.top]) for x in g.logprobs] == \
+            [(x.token_id, [t for t, _ in x.top]) for x in w.logprobs]
+        assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-4)
+    assert len(got[1].logprobs[0].top) == 2
 
     stop = tok.decode(refs[0][6:8])
     first = gen.enqueue(Job(tok.encode(PROMPTS[0]), GREEDY, 16, stop_strings=[stop]))

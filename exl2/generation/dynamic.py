@@ -41,7 +41,7 @@ class _Step:
     picks: torch.Tensor
     pos: torch.Tensor
     draws: list[int]
-    host: torch.Tensor
+    host: tuple               # (sampled tokens, log-probability tensors or None), readable once `done` fires
     done: Optional[torch.cuda.Event]
 
 
@@ -206,7 +206,7 @@ class DynamicGenerator:
         if len(running) == 1 and self.draft is not None and running[0].grammar is None and \
                 running[0].logprobs is None and self._speculate(running[0], events):
             return events
-        if running and self.overlap and all(j.grammar is None and j.logprobs is None for j in running):
+        if running and self.overlap and all(j.grammar is None for j in running):
             self._inflight = self._launch(running)
         elif running:
             logits = self._decode(running, torch.tensor([[j.pending] for j in running], dtype=torch.long,
@@ -246,10 +246,11 @@ class DynamicGenerator:
         picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs], draws,
                             self._seen_rows(jobs, logits.shape[-1]))
         self._mark_seen(jobs, picks)
-        host, done = picks, None
+        lp = self._logprob_tensors(jobs, logits, picks)
+        host, done = (picks, lp), None
         if dev.type == "cuda":
-            host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
-            host.copy_(picks, non_blocking=True)
+            host = (picks.to("cpu", non_blocking=True),   # pinned copies, valid once `done` fires
+                    None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp))
             done = torch.cuda.Event()
             done.record()
         return _Step(jobs, picks, pos, draws, host, done)
@@ -262,16 +263,17 @@ class DynamicGenerator:
         if len(self.active) != len(step.jobs) or any(j.done for j in step.jobs):
             return False
         # the token `step` samples must not be a job's last (the last token is never fed: no cache slot for it)
-        return all(j.grammar is None and j.logprobs is None and len(j.reply.ids) + 2 <= j.max_new_tokens
-                   for j in step.jobs)
+        return all(j.grammar is None and len(j.reply.ids) + 2 <= j.max_new_tokens for j in step.jobs)
 
     def _land(self, step: "_Step", events: list[Event]) -> None:
         """Read a launched step's tokens and stream them (jobs that ended meanwhile are skipped)."""
         if step.done is not None:
             step.done.synchronize()
-        for job, token in zip(step.jobs, step.host.tolist()):
+        picks, lp = step.host
+        tokens = picks.tolist()
+        for job, token, record in zip(step.jobs, tokens, self._records(step.jobs, lp, tokens)):
             if not job.done:
-                self._emit(job, self._push(job, token), events)
+                self._take(job, token, record, events)
                 self._publish(job)
 
     def _prefill_groups(self) -> list[list[Job]]:
@@ -321,30 +323,42 @@ class DynamicGenerator:
         picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs],
                             [self._drawn(j) for j in jobs], self._seen_rows(jobs, logits.shape[-1]))
         self._mark_seen(jobs, picks)
-        records = self._logprobs(jobs, logits if raw is None else raw, picks)
-        for i, (job, token) in enumerate(zip(jobs, picks.tolist())):
+        tokens = picks.tolist()
+        records = self._records(jobs, self._logprob_tensors(jobs, logits if raw is None else raw, picks), tokens)
+        for i, (job, token) in enumerate(zip(jobs, tokens)):
             if i in failed:  # the grammar allows nothing more: end the reply where it is
                 self._emit(job, job.reply.close("stop"), events)
-                continue
-            kept = len(job.reply.ids)
-            text = self._push(job, token)
-            if records[i] is not None and len(job.reply.ids) > kept:  # not for an end token
-                job.token_logprobs.append(records[i])
-            self._emit(job, text, events)
+            else:
+                self._take(job, token, records[i], events)
 
     @staticmethod
-    def _logprobs(jobs: list[Job], logits: torch.Tensor, picks: torch.Tensor) -> list[Optional[TokenLogprob]]:
-        """Each job's record of its sampled token (None where it asked for none): the model's log-softmax."""
+    def _logprob_tensors(jobs: list[Job], logits: torch.Tensor, picks: torch.Tensor) -> Optional[tuple]:
+        """(sampled token's log-probability [B], top-k values [B, k], top-k ids [B, k]) of the model's log-softmax,
+        k the most any job asked for; None when no job asked."""
         want = [j.logprobs for j in jobs]
         if all(k is None for k in want):
-            return [None] * len(jobs)
+            return None
         lp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = lp.gather(1, picks[:, None])[:, 0].tolist()
-        k = max(w or 0 for w in want)
-        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], picks[:, None][:, :0]))
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-        return [None if w is None else TokenLogprob(int(t), chosen[i], list(zip(top_i[i][:w], top_v[i][:w])))
-                for i, (w, t) in enumerate(zip(want, picks.tolist()))]
+        top_v, top_i = lp.topk(max(w or 0 for w in want), dim=-1)
+        return lp.gather(1, picks[:, None])[:, 0], top_v, top_i
+
+    @staticmethod
+    def _records(jobs: list[Job], tensors: Optional[tuple], tokens: list[int]) -> list[Optional[TokenLogprob]]:
+        """Each job's TokenLogprob of its sampled token (None where it asked for none), from `_logprob_tensors`."""
+        if tensors is None:
+            return [None] * len(jobs)
+        chosen, top_v, top_i = (t.tolist() for t in tensors)
+        return [None if j.logprobs is None else
+                TokenLogprob(t, chosen[i], list(zip(top_i[i][:j.logprobs], top_v[i][:j.logprobs])))
+                for i, (j, t) in enumerate(zip(jobs, tokens))]
+
+    def _take(self, job: Job, token: int, record: Optional[TokenLogprob], events: list[Event]) -> None:
+        """Push a sampled token (and its log-probability record, unless it ended the reply) and stream it."""
+        kept = len(job.reply.ids)
+        text = self._push(job, token)
+        if record is not None and len(job.reply.ids) > kept:
+            job.token_logprobs.append(record)
+        self._emit(job, text, events)
 
     @staticmethod
     def _drawn(job: Job) -> int:
