@@ -17,14 +17,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-cm", "--cache-mode", "--cache_mode", dest="cache_mode", default="fp16",
                    choices=["fp16", "q8", "q6", "q4", "q3", "q2"],
                    help="KV cache storage: fp16 or quantized (q8, q6 = 8-bit keys/4-bit values, q4, q3, q2)")
+    add_gpu_args(p)
+
+
+def add_gpu_args(p: argparse.ArgumentParser, also: str = "") -> None:
+    """-gs and -tp; `also` ends both helps (what they mean for a command's other models)."""
     p.add_argument("-gs", "--gpu_split", "--gpu-split", dest="gpu_split", default=None, metavar="GB,GB,...|auto",
                    help="split the model's layers over several CUDA GPUs: GB per GPU in order, each filled before "
                         "the next (e.g. 20,24; weights plus the KV cache of their layers), or 'auto' (the free "
-                        "memory of every visible GPU less 1 GB each); default: one device. See docs/multi_gpu.md")
+                        "memory of every visible GPU less 1 GB each); default: one device. See docs/multi_gpu.md"
+                        + also)
     p.add_argument("-tp", "--tensor_parallel", "--tensor-parallel", dest="tensor_parallel", action="store_true",
                    help="shard every layer over several CUDA GPUs instead of splitting the layers: those -gs gives "
                         "a budget above 0, or every visible GPU (needs the KV head count to be a multiple of the "
-                        "GPU count; not for MoE or MLA models)")
+                        "GPU count; not for MoE or MLA models)" + also)
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ import json
 
 
 def register(sub) -> None:
+    from exl2.cli.common import add_gpu_args
     from exl2.quantize.evaluate import DEFAULT_LENGTH, DEFAULT_ROWS
 
     p = sub.add_parser(
@@ -20,13 +21,7 @@ def register(sub) -> None:
     p.add_argument("-l", "--length", type=int, default=DEFAULT_LENGTH,
                    help=f"tokens per row (default {DEFAULT_LENGTH})")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
-    p.add_argument("-gs", "--gpu_split", "--gpu-split", dest="gpu_split", default=None, metavar="GB,GB,...|auto",
-                   help="split the model over several CUDA GPUs: GB per GPU in order, or 'auto' (docs/multi_gpu.md); "
-                        "--ref is split the same way, planned on its own (with 'auto', over what the model left); "
-                        "default: one device")
-    p.add_argument("-tp", "--tensor_parallel", "--tensor-parallel", dest="tensor_parallel", action="store_true",
-                   help="shard every layer (of the model and --ref) over the GPUs -gs lists, or every visible GPU "
-                        "(docs/multi_gpu.md)")
+    add_gpu_args(p, "; --ref is placed the same way, planned on its own (with 'auto', over what the model left)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
 
