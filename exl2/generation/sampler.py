@@ -59,28 +59,9 @@ def apply_repetition_penalty(logits: torch.Tensor, penalty: float, past_ids: Pas
 
 
 def filter_logits(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p: removed tokens become -inf. `logits` is float32 [B, V]."""
-    neg_inf = float("-inf")
-    if settings.temperature not in (0.0, 1.0):
-        logits = logits / settings.temperature
-    vocab = logits.shape[-1]
-    if 0 < settings.top_k < vocab:
-        kth = torch.topk(logits, settings.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, neg_inf)
-    if settings.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cum <= (1.0 - settings.top_p)
-        drop_sorted[..., -1] = False  # always keep the most likely token
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, neg_inf)
-    if settings.min_p > 0.0:
-        probs = logits.softmax(dim=-1)
-        threshold = settings.min_p * probs.max(dim=-1, keepdim=True).values
-        drop = probs < threshold
-        drop.scatter_(-1, logits.argmax(dim=-1, keepdim=True), False)
-        logits = logits.masked_fill(drop, neg_inf)
-    return logits
+    """Temperature, then top-k, top-p and min-p: removed tokens become -inf. `logits` is float32 [B, V], every row
+    with `settings` (`filter_rows`; greedy settings leave the logits as they are)."""
+    return filter_rows(logits, [settings] * logits.shape[0])[1]
 
 
 def sample(logits: torch.Tensor, settings: SamplingSettings, generator: Optional[torch.Generator] = None,
