@@ -209,12 +209,13 @@ class DynamicGenerator:
         if running and self.overlap and all(j.grammar is None for j in running):
             self._inflight = self._launch(running)
         elif running:
-            logits = self._decode(running, torch.tensor([[j.pending] for j in running], dtype=torch.long,
-                                                        device=self.model.device),
-                                  torch.tensor([j.length for j in running], dtype=torch.long,
-                                               device=self.model.device))
-            self._accept(running, logits, events)
+            self._accept(running, self._decode(running, *self._feed(running)), events)
         return events
+
+    def _feed(self, jobs: list[Job]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids [B, 1] a decode step feeds (each job's pending token) and their positions [B]."""
+        dev = self.model.device
+        return upload([[j.pending] for j in jobs], torch.long, dev), upload([j.length for j in jobs], torch.long, dev)
 
     def _decode(self, jobs: list[Job], ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One batched decode step feeding ids [B, 1] at positions pos [B]; its logits [B, V]."""
@@ -235,20 +236,13 @@ class DynamicGenerator:
     def _launch(self, jobs: list[Job], prev: Optional["_Step"] = None) -> "_Step":
         """Queue a decode step and its sampling without waiting for them; `prev`, the step still in flight before
         it, gives the tokens to feed (on the GPU) and the stream positions to draw from."""
-        dev = self.model.device
         if prev is None:
-            ids = upload([[j.pending] for j in jobs], torch.long, dev)
-            pos = upload([j.length for j in jobs], torch.long, dev)
-            draws = [self._drawn(j) for j in jobs]
+            (ids, pos), draws = self._feed(jobs), [self._drawn(j) for j in jobs]
         else:
             ids, pos, draws = prev.picks[:, None], prev.pos + 1, [d + 1 for d in prev.draws]
-        logits = self._decode(jobs, ids, pos).float()
-        picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs], draws,
-                            self._seen_rows(jobs, logits.shape[-1]))
-        self._mark_seen(jobs, picks)
-        lp = self._logprob_tensors(jobs, logits, picks)
+        picks, lp = self._sample(jobs, self._decode(jobs, ids, pos).float(), draws)
         host, done = (picks, lp), None
-        if dev.type == "cuda":
+        if self.model.device.type == "cuda":
             host = (picks.to("cpu", non_blocking=True),   # pinned copies, valid once `done` fires
                     None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp))
             done = torch.cuda.Event()
@@ -320,16 +314,24 @@ class DynamicGenerator:
                     failed.add(i)
                 else:
                     logits[i].masked_fill_(~allowed, float("-inf"))
-        picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs],
-                            [self._drawn(j) for j in jobs], self._seen_rows(jobs, logits.shape[-1]))
-        self._mark_seen(jobs, picks)
+        picks, lp = self._sample(jobs, logits, [self._drawn(j) for j in jobs], raw)
         tokens = picks.tolist()
-        records = self._records(jobs, self._logprob_tensors(jobs, logits if raw is None else raw, picks), tokens)
+        records = self._records(jobs, lp, tokens)
         for i, (job, token) in enumerate(zip(jobs, tokens)):
             if i in failed:  # the grammar allows nothing more: end the reply where it is
                 self._emit(job, job.reply.close("stop"), events)
             else:
                 self._take(job, token, records[i], events)
+
+    def _sample(self, jobs: list[Job], logits: torch.Tensor, draws: list[int], raw: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, Optional[tuple]]:
+        """Each job's next token from its row of `logits` (float32) at stream position draws[i], noted in the
+        seen-token rows, and the log-probability tensors of `raw` (the model's own logits; default `logits`) for
+        the jobs that asked (`_logprob_tensors`); nothing waits for the GPU."""
+        picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs], draws,
+                            self._seen_rows(jobs, logits.shape[-1]))
+        self._mark_seen(jobs, picks)
+        return picks, self._logprob_tensors(jobs, logits if raw is None else raw, picks)
 
     @staticmethod
     def _logprob_tensors(jobs: list[Job], logits: torch.Tensor, picks: torch.Tensor) -> Optional[tuple]:
