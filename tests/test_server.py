@@ -21,6 +21,7 @@ from exl2.cli.main import main
 from exl2.config import EngineConfig, SamplingSettings, ServerConfig
 from exl2.engine import Engine
 from exl2.generation.generator import GenerationResult
+from exl2.generation.job import Event
 from exl2.server.app import create_app
 
 from test_cli import SRC
@@ -90,19 +91,20 @@ class FakeEngine:
         self.forced.append(name or "required")
         return None
 
-    async def aevents(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None, grammar=None):
+    async def aevent_stream(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None,
+                            grammar=None, logprobs=None):
         self.opened += 1
         try:
             if self.reply is None:
                 while True:
                     await asyncio.sleep(0.01)
-                    yield "x", None
+                    yield Event(None, "x")
             for i in range(0, len(self.reply), 3):
                 await asyncio.sleep(0)
-                yield self.reply[i:i + 3], None
+                yield Event(None, self.reply[i:i + 3])
                 if settings is not None and settings.seed is not None and settings.seed == self.fail_seed:
                     raise RuntimeError("fake engine failure")
-            yield "", GenerationResult(self.reply, list(range(9)), "stop", 5)
+            yield Event(None, "", GenerationResult(self.reply, list(range(9)), "stop", 5))
         finally:
             self.closes += 1
             self.closed.set()

@@ -1,6 +1,6 @@
 """POST /v1/chat/completions and /v1/completions, streamed (SSE) or not.
 
-Requests are not serialized here: each choice of a request (n per prompt) is its own `engine.aevents` stream,
+Requests are not serialized here: each choice of a request (n per prompt) is its own `engine.aevent_stream`,
 and the engine batches them with every other request's. Closing a stream (`aclose`) is how the engine learns a
 client went away, so every path closes all of a request's streams.
 """
@@ -33,7 +33,7 @@ from exl2.server.tools import ToolCallHoldback, content_before_calls, openai_too
 log = logging.getLogger("exl2.server")
 router = APIRouter()
 DISCONNECT_POLL_S = 0.5
-Event = tuple[str, Optional[GenerationResult], Optional[list[TokenLogprob]]]
+Event = tuple[str, Optional[GenerationResult], list[TokenLogprob]]
 
 
 @dataclass
@@ -50,15 +50,13 @@ class Job:
     logprobs: Optional[int] = None
 
     async def events(self, engine) -> AsyncIterator[Event]:
-        """(new text, result or None, the new tokens' log-probabilities or None) from the engine."""
-        args = (self.prompt, self.settings, self.max_new_tokens, self.stop_strings, self.add_bos)
-        if self.logprobs is None:
-            stream = engine.aevents(*args, grammar=self.grammar)
-        else:
-            stream = engine.aevent_stream(*args, self.grammar, self.logprobs)
+        """(new text, result or None, the new tokens' log-probability records: empty when none) from the
+        engine."""
+        stream = engine.aevent_stream(self.prompt, self.settings, self.max_new_tokens, self.stop_strings,
+                                      self.add_bos, self.grammar, self.logprobs)
         try:
-            async for item in stream:
-                yield (*item, None) if self.logprobs is None else (item.text, item.result, item.logprobs)
+            async for event in stream:
+                yield event.text, event.result, event.logprobs
         finally:
             await _close(stream)
 
@@ -162,13 +160,13 @@ class _Choices:
             error = e if isinstance(e, Exception) else RuntimeError(f"the engine stream ended: {e!r}")
             if not started.done():
                 started.set_exception(error)
-            self.queue.put_nowait((i, "", None, None, error))
+            self.queue.put_nowait((i, "", None, [], error))
             if error is not e:
                 raise
         finally:
             await _close(stream)
 
-    async def events(self) -> AsyncIterator[tuple[int, str, Optional[GenerationResult], Optional[list]]]:
+    async def events(self) -> AsyncIterator[tuple[int, str, Optional[GenerationResult], list]]:
         """(choice index, new text, result or None, new tokens' log-probabilities or None) until every choice
         has its result (then all are in `results`); a choice's error is raised."""
         left = len(self.jobs)
@@ -314,7 +312,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     def prelude(i: int):
         yield chunk(i, {"role": "assistant", "content": ""})
 
-    def on_text(i: int, text: str, logprobs: Optional[list]):
+    def on_text(i: int, text: str, logprobs: list):
         out = holdbacks[i].push(text) if holdbacks else text
         lp = _chat_logprobs(st.engine.tokenizer, logprobs) if logprobs else None
         if out or lp:
@@ -371,7 +369,7 @@ async def completions(body: CompletionRequest, request: Request):
 
     offsets = [0] * len(jobs)   # where each streamed choice's next token starts in its text
 
-    def on_text(i: int, text: str, logprobs: Optional[list]):
+    def on_text(i: int, text: str, logprobs: list):
         lp = _completion_logprobs(st.engine.tokenizer, logprobs, offsets[i]) if logprobs else None
         if lp:
             offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
