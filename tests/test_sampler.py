@@ -8,7 +8,7 @@ from exl2.kernels.backend import INTERPRET
 
 from exl2.config import SamplingSettings
 from exl2.generation.sampler import (SeenTokens, apply_repetition_penalty, filter_logits, filter_rows, make_generator,
-                                    sample, sample_rows)
+                                    sample_rows)
 from exl2.kernels.backend import force_triton
 from exl2.kernels.sampling import (counter_uniform, gumbel_argmax, gumbel_argmax_torch, hash32, kernel_ok,
                                    row_keys)
@@ -76,35 +76,44 @@ def test_repetition_penalty_rows_and_padding():
     torch.testing.assert_close(as_tensor, expected)
 
 
+def _seen(past: list[list[int]], vocab: int, device) -> torch.Tensor:
+    mask = torch.zeros(len(past), vocab, dtype=torch.bool, device=device)
+    for row, ids in enumerate(past):
+        mask[row, ids] = True
+    return mask
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy(device):
     logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 4.0]], device=device)
-    out = sample(logits, SamplingSettings(temperature=0.0), None)
+    out = sample_rows(logits, [SamplingSettings(temperature=0.0)] * 2, [0, 0], [0, 0])
     assert out.dtype == torch.int64 and out.device.type == device
     assert out.tolist() == [1, 0]
     # top_k=1 is greedy too, and the repetition penalty still applies before the argmax.
-    out = sample(logits, SamplingSettings(top_k=1, repetition_penalty=2.0), None, past_ids=[[1], [0]])
+    out = sample_rows(logits, [SamplingSettings(top_k=1, repetition_penalty=2.0)] * 2, [0, 0], [0, 0],
+                      _seen([[1], [0]], 4, device))
     assert out.tolist() == [2, 3]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_seeded_reproducibility(device):
     logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0)).to(device)
-    settings = SamplingSettings(temperature=1.0, top_p=0.95)
+    settings = [SamplingSettings(temperature=1.0, top_p=0.95)] * 8
     runs = []
     for seed in (1234, 1234, 99):
-        gen = make_generator(seed, device)
-        runs.append(torch.stack([sample(logits, settings, gen) for _ in range(5)]).cpu())
+        runs.append(torch.stack([sample_rows(logits, settings, [seed] * 8, [step] * 8)
+                                 for step in range(5)]).cpu())
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
 
 
-def _frequencies(logits_row, settings, n=40000, seed=0):
-    out = sample(logits_row.expand(n, -1), settings, make_generator(seed, "cpu"))
+def _frequencies(logits_row, settings, n=40000):
+    out = sample_rows(logits_row.expand(n, -1), [settings] * n, [5] * n, list(range(n)))
     return torch.bincount(out, minlength=logits_row.numel()).double() / n
 
 
 def test_empirical_frequencies():
+    """The Gumbel-max draw over the counter noise samples the filtered softmax."""
     logits = torch.tensor([1.0, 0.5, 0.0, -1.0, -3.0])
     # Binomial std for n=40000 is at most 0.0025; 0.012 is ~5 sigma.
     freq = _frequencies(logits, SamplingSettings(temperature=1.0))
@@ -121,13 +130,18 @@ def test_empirical_frequencies():
     expected = torch.zeros(5, dtype=torch.float64)
     expected[:3] = logits[:3].double().softmax(0)
     torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
+    freq = _frequencies(logits, SamplingSettings(temperature=0.5, top_k=3))
+    expected = torch.zeros(5, dtype=torch.float64)
+    expected[:3] = (logits[:3].double() / 0.5).softmax(0)
+    torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
+    assert freq[3:].sum() == 0
 
 
-def test_fp16_logits_and_1d_input():
-    logits = torch.randn(300).half()
-    out = sample(logits, SamplingSettings(temperature=0.9, top_k=10), make_generator(3))
+def test_fp16_logits():
+    logits = torch.randn(1, 300).half()
+    out = sample_rows(logits, [SamplingSettings(temperature=0.9, top_k=10)], [3], [0])
     assert out.shape == (1,) and out.dtype == torch.int64
-    assert out.item() in torch.topk(logits.float(), 10).indices.tolist()
+    assert out.item() in torch.topk(logits.float(), 10).indices[0].tolist()
 
 
 def test_make_generator_unseeded_differs():
@@ -209,24 +223,6 @@ def test_sample_rows_depends_only_on_its_own_stream(device):
     assert len(draws) > 1  # the counter moves the stream
     mixed = sample_rows(logits[:2], [SamplingSettings(temperature=0.0), settings[1]], seeds[:2], counters[:2])
     assert mixed[0].item() == logits[0].argmax().item() and mixed[1].item() == alone[1]
-
-
-def _row_frequencies(logits_row, settings, n=40000):
-    out = sample_rows(logits_row.expand(n, -1), [settings] * n, [5] * n, list(range(n)))
-    return torch.bincount(out, minlength=logits_row.numel()).double() / n
-
-
-def test_sample_rows_frequencies():
-    """The Gumbel-max draw over the counter noise samples the filtered softmax (binomial std <= 0.0025 at
-    n = 40000; 0.012 is ~5 sigma)."""
-    logits = torch.tensor([1.0, 0.5, 0.0, -1.0, -3.0])
-    freq = _row_frequencies(logits, SamplingSettings(temperature=1.0))
-    torch.testing.assert_close(freq, logits.double().softmax(0), atol=0.012, rtol=0)
-    freq = _row_frequencies(logits, SamplingSettings(temperature=0.5, top_k=3))
-    expected = torch.zeros(5, dtype=torch.float64)
-    expected[:3] = (logits[:3].double() / 0.5).softmax(0)
-    torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
-    assert freq[3:].sum() == 0
 
 
 def test_seen_tokens_slots():

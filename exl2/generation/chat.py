@@ -103,9 +103,6 @@ class ChatTemplate:
 
 # ---- tool calls -----------------------------------------------------------------------------------------------
 
-TOOL_FORMATS = ("hermes", "mistral", "llama")
-
-
 def tool_call_format(template: ChatTemplate) -> str:
     """How the model writes tool calls, from its template: 'hermes' (`<tool_call>{json}</tool_call>`: Qwen, Hermes
     and the ChatML fallback), 'mistral' (`[TOOL_CALLS][{json}, ...]`) or 'llama' (Llama 3.1: the bare JSON object

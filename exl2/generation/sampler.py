@@ -1,6 +1,6 @@
 """Next-token sampling with the semantics of transformers' logits processors, on CPU or CUDA tensors.
 
-Order: repetition penalty, temperature, top-k, top-p, min-p, then a seeded multinomial draw (argmax when greedy).
+Order: repetition penalty, temperature, top-k, top-p, min-p, then a seeded Gumbel-max draw (argmax when greedy).
 """
 from __future__ import annotations
 
@@ -62,20 +62,6 @@ def filter_logits(logits: torch.Tensor, settings: SamplingSettings) -> torch.Ten
     """Temperature, then top-k, top-p and min-p: removed tokens become -inf. `logits` is float32 [B, V], every row
     with `settings` (`filter_rows`; greedy settings leave the logits as they are)."""
     return filter_rows(logits, [settings] * logits.shape[0])[1]
-
-
-def sample(logits: torch.Tensor, settings: SamplingSettings, generator: Optional[torch.Generator] = None,
-           past_ids: PastIds = None) -> torch.Tensor:
-    """One token id per row of `logits` [B, V] -> int64 [B] on the same device."""
-    if logits.dim() == 1:
-        logits = logits.unsqueeze(0)
-    x = logits.float()
-    x = apply_repetition_penalty(x, settings.repetition_penalty, past_ids)
-    if settings.greedy:
-        return x.argmax(dim=-1)
-    x = filter_logits(x, settings)
-    probs = x.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 # ---- batched sampling: one set of launches for a whole decode batch -------------------------------------------
