@@ -2,7 +2,7 @@
 (`choose_config`):
 
 * **gemv** (M ≤ 4, `gemv.py`): CUDA-core kernel, one input row a program; q/k/v and gate/up as one launch each
-  (`GemvGroup`).
+  (`GemvGroup`), or gate/up with the GLU in the same launch (`gemv_glu.GemvGlu`, `glu_matmul`).
 * **Gluon tensor-core kernel** (M ≤ 16, `mma_dot.py`): weights decoded straight into mma fragments; also takes
   1–4 rows of matrices with 8/5/3/2-bit classes, which the gemv decodes slowly (`gemv_via_mma`).
 * **dot** (M ≤ 64, `dot.py`): the Triton tensor-core kernel, where the Gluon kernel does not run.
@@ -22,6 +22,7 @@ from exl2.kernels.backend import env_choice, sm_count, triton, use_triton
 from exl2.kernels.dequant import dequant_matmul
 from exl2.kernels.dot import permuted_dot
 from exl2.kernels.gemv import GEMV_STAGES, GemvGroup, gemv, permuted_gemv
+from exl2.kernels.gemv_glu import GLU_GEMV, GemvGlu
 from exl2.kernels.matmul_launch import MatmulConfig, auto_split
 from exl2.kernels.permute import buffer_offsets, gather_input, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
@@ -165,6 +166,27 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     if group is None:
         group = ws[0]._cache[("group", tuple(map(id, ws)))] = GemvGroup(ws)
     return group(gather_input(x, ws, whole=True) if xp is None else xp)
+
+
+def glu_matmul(x: torch.Tensor, gate: QuantWeight, up: QuantWeight, down: QuantWeight, activation: str,
+               xp: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`act(x · gate) * (x · up)` for x `[M, K]` in one launch (`GemvGlu`), already in the down weight's permuted
+    input order `[M, down.k]` (for `permuted_matmul`), where the grouped gemv would run gate/up (1–4 rows on the
+    GPU) and down's input order is a permutation; else None (the caller runs gate/up, then the GLU). `xp`: gate
+    and up's permuted inputs already gathered into one buffer."""
+    m = x.shape[0]
+    if not (GLU_GEMV and FUSE_SHARED_INPUT and use_triton(x) and 0 < m <= GEMV_MAX_M):
+        return None
+    ws = [gate, up]
+    if all(gemv_via_mma(w, m, x.dtype) for w in ws) or not GemvGroup.accepts(ws):
+        return None
+    key = ("glu", id(up), id(down), activation)
+    fused = gate._cache.get(key)
+    if fused is None:
+        fused = gate._cache[key] = GemvGlu(gate, up, down, activation) if GemvGlu.accepts(gate, up, down) else False
+    if fused is False:
+        return None
+    return fused(gather_input(x, ws, whole=True) if xp is None else xp)
 
 
 def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None) -> list[torch.Tensor] | None:

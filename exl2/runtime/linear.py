@@ -10,7 +10,7 @@ from torch import nn
 from exl2.kernels import quant_matmul as qm
 from exl2.kernels.dequant import dequant_matmul_group
 from exl2.kernels.permute import gather_input, input_layout, share_input_orders, split_permuted
-from exl2.kernels.quant_matmul import (grouped_matmul, permuted_matmul, quant_matmul, uses_dequant,
+from exl2.kernels.quant_matmul import (glu_matmul, grouped_matmul, permuted_matmul, quant_matmul, uses_dequant,
                                        uses_permuted_input)
 from exl2.kernels.split_sum import SplitSum
 
@@ -109,3 +109,17 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Te
         raise ValueError("a permuted input buffer needs every linear to be quantized.")
     xps = dict(zip(map(id, quant), gather_input(x2, kernels)))
     return [m(x, xps[id(m)]) if id(m) in xps else m(x) for m in linears]
+
+
+def project_glu(x: torch.Tensor, gate: nn.Module, up: nn.Module, down: nn.Module, activation: str,
+                xp: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """`down`'s permuted input `act(gate(x)) * up(x)` `[rows, down.in]` from one fused launch
+    (`quant_matmul.glu_matmul`), where all three are quantized and the small-batch GPU path applies; else None.
+    `xp`: gate/up's permuted inputs, as `project` takes them."""
+    if not all(isinstance(m, Linear) and m.kernel is not None for m in (gate, up, down)):
+        return None
+    rows = x.numel() // max(1, x.shape[-1])
+    x2 = x.reshape(rows, x.shape[-1])
+    if xp is None and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return glu_matmul(x2, gate.kernel, up.kernel, down.kernel, activation, xp)
