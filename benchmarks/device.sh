@@ -21,7 +21,8 @@
 # decoding's GPU tests, then benchmarks/serving.py (N requests at once; the cost of a speculative check step). s21
 # (session 19): those GPU tests, the batched sampler's tests on CUDA, serving.py (greedy and sampled, overlapped
 # decode on and off), then the target bench with its breakdown. s22: the same without the bench, after the fused
-# sampling draw. s23 (session 20): the sampler and fused-GLU tests on CUDA, the EXL2_GLU_GEMV A/B twice, serving.py.
+# sampling draw. s23 (session 20): the sampler and fused-GLU tests on CUDA, the EXL2_GLU_GEMV A/B twice, then unsplit q/k/v
+# gemvs of 32 and 16 columns (S23_SPECS).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -108,10 +109,8 @@ for s in $steps; do
        tail -n 6 "$OUT/gpu_dynamic.txt" ;;
   s23) timeout -s INT -k 10 90 python3 -m pytest tests/test_sampler.py tests/test_gemv_glu.py -q -p no:cacheprovider -rfE \
          > "$OUT/sampler_glu_cuda.txt" 2>&1; echo "sampler + fused GLU tests (cuda) rc=$?"; tail -n 2 "$OUT/sampler_glu_cuda.txt"
-       AB_SPECS="EXL2_GLU_GEMV=0;EXL2_GLU_GEMV=1;EXL2_GLU_GEMV=0;EXL2_GLU_GEMV=1" TAG=_glu BENCH_TIMEOUT=${BENCH_TIMEOUT:-75} \
-         BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 64" bash "$0" envab
-       timeout ${SERVING_TIMEOUT:-150} python3 benchmarks/serving.py --batches 1,16 > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"
-       tail -22 "$OUT/serving.txt" ;;
+       AB_SPECS="${S23_SPECS:-EXL2_GLU_GEMV=0;EXL2_GLU_GEMV=1;EXL2_GLU_GEMV=0;EXL2_GLU_GEMV=1;EXL2_GEMV_GROUP_BN=32 EXL2_GEMV_GROUP_PER_SM=1;EXL2_GEMV_GROUP_BN=16 EXL2_GEMV_GROUP_PER_SM=1}" \
+         TAG=_glu BENCH_TIMEOUT=${BENCH_TIMEOUT:-75} BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 64" bash "$0" envab ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"
