@@ -44,6 +44,9 @@ SHARED_INPUT = env_choice("EXL2_SHARED_INPUT", 1, range(0, 2)) == 1
 # unless EXL2_SPLIT_SUM=2; 0 turns split sums off.
 SPLIT_SUM_MODE = env_choice("EXL2_SPLIT_SUM", 1, range(0, 3))
 SPLIT_SUM = SPLIT_SUM_MODE >= 1
+# The grouped q/k/v gemv likewise leaves its partial sums to the decode step's RoPE + cache-write launch
+# (`PagedKVCache.takes_split_sums`), with split sums on; EXL2_QKV_SPLIT_SUM=0 keeps the gemv's own sum.
+QKV_SPLIT_SUM = env_choice("EXL2_QKV_SPLIT_SUM", 1, range(0, 2)) == 1
 # Up to 16 rows: the Gluon kernel (`mma_dot`), MMA4_BS steps per iteration, 32·MMA4_V columns
 # per program, a ring of MMA4_STAGES iterations, K split to about MMA4_PER_SM programs per SM. EXL2_MMA4=0 keeps
 # the Triton kernel.
@@ -151,11 +154,12 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None
     return y.view(*x.shape[:-1], w.n)
 
 
-def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None = None
-                   ) -> list[torch.Tensor] | None:
+def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None = None,
+                   split_sum: bool = False) -> list[torch.Tensor | SplitSum] | None:
     """`[x · W_i + bias_i]` for 2–3 weights sharing x `[M, K]` in one gather and one gemv launch (small M on the
     GPU), or None where that path does not apply (the caller then runs them one by one). `xp`: the permuted
-    inputs already gathered into one buffer."""
+    inputs already gathered into one buffer. `split_sum`: where the gemv splits every K, the partial sums
+    (`SplitSum` each) for a consumer that adds them."""
     if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= DOT_MAX_M):
         return None
     if x.shape[0] > GEMV_MAX_M or all(gemv_via_mma(w, x.shape[0], x.dtype) for w in ws):
@@ -165,7 +169,7 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     group = ws[0]._cache.get(("group", tuple(map(id, ws))))
     if group is None:
         group = ws[0]._cache[("group", tuple(map(id, ws)))] = GemvGroup(ws)
-    return group(gather_input(x, ws, whole=True) if xp is None else xp)
+    return group(gather_input(x, ws, whole=True) if xp is None else xp, part_only=split_sum)
 
 
 def glu_matmul(x: torch.Tensor, gate: QuantWeight, up: QuantWeight, down: QuantWeight, activation: str,

@@ -83,11 +83,14 @@ def share_inputs(model: nn.Module, enabled: Optional[bool] = None) -> int:
     return aliased
 
 
-def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Tensor] = None,
+            split_sum: bool = False) -> list[torch.Tensor | SplitSum]:
     """Apply several linears to the same input (q/k/v, gate/up). On the large-batch GPU path quantized ones
     share one GEMM (`dequant_matmul_group`). On the small-batch path they read x permuted into their own row
     order: `xp` holds those copies side by side, one per distinct order (`input_layout`), when the producer of x
-    wrote them (see `permuted_indices`); otherwise one gather launch prepares them."""
+    wrote them (see `permuted_indices`); otherwise one gather launch prepares them. `split_sum`: where one gemv
+    launch computes them all and splits their K, their partial sums (`SplitSum` `[S, rows, out]` each) instead,
+    for a consumer that adds them (`PagedKVCache.attend`)."""
     quant = [m for m in linears if isinstance(m, Linear) and m.kernel is not None]
     rows = x.numel() // max(1, x.shape[-1])
     if xp is None and 1 < len(quant) == len(linears) and uses_dequant(rows, x):  # large batches: one GEMM
@@ -100,9 +103,11 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Te
         x2 = x2.contiguous()
     kernels = [m.kernel for m in quant]
     if len(quant) == len(linears):
-        outs = grouped_matmul(x2, kernels, xp)
+        split_sum = split_sum and all(m.kernel.n == m.out_features for m in quant)
+        outs = grouped_matmul(x2, kernels, xp, split_sum)
         if outs is not None:
-            return [m.trim(y.view(*x.shape[:-1], y.shape[-1])) for m, y in zip(linears, outs)]
+            return [y if isinstance(y, SplitSum) else m.trim(y.view(*x.shape[:-1], y.shape[-1]))
+                    for m, y in zip(linears, outs)]
         views = gather_input(x2, kernels) if xp is None else split_permuted(xp, kernels)
         return [m(x, v) for m, v in zip(linears, views)]
     if xp is not None:
