@@ -21,8 +21,7 @@
 # decoding's GPU tests, then benchmarks/serving.py (N requests at once; the cost of a speculative check step). s21
 # (session 19): those GPU tests, the batched sampler's tests on CUDA, serving.py (greedy and sampled, overlapped
 # decode on and off), then the target bench with its breakdown. s22: the same without the bench, after the fused
-# sampling draw. s23 (session 20): the sampler, fused-GLU and q/k/v split-sum tests on CUDA, then the bench with
-# both off, both on (the defaults), each off alone, then both off and on again (S23_SPECS).
+# sampling draw.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -107,11 +106,6 @@ for s in $steps; do
        timeout -s INT -k 10 ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu tests/test_gpu_e2e.py -k "${S22_TESTS:-dynamic or speculative}" \
          -q -p no:cacheprovider -rfE --durations=3 > "$OUT/gpu_dynamic.txt" 2>&1; echo "dynamic/speculative GPU tests rc=$?"
        tail -n 6 "$OUT/gpu_dynamic.txt" ;;
-  s23) timeout -s INT -k 10 100 python3 -m pytest tests/test_sampler.py tests/test_gemv_glu.py tests/test_qkv_split_sum.py -q \
-         -p no:cacheprovider -rfE > "$OUT/new_kernels_cuda.txt" 2>&1; echo "sampler, fused GLU, q/k/v split-sum tests (cuda) rc=$?"
-       tail -n 2 "$OUT/new_kernels_cuda.txt"
-       AB_SPECS="${S23_SPECS:-EXL2_GLU_GEMV=0 EXL2_QKV_SPLIT_SUM=0;;EXL2_GLU_GEMV=0;EXL2_QKV_SPLIT_SUM=0;EXL2_GLU_GEMV=0 EXL2_QKV_SPLIT_SUM=0; }" \
-         TAG=_glu BENCH_TIMEOUT=${BENCH_TIMEOUT:-75} BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 64" bash "$0" envab ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"

@@ -17,19 +17,6 @@ _ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 
 @triton.jit
-def act_tl(g, ACT: tl.constexpr):
-    """The activation `ACTIVATIONS[ACT]` of fp32 g (also the fused gate/up gemv's epilogue, `gemv_glu`)."""
-    if ACT == 0:
-        a = g / (1.0 + tl.exp(-g))
-    elif ACT == 1:
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = g / (1.0 + tl.exp(-2.0 * z))  # 0.5·(1 + tanh z) = sigmoid(2z): no cancellation for g << 0
-    else:
-        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-    return a
-
-
-@triton.jit
 def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr,
                 idx_ptr=None, GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
     """Output column p of a row is act(g[c])·u[c] with c = p, or c = idx[p] (0 where idx[p] < 0) with GATHER.
@@ -47,7 +34,14 @@ def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.co
         pdl_sync()
     g = tl.load(g_ptr + row * stride_g + col, mask=src, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + col, mask=src, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * stride_o + offs, (act_tl(g, ACT) * u).to(o_ptr.dtype.element_ty), mask=mask)
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(-2.0 * z))  # 0.5·(1 + tanh z) = sigmoid(2z): no cancellation for g << 0
+    else:
+        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    tl.store(o_ptr + row * stride_o + offs, (a * u).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def _split(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

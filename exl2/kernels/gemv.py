@@ -370,12 +370,11 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
 def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pid_m, out_ptr, bias_ptr, qw_ptr,
                   sc_ptr, zr_ptr, sg_ptr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BS: tl.constexpr, BN: tl.constexpr, RED: tl.constexpr, FAST4: tl.constexpr,
-                  STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, PART_ONLY: tl.constexpr = False):
+                  STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """One program of `_gemv_group_kernel` for the matrix whose metadata row is `meta` (see `GemvGroup`): the
     classes of the widths in MASK are runtime branches, so one compiled kernel serves every mix of them. The
     metadata and the weights are not written by the previous kernel, so they are read (and, PREFETCH rows of
-    each class, prefetched) before waiting for it. PART_ONLY: a split matrix's programs leave their partial sums
-    (`SplitSum`)."""
+    each class, prefetched) before waiting for it."""
     N = tl.multiple_of(tl.load(meta + 18), 16)  # GemvGroup only takes N % 16 == 0: keeps loads vectorized
     tiles = tl.load(meta + 19)
     split = tl.load(meta + 20)
@@ -406,7 +405,7 @@ def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pi
     part = part_ptr + tl.multiple_of(tl.load(meta + 24), 16).to(tl.int64)
     if split > 1:
         store_tile(res[None, :], offs_m, offs_n, M, N, out_ptr, N, part, cnt_ptr, bias_ptr, tile, pid_k, split,
-                   HAS_BIAS, True, RED, PART_ONLY)
+                   HAS_BIAS, True, RED)
     else:
         store_tile(res[None, :], offs_m, offs_n, M, N, out_ptr, N, part, cnt_ptr, bias_ptr, tile, pid_k, split,
                    HAS_BIAS, False, RED)
@@ -418,23 +417,20 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                        out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                        RED: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr = 2,
-                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PART_ONLY: tl.constexpr = False):
+                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
     over every (matrix, column tile, K split) program, axis 2 over the input rows."""
     pid = tl.program_id(0)
     pid_m = tl.program_id(2)
     if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 25, part_ptr, cnt_ptr, M, pid, pid_m, out2, bias2,
-                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH,
-                      PART_ONLY)
+                      qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
     elif G > 1 and pid >= tl.load(meta_ptr + 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 25, part_ptr, cnt_ptr, M, pid, pid_m, out1, bias1,
-                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH,
-                      PART_ONLY)
+                      qw1, sc1, zr1, sg1, MASK, HAS_ZEROS, B1, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
     else:
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
-                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH,
-                      PART_ONLY)
+                      qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
 
 
 def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
@@ -474,7 +470,6 @@ class GemvGroup:
         self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
         self.mask = width_mask(self.ws)
         self._plans: dict[int, tuple] = {}
-        self._splits: dict[int, list[int]] = {}
 
     @classmethod
     def accepts(cls, ws: Sequence[QuantWeight]) -> bool:
@@ -498,38 +493,26 @@ class GemvGroup:
             tile_base += t * m
             part += split * m * w.n if split > 1 else 0
             max_split = max(max_split, split)
-        self._splits[m] = [r[20] for r in rows]
         meta = torch.tensor(rows, dtype=torch.int32, device=device).contiguous()
         red = min(next_pow2(max_split), max(1, 8192 // self.BN))
         self._plans[m] = (meta, start, part, red)
         return self._plans[m]
 
-    def __call__(self, xp: torch.Tensor, fast4: bool | None = None, part_only: bool = False
-                 ) -> list[torch.Tensor | SplitSum]:
+    def __call__(self, xp: torch.Tensor, fast4: bool | None = None) -> list[torch.Tensor]:
         """Outputs `[M, N_i]` for the permuted inputs `xp` `[M, total]` laid out by `input_layout` (the buffer
-        `gather_input` returns its views of). `part_only`: where every matrix splits K and none has a bias, their
-        partial sums (`SplitSum` each, for a consumer that adds them) instead."""
+        `gather_input` returns its views of)."""
         buffer_offsets(xp, self.ws)
         m = xp.shape[0]
+        outs = [torch.empty((m, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
         if m == 0:
-            return [torch.empty((0, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
+            return outs
         meta, programs, part_n, red = self.plan(m, xp.device)
-        splits = self._splits[m]
-        part_only = part_only and min(splits) > 1 and all(w.bias is None for w in self.ws)
-        part = torch.empty(max(1, part_n), dtype=torch.float32, device=xp.device)
-        if part_only:
-            outs, base = [], 0
-            for w, split in zip(self.ws, splits):
-                outs.append(SplitSum(part[base: base + split * m * w.n].view(split, m, w.n), (m,)))
-                base += split * m * w.n
-        else:
-            outs = [torch.empty((m, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
         fast4, x32 = pairs_view(xp, fast4_available(xp.device) if fast4 is None else fast4)
+        part = torch.empty(max(1, part_n), dtype=torch.float32, device=xp.device)
         args = []
         for i in range(self.MAX):
             w = self.ws[min(i, len(self.ws) - 1)]
             out = outs[min(i, len(self.ws) - 1)]
-            out = out.parts if part_only else out
             args += [out, w.bias if w.bias is not None else w.scales, w.qweight, w.scales,
                      w.zeros if w.zeros is not None else w.scales, w.step_group]
         has_bias = [w.bias is not None for w in self.ws] + [False] * (self.MAX - len(self.ws))
@@ -537,7 +520,7 @@ class GemvGroup:
             xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
             G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4,
-            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages, PART_ONLY=part_only,
+            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages,
             **pdl_args(xp.device, m, prefetch=PREFETCH_ROWS))
         return outs
 

@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
-from exl2.kernels.rotary import apply_rotary_torch, check_tables, rotate_heads, summed_heads, token_view
-from exl2.kernels.split_sum import SplitSum, load_summed, part_args
+from exl2.kernels.rotary import apply_rotary_torch, check_tables, rotate_heads, token_view
 
 KV_MODES = {"fp16": (16, 16), "q8": (8, 8), "q6": (8, 4), "q4": (4, 4), "q3": (3, 3), "q2": (2, 2)}
 KV_BITS = (8, 4, 3, 2)
@@ -249,61 +248,48 @@ def _kv_quant_pair_kernel(k_ptr, kp_ptr, ks_ptr, v_ptr, vp_ptr, vs_ptr, slot_ptr
                           q_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, HQ=0, stride_qt=0, stride_qh=0,
                           stride_cos=0, HALF_R=0, QBLOCKS=1, Q_PROGS=0, ROPE: tl.constexpr = False,
                           INTERLEAVED: tl.constexpr = False, BLOCK_H: tl.constexpr = 16, BLOCK_R: tl.constexpr = 16,
-                          Q_HADAMARD: tl.constexpr = False, PDL: tl.constexpr = False, qo_ptr=None, stride_qot=0,
-                          stride_qoh=0, sp_q=0, sp_k=0, sp_v=0, NPART: tl.constexpr = 0, DQ=0,
-                          BLOCK_P: tl.constexpr = 16):
+                          Q_HADAMARD: tl.constexpr = False, PDL: tl.constexpr = False):
     """Keys and values of one write into their cache rows: one launch. With ROPE the first Q_PROGS programs
     rotate q in place and the keys are rotated on their way into the cache (a decode step's RoPE and cache write
     in one launch), with Q_HADAMARD also into the keys' rotated basis, BT_K rows (token, head) a program; then
-    the key programs (K_PROGS), then the value programs. NPART > 0 (with ROPE): q, k and v are the first of NPART
-    fp32 partial sums of the q/k/v matmul (sp_* apart, `split_sum.SplitSum`), added here, and q goes to qo_ptr."""
+    the key programs (K_PROGS), then the value programs."""
     if PDL:
         pdl_sync()
     pid = tl.program_id(0)
-    if NPART == 0:
-        qo, qo_t, qo_h = q_ptr, stride_qt, stride_qh
-    else:
-        qo, qo_t, qo_h = qo_ptr, stride_qot, stride_qoh
     if ROPE and Q_HADAMARD and pid < Q_PROGS:
         _rotate_q_rows(pid, q_ptr, cos_ptr, sin_ptr, pos_ptr, ROWS // H * HQ, HQ, stride_qt, stride_qh, stride_cos,
-                       HALF_R, NB_K, BT_K, NBP_K, INTERLEAVED, qo, qo_t, qo_h, sp_q, NPART)
+                       HALF_R, NB_K, BT_K, NBP_K, INTERLEAVED)
     elif ROPE and not Q_HADAMARD and pid < Q_PROGS:
         rotate_heads(q_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, (pid // QBLOCKS).to(tl.int64), pid % QBLOCKS, 0, HQ, 0,
-                     stride_qt, stride_qh, 0, 0, stride_cos, HALF_R, QBLOCKS, q_ptr, DQ, INTERLEAVED, BLOCK_H,
-                     BLOCK_R, False, BLOCK_P, False, qo, qo_t, qo_h, sp_q, 0, NPART)
+                     stride_qt, stride_qh, 0, 0, stride_cos, HALF_R, QBLOCKS, q_ptr, 0, INTERLEAVED, BLOCK_H, BLOCK_R,
+                     False, 16)
     elif pid < Q_PROGS + K_PROGS:
         _quant_block(pid - Q_PROGS, k_ptr, kp_ptr, ks_ptr, slot_ptr, ROWS, H, stride_kt, stride_kh, stride_kpt,
                      stride_kph, stride_kst, stride_ksh, NB_K, True, K_BITS, BT_K, NBP_K, cos_ptr, sin_ptr, pos_ptr,
-                     stride_cos, HALF_R, ROPE, INTERLEAVED, sp_k, NPART)
+                     stride_cos, HALF_R, ROPE, INTERLEAVED)
     else:
         _quant_block(pid - Q_PROGS - K_PROGS, v_ptr, vp_ptr, vs_ptr, slot_ptr, ROWS, H, stride_vt, stride_vh,
-                     stride_vpt, stride_vph, stride_vst, stride_vsh, NB_V, True, V_BITS, BT_V, NBP_V, sp=sp_v,
-                     NPART=NPART)
+                     stride_vpt, stride_vph, stride_vst, stride_vsh, NB_V, True, V_BITS, BT_V, NBP_V)
 
 
 @triton.jit
 def _rotate_q_rows(pid, q_ptr, cos_ptr, sin_ptr, pos_ptr, ROWS, HQ, stride_qt, stride_qh, stride_cos, HALF_R, NB,
-                   BT: tl.constexpr, NBP: tl.constexpr, INTERLEAVED: tl.constexpr, qo_ptr, stride_qot, stride_qoh,
-                   sp_q, NPART: tl.constexpr):
-    """Program `pid`'s BT query rows (token, head), into qo (q itself unless q is NPART partial sums): RoPE, then
-    each 64-block's even and odd elements times H32 / 32, stored in the basis d' = 64·blk + 32·par + j in which
-    attention reads a quantized key cache (the product attention would otherwise repeat in every key split)."""
-    x, _, blk, par, valid, tok, head, _ = _load_rows(pid, q_ptr, ROWS, HQ, stride_qt, stride_qh, NB, BT, NBP,
-                                                     cos_ptr, sin_ptr, pos_ptr, stride_cos, HALF_R, True,
-                                                     INTERLEAVED, sp_q, NPART)
+                   BT: tl.constexpr, NBP: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Program `pid`'s BT query rows (token, head), in place: RoPE, then each 64-block's even and odd elements
+    times H32 / 32, stored in the basis d' = 64·blk + 32·par + j in which attention reads a quantized key cache
+    (the product attention would otherwise repeat in every key split)."""
+    x, _, blk, par, valid, _, _, rows = _load_rows(pid, q_ptr, ROWS, HQ, stride_qt, stride_qh, NB, BT, NBP, cos_ptr,
+                                                   sin_ptr, pos_ptr, stride_cos, HALF_R, True, INTERLEAVED)
     y = tl.dot(x.to(tl.float16), h32_tl()) * 0.03125  # every load of these rows comes before the dot
-    rows = qo_ptr + tok * stride_qot + head * stride_qoh
     tl.store(rows[:, None] + (blk * 64 + par * 32)[:, None] + tl.arange(0, 32)[None, :], y.to(x.dtype),
              mask=valid[:, None])
 
 
 @triton.jit
 def _load_rows(pid, x_ptr, ROWS, H, stride_xt, stride_xh, NB, BT: tl.constexpr, NBP: tl.constexpr, cos_ptr, sin_ptr,
-               pos_ptr, stride_cos, HALF_R, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, sp=0,
-               NPART: tl.constexpr = 0):
+               pos_ptr, stride_cos, HALF_R, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Program `pid`'s BT rows (token, head) of x as a [BT·NBP·2, 32] tile in the quantizer's order (tile row:
-    row, 64-block blk, parity par; column j: element e = 64·blk + 2j + par), RoPE applied with ROPE. With NPART
-    x is the first of NPART fp32 partial sums `sp` apart, added and rounded to fp16. Returns
+    row, 64-block blk, parity par; column j: element e = 64·blk + 2j + par), RoPE applied with ROPE. Returns
     (x, e, blk, par, valid, tok, head, the rows' pointers)."""
     rho = tl.arange(0, BT * NBP * 2)
     blk = (rho // 2) % NBP
@@ -314,22 +300,18 @@ def _load_rows(pid, x_ptr, ROWS, H, stride_xt, stride_xh, NB, BT: tl.constexpr, 
     head = row % H
     e = blk[:, None] * 64 + 2 * tl.arange(0, 32)[None, :] + par[:, None]
     x_rows = x_ptr + tok * stride_xt + head * stride_xh
-    if NPART == 0:
-        x = tl.load(x_rows[:, None] + e, mask=valid[:, None], other=0.0)
-    else:
-        x = load_summed(x_rows[:, None] + e, valid[:, None], sp, NPART, tl.float16).to(tl.float16)
+    x = tl.load(x_rows[:, None] + e, mask=valid[:, None], other=0.0)
     if ROPE:
         x = _rope_elements(x, x_rows, e, valid[:, None], pos_ptr, tl.where(valid, tok, 0), cos_ptr, sin_ptr,
-                           stride_cos, HALF_R, INTERLEAVED, sp, NPART)
+                           stride_cos, HALF_R, INTERLEAVED)
     return x, e, blk, par, valid, tok, head, x_rows
 
 
 @triton.jit
 def _rope_elements(x, x_rows, e, ok, pos_ptr, tok, cos_ptr, sin_ptr, stride_cos, HALF_R,
-                   INTERLEAVED: tl.constexpr, sp=0, NPART: tl.constexpr = 0):
-    """x [RT, 32] (elements `e` of the rows at `x_rows`; with NPART their partial sums, see `_load_rows`) rotated by
-    RoPE at each row's position, in fp32 and rounded to x's type as `rotary.apply_rotary` does; features past the
-    rotary ones pass through."""
+                   INTERLEAVED: tl.constexpr):
+    """x [RT, 32] (elements `e` of the rows at `x_rows`) rotated by RoPE at each row's position, in fp32 and rounded
+    to x's type as `rotary.apply_rotary` does; features past the rotary ones pass through."""
     if INTERLEAVED:
         first = (e % 2) == 0
         partner = e ^ 1
@@ -342,7 +324,7 @@ def _rope_elements(x, x_rows, e, ok, pos_ptr, tok, cos_ptr, sin_ptr, stride_cos,
     pos = tl.load(pos_ptr + tok).to(tl.int64)[:, None]
     c = tl.load(cos_ptr + pos * stride_cos + idx, mask=rot, other=1.0).to(tl.float32)
     s = tl.load(sin_ptr + pos * stride_cos + idx, mask=rot, other=0.0).to(tl.float32)
-    xp = load_summed(x_rows[:, None] + partner, rot, sp, NPART, x.dtype)
+    xp = tl.load(x_rows[:, None] + partner, mask=rot, other=0.0).to(tl.float32)
     xf = x.to(tl.float32)
     y = tl.where(first, xf * c - xp * s, xf * c + xp * s)
     return tl.where(rot, y.to(x.dtype), x)
@@ -352,13 +334,13 @@ def _rope_elements(x, x_rows, e, ok, pos_ptr, tok, cos_ptr, sin_ptr, stride_cos,
 def _quant_block(pid, x_ptr, p_ptr, s_ptr, slot_ptr, ROWS, H, stride_xt, stride_xh, stride_pt, stride_ph,
                  stride_st, stride_sh, NB, HAS_SLOTS: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr,
                  NBP: tl.constexpr, cos_ptr=None, sin_ptr=None, pos_ptr=None, stride_cos=0, HALF_R=0,
-                 ROPE: tl.constexpr = False, INTERLEAVED: tl.constexpr = False, sp=0, NPART: tl.constexpr = 0):
-    """Program `pid`'s BT rows (token, head) of x (with NPART its partial sums, see `_load_rows`): (with ROPE,
-    apply RoPE first), rotate, quantize and store codes and scales."""
+                 ROPE: tl.constexpr = False, INTERLEAVED: tl.constexpr = False):
+    """Program `pid`'s BT rows (token, head) of x: (with ROPE, apply RoPE first), rotate, quantize and store codes
+    and scales."""
     RT: tl.constexpr = BT * NBP * 2
     HALF: tl.constexpr = 1 << (BITS - 1)
     x, e, _, _, valid, tok, head, _ = _load_rows(pid, x_ptr, ROWS, H, stride_xt, stride_xh, NB, BT, NBP, cos_ptr,
-                                                 sin_ptr, pos_ptr, stride_cos, HALF_R, ROPE, INTERLEAVED, sp, NPART)
+                                                 sin_ptr, pos_ptr, stride_cos, HALF_R, ROPE, INTERLEAVED)
     j = tl.arange(0, 32)
     y = _butterfly_tl(x.to(tl.float16), RT)
     a4 = tl.reshape(tl.abs(y), [RT // 2, 2, 2, 16])
@@ -479,38 +461,18 @@ def write_kv_quant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
         BITS=bits, BT=bt, NBP=nbp, num_warps=4, **pdl_args(x.device, x.shape[0], small=True))
 
 
-def write_kv_quant_pair(k: torch.Tensor | SplitSum, v: torch.Tensor | SplitSum,
-                        k_cache: tuple[torch.Tensor, torch.Tensor], v_cache: tuple[torch.Tensor, torch.Tensor],
-                        slot_mapping: torch.Tensor, k_bits: int, v_bits: int, rope: tuple | None = None,
-                        hadamard_q: bool = False) -> tuple[torch.Tensor | None, bool]:
+def write_kv_quant_pair(k: torch.Tensor, v: torch.Tensor, k_cache: tuple[torch.Tensor, torch.Tensor],
+                        v_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k_bits: int,
+                        v_bits: int, rope: tuple | None = None, hadamard_q: bool = False) -> bool:
     """`write_kv_quant` of keys and values `[T, H, D]` (widths may differ) in one launch; caches as (packed,
     scales). `rope` (q, cos, sin, positions, rotary_dim, interleaved): in the same launch rotate q in place and the
     keys on their way into the cache (`rotary.apply_rotary`'s arithmetic; k itself is left as it was); with
     `hadamard_q` q is left in the keys' rotated basis as well (for `attention.paged_attention(q_rotated=True)`).
-    With `rope`, q, k and v may be the q/k/v matmul's K-split partial sums (`SplitSum` `[S, T, H·D]`, fp16
-    model), added in the same launch. Returns (q after RoPE, a new tensor for partial sums; None without `rope`)
-    and whether q is in the keys' rotated basis (only the Triton path does that)."""
-    q = rope[0] if rope is not None else None
-    hk = k_cache[1].shape[-2]
-    dk, dv = k_cache[1].shape[-1] * 32, v_cache[1].shape[-1] * 32
-    parts = rope is not None and all(isinstance(x, SplitSum) for x in (q, k, v)) \
-        and q.parts.shape[0] == k.parts.shape[0] == v.parts.shape[0] and use_triton(k.parts)
-    if not parts and q is not None:
-        summed = summed_heads(q, k, v, dk, torch.float16)
-        if summed is not None:
-            q, k, v = summed
-    elif not parts:
-        k, v = (x.total(torch.float16).view(x.parts.shape[1], hk, -1) if isinstance(x, SplitSum) else x
-                for x in (k, v))
-    npart = sp_q = sp_k = sp_v = 0
-    if parts:
-        (q3, npart, sp_q), (k, _, sp_k), (v, _, sp_v) = (part_args(q, q.parts.shape[-1] // dk), part_args(k, hk),
-                                                         part_args(v, hk))
-        q = torch.empty(q3.shape, dtype=torch.float16, device=q3.device)
+    Returns whether it was (only the Triton path does it)."""
     t, h, dk = k.shape
     dv = v.shape[-1]
     if rope is not None:
-        _, cos, sin, positions, rotary_dim, interleaved = rope
+        q, cos, sin, positions, rotary_dim, interleaved = rope
         rd = check_tables(q, k, cos, sin, positions, rotary_dim)
         if positions.numel() != t:
             raise ValueError(f"{t} key rows but {positions.numel()} positions.")
@@ -520,7 +482,7 @@ def write_kv_quant_pair(k: torch.Tensor | SplitSum, v: torch.Tensor | SplitSum,
             apply_rotary_torch(q, k, cos, sin, positions, rotary_dim, interleaved)
         write_kv_quant(k, *k_cache, slot_mapping, k_bits)
         write_kv_quant(v, *v_cache, slot_mapping, v_bits)
-        return q, False
+        return False
     rows = []
     for x, (packed, scales), bits in ((k, k_cache, k_bits), (v, v_cache, v_bits)):
         d = x.shape[-1]
@@ -529,13 +491,12 @@ def write_kv_quant_pair(k: torch.Tensor | SplitSum, v: torch.Tensor | SplitSum,
         if pk.shape[-1] != packed_dim(d, bits) or sc.shape[-1] != d // 32:
             raise ValueError(f"cache rows of {pk.shape[-1]} bytes / {sc.shape[-1]} scales do not fit D={d} at "
                              f"{bits} bits.")
-        rows.append((x if x.stride(-1) == 1 or parts else x.contiguous(), pk, sc) + _block_rows(d))
+        rows.append((x if x.stride(-1) == 1 else x.contiguous(), pk, sc) + _block_rows(d))
     (k2, kp, ks, bt_k, nbp_k), (v2, vp, vs, bt_v, nbp_v) = rows
     k_progs = triton.cdiv(t * h, bt_k)
     extra, q_progs = {}, 0
     if rope is not None:
-        qo = token_view(q, t)
-        q3 = q3 if parts else qo
+        q3 = token_view(q, t)
         if cos.stride(-1) != 1 or sin.stride() != cos.stride():
             cos, sin = cos.contiguous(), sin.contiguous()
         hadamard_q = bool(hadamard_q) and q3.shape[2] == dk
@@ -549,15 +510,13 @@ def write_kv_quant_pair(k: torch.Tensor | SplitSum, v: torch.Tensor | SplitSum,
         extra = dict(q_ptr=q3, cos_ptr=cos, sin_ptr=sin, pos_ptr=positions.reshape(-1), HQ=q3.shape[1],
                      stride_qt=q3.stride(0), stride_qh=q3.stride(1), stride_cos=cos.stride(0), HALF_R=rd // 2,
                      QBLOCKS=qblocks, Q_PROGS=q_progs, ROPE=True, INTERLEAVED=bool(interleaved), BLOCK_H=block_h,
-                     BLOCK_R=block_r, Q_HADAMARD=hadamard_q, qo_ptr=qo, stride_qot=qo.stride(0),
-                     stride_qoh=qo.stride(1), sp_q=sp_q, sp_k=sp_k, sp_v=sp_v, NPART=npart, DQ=q3.shape[2],
-                     BLOCK_P=next_pow2(max(q3.shape[2] - rd, 1)))
+                     BLOCK_R=block_r, Q_HADAMARD=hadamard_q)
     _kv_quant_pair_kernel[(q_progs + k_progs + triton.cdiv(t * h, bt_v),)](
         k2, kp, ks, v2, vp, vs, slot_mapping.reshape(-1), t * h, h, k2.stride(0), k2.stride(1), v2.stride(0),
         v2.stride(1), kp.stride(0), kp.stride(1), ks.stride(0), ks.stride(1), vp.stride(0), vp.stride(1),
         vs.stride(0), vs.stride(1), dk // 64, dv // 64, k_progs, K_BITS=k_bits, V_BITS=v_bits, BT_K=bt_k,
         NBP_K=nbp_k, BT_V=bt_v, NBP_V=nbp_v, num_warps=4, **extra, **pdl_args(k.device, t, small=True))
-    return q, rope is not None and hadamard_q
+    return rope is not None and hadamard_q
 
 
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 (`choose_config`):
 
 * **gemv** (M ≤ 4, `gemv.py`): CUDA-core kernel, one input row a program; q/k/v and gate/up as one launch each
-  (`GemvGroup`), or gate/up with the GLU in the same launch (`gemv_glu.GemvGlu`, `glu_matmul`).
+  (`GemvGroup`).
 * **Gluon tensor-core kernel** (M ≤ 16, `mma_dot.py`): weights decoded straight into mma fragments; also takes
   1–4 rows of matrices with 8/5/3/2-bit classes, which the gemv decodes slowly (`gemv_via_mma`).
 * **dot** (M ≤ 64, `dot.py`): the Triton tensor-core kernel, where the Gluon kernel does not run.
@@ -22,7 +22,6 @@ from exl2.kernels.backend import env_choice, sm_count, triton, use_triton
 from exl2.kernels.dequant import dequant_matmul
 from exl2.kernels.dot import permuted_dot
 from exl2.kernels.gemv import GEMV_STAGES, GemvGroup, gemv, permuted_gemv
-from exl2.kernels.gemv_glu import GLU_GEMV, GemvGlu
 from exl2.kernels.matmul_launch import MatmulConfig, auto_split
 from exl2.kernels.permute import buffer_offsets, gather_input, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
@@ -44,9 +43,6 @@ SHARED_INPUT = env_choice("EXL2_SHARED_INPUT", 1, range(0, 2)) == 1
 # unless EXL2_SPLIT_SUM=2; 0 turns split sums off.
 SPLIT_SUM_MODE = env_choice("EXL2_SPLIT_SUM", 1, range(0, 3))
 SPLIT_SUM = SPLIT_SUM_MODE >= 1
-# The grouped q/k/v gemv likewise leaves its partial sums to the decode step's RoPE + cache-write launch
-# (`PagedKVCache.takes_split_sums`), with split sums on; EXL2_QKV_SPLIT_SUM=0 keeps the gemv's own sum.
-QKV_SPLIT_SUM = env_choice("EXL2_QKV_SPLIT_SUM", 1, range(0, 2)) == 1
 # Up to 16 rows: the Gluon kernel (`mma_dot`), MMA4_BS steps per iteration, 32·MMA4_V columns
 # per program, a ring of MMA4_STAGES iterations, K split to about MMA4_PER_SM programs per SM. EXL2_MMA4=0 keeps
 # the Triton kernel.
@@ -154,12 +150,11 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None
     return y.view(*x.shape[:-1], w.n)
 
 
-def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None = None,
-                   split_sum: bool = False) -> list[torch.Tensor | SplitSum] | None:
+def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None = None
+                   ) -> list[torch.Tensor] | None:
     """`[x · W_i + bias_i]` for 2–3 weights sharing x `[M, K]` in one gather and one gemv launch (small M on the
     GPU), or None where that path does not apply (the caller then runs them one by one). `xp`: the permuted
-    inputs already gathered into one buffer. `split_sum`: where the gemv splits every K, the partial sums
-    (`SplitSum` each) for a consumer that adds them."""
+    inputs already gathered into one buffer."""
     if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= DOT_MAX_M):
         return None
     if x.shape[0] > GEMV_MAX_M or all(gemv_via_mma(w, x.shape[0], x.dtype) for w in ws):
@@ -169,28 +164,7 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     group = ws[0]._cache.get(("group", tuple(map(id, ws))))
     if group is None:
         group = ws[0]._cache[("group", tuple(map(id, ws)))] = GemvGroup(ws)
-    return group(gather_input(x, ws, whole=True) if xp is None else xp, part_only=split_sum)
-
-
-def glu_matmul(x: torch.Tensor, gate: QuantWeight, up: QuantWeight, down: QuantWeight, activation: str,
-               xp: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`act(x · gate) * (x · up)` for x `[M, K]` in one launch (`GemvGlu`), already in the down weight's permuted
-    input order `[M, down.k]` (for `permuted_matmul`), where the grouped gemv would run gate/up (1–4 rows on the
-    GPU) and down's input order is a permutation; else None (the caller runs gate/up, then the GLU). `xp`: gate
-    and up's permuted inputs already gathered into one buffer."""
-    m = x.shape[0]
-    if not (GLU_GEMV and FUSE_SHARED_INPUT and use_triton(x) and 0 < m <= GEMV_MAX_M):
-        return None
-    ws = [gate, up]
-    if all(gemv_via_mma(w, m, x.dtype) for w in ws) or not GemvGroup.accepts(ws):
-        return None
-    key = ("glu", id(up), id(down), activation)
-    fused = gate._cache.get(key)
-    if fused is None:
-        fused = gate._cache[key] = GemvGlu(gate, up, down, activation) if GemvGlu.accepts(gate, up, down) else False
-    if fused is False:
-        return None
-    return fused(gather_input(x, ws, whole=True) if xp is None else xp)
+    return group(gather_input(x, ws, whole=True) if xp is None else xp)
 
 
 def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None) -> list[torch.Tensor] | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
-from exl2.kernels.split_sum import SplitSum, load_summed, part_args
 
 
 @triton.jit
@@ -21,12 +20,10 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, HQ, HK, stride_qt, str
                  stride_cos, HALF, QBLOCKS, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_R: tl.constexpr, v_ptr=None, stride_vt=0, stride_vh=0, kc_ptr=None, vc_ptr=None,
                  slot_ptr=None, D=0, DV=0, KBLOCKS=0, STORE: tl.constexpr = False, BLOCK_D: tl.constexpr = 16,
-                 PDL: tl.constexpr = False, KEEP_K: tl.constexpr = False, qo_ptr=None, stride_qot=0,
-                 stride_qoh=0, sp_q=0, sp_k=0, sp_v=0, NPART: tl.constexpr = 0):
+                 PDL: tl.constexpr = False, KEEP_K: tl.constexpr = False):
     """Rotate q and k in place; with STORE, k is rotated into its cache row instead (slot_ptr, rows of HK·D
     fp16; with KEEP_K in place as well) and v copied into its own (HK·DV), so a decode step or a prefill needs one
-    launch for RoPE and the cache write. NPART > 0 (STORE without KEEP_K): q, k and v are the first of NPART fp32
-    partial sums (sp_* apart, `split_sum.SplitSum`), added here, and q goes to qo_ptr."""
+    launch for RoPE and the cache write."""
     if PDL:
         pdl_sync()
     t = tl.program_id(0).to(tl.int64)
@@ -38,28 +35,20 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, HQ, HK, stride_qt, str
         offs_h = (hb - QBLOCKS - KBLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         m = (offs_h < HK)[:, None] & (offs_d < DV)[None, :]
-        val = load_summed(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], m, sp_v, NPART,
-                          vc_ptr.dtype.element_ty)
-        tl.store(vc_ptr + slot * (HK * DV) + offs_h[:, None] * DV + offs_d[None, :],
-                 val.to(vc_ptr.dtype.element_ty), mask=m)
+        val = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
+        tl.store(vc_ptr + slot * (HK * DV) + offs_h[:, None] * DV + offs_d[None, :], val, mask=m)
     else:
         rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
                      stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED, BLOCK_H, BLOCK_R, STORE, BLOCK_D,
-                     KEEP_K, qo_ptr, stride_qot, stride_qoh, sp_q, sp_k, NPART)
+                     KEEP_K)
 
 
 @triton.jit
 def rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, stride_qt, stride_qh, stride_kt,
                  stride_kh, stride_cos, HALF, QBLOCKS, kc_ptr, D, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_R: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr, KEEP_K: tl.constexpr = False,
-                 qo_ptr=None, stride_qot=0, stride_qoh=0, sp_q=0, sp_k=0, NPART: tl.constexpr = 0):
+                 BLOCK_R: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr, KEEP_K: tl.constexpr = False):
     """Block hb of the q heads, or (hb >= QBLOCKS) of the k heads: rotated in place, or for k with STORE into
-    cache row `slot` (and with KEEP_K in place too). q goes to qo_ptr (q_ptr itself unless q and k are NPART
-    partial sums, see `_rope_kernel`)."""
-    if NPART == 0:
-        qo, qo_t, qo_h = q_ptr, stride_qt, stride_qh
-    else:
-        qo, qo_t, qo_h = qo_ptr, stride_qot, stride_qoh
+    cache row `slot` (and with KEEP_K in place too)."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < HALF
@@ -70,13 +59,11 @@ def rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, s
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < HQ
         hstride = stride_qh
-        sp = sp_q
     else:
         base = k_ptr + t * stride_kt
         offs_h = (hb - QBLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < HK
         hstride = stride_kh
-        sp = sp_k
     if INTERLEAVED:
         i1 = 2 * offs_r
         i2 = 2 * offs_r + 1
@@ -86,34 +73,23 @@ def rotate_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, t, hb, slot, HQ, HK, s
     p1 = base + offs_h[:, None] * hstride + i1[None, :]
     p2 = base + offs_h[:, None] * hstride + i2[None, :]
     m = hmask[:, None] & rmask[None, :]
-    dt = qo.dtype.element_ty
-    x1 = load_summed(p1, m, sp, NPART, dt)
-    x2 = load_summed(p2, m, sp, NPART, dt)
-    y1 = (x1 * c[None, :] - x2 * s[None, :]).to(dt)
-    y2 = (x2 * c[None, :] + x1 * s[None, :]).to(dt)
+    x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=m, other=0.0).to(tl.float32)
+    y1 = (x1 * c[None, :] - x2 * s[None, :]).to(p1.dtype.element_ty)
+    y2 = (x2 * c[None, :] + x1 * s[None, :]).to(p2.dtype.element_ty)
     if STORE and hb >= QBLOCKS:
         row = kc_ptr + slot * (HK * D) + offs_h[:, None] * D
         tl.store(row + i1[None, :], y1, mask=m)
         tl.store(row + i2[None, :], y2, mask=m)
         offs_p = 2 * HALF + tl.arange(0, BLOCK_D)  # features past the rotary ones pass through
         mp = hmask[:, None] & (offs_p < D)[None, :]
-        tl.store(row + offs_p[None, :], load_summed(base + offs_h[:, None] * hstride + offs_p[None, :], mp, sp, NPART,
-                                                    dt).to(dt), mask=mp)
+        tl.store(row + offs_p[None, :], tl.load(base + offs_h[:, None] * hstride + offs_p[None, :], mask=mp), mask=mp)
         if KEEP_K:
             tl.store(p1, y1, mask=m)
             tl.store(p2, y2, mask=m)
-    elif hb >= QBLOCKS:
+    else:
         tl.store(p1, y1, mask=m)
         tl.store(p2, y2, mask=m)
-    else:
-        out = qo + t * qo_t + offs_h[:, None] * qo_h
-        tl.store(out + i1[None, :], y1, mask=m)
-        tl.store(out + i2[None, :], y2, mask=m)
-        if NPART > 0:  # q is new: the features past the rotary ones are copied (summed) as well
-            offs_p = 2 * HALF + tl.arange(0, BLOCK_D)
-            mp = hmask[:, None] & (offs_p < D)[None, :]
-            tl.store(out + offs_p[None, :], load_summed(base + offs_h[:, None] * hstride + offs_p[None, :], mp, sp,
-                                                        NPART, dt).to(dt), mask=mp)
 
 
 def token_view(x: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -161,69 +137,38 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
     return None
 
 
-def summed_heads(q: torch.Tensor | SplitSum, k: torch.Tensor | SplitSum, v: torch.Tensor | SplitSum, head_dim: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """q, k, v as `[T, H, D]` tensors where some are a K-split matmul's partial sums (`SplitSum`), added (the path
-    for consumers that cannot read partials); None when none is."""
-    if not any(isinstance(x, SplitSum) for x in (q, k, v)):
-        return None
-    out = []
-    for x in (q, k, v):
-        y = x.total(dtype) if isinstance(x, SplitSum) else x
-        out.append(y.reshape(y.shape[0], -1, head_dim) if isinstance(x, SplitSum) else y)
-    return out[0], out[1], out[2]
-
-
-def rotary_store(q: torch.Tensor | SplitSum, k: torch.Tensor | SplitSum, v: torch.Tensor | SplitSum,
-                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slots: torch.Tensor, rotary_dim: int | None = None,
-                 interleaved: bool = False, keep_k: bool = False) -> torch.Tensor:
+def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 rotary_dim: int | None = None, interleaved: bool = False, keep_k: bool = False) -> None:
     """`apply_rotary(q, k, ...)` and the fp16 cache write of k and v (`attention.write_kv`) in one launch: q is
     rotated in place, k is rotated into its cache rows (k itself is left as it was unless `keep_k`: a prefill
-    attends to the new keys directly), v is copied into its rows. Returns the rotated q.
-    q, k, v `[T, H, D]`; caches `[pages, page_size, Hkv, D]` (or `[slots, Hkv, D]`); slots `[T]`. q, k and v may
-    also be the K-split partial sums (`SplitSum`, `[S, T, H·D]`) of the q/k/v matmul, added in the same launch
-    (q is then a new tensor)."""
-    hk, d, dv = k_cache.shape[-2], k_cache.shape[-1], v_cache.shape[-1]
-    parts = isinstance(q, SplitSum) and isinstance(k, SplitSum) and isinstance(v, SplitSum) \
-        and q.parts.shape[0] == k.parts.shape[0] == v.parts.shape[0] and not keep_k and use_triton(q.parts)
-    if not parts:
-        summed = summed_heads(q, k, v, d, k_cache.dtype)
-        if summed is not None:
-            q, k, v = summed
+    attends to the new keys directly), v is copied into its rows.
+    q, k, v `[T, H, D]`; caches `[pages, page_size, Hkv, D]` (or `[slots, Hkv, D]`); slots `[T]`."""
+    rd = check_tables(q, k, cos, sin, positions, rotary_dim)
     t = positions.numel()
-    if parts:
-        (q3, npart, sp_q), (k3, _, sp_k), (v3, _, sp_v) = (part_args(q, q.parts.shape[-1] // d),
-                                                            part_args(k, hk), part_args(v, hk))
-        q = torch.empty(q3.shape, dtype=k_cache.dtype, device=q3.device)
-    else:
-        q3, k3, v3 = token_view(q, t), token_view(k, t), token_view(v, t)
-        npart = sp_q = sp_k = sp_v = 0
-    rd = check_tables(q3, k3, cos, sin, positions, rotary_dim)
-    if k3.shape[1:] != (hk, d) or v3.shape[1:] != (hk, dv):
+    q3, k3, v3 = token_view(q, t), token_view(k, t), token_view(v, t)
+    hk, d, dv = k3.shape[1], k3.shape[2], v3.shape[2]
+    if k_cache.shape[-2:] != (hk, d) or v_cache.shape[-2:] != (hk, dv):
         raise ValueError("new keys/values do not match the cache's row width.")
     if not use_triton(q):
         apply_rotary_torch(q, k, cos, sin, positions, rotary_dim, interleaved)
         idx = slots.reshape(-1).long()
         k_cache.view(-1, hk, d).index_copy_(0, idx, k3.to(k_cache.dtype))
         v_cache.view(-1, hk, dv).index_copy_(0, idx, v3.to(v_cache.dtype))
-        return q
+        return None
     if t == 0:
-        return q
+        return None
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     block_h = min(16, next_pow2(max(q3.shape[1], hk)))
     qblocks, kblocks = triton.cdiv(q3.shape[1], block_h), triton.cdiv(hk, block_h)
-    qo = q.view(q3.shape) if parts else q3
     _rope_kernel[(t, qblocks + 2 * kblocks)](
         q3, k3, cos, sin, positions.reshape(-1), q3.shape[1], hk, q3.stride(0), q3.stride(1), k3.stride(0),
         k3.stride(1), cos.stride(0), rd // 2, qblocks, INTERLEAVED=interleaved, BLOCK_H=block_h,
         BLOCK_R=next_pow2(rd // 2), v_ptr=v3, stride_vt=v3.stride(0), stride_vh=v3.stride(1), kc_ptr=k_cache,
         vc_ptr=v_cache, slot_ptr=slots.reshape(-1), D=d, DV=dv, KBLOCKS=kblocks, STORE=True,
-        BLOCK_D=next_pow2(max(dv, d - rd, 1)), KEEP_K=keep_k, qo_ptr=qo, stride_qot=qo.stride(0),
-        stride_qoh=qo.stride(1), sp_q=sp_q, sp_k=sp_k, sp_v=sp_v, NPART=npart, num_warps=2,
-        **pdl_args(q3.device, t, small=True))
-    return q
+        BLOCK_D=next_pow2(max(dv, d - rd, 1)), KEEP_K=keep_k, num_warps=2, **pdl_args(q3.device, t, small=True))
+    return None
 
 
 def apply_rotary_torch(q, k, cos, sin, positions, rotary_dim=None, interleaved=False) -> None:

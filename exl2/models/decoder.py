@@ -124,21 +124,14 @@ class Attention(nn.Module):
         column order): what a tensor-parallel shard exchanges before its share of o_proj (runtime.tp)."""
         b, t, _ = x.shape
         s, layer = self.spec, self.layer
-        # with a cache and nothing between RoPE and attention, the cache applies it while storing k
-        rope_in_cache = rope is not None and cache is not None and not (layer.qk_l2_norm or layer.temperature_tuning)
-        # ... and a decode step's cache write can add the q/k/v gemv's K-split partial sums itself
-        parts = (rope_in_cache and self.q_norm is None and qm.SPLIT_SUM and qm.QKV_SPLIT_SUM
-                 and getattr(cache, "takes_split_sums", lambda *a: False)(t, True, layer.chunk_size is not None))
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), xp, split_sum=parts)
-        args = (q_pos, self.scale, layer.sliding_window, layer.chunk_size, s.attn_softcap)
-        if isinstance(q, SplitSum):
-            out = cache.attend(self.idx, q, k, v, *args, out_index=out_index, rope=rope)
-            return out if out_index is not None else out.reshape(b, t, -1)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), xp)
         q = q.view(b, t, s.num_heads, s.head_dim)
         k = k.view(b, t, s.num_kv_heads, s.head_dim)
         v = v.view(b, t, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        # with a cache and nothing between RoPE and attention, the cache applies it while storing k
+        rope_in_cache = rope is not None and cache is not None and not (layer.qk_l2_norm or layer.temperature_tuning)
         if rope is not None and not rope_in_cache:
             cos, sin, inter = rope
             apply_rotary(q, k, cos, sin, q_pos, 2 * cos.shape[-1], inter)
@@ -146,6 +139,7 @@ class Attention(nn.Module):
             q, k = l2_norm(q, s.norm_eps), l2_norm(k, s.norm_eps)
         if layer.temperature_tuning:
             q = temperature_scale(q, q_pos, *s.attn_temperature)
+        args = (q_pos, self.scale, layer.sliding_window, layer.chunk_size, s.attn_softcap)
         if cache is None:
             return attention(q, k, v, *args).reshape(b, t, -1)
         kw = {"rope": rope} if rope_in_cache else {}

@@ -10,7 +10,7 @@ from torch import nn
 from exl2.kernels import quant_matmul as qm
 from exl2.kernels.dequant import dequant_matmul_group
 from exl2.kernels.permute import gather_input, input_layout, share_input_orders, split_permuted
-from exl2.kernels.quant_matmul import (glu_matmul, grouped_matmul, permuted_matmul, quant_matmul, uses_dequant,
+from exl2.kernels.quant_matmul import (grouped_matmul, permuted_matmul, quant_matmul, uses_dequant,
                                        uses_permuted_input)
 from exl2.kernels.split_sum import SplitSum
 
@@ -83,14 +83,11 @@ def share_inputs(model: nn.Module, enabled: Optional[bool] = None) -> int:
     return aliased
 
 
-def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Tensor] = None,
-            split_sum: bool = False) -> list[torch.Tensor | SplitSum]:
+def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """Apply several linears to the same input (q/k/v, gate/up). On the large-batch GPU path quantized ones
     share one GEMM (`dequant_matmul_group`). On the small-batch path they read x permuted into their own row
     order: `xp` holds those copies side by side, one per distinct order (`input_layout`), when the producer of x
-    wrote them (see `permuted_indices`); otherwise one gather launch prepares them. `split_sum`: where one gemv
-    launch computes them all and splits their K, their partial sums (`SplitSum` `[S, rows, out]` each) instead,
-    for a consumer that adds them (`PagedKVCache.attend`)."""
+    wrote them (see `permuted_indices`); otherwise one gather launch prepares them."""
     quant = [m for m in linears if isinstance(m, Linear) and m.kernel is not None]
     rows = x.numel() // max(1, x.shape[-1])
     if xp is None and 1 < len(quant) == len(linears) and uses_dequant(rows, x):  # large batches: one GEMM
@@ -103,28 +100,12 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Te
         x2 = x2.contiguous()
     kernels = [m.kernel for m in quant]
     if len(quant) == len(linears):
-        split_sum = split_sum and all(m.kernel.n == m.out_features for m in quant)
-        outs = grouped_matmul(x2, kernels, xp, split_sum)
+        outs = grouped_matmul(x2, kernels, xp)
         if outs is not None:
-            return [y if isinstance(y, SplitSum) else m.trim(y.view(*x.shape[:-1], y.shape[-1]))
-                    for m, y in zip(linears, outs)]
+            return [m.trim(y.view(*x.shape[:-1], y.shape[-1])) for m, y in zip(linears, outs)]
         views = gather_input(x2, kernels) if xp is None else split_permuted(xp, kernels)
         return [m(x, v) for m, v in zip(linears, views)]
     if xp is not None:
         raise ValueError("a permuted input buffer needs every linear to be quantized.")
     xps = dict(zip(map(id, quant), gather_input(x2, kernels)))
     return [m(x, xps[id(m)]) if id(m) in xps else m(x) for m in linears]
-
-
-def project_glu(x: torch.Tensor, gate: nn.Module, up: nn.Module, down: nn.Module, activation: str,
-                xp: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """`down`'s permuted input `act(gate(x)) * up(x)` `[rows, down.in]` from one fused launch
-    (`quant_matmul.glu_matmul`), where all three are quantized and the small-batch GPU path applies; else None.
-    `xp`: gate/up's permuted inputs, as `project` takes them."""
-    if not all(isinstance(m, Linear) and m.kernel is not None for m in (gate, up, down)):
-        return None
-    rows = x.numel() // max(1, x.shape[-1])
-    x2 = x.reshape(rows, x.shape[-1])
-    if xp is None and x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return glu_matmul(x2, gate.kernel, up.kernel, down.kernel, activation, xp)

@@ -18,7 +18,6 @@ from exl2.errors import ConfigError
 from exl2.kernels import kv_quant
 from exl2.kernels.attention import paged_attention, scatter_columns, varlen_attention, write_kv
 from exl2.kernels.rotary import apply_rotary, rotary_store
-from exl2.kernels.split_sum import SplitSum
 from exl2.models.layers import attention
 from exl2.models.spec import ModelSpec
 
@@ -95,18 +94,6 @@ class PagedKVCache:
         return (torch.zeros(*shape, kv_quant.packed_dim(dim, bits), dtype=torch.uint8, device=device),
                 torch.zeros(*shape, dim // 32, dtype=torch.float16, device=device))
 
-    @property
-    def head_dims(self) -> tuple[int, int, int]:
-        """Head dims of q, k and v."""
-        return self.k_dim, self.k_dim, self.v_dim
-
-    def takes_split_sums(self, tokens: int, rope: bool, chunked: bool = False) -> bool:
-        """Whether `attend` adds the q/k/v matmul's K-split partial sums (`SplitSum`) in its RoPE + cache-write
-        launch for a forward of `tokens` per sequence: a decode step with RoPE over an fp16 model, both halves
-        of the cache fp16 or both quantized. Elsewhere it adds them first (correct, one launch more)."""
-        return (rope and tokens == 1 and not chunked and self.dtype == torch.float16
-                and (self.k_bits == 16) == (self.v_bits == 16))
-
     def bytes_per_token(self) -> float:
         """Cache bytes per token of context over all layers (what a decode step reads per cached token)."""
         return layer_bytes_per_token(self.spec, self.mode) * self.spec.num_layers
@@ -174,20 +161,17 @@ class PagedKVCache:
         slot = self._slot[layer]
         table = self._tables[slot]
         slots, seq_lens = self._slots_and_lens(q_pos, slot)
-        if isinstance(q, SplitSum) and not self.takes_split_sums(t, rope is not None, chunk is not None):
-            q, k, v = (x.total(self.dtype).view(b, t, -1, d) for x, d in zip((q, k, v), self.head_dims))
+        kf, vf = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
         q_rotated = False
         if rope is not None and self.k_bits == 16 and self.v_bits == 16:  # RoPE and the cache write: one launch
-            q = rotary_store(q, k, v, rope[0], rope[1], q_pos, self.k[layer], self.v[layer], slots,
-                             2 * rope[0].shape[-1], rope[2], keep_k=t > 1)
+            rotary_store(q, k, v, rope[0], rope[1], q_pos, self.k[layer], self.v[layer], slots,
+                         2 * rope[0].shape[-1], rope[2], keep_k=t > 1)
         elif rope is not None and t == 1 and self.k_bits != 16 and self.v_bits != 16:
-            kf, vf = (x if isinstance(x, SplitSum) else x.reshape(b * t, *x.shape[2:]) for x in (k, v))
-            q, q_rotated = kv_quant.write_kv_quant_pair(
+            q_rotated = kv_quant.write_kv_quant_pair(
                 kf, vf, (self.k[layer], self.k_scales[layer]), (self.v[layer], self.v_scales[layer]),
                 slots.reshape(-1), self.k_bits, self.v_bits,
                 rope=(q, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2]), hadamard_q=chunk is None)
         else:
-            kf, vf = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
             if rope is not None:
                 apply_rotary(q, k, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2])
             write_kv(kf, vf, self.k[layer], self.v[layer], slots, self.k_bits, self.v_bits, self.k_scales[layer],
@@ -197,7 +181,7 @@ class PagedKVCache:
             kk, vv = self._read(layer, True, length), self._read(layer, False, length)
             out = attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap)
             return out if out_index is None else scatter_columns(out.reshape(b * t, *out.shape[2:]), out_index)
-        qf = q.reshape(b * t, *q.shape[-2:])
+        qf = q.reshape(b * t, *q.shape[2:])
         opts = dict(scale=scale, sliding_window=window or 0, softcap=softcap or 0.0)
         if t == 1:
             out = paged_attention(qf, self.k[layer], self.v[layer], table, seq_lens,
