@@ -27,7 +27,10 @@ from exl2.kernels.permute import buffer_offsets, gather_input, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
 from exl2.kernels.split_sum import SplitSum
 
-GEMV_MAX_M = 4
+# Rows up to which the CUDA-core gemv runs (one input row a program, rows past the first re-reading the weights
+# from L2); the Gluon tensor-core kernel takes more (EXL2_GEMV_MAX_M). Session 20 (H100): feeding 3 tokens through
+# the gemv cost 1.89 plain steps, 5 tokens through the tensor-core kernel 1.39.
+GEMV_MAX_M = env_choice("EXL2_GEMV_MAX_M", 4, range(1, 5))
 DOT_MAX_M = 64
 # One launch for the gemvs of q/k/v and of gate/up (`grouped_matmul`): on the H200 q/k/v took 15.4 µs grouped
 # against 22.1 µs as three launches, gate/up the same either way (benchmarks/RESULTS.md, run 8).
