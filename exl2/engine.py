@@ -54,8 +54,10 @@ class Engine:
             if text:
                 yield text
 
-    def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
-        return self.template.render(messages, tools=tools, add_generation_prompt=True)
+    def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The chat template's rendering of `messages` (and `tools`), by default ending where the reply starts."""
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
     def chat(self, messages: list[dict], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 512,
              grammar: Optional[Grammar] = None) -> GenerationResult:

@@ -196,6 +196,36 @@ def test_api_keys(app):
     run(go())
 
 
+def test_token_endpoints(app, engine):
+    """/v1/token/encode of a string and of chat messages (rendered without the reply's opening) and
+    /v1/token/decode agree with the engine's tokenizer; a key is needed; a bad id is a 400 naming it."""
+    hi = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        auth = {"Authorization": f"Bearer {KEY}"}
+        text = await http.post("/v1/token/encode", json={"text": "Hello world"}, headers=auth)
+        plain = await http.post("/v1/token/encode", json={"text": "Hello world", "add_bos_token": False},
+                                headers=auth)
+        chat = await http.post("/v1/token/encode", json={"text": hi}, headers=auth)
+        ids = text.json()["tokens"]
+        back = await http.post("/v1/token/decode", json={"tokens": ids, "decode_special_tokens": False},
+                               headers=auth)
+        bad = await http.post("/v1/token/decode", json={"tokens": [1, -5]}, headers=auth)
+        anon = await http.post("/v1/token/encode", json={"text": "x"})
+        return text.json(), plain.json(), chat.json(), back.json(), bad, anon
+
+    text, plain, chat, back, bad, anon = run(go())
+    tok = engine.tokenizer
+    assert text == {"tokens": tok.encode("Hello world"), "length": len(tok.encode("Hello world"))}
+    assert plain["tokens"] == tok.encode("Hello world", add_bos=False)
+    rendered = engine.chat_prompt(hi, add_generation_prompt=False)
+    assert chat["tokens"] == tok.encode(rendered) and rendered != engine.chat_prompt(hi)
+    assert back["text"] == tok.decode(text["tokens"], skip_special=True) and "Hello world" in back["text"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    assert anon.status_code == 401
+
+
 # ---- chat and text completions against the engine ---------------------------------------------------------------
 
 def test_chat_greedy_matches_engine(app, engine):

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from exl2.config import ServerConfig
-from exl2.server import completions
+from exl2.server import completions, tokens
 from exl2.server.errors import APIError, install_handlers
 
 
@@ -85,6 +85,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     auth = [Depends(_api_key_check(config.api_keys))]
     app.include_router(_models_router(), dependencies=auth)
     app.include_router(completions.router, dependencies=auth)
+    app.include_router(tokens.router, dependencies=auth)
 
     @app.get("/health")
     async def health():

@@ -114,3 +114,16 @@ class CompletionRequest(SamplingFields):
     best_of: Optional[int] = Field(None, ge=1)
     logprobs: Optional[int] = Field(None, ge=0)
     add_bos_token: Optional[bool] = None                    # TabbyAPI's extension; default: the tokenizer decides
+
+
+class EncodeRequest(_Body):
+    """`/v1/token/encode` (TabbyAPI's): a string, or chat messages to render through the template first."""
+    text: Union[str, list[ChatMessage]]
+    add_bos_token: Optional[bool] = None      # None: the tokenizer's own rule, as for completions
+    encode_special_tokens: bool = True
+
+
+class DecodeRequest(_Body):
+    """`/v1/token/decode` (TabbyAPI's)."""
+    tokens: list[int]
+    decode_special_tokens: bool = True
