@@ -175,6 +175,10 @@ def test_models_health_and_unknown_model(app):
         assert e.value.body["code"] == "model_not_found"
         r = await c._client.get("http://test/health")       # no key needed
         assert r.status_code == 200 and r.json() == {"status": "ok"}
+        card = (await c._client.get("http://test/v1/model", headers={"Authorization": f"Bearer {KEY}"})).json()
+        assert card["id"] == "tiny" and card["parameters"]["max_seq_len"] == 512
+        assert card["parameters"]["cache_mode"] == "fp16" and card["parameters"]["draft"] is None
+        assert (await c._client.get("http://test/v1/model")).status_code == 401
 
     run(go())
 

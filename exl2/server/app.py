@@ -66,6 +66,18 @@ def _models_router() -> APIRouter:
     async def list_models(request: Request):
         return {"object": "list", "data": [card(request.app.state.exl2)]}
 
+    @router.get("/v1/model")
+    async def current_model(request: Request):
+        """TabbyAPI's card of the loaded model: the `/v1/models` entry plus how it is served."""
+        st: ServerState = request.app.state.exl2
+        cfg = st.engine.config
+        return {**card(st), "parameters": {
+            "max_seq_len": _context_length(st.engine), "cache_size": cfg.cache_size or cfg.max_seq_len,
+            "cache_mode": cfg.kv_cache_mode, "max_batch_size": cfg.max_batch_size,
+            "prompt_template": "fallback (ChatML)" if getattr(st.engine.template, "is_fallback", False)
+            else "the model's own",
+            "draft": str(cfg.draft_model_dir) if cfg.draft_model_dir else ("ngram" if cfg.ngram_draft else None)}}
+
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
         st: ServerState = request.app.state.exl2
