@@ -13,7 +13,8 @@ def register(sub) -> None:
     p.add_argument("--modes", default="fp16,q4", help="KV cache modes to measure (default fp16,q4)")
     p.add_argument("--contexts", default="128,2048", help="decode context lengths (default 128,2048)")
     p.add_argument("--prefill", type=int, default=2047, help="prefill length (default 2047)")
-    p.add_argument("--batch", type=int, default=16, help="large decode batch (default 16)")
+    p.add_argument("--batch", default="16",
+                   help="batch sizes decoded besides batch 1, comma-separated (default 16; e.g. 2,4,16)")
     p.add_argument("--layers", type=int, default=None, help="synthetic model: number of layers (default 32)")
     p.add_argument("--mixed", action="store_true",
                    help="synthetic model: 5/4/3-bit groups in every matrix, like a real 4.0 bpw file")
@@ -42,11 +43,12 @@ def run(args) -> int:
         raise ConfigError(f"--breakdown-mode takes one of {', '.join(KV_MODES)}, not {args.breakdown_mode!r}.")
     try:
         contexts = [int(c) for c in args.contexts.split(",")]
+        batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
-        contexts = []
-    if not contexts or min(contexts) < 1 or args.batch < 1 or args.prefill < 1:
-        raise ConfigError("--contexts takes positive integers separated by commas, and --batch and --prefill "
-                          "positive integers.")
+        contexts = batches = []
+    if not contexts or not batches or min(contexts + batches) < 1 or args.prefill < 1:
+        raise ConfigError("--contexts and --batch take positive integers separated by commas, and --prefill a "
+                          "positive integer.")
     if args.breakdown_batch not in (1, 2, 4, 8, 16):
         raise ConfigError(f"--breakdown-batch must be 1, 2, 4, 8 or 16 (a captured batch size), not "
                           f"{args.breakdown_batch}.")
@@ -75,7 +77,7 @@ def run(args) -> int:
     def progress(r) -> None:  # each row as soon as it is measured (stderr), so a cut-short run still reports
         print(f"  {r.name}: {r.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
 
-    rows = run_benchmark(model, wbytes, tuple(modes), tuple(contexts), args.prefill, args.batch, log=progress)
+    rows = run_benchmark(model, wbytes, tuple(modes), tuple(contexts), args.prefill, tuple(batches), log=progress)
     print(format_table(rows))
     if args.breakdown:
         ctx = 2048 if args.breakdown_batch == 1 else 128

@@ -48,14 +48,17 @@ def _time(fn: Callable[[], object], iters: int) -> float:
 
 
 def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contexts=(128, 2048),
-                  prefill_len: int = 2047, big_batch: int = 16, page_size: int = 256, iters: int = 50,
-                  log=print) -> list[Row]:
-    """Rows of the benchmark table; `wbytes` is the weight bytes read per decode step (see weight_bytes)."""
+                  prefill_len: int = 2047, big_batch: int | tuple[int, ...] = 16, page_size: int = 256,
+                  iters: int = 50, log=print) -> list[Row]:
+    """Rows of the benchmark table; `wbytes` is the weight bytes read per decode step (see weight_bytes).
+    `big_batch`: the batch size(s) decoded at the first context besides batch 1."""
     dev = model.device
     max_ctx = max(max(contexts), prefill_len) + 64
     pages_per_seq = -(-max_ctx // page_size)
     rows: list[Row] = []
     vocab = model.spec.vocab_size
+    batches = (big_batch,) if isinstance(big_batch, int) else tuple(big_batch)
+    big_batch = max(batches)
     for mode in modes:
         cache = PagedKVCache(model.spec, num_pages=1 + big_batch * pages_per_seq, page_size=page_size, mode=mode,
                              device=dev, dtype=model.dtype)
@@ -81,12 +84,13 @@ def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contex
             bound = COPY_BANDWIDTH / (wbytes + kv_token * ctx)
             rows.append(Row(f"decode bs=1 ctx={ctx} ({mode} cache)", 1 / dt, bound))
             log(rows[-1])
-        ids = torch.randint(0, vocab, (big_batch, 1), device=dev)
-        pos = torch.full((big_batch,), contexts[0], device=dev)
-        dt = _time(lambda: graphs.step(ids, pos, table, max_len=contexts[0] + 1), iters)
-        bound = big_batch * COPY_BANDWIDTH / (wbytes + big_batch * kv_token * contexts[0])
-        rows.append(Row(f"decode bs={big_batch} ctx={contexts[0]} ({mode} cache), total", big_batch / dt, bound))
-        log(rows[-1])
+        for b in batches:
+            ids = torch.randint(0, vocab, (b, 1), device=dev)
+            pos = torch.full((b,), contexts[0], device=dev)
+            dt = _time(lambda: graphs.step(ids, pos, table[:b], max_len=contexts[0] + 1), iters)
+            bound = b * COPY_BANDWIDTH / (wbytes + b * kv_token * contexts[0])
+            rows.append(Row(f"decode bs={b} ctx={contexts[0]} ({mode} cache), total", b / dt, bound))
+            log(rows[-1])
         del graphs, cache
         torch.cuda.empty_cache()
     return rows
