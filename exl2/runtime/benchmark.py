@@ -91,7 +91,7 @@ def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contex
             bound = b * COPY_BANDWIDTH / (wbytes + b * kv_token * contexts[0])
             rows.append(Row(f"decode bs={b} ctx={contexts[0]} ({mode} cache), total", b / dt, bound))
             log(rows[-1])
-        del graphs, cache
+        graphs = cache = None  # free this mode's graphs and pages before the next mode allocates its own
         torch.cuda.empty_cache()
     return rows
 
