@@ -22,7 +22,7 @@
 # (session 19): those GPU tests, the batched sampler's tests on CUDA, serving.py (greedy and sampled, overlapped
 # decode on and off), then the target bench with its breakdown. s22: the same without the bench, after the fused
 # sampling draw. s24 (session 20): the q4 attention split sweep at batch 1, ctx 2048, then batches 2, 4 and 16 with the
-# gemv up to 4 rows against the tensor-core kernel from 2 rows (EXL2_GEMV_MAX_M), twice, then benchmarks/sampling.py.
+# gemv up to 4 rows (the old default), 2 (the new one) and 1 (EXL2_GEMV_MAX_M), then benchmarks/sampling.py.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -111,7 +111,7 @@ for s in $steps; do
          > "$OUT/attn_split_q4.txt" 2>&1; echo "q4 split sweep rc=$?"
        grep -E "^\| 1 " "$OUT/attn_split_q4.txt" | sort -t'|' -k12 -g | head -6
        grep -E "^\| 1 \| 2048 \| q4 \| None \| random \| perm \| 64 \| 4 \| 2 " "$OUT/attn_split_q4.txt"
-       AB_SPECS="EXL2_GEMV_MAX_M=4;EXL2_GEMV_MAX_M=1;EXL2_GEMV_MAX_M=4;EXL2_GEMV_MAX_M=1" TAG=_rows BENCH_TIMEOUT=70 \
+       AB_SPECS="EXL2_GEMV_MAX_M=4;EXL2_GEMV_MAX_M=2;EXL2_GEMV_MAX_M=1;EXL2_GEMV_MAX_M=4;EXL2_GEMV_MAX_M=2" TAG=_rows BENCH_TIMEOUT=70 \
          BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64 --batch 2,4,16" bash "$0" envab
        timeout 40 python3 benchmarks/sampling.py --profile > "$OUT/sampling.txt" 2>&1; echo "sampling rc=$?"
        head -10 "$OUT/sampling.txt" ;;

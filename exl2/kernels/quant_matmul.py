@@ -1,10 +1,10 @@
 """`y = x · W + bias` with W a `QuantWeight` (EXL2 or GPTQ): the dispatcher over the kernels, per shape
 (`choose_config`):
 
-* **gemv** (M ≤ 4, `gemv.py`): CUDA-core kernel, one input row a program; q/k/v and gate/up as one launch each
-  (`GemvGroup`).
+* **gemv** (M ≤ `GEMV_MAX_M`, 2, `gemv.py`): CUDA-core kernel, one input row a program; q/k/v and gate/up as one
+  launch each (`GemvGroup`).
 * **Gluon tensor-core kernel** (M ≤ 16, `mma_dot.py`): weights decoded straight into mma fragments; also takes
-  1–4 rows of matrices with 8/5/3/2-bit classes, which the gemv decodes slowly (`gemv_via_mma`).
+  the gemv's rows for matrices with 8/5/3/2-bit classes, which the gemv decodes slowly (`gemv_via_mma`).
 * **dot** (M ≤ 64, `dot.py`): the Triton tensor-core kernel, where the Gluon kernel does not run.
 * **dequant** (larger M, `dequant.py`): fp16 weight from a Triton kernel, then cuBLAS.
 
@@ -28,9 +28,11 @@ from exl2.kernels.qweight import QuantWeight, matmul_torch
 from exl2.kernels.split_sum import SplitSum
 
 # Rows up to which the CUDA-core gemv runs (one input row a program, rows past the first re-reading the weights
-# from L2); the Gluon tensor-core kernel takes more (EXL2_GEMV_MAX_M). Session 20 (H100): feeding 3 tokens through
-# the gemv cost 1.89 plain steps, 5 tokens through the tensor-core kernel 1.39.
-GEMV_MAX_M = env_choice("EXL2_GEMV_MAX_M", 4, range(1, 5))
+# from L2); the Gluon tensor-core kernel, whose cost hardly depends on the row count, takes more
+# (EXL2_GEMV_MAX_M, 1-4). 2: a 3-token step through the gemv cost 1.89 plain steps where 5 tokens through the
+# tensor-core kernel cost 1.39 (H100, session 20), and batch 4 took 5.1 ms a step against batch 16's 3.1 (H200,
+# session 19); batch 2 ran as fast either way (3.2 ms, sessions 11 and 18).
+GEMV_MAX_M = env_choice("EXL2_GEMV_MAX_M", 2, range(1, 5))
 DOT_MAX_M = 64
 # One launch for the gemvs of q/k/v and of gate/up (`grouped_matmul`): on the H200 q/k/v took 15.4 µs grouped
 # against 22.1 µs as three launches, gate/up the same either way (benchmarks/RESULTS.md, run 8).
