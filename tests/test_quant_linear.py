@@ -66,7 +66,6 @@ def test_grouped_gemv_in_the_model_matches(monkeypatch):
     spec = spec_from_config(read_config(d))
     model = DecoderModel(spec, WeightLoader(TensorSource(d), "cpu", torch.float16, use_kernels=True)).eval()
     ids = torch.tensor([[1, 45, 74]])
-    monkeypatch.setattr(qm, "GEMV_MAX_M", 4)  # three rows through the gemv (the default gives them the Gluon kernel)
     launches = []
     real = gemv_k.GemvGroup.__call__
     monkeypatch.setattr(gemv_k.GemvGroup, "__call__", lambda self, *a, **k: launches.append(1) or real(self, *a, **k))

@@ -1,10 +1,11 @@
 """`y = x · W + bias` with W a `QuantWeight` (EXL2 or GPTQ): the dispatcher over the kernels, per shape
 (`choose_config`):
 
-* **gemv** (M ≤ `GEMV_MAX_M`, 2, `gemv.py`): CUDA-core kernel, one input row a program; q/k/v and gate/up as one
-  launch each (`GemvGroup`).
+* **gemv** (M ≤ 4, `gemv.py`): CUDA-core kernel, one input row a program; q/k/v and gate/up as one launch each
+  (`GemvGroup`).
 * **Gluon tensor-core kernel** (M ≤ 16, `mma_dot.py`): weights decoded straight into mma fragments; also takes
-  the gemv's rows for matrices with 8/5/3/2-bit classes, which the gemv decodes slowly (`gemv_via_mma`).
+  the gemv's rows past `GEMV_MAX_M` (2), and all of them for matrices with 8/5/3/2-bit classes, which the gemv
+  decodes slowly (`gemv_via_mma`).
 * **dot** (M ≤ 64, `dot.py`): the Triton tensor-core kernel, where the Gluon kernel does not run.
 * **dequant** (larger M, `dequant.py`): fp16 weight from a Triton kernel, then cuBLAS.
 
@@ -27,9 +28,10 @@ from exl2.kernels.permute import buffer_offsets, gather_input, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
 from exl2.kernels.split_sum import SplitSum
 
-# Rows up to which the CUDA-core gemv runs (one input row a program, rows past the first re-reading the weights
-# from L2); the Gluon tensor-core kernel, whose cost hardly depends on the row count, takes more
-# (EXL2_GEMV_MAX_M, 1-4). 2: a 3-token step through the gemv cost 1.89 plain steps where 5 tokens through the
+GEMV_ROWS = 4  # the most rows the gemv takes
+# Rows up to which the CUDA-core gemv runs where the Gluon tensor-core kernel, whose cost hardly depends on the row
+# count, can take the matrix (the gemv runs one input row a program, and rows past the first re-read the weights
+# from L2; EXL2_GEMV_MAX_M, 1-4). 2: a 3-token step through the gemv cost 1.89 plain steps where 5 tokens through the
 # tensor-core kernel cost 1.39 (H100, session 20), and batch 4 took 5.1 ms a step against batch 16's 3.1 (H200,
 # session 19); batch 2 ran as fast either way (3.2 ms, sessions 11 and 18).
 GEMV_MAX_M = env_choice("EXL2_GEMV_MAX_M", 2, range(1, 5))
@@ -56,25 +58,28 @@ MMA4_BS = env_choice("EXL2_MMA4_BS", 4, (1, 2, 4, 8))
 MMA4_V = env_choice("EXL2_MMA4_V", 2, (1, 2, 4))
 MMA4_PER_SM = env_choice("EXL2_MMA4_PER_SM", 4, range(1, 9))
 MMA4_STAGES = env_choice("EXL2_MMA4_STAGES", 4, range(2, 9))
-# 1-4 rows: 1, matrices with 8/5/3/2-bit classes take the Gluon kernel (`gemv_via_mma`); 2, every matrix; 0, none.
+# 1-4 rows (besides those past GEMV_MAX_M): 1, matrices with 8/5/3/2-bit classes take the Gluon kernel
+# (`gemv_via_mma`); 2, every matrix; 0, none.
 MMA_GEMV = env_choice("EXL2_MMA_GEMV", 1, range(0, 3))
 
 
 def gemv_via_mma(w: QuantWeight, m: int, dtype: torch.dtype) -> bool:
-    """Whether m ≤ 4 rows take the Gluon tensor-core kernel instead of the gemv: for matrices with a class the
-    gemv decodes with its portable loop (8, 5, 3, 2 bits; MMA_GEMV = 1), or always (2). The tensor-core kernel's
-    cost hardly depends on the row count, and the portable loop ran a 5/4/3-bit body at a fifth of the 4-bit
-    speed (benchmarks/RESULTS.md, session 8)."""
-    if not (MMA4 and MMA_GEMV and dtype == torch.float16 and mma_dot.supports(w, m)):
+    """Whether m ≤ 4 rows take the Gluon tensor-core kernel instead of the gemv: more than `GEMV_MAX_M` rows, or
+    matrices with a class the gemv decodes with its portable loop (8, 5, 3, 2 bits; MMA_GEMV = 1), or always (2).
+    The tensor-core kernel's cost hardly depends on the row count, and the portable loop ran a 5/4/3-bit body at a
+    fifth of the 4-bit speed (benchmarks/RESULTS.md, session 8)."""
+    if not (MMA4 and dtype == torch.float16 and mma_dot.supports(w, m)):
         return False
-    return MMA_GEMV == 2 or any(c.bits not in (4, 6) for c in w.classes)
+    if m > GEMV_MAX_M:
+        return True
+    return MMA_GEMV == 2 or (MMA_GEMV == 1 and any(c.bits not in (4, 6) for c in w.classes))
 
 
 def choose_config(m: int, w: QuantWeight, dtype: torch.dtype = torch.float16) -> tuple[str, MatmulConfig | None]:
     """Pick the path and launch parameters for an [m, K] input (from H200 measurements, benchmarks/RESULTS.md):
     the gemv up to 4 rows (one program per row) except for the matrices `gemv_via_mma` sends to the tensor-core
     kernel, which takes up to 64, dequantize + cuBLAS beyond."""
-    if m <= GEMV_MAX_M and not gemv_via_mma(w, m, dtype):
+    if m <= GEMV_ROWS and not gemv_via_mma(w, m, dtype):
         # Matrices of fewer 128-column tiles than SMs (o, down): 64-column tiles, K split to ~2 programs per SM
         # (o 8.4 → 6.8 µs, down 15.2 → 12.6 µs on the H200, run 13); wide ones (the head) keep 128 columns.
         bn = 64 if triton.cdiv(w.n, 128) < sm_count(w.device) else 128
@@ -162,7 +167,7 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     inputs already gathered into one buffer."""
     if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= DOT_MAX_M):
         return None
-    if x.shape[0] > GEMV_MAX_M or all(gemv_via_mma(w, x.shape[0], x.dtype) for w in ws):
+    if x.shape[0] > GEMV_ROWS or all(gemv_via_mma(w, x.shape[0], x.dtype) for w in ws):
         return _mma_group(x, ws, xp)
     if not GemvGroup.accepts(ws):
         return None
