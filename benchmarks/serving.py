@@ -24,6 +24,8 @@ from exl2.runtime.synthetic import synthetic_model, synthetic_tokenizer  # noqa:
 
 GREEDY = SamplingSettings(temperature=0)
 SAMPLED = SamplingSettings(temperature=0.8, top_p=0.9)
+VARIANTS = [(name, settings, overlap) for name, settings in (("greedy", GREEDY), ("T 0.8, top-p 0.9", SAMPLED))
+            for overlap in (True, False)]
 
 
 def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, seed: int = 0,
@@ -71,24 +73,22 @@ def main() -> int:
     # Warm-up at the measured shapes (compiles the prefill's kernels, captures the decode graphs); other prompts
     # than the measured ones, so nothing comes from the prompt cache.
     for b in batches:  # every variant once, at the measured prompt shapes
-        for settings in (GREEDY, SAMPLED):
-            for overlap in (True, False):
-                gen.overlap = overlap
-                run(gen, b, args.prompt, 4, model.spec.vocab_size, seed=1000 + b, settings=settings,
-                    spread=args.spread, sizes_seed=b)
+        for _, settings, overlap in VARIANTS:
+            gen.overlap = overlap
+            run(gen, b, args.prompt, 4, model.spec.vocab_size, seed=1000 + b, settings=settings,
+                spread=args.spread, sizes_seed=b)
     print(f"dynamic generator, prompts of {args.prompt} tokens ± {args.spread:.0%}, {args.new} new tokens, "
           f"{args.cache_mode} cache, {torch.cuda.get_device_name()}")
     print("| batch | sampling | overlap | first token (ms) | decode tok/s (total) | overall tok/s |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for b in batches:
-        for name, settings in (("greedy", GREEDY), ("T 0.8, top-p 0.9", SAMPLED)):
-            for overlap in (True, False):
-                gen.overlap = overlap
-                ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size,
-                                            seed=b * 100 + 2 * (settings is SAMPLED) + overlap, settings=settings,
-                                            spread=args.spread, sizes_seed=b)
-                print(f"| {b} | {name} | {'on' if overlap else 'off'} | {ttft * 1e3:.1f} | {decode:,.0f} | "
-                      f"{overall:,.0f} |", flush=True)
+        for name, settings, overlap in VARIANTS:
+            gen.overlap = overlap
+            ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size,
+                                        seed=b * 100 + 2 * (settings is SAMPLED) + overlap, settings=settings,
+                                        spread=args.spread, sizes_seed=b)
+            print(f"| {b} | {name} | {'on' if overlap else 'off'} | {ttft * 1e3:.1f} | {decode:,.0f} | "
+                  f"{overall:,.0f} |", flush=True)
     gen.overlap = True
     print("\nspeculative decoding, batch 1: one step checking k guesses against a plain decode step")
     print("| tokens fed | step (ms) | against plain | break-even guesses kept |\n| --- | --- | --- | --- |")

@@ -26,9 +26,6 @@ GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM):
 # 4 splits q/k/v 4 ways instead of 2 (9.1 -> 8.2 us on the H200) and leaves gate/up unsplit (session 11).
 GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
-# Columns per program of the grouped gemv (EXL2_GEMV_GROUP_BN). With EXL2_GEMV_GROUP_PER_SM=1, 16 or 32 give q/k/v
-# enough programs without a K split, so without the split's partial sums and arrival counter (an A/B, session 20).
-GROUP_BN = env_choice("EXL2_GEMV_GROUP_BN", 64, (16, 32, 64, 128))
 
 
 @triton.jit
@@ -456,7 +453,7 @@ class GemvGroup:
 
     MAX = 3
 
-    def __init__(self, ws: Sequence[QuantWeight], bn: int | None = None, bs: int = 8, stages: int | None = None,
+    def __init__(self, ws: Sequence[QuantWeight], bn: int = 64, bs: int = 8, stages: int | None = None,
                  per_sm: int | None = None, num_warps: int = 4):
         """Defaults from the H200 sweeps (benchmarks/RESULTS.md, session 4 run 13 and session 11): 64-column tiles
         (q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns), K split up to `GROUP_PER_SM`
@@ -465,7 +462,7 @@ class GemvGroup:
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
         self.ws = list(ws)
-        self.BN, self.BS, self.num_warps = GROUP_BN if bn is None else bn, bs, num_warps
+        self.BN, self.BS, self.num_warps = bn, bs, num_warps
         self.stages = GEMV_STAGES if stages is None else stages
         self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
         self.mask = width_mask(self.ws)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -48,16 +48,15 @@ def _time(fn: Callable[[], object], iters: int) -> float:
 
 
 def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contexts=(128, 2048),
-                  prefill_len: int = 2047, big_batch: int | tuple[int, ...] = 16, page_size: int = 256,
+                  prefill_len: int = 2047, batches: Sequence[int] = (16,), page_size: int = 256,
                   iters: int = 50, log=print) -> list[Row]:
     """Rows of the benchmark table; `wbytes` is the weight bytes read per decode step (see weight_bytes).
-    `big_batch`: the batch size(s) decoded at the first context besides batch 1."""
+    `batches`: the batch sizes decoded at the first context besides batch 1."""
     dev = model.device
     max_ctx = max(max(contexts), prefill_len) + 64
     pages_per_seq = -(-max_ctx // page_size)
     rows: list[Row] = []
     vocab = model.spec.vocab_size
-    batches = (big_batch,) if isinstance(big_batch, int) else tuple(big_batch)
     big_batch = max(batches)
     for mode in modes:
         cache = PagedKVCache(model.spec, num_pages=1 + big_batch * pages_per_seq, page_size=page_size, mode=mode,
