@@ -433,7 +433,7 @@ def test_permuted_matmul_from_the_permuted_input_alone():
 
 
 def test_rows_past_gemv_max_take_the_tensor_core_kernel(monkeypatch):
-    """Where the Gluon kernel runs, 3-4 rows of a 4-bit matrix leave the gemv (EXL2_GEMV_MAX_M, 2); 1-2 stay, and
+    """Where the Gluon kernel runs, 2-4 rows of a 4-bit matrix leave the gemv (EXL2_GEMV_MAX_M, 1); 1 stays, and
     a matrix with a 3-bit class leaves it at any row count (EXL2_MMA_GEMV)."""
     from exl2.kernels import mma_dot
 
@@ -441,7 +441,7 @@ def test_rows_past_gemv_max_take_the_tensor_core_kernel(monkeypatch):
     monkeypatch.setattr(mma_dot, "supports", lambda w, m: 0 < m <= 16)
     four = Exl2Weight.from_tensors(rand_exl2([(4, 128)], 64, bias=False), "L")
     mixed = Exl2Weight.from_tensors(rand_exl2([(4, 64), (3, 64)], 64, bias=False), "L")
-    assert [qm.gemv_via_mma(four, m, torch.float16) for m in (1, 2, 3, 4)] == [False, False, True, True]
+    assert [qm.gemv_via_mma(four, m, torch.float16) for m in (1, 2, 3, 4)] == [False, True, True, True]
     assert all(qm.gemv_via_mma(mixed, m, torch.float16) for m in (1, 2, 3, 4))
     assert not qm.gemv_via_mma(four, 3, torch.bfloat16)  # the Gluon kernel takes fp16 only
     monkeypatch.setattr(qm, "GEMV_MAX_M", 4)

@@ -4,7 +4,7 @@
 * **gemv** (M ≤ 4, `gemv.py`): CUDA-core kernel, one input row a program; q/k/v and gate/up as one launch each
   (`GemvGroup`).
 * **Gluon tensor-core kernel** (M ≤ 16, `mma_dot.py`): weights decoded straight into mma fragments; also takes
-  the gemv's rows past `GEMV_MAX_M` (2), and all of them for matrices with 8/5/3/2-bit classes, which the gemv
+  the gemv's rows past `GEMV_MAX_M` (1), and all of them for matrices with 8/5/3/2-bit classes, which the gemv
   decodes slowly (`gemv_via_mma`).
 * **dot** (M ≤ 64, `dot.py`): the Triton tensor-core kernel, where the Gluon kernel does not run.
 * **dequant** (larger M, `dequant.py`): fp16 weight from a Triton kernel, then cuBLAS.
@@ -31,10 +31,9 @@ from exl2.kernels.split_sum import SplitSum
 GEMV_ROWS = 4  # the most rows the gemv takes
 # Rows up to which the CUDA-core gemv runs where the Gluon tensor-core kernel, whose cost hardly depends on the row
 # count, can take the matrix (the gemv runs one input row a program, and rows past the first re-read the weights
-# from L2; EXL2_GEMV_MAX_M, 1-4). 2: a 3-token step through the gemv cost 1.89 plain steps where 5 tokens through the
-# tensor-core kernel cost 1.39 (H100, session 20), and batch 4 took 5.1 ms a step against batch 16's 3.1 (H200,
-# session 19); batch 2 ran as fast either way (3.2 ms, sessions 11 and 18).
-GEMV_MAX_M = env_choice("EXL2_GEMV_MAX_M", 2, range(1, 5))
+# from L2; EXL2_GEMV_MAX_M, 1-4). 1: batch 2 ran at 701 tok/s against 643 with 2 rows through the gemv, batch 4 at
+# 1,379 against 740 with 4, batch 1 and 16 alike (H100, session 21, benchmarks/RESULTS.md).
+GEMV_MAX_M = env_choice("EXL2_GEMV_MAX_M", 1, range(1, 5))
 DOT_MAX_M = 64
 # One launch for the gemvs of q/k/v and of gate/up (`grouped_matmul`): on the H200 q/k/v took 15.4 µs grouped
 # against 22.1 µs as three launches, gate/up the same either way (benchmarks/RESULTS.md, run 8).
