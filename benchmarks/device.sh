@@ -22,7 +22,8 @@
 # (session 19): those GPU tests, the batched sampler's tests on CUDA, serving.py (greedy and sampled, overlapped
 # decode on and off), then the target bench with its breakdown. s22: the same without the bench, after the fused
 # sampling draw. s24 (session 20): the q4 attention split sweep at batch 1, ctx 2048, then batches 2, 4 and 16 with the
-# gemv up to 4 rows (the old default), 2 (the new one) and 1 (EXL2_GEMV_MAX_M), then benchmarks/sampling.py.
+# gemv up to 4 rows (the old default), 2 (the new one) and 1 (EXL2_GEMV_MAX_M), then benchmarks/sampling.py. s25
+# (session 21): the sampler's tests on CUDA (the fused cutoff search and draw), sampling.py, serving.py, the bench.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -115,6 +116,12 @@ for s in $steps; do
          BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64 --batch 2,4,16" bash "$0" envab
        timeout 40 python3 benchmarks/sampling.py --profile > "$OUT/sampling.txt" 2>&1; echo "sampling rc=$?"
        head -10 "$OUT/sampling.txt" ;;
+  s25) timeout -s INT -k 10 90 python3 -m pytest tests/test_sampler.py -q -p no:cacheprovider -rfE > "$OUT/sampler_cuda.txt" 2>&1
+       echo "sampler tests (cpu + cuda) rc=$?"; tail -n 3 "$OUT/sampler_cuda.txt"
+       timeout 60 python3 benchmarks/sampling.py --profile > "$OUT/sampling.txt" 2>&1; echo "sampling rc=$?"; head -30 "$OUT/sampling.txt"
+       timeout ${SERVING_TIMEOUT:-150} python3 benchmarks/serving.py --batches 1,16 > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"
+       tail -14 "$OUT/serving.txt"
+       timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"; tail -12 "$OUT/bench.txt" ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"

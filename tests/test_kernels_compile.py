@@ -158,6 +158,25 @@ def _compile_all() -> dict:
             out[f"rope-write-{kb}-{vb}-{had}"] = "ok" if "griddepcontrol.wait" in text else "no PDL wait"
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[f"rope-write-{kb}-{vb}-{had}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    from exl2.kernels import cutoff, sampling
+    sptrs = {"x_ptr": "*fp32", "seen_ptr": "*u8", "par_ptr": "*fp32", "pmax_ptr": "*fp32", "hist_ptr": "*fp32",
+             "sti_ptr": "*i32", "stf_ptr": "*fp32", "khist_ptr": "*fp32", "ksti_ptr": "*i32", "kstf_ptr": "*fp32",
+             "phist_ptr": "*fp32", "psti_ptr": "*i32", "pstf_ptr": "*fp32", "key_ptr": "*i64", "val_ptr": "*fp32", "arg_ptr": "*i32", "cut_ptr": "*i32", "out_ptr": "*i64"}
+    cases = {"sample-max": (cutoff._max_kernel, dict(CHUNK=4096, BLOCK=512, HAS_SEEN=True)),
+             "sample-pass-k": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, HAS_SEEN=True, MASS=False,
+                                                         AFTER_K=False)),
+             "sample-pass-p": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, HAS_SEEN=True, MASS=True,
+                                                         AFTER_K=True)),
+             "sample-draw": (sampling._draw_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, HAS_SEEN=True, HAS_K=True,
+                                                         HAS_P=True, HAS_MIN_P=True)),
+             "sample-pick": (sampling._pick_kernel, dict(PP=32))}
+    for key, (fn, consts) in cases.items():
+        try:  # the penalty and temperature divide exactly (div.rn), as PyTorch does in the sampler's PyTorch path
+            text = ptx(fn, sptrs, consts, 1 if key == "sample-pick" else 4, 1)
+            exact = key == "sample-pick" or "div.rn.f32" in text
+            out[key] = "ok" if exact else "no div.rn.f32"
+        except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
+            out[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return out
 
 
@@ -216,3 +235,8 @@ def test_rope_into_quantized_cache_compiles(compiled, kb, vb, hadamard):
 
 if __name__ == "__main__":
     print(json.dumps(_compile_all()))
+
+
+@pytest.mark.parametrize("kernel", ["sample-max", "sample-pass-k", "sample-pass-p", "sample-draw", "sample-pick"])
+def test_sampling_kernels_compile_with_exact_division(compiled, kernel):
+    assert compiled[kernel] == "ok"

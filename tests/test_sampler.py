@@ -10,8 +10,7 @@ from exl2.config import SamplingSettings
 from exl2.generation.sampler import (SeenTokens, apply_repetition_penalty, filter_logits, filter_rows, make_generator,
                                     sample_rows)
 from exl2.kernels.backend import force_triton
-from exl2.kernels.sampling import (counter_uniform, gumbel_argmax, gumbel_argmax_torch, hash32, kernel_ok,
-                                   row_keys)
+from exl2.kernels.sampling import counter_uniform, hash32, row_keys
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -194,20 +193,81 @@ def test_counter_uniform_is_uniform_and_keyed():
     assert torch.equal(counter_uniform(keys[:1], 64)[0], (bits.float() + 0.5) * (1.0 / (1 << 24)))
 
 
-@pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs the Triton interpreter or a GPU")
-def test_gumbel_argmax_kernel_matches_twin():
-    """The fused draw kernel against its PyTorch twin: the same token for every row (rows of -inf included)."""
-    g = torch.Generator().manual_seed(4)
-    y = torch.randn(5, 10_000, generator=g) * 3
-    y[1, ::2] = float("-inf")     # a filtered row
-    y[4] = float("-inf")          # nothing allowed: token 0, as torch.argmax says
-    keys = torch.tensor(row_keys([1, 2, 3, 4, 5], [0, 9, 2, 7, 1]))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                                   reason="needs the Triton interpreter or a GPU")
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 256 tokens, so that a 1,000-token row spans several programs of every launch."""
+    from exl2.kernels import sampling
+
+    monkeypatch.setattr(sampling, "chunking", lambda vocab: (256, 128))
+
+
+def _mixed_batch(vocab: int = 1000):
+    """Logits, seen tokens and settings of a batch mixing every filter with greedy and penalized rows; rows of
+    only negative and only positive logits (the order key's two halves) and a row with -inf tokens."""
+    torch.manual_seed(3)
+    settings = [SamplingSettings(**c) for c in CASES] + [
+        SamplingSettings(temperature=0.0, repetition_penalty=1.4), SamplingSettings(temperature=1.0),
+        SamplingSettings(temperature=0.6, top_p=0.3), SamplingSettings(temperature=1.0, top_k=3, top_p=0.999),
+        SamplingSettings(temperature=1.2, top_p=0.001), SamplingSettings(temperature=0.9, top_k=vocab - 1)]
+    logits = torch.randn(len(settings), vocab) * 4
+    logits[9] -= 100.0
+    logits[10] += 100.0
+    logits[11, ::4] = float("-inf")
+    seen = torch.rand(len(settings), vocab) < 0.05
+    return logits, seen, settings
+
+
+@needs_kernels
+def test_fused_draw_matches_the_pytorch_path(small_chunks):
+    """The fused kernels (cutoff search, then the draw) against `filter_rows` and the draw's twin: the same token
+    for every row, over several counters, and the same when no row has a penalty or all are greedy."""
+    from exl2.generation import sampler
+
+    logits, seen, settings = _mixed_batch()
+    n = len(settings)
+    for counter in (0, 7):
+        keys = torch.tensor(row_keys(list(range(n)), [counter] * n))
+        want = sampler._twin_draw(logits, settings, keys, seen)
+        with force_triton():
+            got = sampler._fused_draw(logits.to(KERNEL_DEVICE), settings, keys.to(KERNEL_DEVICE),
+                                      seen.to(KERNEL_DEVICE)).cpu()
+        assert got.tolist() == want.tolist(), counter
+    plain = [SamplingSettings(temperature=0.8), SamplingSettings(temperature=0.0)]
+    keys = torch.tensor(row_keys([5, 6], [1, 1]))
     with force_triton():
-        assert kernel_ok(torch.device(device))   # else gumbel_argmax would quietly run the twin
-        got = gumbel_argmax(y.to(device), keys.to(device)).cpu()
-    assert got.tolist() == gumbel_argmax_torch(y, keys).tolist()
-    assert got[4].item() == 0 and got[1].item() % 2 == 1
+        got = sampler._fused_draw(logits[:2].to(KERNEL_DEVICE), plain, keys.to(KERNEL_DEVICE), None).cpu()
+    assert got.tolist() == sampler._twin_draw(logits[:2], plain, keys, None).tolist()
+
+
+@needs_kernels
+def test_cutoffs_are_the_sorting_filters(small_chunks):
+    """The radix-searched top-k/top-p cutoff of each row keeps exactly the tokens the sorting filters keep."""
+    from exl2.generation import sampler
+    from exl2.kernels.cutoff import order_key_torch
+
+    logits, seen, settings = _mixed_batch()
+    settings = [s.model_copy(update={"min_p": 0.0}) for s in settings]  # min-p is applied by the draw, not a cutoff
+    n = len(settings)
+    penalized, filtered = filter_rows(logits, settings, seen)
+    cuts = torch.empty(n, dtype=torch.int32, device=KERNEL_DEVICE)
+    with force_triton():
+        sampler._fused_draw(logits.to(KERNEL_DEVICE), settings, torch.zeros(n, dtype=torch.int64, device=KERNEL_DEVICE),
+                            seen.to(KERNEL_DEVICE), cuts=cuts)
+    cuts = cuts.cpu()
+    checked = 0
+    for i, s in enumerate(settings):
+        if s.greedy or not (s.top_k or s.top_p < 1.0):
+            continue
+        y = penalized[i] / s.temperature
+        kept = order_key_torch(y) >= cuts[i]
+        assert torch.equal(kept, torch.isfinite(filtered[i])), (i, s)
+        checked += 1
+    assert checked >= 8
 
 
 @pytest.mark.parametrize("device", DEVICES)

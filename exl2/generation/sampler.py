@@ -1,17 +1,22 @@
 """Next-token sampling with the semantics of transformers' logits processors, on CPU or CUDA tensors.
 
 Order: repetition penalty, temperature, top-k, top-p, min-p, then a seeded Gumbel-max draw (argmax when greedy).
+On the GPU the whole chain runs as a few fused launches (`kernels.sampling.draw`); `filter_rows` and the draw's
+PyTorch twin are the CPU path and the reference.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence, Union
 
 import torch
 
 from exl2.config import SamplingSettings
-from exl2.kernels.sampling import gumbel_argmax, row_keys
+from exl2.kernels.backend import use_triton
+from exl2.kernels.sampling import draw, gumbel_argmax_torch, row_keys
 from exl2.runtime.upload import upload
 
+log = logging.getLogger("exl2.sampling")
 PastIds = Union[torch.Tensor, Sequence[Sequence[int]], None]
 
 
@@ -137,17 +142,78 @@ def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen
     return x, y
 
 
+def fused_params(settings: Sequence[SamplingSettings], vocab: int) -> list[list[float]]:
+    """Rows of `kernels.sampling.draw`'s params: greedy rows keep only their penalty, filters that keep every
+    token (top-k ≥ the vocabulary) are off."""
+    rows = []
+    for s in settings:
+        g = s.greedy
+        rows.append([s.repetition_penalty, 1.0 if g else s.temperature,
+                     float(s.top_k) if not g and 0 < s.top_k < vocab else 0.0, 1.0 if g else s.top_p,
+                     0.0 if g else s.min_p, 1.0 if g else 0.0, 0.0, 0.0])
+    return rows
+
+
+def _fused_draw(x: torch.Tensor, settings: Sequence[SamplingSettings], keys: torch.Tensor,
+                seen: Optional[torch.Tensor], cuts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`sample_rows` through `kernels.sampling.draw`: the filters as cutoffs found without sorting, fused with the
+    draw (x float32 [B, V] contiguous)."""
+    rows = fused_params(settings, x.shape[1])
+    params = upload(rows, torch.float32, x.device)
+    return draw(x, params, keys, seen, has_k=any(r[2] > 0 for r in rows), has_p=any(r[3] < 1.0 for r in rows),
+                has_min_p=any(r[4] > 0 for r in rows), cuts=cuts)
+
+
+_FUSED_OK: dict[torch.device, bool] = {}
+
+
+def fused_ok(device: torch.device) -> bool:
+    """Whether the fused kernels compile and draw the PyTorch path's tokens on this device (checked once, on a
+    small batch through every filter); where they do not, sampling runs the PyTorch path."""
+    ok = _FUSED_OK.get(device)
+    if ok is None:
+        g = torch.Generator().manual_seed(0)
+        logits = (torch.randn(4, 5000, generator=g) * 3).to(device)
+        logits[1, ::3] = float("-inf")
+        seen = (torch.rand(4, 5000, generator=g) < 0.05).to(device)
+        settings = [SamplingSettings(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2),
+                    SamplingSettings(temperature=1.1, top_p=0.8), SamplingSettings(temperature=0.0),
+                    SamplingSettings(temperature=0.7, min_p=0.1, repetition_penalty=0.9)]
+        keys = upload(row_keys([1, 2, 3, 4], [0, 5, 9, 2]), torch.int64, device)
+        try:
+            ok = torch.equal(_fused_draw(logits, settings, keys, seen).cpu(), _twin_draw(logits, settings, keys, seen).cpu())
+        except Exception:  # noqa: BLE001 - any compile or launch failure means "use the PyTorch path"
+            ok = False
+        if not ok:
+            log.warning("The fused sampling kernels failed their check on %s; sampling runs the PyTorch path.", device)
+        _FUSED_OK[device] = ok
+    return ok
+
+
+def _twin_draw(logits: torch.Tensor, settings: Sequence[SamplingSettings], keys: torch.Tensor,
+               seen: Optional[torch.Tensor]) -> torch.Tensor:
+    """`sample_rows` through `filter_rows` and the draw's PyTorch twin."""
+    x, y = filter_rows(logits, settings, seen)
+    greedy = [s.greedy for s in settings]
+    if all(greedy):
+        return x.argmax(dim=-1)
+    drawn = gumbel_argmax_torch(y, keys)
+    if not any(greedy):
+        return drawn
+    return torch.where(upload(greedy, torch.bool, x.device), x.argmax(dim=-1), drawn)
+
+
 def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seeds: Sequence[int],
                 counters: Sequence[int], seen: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One token per row of `logits` [B, V], row i sampled with settings[i] (`filter_rows`) from its own stream
     (seeds[i], counters[i]: `kernels.sampling.row_keys`) by a Gumbel-max draw; `seen` [B, V] bool feeds repetition
     penalties. Returns int64 [B] on the logits' device, without waiting for the GPU."""
-    x, y = filter_rows(logits, settings, seen)
     greedy = [s.greedy for s in settings]
-    if all(greedy):
-        return x.argmax(dim=-1)
-    keys = upload(row_keys(seeds, counters), torch.int64, x.device)
-    drawn = gumbel_argmax(y, keys)
-    if not any(greedy):
-        return drawn
-    return torch.where(upload(greedy, torch.bool, x.device), x.argmax(dim=-1), drawn)
+    if seen is not None and all(s.repetition_penalty == 1.0 for s in settings):
+        seen = None
+    if all(greedy) and seen is None:
+        return logits.float().argmax(dim=-1)
+    keys = upload(row_keys(seeds, counters), torch.int64, logits.device)
+    if use_triton(logits) and fused_ok(logits.device):
+        return _fused_draw(logits.float().contiguous(), settings, keys, None if seen is None else seen.contiguous())
+    return _twin_draw(logits, settings, keys, seen)

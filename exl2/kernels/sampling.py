@@ -1,21 +1,22 @@
-"""The draw of a sampled token: Gumbel-max over counter-based noise, one launch for a whole batch.
+"""The draw of a sampled token: Gumbel-max over counter-based noise, fused with the filters, for a whole batch.
 
 Row b's noise for token v is a 32-bit hash of (key_b + v · 0x9E3779B9), turned into a uniform u in (0, 1); the
 token is argmax(y_v − log(−log u_v)) over the row's filtered, temperature-scaled logits y, which is a draw from
 softmax(y). Keys (`row_keys`) hash a job's seed with how many tokens it has drawn, so a job's tokens depend only on
 its seed and position: not on the batch around it, nor on speculative decoding checking several positions at once.
-The kernel fuses what took ~90 small tensor operations a step (host-bound: 1.6 ms a step at batch 1 on the H200).
+The draw kernel applies the repetition penalty, temperature, min-p and the top-k/top-p cutoffs (`cutoff.py`) as it
+reads the logits, each program drawing over a chunk of the row and a last launch picking among the chunks: what
+took ~90 small tensor operations a step (1.6 ms at batch 1 on the H200) and later a sort of the logits.
 """
 from __future__ import annotations
 
-import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from exl2.kernels.backend import tl, triton, use_triton
+from exl2.kernels.backend import tl, triton
+from exl2.kernels.cutoff import Cutoffs, final_key, logit, order_key, row_max
 
-log = logging.getLogger("exl2.sampling")
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
@@ -71,58 +72,90 @@ def _hash32_tl(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(y_ptr, key_ptr, out_ptr, V, stride_y, BLOCK: tl.constexpr):
+def _draw_kernel(x_ptr, seen_ptr, par_ptr, key_ptr, pmax_ptr, khist_ptr, ksti_ptr, kstf_ptr, phist_ptr, psti_ptr,
+                 pstf_ptr, val_ptr, arg_ptr, cut_ptr, V, B, P, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PP: tl.constexpr, HAS_SEEN: tl.constexpr,
+                 HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+    """Each program's best token of its chunk: max of y + Gumbel noise over the tokens the row's cutoffs keep
+    (max of y for greedy rows)."""
     row = tl.program_id(0)
+    pid = tl.program_id(1)
+    penalty = tl.load(par_ptr + row * 8)
+    temp = tl.load(par_ptr + row * 8 + 1)
+    top_k = tl.load(par_ptr + row * 8 + 2)
+    top_p = tl.load(par_ptr + row * 8 + 3)
+    min_p = tl.load(par_ptr + row * 8 + 4)
+    greedy = tl.load(par_ptr + row * 8 + 5) != 0.0
     key = tl.load(key_ptr + row).to(tl.uint32)
+    cut = -2147483647 - 1
+    if HAS_K:
+        if top_k > 0.0:
+            cut = final_key(khist_ptr, ksti_ptr, kstf_ptr, row, B, P, top_p, False, PP)
+    if HAS_P:
+        if top_p < 1.0:
+            cut = tl.maximum(cut, final_key(phist_ptr, psti_ptr, pstf_ptr, row, B, P, top_p, True, PP))
+    if pid == 0:
+        tl.store(cut_ptr + row, cut)
+    m = 0.0
+    if HAS_MIN_P:
+        m = row_max(pmax_ptr, row, P, PP)
     best_v = -float("inf")
     best_i = 0
-    for start in range(0, V, BLOCK):
+    for start in range(pid * CHUNK, pid * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < V
-        y = tl.load(y_ptr + row.to(tl.int64) * stride_y + idx, mask=ok, other=-float("inf")).to(tl.float32)
+        y = logit(x_ptr, seen_ptr, row, idx, ok, V, penalty, temp, HAS_SEEN)
+        keep = ok & (order_key(y) >= cut)
+        if HAS_MIN_P:
+            keep = keep & (tl.exp(y - m) >= tl.where(min_p > 0.0, min_p, -1.0))
         x = _hash32_tl((key + ((idx.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFFFFFFFF)
         u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        v = tl.where(ok, y - tl.log(-tl.log(u)), -float("inf"))
-        m = tl.max(v, axis=0)
-        i = tl.argmax(v, axis=0)
-        better = m > best_v
-        best_i = tl.where(better, start + i, best_i)
-        best_v = tl.where(better, m, best_v)
-    tl.store(out_ptr + row, best_i.to(tl.int64))
+        v = tl.where(greedy, tl.where(ok, y, -float("inf")), tl.where(keep, y - tl.log(-tl.log(u)), -float("inf")))
+        bm = tl.max(v, axis=0)
+        bi = tl.argmax(v, axis=0)
+        better = bm > best_v
+        best_i = tl.where(better, start + bi, best_i)
+        best_v = tl.where(better, bm, best_v)
+    tl.store(val_ptr + row * P + pid, best_v)
+    tl.store(arg_ptr + row * P + pid, best_i)
 
 
-def _launch(y: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    y = y.contiguous()
-    out = torch.empty(y.shape[0], dtype=torch.int64, device=y.device)
-    _gumbel_argmax_kernel[(y.shape[0],)](y, keys, out, y.shape[1], y.stride(0), BLOCK=4096, num_warps=8)
+@triton.jit
+def _pick_kernel(val_ptr, arg_ptr, out_ptr, P, PP: tl.constexpr):
+    row = tl.program_id(0)
+    p_idx = tl.arange(0, PP)
+    i = tl.argmax(tl.load(val_ptr + row * P + p_idx, mask=p_idx < P, other=-float("inf")), axis=0)
+    tl.store(out_ptr + row, tl.load(arg_ptr + row * P + i).to(tl.int64))
+
+
+def chunking(vocab: int) -> tuple[int, int]:
+    """(chunk, block): tokens a program covers, and a loop step; at most 128 programs a row."""
+    block = 512
+    return max(4096, triton.cdiv(triton.cdiv(vocab, 128), block) * block), block
+
+
+def draw(x: torch.Tensor, params: torch.Tensor, keys: torch.Tensor, seen: Optional[torch.Tensor] = None,
+         has_k: bool = False, has_p: bool = False, has_min_p: bool = False,
+         chunking_: Optional[tuple[int, int]] = None, cuts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 [B]: row b's token from float32 logits x [B, V] through its settings in params (float32 [B, 8]:
+    repetition penalty, temperature, top-k (0: off), top-p (1: off), min-p (0: off), greedy flag) and the noise of
+    keys[b] (int64 [B], 32-bit values from `row_keys`); `seen` (bool [B, V]) marks the tokens the penalty applies
+    to. Filters as `sampler.filter_rows`, draws as `gumbel_argmax_torch`; a few launches, no wait for them.
+    `cuts` (int32 [B]), when given, receives each row's top-k/top-p cutoff as an `order_key` (tests)."""
+    b, v = x.shape
+    chunk, block = chunking_ or chunking(v)
+    p = triton.cdiv(v, chunk)
+    pp = triton.next_power_of_2(p)
+    has_seen = seen is not None
+    seen_arg = seen.view(torch.uint8) if has_seen else x
+    cut = Cutoffs(b, p, x.device)
+    cut.run(x, seen_arg, params, chunk, block, pp, has_seen, has_p or has_min_p, has_k, has_p)
+    val = torch.empty(b, p, dtype=torch.float32, device=x.device)
+    arg = torch.empty(b, p, dtype=torch.int32, device=x.device)
+    cuts = torch.empty(b, dtype=torch.int32, device=x.device) if cuts is None else cuts
+    _draw_kernel[(b, p)](x, seen_arg, params, keys, cut.pmax, cut.hist[0], cut.sti[0], cut.stf[0], cut.hist[1],
+                         cut.sti[1], cut.stf[1], val, arg, cuts, v, b, p,
+                         CHUNK=chunk, BLOCK=block, PP=pp, HAS_SEEN=has_seen, HAS_K=has_k, HAS_P=has_p,
+                         HAS_MIN_P=has_min_p, num_warps=4)
+    out = torch.empty(b, dtype=torch.int64, device=x.device)
+    _pick_kernel[(b,)](val, arg, out, p, PP=pp, num_warps=1)
     return out
-
-
-_CHECKED: dict[torch.device, bool] = {}
-
-
-def kernel_ok(device: torch.device) -> bool:
-    """Whether the kernel compiles and draws its twin's tokens on this device (checked once, on a small batch);
-    where it does not, `gumbel_argmax` runs the twin."""
-    ok = _CHECKED.get(device)
-    if ok is None:
-        g = torch.Generator().manual_seed(0)
-        y = (torch.randn(3, 5000, generator=g) * 3).to(device)
-        y[1, ::3] = float("-inf")
-        keys = torch.tensor(row_keys([1, 2, 3], [0, 5, 9]), device=device)
-        try:
-            ok = torch.equal(_launch(y, keys).cpu(), gumbel_argmax_torch(y, keys).cpu())
-        except Exception:  # noqa: BLE001 - any compile or launch failure means "use the twin"
-            ok = False
-        if not ok:
-            log.warning("The fused sampling kernel failed its check on %s; sampling runs the PyTorch twin.", device)
-        _CHECKED[device] = ok
-    return ok
-
-
-def gumbel_argmax(y: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """int64 [B]: row b's draw from softmax(y[b]) (y [B, V], -inf where a token is excluded) with the noise of
-    keys[b] (int64 [B], 32-bit values from `row_keys`); one launch on the GPU, no wait for it."""
-    if not use_triton(y) or not kernel_ok(y.device):
-        return gumbel_argmax_torch(y, keys)
-    return _launch(y, keys)
