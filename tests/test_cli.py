@@ -97,6 +97,75 @@ def test_chat_piped(tmp_path):
     assert len(replies) == 2
 
 
+def chat_in_process(monkeypatch, capsys, stdin: str, *flags: str) -> tuple[int, list[str], list[int], str, str]:
+    """Run `exl2 chat` on the golden model in this process, piping `stdin`: (exit code, every prompt the generator
+    received as text, their token counts, stdout, stderr)."""
+    import io
+
+    from exl2.cli import chat, main
+
+    seen: list[list[int]] = []
+    tok_box = []
+    real = chat.load_generator
+
+    def spying_loader(args):
+        model_dir, tok, gen = real(args)
+        tok_box.append(tok)
+        stream = gen.stream
+
+        def recording_stream(prompt, *a, **k):
+            seen.append(list(prompt))
+            return stream(prompt, *a, **k)
+
+        gen.stream = recording_stream
+        return model_dir, tok, gen
+
+    monkeypatch.setattr(chat, "load_generator", spying_loader)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    rc = main.main(["chat", "-m", str(SRC), "--device", "cpu", "--temperature", "0", *flags])
+    out, err = capsys.readouterr()
+    return rc, [tok_box[0].decode(ids) for ids in seen], [len(ids) for ids in seen], out, err
+
+
+def test_chat_drops_oldest_turns_when_the_context_fills(monkeypatch, capsys):
+    turns = [f"question {i}: " + " ".join(["tell me about the weather"] * 12) for i in range(8)]
+    rc, prompts, lengths, out, err = chat_in_process(monkeypatch, capsys, "\n".join(turns) + "\n",
+                                                     "-l", "512", "-maxr", "64", "-sp", "You are terse.")
+    assert rc == 0 and "Traceback" not in err and "error" not in err, err
+    assert len(prompts) == len(turns) and out.strip()  # every turn reached the model
+    assert all(n + 64 <= 512 for n in lengths), lengths  # each prompt left the reply its budget
+    assert "(context full: dropped the" in err
+    for i, prompt in enumerate(prompts):
+        assert prompt.count("You are terse.") == 1 and prompt.index("You are terse.") < prompt.index("question")
+        assert turns[i] in prompt
+    assert "question 0:" not in prompts[-1] and "question 6:" in prompts[-1]  # oldest gone, the newest kept
+
+
+def test_chat_oversized_message_is_one_error_and_the_session_goes_on(monkeypatch, capsys):
+    stdin = "hello there\n" + "word " * 600 + "\nand again\n"
+    rc, prompts, _, out, err = chat_in_process(monkeypatch, capsys, stdin, "-l", "512", "-maxr", "16")
+    assert rc == 0 and "Traceback" not in err
+    errors = [l for l in err.splitlines() if l.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: This message") and "512" in errors[0], err
+    assert len(prompts) == 2 and out.strip()
+    assert "hello there" in prompts[1] and "and again" in prompts[1] and "word word" not in prompts[1]
+
+
+@pytest.mark.parametrize("amnesia", [False, True])
+def test_chat_amnesia_forgets_earlier_turns(monkeypatch, capsys, amnesia):
+    flags = ["-maxr", "8", "-sp", "Be brief."] + (["-amnesia"] if amnesia else [])
+    rc, prompts, _, _, err = chat_in_process(monkeypatch, capsys, "first message\nsecond message\n", *flags)
+    assert rc == 0, err
+    assert "Be brief." in prompts[1] and "second message" in prompts[1]
+    assert ("first message" in prompts[1]) is not amnesia
+
+
+def test_chat_no_system_prompt_sends_an_empty_one(monkeypatch, capsys):
+    rc, prompts, _, _, err = chat_in_process(monkeypatch, capsys, "hi\n", "-maxr", "4", "-nsp")
+    assert rc == 0, err
+    assert prompts[0].startswith("<|im_start|>system\n<|im_end|>")  # the golden model falls back to ChatML
+
+
 def test_quantized_cache_needs_head_dim_64():
     # the golden model has head_dim 64: q4 works; a model with head_dim 16 gets one clear sentence
     assert exl2("generate", "-m", str(SRC), "-p", "x", "-n", "2", "-cm", "q4", "--device", "cpu").returncode == 0

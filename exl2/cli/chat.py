@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Callable, Optional
 
 from exl2.cli.common import add_draft_args, add_model_args, add_sampling_args, load_generator, sampling_from_args
 
@@ -10,13 +11,23 @@ HELP = "Commands: /clear forgets the conversation, /exit quits (Ctrl-D too)."
 
 def register(sub) -> None:
     p = sub.add_parser("chat", help="chat with a model in the terminal",
-                       description="Interactive chat through the model's chat template. " + HELP)
+                       description="Interactive chat through the model's chat template. When the conversation "
+                                   "outgrows the context, its oldest turns are dropped (the system prompt stays). "
+                                   + HELP)
     add_model_args(p)
     add_draft_args(p)
-    p.add_argument("-sp", "--system_prompt", "--system-prompt", dest="system_prompt", default=None,
-                   help="system prompt for the conversation")
+    system = p.add_mutually_exclusive_group()
+    system.add_argument("-sp", "--system_prompt", "--system-prompt", dest="system_prompt", default=None,
+                        help="system prompt for the conversation")
+    system.add_argument("-nsp", "--no_system_prompt", "--no-system-prompt", dest="no_system_prompt",
+                        action="store_true",
+                        help="send an empty system prompt, so the template's built-in default is left out too")
     p.add_argument("-maxr", "--max_response_tokens", "--max-response-tokens", dest="max_response_tokens", type=int,
-                   default=512, help="maximum tokens per reply (default 512)")
+                   default=512, help="maximum tokens per reply (default 512); the conversation leaves this much of "
+                                     "the context free for the reply, at most half of it")
+    p.add_argument("-amnesia", "--amnesia", dest="amnesia", action="store_true",
+                   help="forget the conversation after every reply: each turn sees only the system prompt and "
+                        "its own message")
     add_sampling_args(p, temperature=0.7)
     p.set_defaults(func=run)
 
@@ -28,7 +39,13 @@ def run(args) -> int:
     model_dir, tok, gen = load_generator(args)
     template = ChatTemplate.from_tokenizer(tok)
     interactive = sys.stdin.isatty()
+    system = _system_messages(args)
+    budget = reply_budget(args.max_response_tokens, gen.max_seq_len)
     history: list[dict] = []
+
+    def encode(messages: list[dict]) -> list[int]:
+        return tok.encode(template.render(messages, add_generation_prompt=True), add_bos=False)
+
     if interactive:
         print(f"exl2 chat: {model_dir.name} ({gen.model.spec.arch}). {HELP}", file=sys.stderr)
     while True:
@@ -46,13 +63,20 @@ def run(args) -> int:
             if interactive:
                 print("(conversation cleared)", file=sys.stderr)
             continue
-        history.append({"role": "user", "content": text})
-        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + history
-        prompt = template.render(messages, add_generation_prompt=True)
+        user = {"role": "user", "content": text}
+        dropped, ids = fit_prompt(encode, system, history, user, gen.max_seq_len - budget)
+        if dropped is None:
+            print(f"error: This message makes a prompt of {len(ids)} tokens, but the context holds "
+                  f"{gen.max_seq_len} tokens with {budget} kept for the reply; send a shorter one (or raise -l or "
+                  "lower -maxr).", file=sys.stderr)
+            continue
+        if dropped:
+            del history[:2 * dropped]
+            print(f"(context full: dropped the {_turns(dropped)})", file=sys.stderr)
         if interactive:
             sys.stdout.write("Assistant> ")
         result = None
-        for chunk, r in gen.stream(prompt, settings, args.max_response_tokens, add_bos=False):
+        for chunk, r in gen.stream(ids, settings, args.max_response_tokens):
             result = r or result
             if chunk:
                 sys.stdout.write(chunk)
@@ -61,8 +85,40 @@ def run(args) -> int:
         sys.stdout.flush()
         if interactive:
             print(_stats(result), file=sys.stderr)
-        history.append({"role": "assistant", "content": result.text.strip()})
+        if not args.amnesia:
+            history += [user, {"role": "assistant", "content": result.text.strip()}]
     return 0
+
+
+def _system_messages(args) -> list[dict]:
+    """The system message every prompt starts with; -nsp sends an empty one because templates such as SmolLM2's
+    and Qwen2.5's put in their own default when there is none."""
+    if args.no_system_prompt:
+        return [{"role": "system", "content": ""}]
+    return [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+
+
+def reply_budget(max_response_tokens: int, max_seq_len: int) -> int:
+    """Context kept free for the reply. Capped at half the context so that a -maxr as large as the context (the
+    default 512 with -l 512) still leaves room for a conversation; the engine shortens such a reply to fit."""
+    return max(1, min(max_response_tokens, max_seq_len // 2))
+
+
+def fit_prompt(encode: Callable[[list[dict]], list[int]], system: list[dict], history: list[dict], user: dict,
+               limit: int) -> tuple[Optional[int], list[int]]:
+    """(user/assistant pairs to drop from the front of `history`, prompt ids) for the longest recent conversation
+    whose prompt is at most `limit` tokens: the newest turns matter most to the reply, and the system prompt and
+    the message being answered are never dropped. Pairs is None when even those two alone are too long (the ids
+    are then that shortest prompt, for the error)."""
+    for pairs in range(len(history) // 2 + 1):
+        ids = encode(system + history[2 * pairs:] + [user])
+        if len(ids) <= limit:
+            return pairs, ids
+    return None, ids
+
+
+def _turns(n: int) -> str:
+    return "oldest turn" if n == 1 else f"{n} oldest turns"
 
 
 def _stats(r) -> str:
