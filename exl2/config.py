@@ -78,7 +78,25 @@ class SamplingSettings(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+    # OpenAI's: subtracted from a token's logit per time the reply has it (frequency) or once if it has (presence)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit before everything else
     seed: Optional[int] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_values(cls, v: Optional[dict[int, float]]) -> Optional[dict[int, float]]:
+        if v is not None and any(not -100.0 <= b <= 100.0 for b in v.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers)")
+        return v or None
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether sampling needs the reply's token counts (frequency or presence penalty)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

@@ -113,6 +113,40 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model, tok):
     assert mixed[1].token_ids == alone[0].token_ids
 
 
+def test_reply_penalties_and_logit_bias_match_an_uncached_loop(model, tok):
+    """Frequency/presence penalties count the reply's tokens (not the prompt's) and logit_bias shifts raw logits:
+    the batched generator, with one job per kind beside a plain one, against a loop over the whole sequence that
+    applies them by hand."""
+    from exl2.generation.sampler import filter_rows
+
+    kinds = [SamplingSettings(temperature=0.0, frequency_penalty=1.5),
+             SamplingSettings(temperature=0.0, presence_penalty=2.0, repetition_penalty=1.3),
+             SamplingSettings(temperature=0.0, logit_bias={tok.encode(" the")[0]: 4.0, 13: -100.0})]
+    ids = tok.encode(PROMPTS[2] * 2)
+
+    def reference(s: SamplingSettings, n: int = 12) -> list[int]:
+        seq = list(ids)
+        with torch.inference_mode():
+            for _ in range(n):
+                x = model(torch.tensor([seq]))[0, -1:].float()
+                for t, b in (s.logit_bias or {}).items():
+                    x[0, t] += b
+                counts = torch.zeros_like(x)
+                for t in seq[len(ids):]:
+                    counts[0, t] += 1
+                seen = torch.zeros_like(x, dtype=torch.bool)
+                seen[0, seq] = True
+                seq.append(int(filter_rows(x, [s], seen, counts)[0].argmax()))
+        return seq[len(ids):]
+
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16)
+    out = gen.generate([Job(ids, s, 12) for s in kinds] + [Job(tok.encode(PROMPTS[0]), GREEDY, 12)])
+    for s, r in zip(kinds, out):
+        assert r.token_ids == reference(s), s
+    plain = greedy_reference(model, ids, 12)
+    assert all(r.token_ids != plain for r in out[:3])  # each setting changed this reply
+
+
 def test_stop_strings_and_prompt_too_long(model, tok, refs):
     gen = DynamicGenerator(model, tok, 64, max_batch=2, page_size=16)
     stop = tok.decode(refs[1][4:6])

@@ -159,16 +159,17 @@ def _compile_all() -> dict:
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[f"rope-write-{kb}-{vb}-{had}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     from exl2.kernels import cutoff, sampling
-    sptrs = {"x_ptr": "*fp32", "seen_ptr": "*u8", "par_ptr": "*fp32", "pmax_ptr": "*fp32", "hist_ptr": "*fp32",
+    sptrs = {"x_ptr": "*fp32", "seen_ptr": "*u8", "cnt_ptr": "*fp32", "par_ptr": "*fp32", "pmax_ptr": "*fp32", "hist_ptr": "*fp32",
              "sti_ptr": "*i32", "stf_ptr": "*fp32", "khist_ptr": "*fp32", "ksti_ptr": "*i32", "kstf_ptr": "*fp32",
              "phist_ptr": "*fp32", "psti_ptr": "*i32", "pstf_ptr": "*fp32", "key_ptr": "*i64", "val_ptr": "*fp32", "arg_ptr": "*i32", "cut_ptr": "*i32", "out_ptr": "*i64"}
-    cases = {"sample-max": (cutoff._max_kernel, dict(CHUNK=4096, BLOCK=512, HAS_SEEN=True)),
-             "sample-pass-k": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, HAS_SEEN=True, MASS=False,
-                                                         AFTER_K=False)),
-             "sample-pass-p": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, HAS_SEEN=True, MASS=True,
-                                                         AFTER_K=True)),
-             "sample-draw": (sampling._draw_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, HAS_SEEN=True, HAS_K=True,
-                                                         HAS_P=True, HAS_MIN_P=True)),
+    on = dict(HAS_SEEN=True, HAS_COUNTS=True)
+    cases = {"sample-max": (cutoff._max_kernel, dict(CHUNK=4096, BLOCK=512, **on)),
+             "sample-pass-k": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, MASS=False, AFTER_K=False,
+                                                         **on)),
+             "sample-pass-p": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, MASS=True, AFTER_K=True,
+                                                         **on)),
+             "sample-draw": (sampling._draw_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, HAS_K=True, HAS_P=True,
+                                                         HAS_MIN_P=True, **on)),
              "sample-pick": (sampling._pick_kernel, dict(PP=32))}
     for key, (fn, consts) in cases.items():
         try:  # the penalty and temperature divide exactly (div.rn), as PyTorch does in the sampler's PyTorch path

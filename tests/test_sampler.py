@@ -214,12 +214,16 @@ def _mixed_batch(vocab: int = 1000):
         SamplingSettings(temperature=0.0, repetition_penalty=1.4), SamplingSettings(temperature=1.0),
         SamplingSettings(temperature=0.6, top_p=0.3), SamplingSettings(temperature=1.0, top_k=3, top_p=0.999),
         SamplingSettings(temperature=1.2, top_p=0.001), SamplingSettings(temperature=0.9, top_k=vocab - 1)]
+    settings[1] = settings[1].model_copy(update={"frequency_penalty": 0.3, "presence_penalty": 0.7})
+    settings[7] = settings[7].model_copy(update={"frequency_penalty": -0.45})
+    settings[8] = settings[8].model_copy(update={"presence_penalty": 1.1})  # greedy: penalties still apply
     logits = torch.randn(len(settings), vocab) * 4
     logits[9] -= 100.0
     logits[10] += 100.0
     logits[11, ::4] = float("-inf")
     seen = torch.rand(len(settings), vocab) < 0.05
-    return logits, seen, settings
+    counts = torch.randint(0, 4, (len(settings), vocab)).float() * (torch.rand(len(settings), vocab) < 0.05)
+    return logits, seen, counts, settings
 
 
 @needs_kernels
@@ -228,14 +232,14 @@ def test_fused_draw_matches_the_pytorch_path(small_chunks):
     for every row, over several counters, and the same when no row has a penalty or all are greedy."""
     from exl2.generation import sampler
 
-    logits, seen, settings = _mixed_batch()
+    logits, seen, counts, settings = _mixed_batch()
     n = len(settings)
     for counter in (0, 7):
         keys = torch.tensor(row_keys(list(range(n)), [counter] * n))
-        want = sampler._twin_draw(logits, settings, keys, seen)
+        want = sampler._twin_draw(logits, settings, keys, seen, counts)
         with force_triton():
             got = sampler._fused_draw(logits.to(KERNEL_DEVICE), settings, keys.to(KERNEL_DEVICE),
-                                      seen.to(KERNEL_DEVICE)).cpu()
+                                      seen.to(KERNEL_DEVICE), counts.to(KERNEL_DEVICE)).cpu()
         assert got.tolist() == want.tolist(), counter
     plain = [SamplingSettings(temperature=0.8), SamplingSettings(temperature=0.0)]
     keys = torch.tensor(row_keys([5, 6], [1, 1]))
@@ -250,14 +254,14 @@ def test_cutoffs_are_the_sorting_filters(small_chunks):
     from exl2.generation import sampler
     from exl2.kernels.cutoff import order_key_torch
 
-    logits, seen, settings = _mixed_batch()
+    logits, seen, counts, settings = _mixed_batch()
     settings = [s.model_copy(update={"min_p": 0.0}) for s in settings]  # min-p is applied by the draw, not a cutoff
     n = len(settings)
-    penalized, filtered = filter_rows(logits, settings, seen)
+    penalized, filtered = filter_rows(logits, settings, seen, counts)
     cuts = torch.empty(n, dtype=torch.int32, device=KERNEL_DEVICE)
     with force_triton():
         sampler._fused_draw(logits.to(KERNEL_DEVICE), settings, torch.zeros(n, dtype=torch.int64, device=KERNEL_DEVICE),
-                            seen.to(KERNEL_DEVICE), cuts=cuts)
+                            seen.to(KERNEL_DEVICE), counts.to(KERNEL_DEVICE), cuts=cuts)
     cuts = cuts.cpu()
     checked = 0
     for i, s in enumerate(settings):
@@ -285,6 +289,41 @@ def test_sample_rows_depends_only_on_its_own_stream(device):
     assert len(draws) > 1  # the counter moves the stream
     mixed = sample_rows(logits[:2], [SamplingSettings(temperature=0.0), settings[1]], seeds[:2], counters[:2])
     assert mixed[0].item() == logits[0].argmax().item() and mixed[1].item() == alone[1]
+
+
+def test_frequency_presence_penalties_and_logit_bias():
+    """OpenAI's semantics, after the repetition penalty: logit - frequency · count - presence · (count > 0), over
+    the reply's counts; logit_bias is added to the raw logits first (ids past the vocabulary ignored)."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    counts = torch.tensor([[2.0, 0.0, 1.0, 0.0], [0.0, 3.0, 0.0, 0.0]])
+    seen = torch.tensor([[True, False, False, True], [False] * 4])
+    s0 = SamplingSettings(temperature=1.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    s1 = SamplingSettings(temperature=1.0, frequency_penalty=-1.0)
+    pen, _ = filter_rows(logits, [s0, s1], seen, counts)
+    want = torch.tensor([[2.0 / 2 - 1.0 - 0.25, -1.0, 0.5 - 0.5 - 0.25, 3.0 / 2],
+                         [1.0, 1.0 + 3.0, 1.0, 1.0]])
+    torch.testing.assert_close(pen, want, rtol=0, atol=1e-6)
+    greedy = SamplingSettings(temperature=0.0, frequency_penalty=2.0)
+    assert sample_rows(logits, [greedy, greedy], [0, 0], [0, 0], None, counts).tolist() == [3, 0]
+    biased = SamplingSettings(temperature=0.0, logit_bias={1: 10.0, 99: 5.0})
+    assert sample_rows(logits, [biased, SamplingSettings(temperature=0.0)], [0, 0], [0, 0]).tolist() == [1, 0]
+    ban = SamplingSettings(temperature=1.0, logit_bias={3: -100.0, 0: -100.0})
+    draws = {sample_rows(logits[:1], [ban], [9], [c]).item() for c in range(64)}
+    assert draws <= {1, 2} and len(draws) == 2
+    with pytest.raises(ValueError):
+        SamplingSettings(logit_bias={1: 101.0})
+
+
+def test_seen_tokens_count_reply_tokens():
+    seen = SeenTokens(2, 10, torch.device("cpu"))
+    a = seen.take([1, 2])
+    seen.count_replies()
+    seen.add([a, a], torch.tensor([4, 4]))
+    seen.add([a], torch.tensor([2]))
+    assert seen.counts[a].tolist() == [0, 0, 1, 0, 2, 0, 0, 0, 0, 0]  # the prompt's tokens are not counted
+    assert seen.take([5]) != a and seen.counts.sum().item() == 3
+    seen.give_back(a)
+    assert seen.take([]) == a and seen.counts[a].sum().item() == 0
 
 
 def test_seen_tokens_slots():

@@ -61,13 +61,18 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
     p.add_argument("-minp", "--min-p", "--min_p", dest="min_p", type=float, default=0.0, help="min-p cutoff (default 0)")
     p.add_argument("-repp", "--repetition-penalty", dest="repetition_penalty", type=float, default=1.0,
                    help="repetition penalty (default 1.0 = off)")
+    p.add_argument("-freqpen", "--frequency-penalty", "--frequency_penalty", dest="frequency_penalty", type=float,
+                   default=0.0, help="subtracted from a token's logit per time the reply has it (default 0)")
+    p.add_argument("-prespen", "--presence-penalty", "--presence_penalty", dest="presence_penalty", type=float,
+                   default=0.0, help="subtracted once from the logit of every token the reply has (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
 
 
 def sampling_from_args(args) -> SamplingSettings:
     try:
         return SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                repetition_penalty=args.repetition_penalty, seed=args.seed)
+                                repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                                presence_penalty=args.presence_penalty, seed=args.seed)
     except Exception as e:  # pydantic ValidationError: name the field in one sentence
         errs = getattr(e, "errors", lambda: [])()
         if errs:

@@ -73,7 +73,7 @@ class DynamicGenerator:
         self.queue: deque[Job] = deque()
         self.active: list[Job] = []
         self._decode_table: tuple = ((), None)
-        self.seen: Optional[SeenTokens] = None  # made when a job first asks for a repetition penalty
+        self.seen: Optional[SeenTokens] = None  # made when a job first asks for a penalty on seen tokens
         self.overlap = model.device.type == "cuda" if overlap is None else overlap
         self._inflight: Optional[_Step] = None  # a decode step launched, its tokens not read yet
         self.chained = 0                          # decode steps launched before the previous one's tokens were read
@@ -329,7 +329,7 @@ class DynamicGenerator:
         seen-token rows, and the log-probability tensors of `raw` (the model's own logits; default `logits`) for
         the jobs that asked (`_logprob_tensors`); nothing waits for the GPU."""
         picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs], draws,
-                            self._seen_rows(jobs, logits.shape[-1]))
+                            *self._seen_rows(jobs, logits.shape[-1]))
         self._mark_seen(jobs, picks)
         return picks, self._logprob_tensors(jobs, logits if raw is None else raw, picks)
 
@@ -367,18 +367,24 @@ class DynamicGenerator:
         """Tokens the job has sampled so far: the counter of its next draw."""
         return len(job.tokens) - len(job.ids)
 
-    def _seen_rows(self, jobs: list[Job], vocab: int, extra: int = 1) -> Optional[torch.Tensor]:
-        """[len(jobs) · extra, vocab] seen-token rows (each job's row `extra` times) when any job has a repetition
-        penalty, else None; gives such jobs a slot the first time."""
-        if all(j.settings.repetition_penalty == 1.0 for j in jobs):
-            return None
+    def _seen_rows(self, jobs: list[Job], vocab: int, extra: int = 1
+                   ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """[len(jobs) · extra, vocab] rows (each job's row `extra` times) of seen tokens when any job has a
+        repetition penalty, and of reply token counts when any has a frequency or presence penalty (None for what
+        no job needs); gives such jobs a slot the first time."""
+        rep = any(j.settings.repetition_penalty != 1.0 for j in jobs)
+        cnt = any(j.settings.counts_tokens for j in jobs)
+        if not (rep or cnt):
+            return None, None
         if self.seen is None:
             self.seen = SeenTokens(self.max_batch, vocab, self.model.device)
+        if cnt:
+            self.seen.count_replies()
         for job in jobs:
-            if job.slot is None and job.settings.repetition_penalty != 1.0:
+            if job.slot is None and (job.settings.repetition_penalty != 1.0 or job.settings.counts_tokens):
                 job.slot = self.seen.take(job.tokens)
         index = upload([j.slot or 0 for j in jobs for _ in range(extra)], torch.long, self.model.device)
-        return self.seen.mask[index]
+        return self.seen.mask[index] if rep else None, self.seen.counts[index] if cnt else None
 
     def _mark_seen(self, jobs: list[Job], picks: torch.Tensor) -> None:
         rows = [i for i, j in enumerate(jobs) if j.slot is not None]
@@ -447,12 +453,15 @@ class DynamicGenerator:
         # Position i's token only counts if the guesses before it were all kept, so its draw can assume them:
         # every position is sampled at once, from the stream position plain decoding would use for it.
         n = len(drafts) + 1
-        seen = self._seen_rows([job], logits.shape[-1], extra=n)
-        if seen is not None:
-            for i in range(1, n):
+        seen, counts = self._seen_rows([job], logits.shape[-1], extra=n)
+        for i in range(1, n):
+            if seen is not None:
                 seen[i, drafts[:i]] = True
+            if counts is not None:
+                ids = torch.tensor(drafts[:i], dtype=torch.long, device=dev)
+                counts[i].index_put_((ids,), torch.ones(i, device=dev), accumulate=True)
         picks = sample_rows(logits.float()[:n], [job.settings] * n, [job.seed] * n,
-                            [self._drawn(job) + i for i in range(n)], seen)
+                            [self._drawn(job) + i for i in range(n)], seen, counts)
         choices = picks.tolist()
         kept = next((i for i, d in enumerate(drafts) if choices[i] != d), len(drafts))
         text = ""

@@ -81,33 +81,66 @@ def fresh_seed() -> int:
 
 
 class SeenTokens:
-    """Which tokens each job has seen (prompt and sampled), kept on the device for repetition penalties: one row
-    per slot, updated in place with one launch a step instead of rebuilt from the token lists."""
+    """Which tokens each job has seen (prompt and sampled) for repetition penalties, and how often its reply has
+    each (made when a job first asks for frequency or presence penalties), kept on the device: one row per slot,
+    updated in place with a launch or two a step instead of rebuilt from the token lists."""
 
     def __init__(self, slots: int, vocab: int, device: torch.device):
         self.mask = torch.zeros(slots, vocab, dtype=torch.bool, device=device)
+        self.counts: Optional[torch.Tensor] = None
         self.free = list(range(slots))
 
     def take(self, ids: Sequence[int]) -> int:
-        """A free slot, set to the prompt `ids`."""
+        """A free slot, set to the prompt `ids` (and no reply tokens yet)."""
         slot = self.free.pop()
         self.mask[slot].zero_()
+        if self.counts is not None:
+            self.counts[slot].zero_()
         ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.mask.device)
         self.mask[slot, ids[(ids >= 0) & (ids < self.mask.shape[1])]] = True
         return slot
 
+    def count_replies(self) -> None:
+        """Start keeping reply token counts (slots taken before have none: their jobs did not ask)."""
+        if self.counts is None:
+            self.counts = torch.zeros(self.mask.shape, dtype=torch.float32, device=self.mask.device)
+
     def add(self, slots: Sequence[int], tokens: torch.Tensor) -> None:
         """Mark tokens[i] (int64 [len(slots)], sampled tokens: inside the vocabulary) seen by slots[i]."""
-        self.mask[upload(list(slots), torch.long, self.mask.device), tokens] = True
+        index = upload(list(slots), torch.long, self.mask.device)
+        self.mask[index, tokens] = True
+        if self.counts is not None:
+            self.counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
 
     def give_back(self, slot: int) -> None:
         self.free.append(slot)
 
 
-def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen: Optional[torch.Tensor] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_logit_bias(logits: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.Tensor:
+    """float32 logits with each row's `logit_bias` added (ids past the vocabulary ignored); the logits as they
+    are when no row has a bias."""
+    rows, cols, vals = [], [], []
+    vocab = logits.shape[-1]
+    for i, s in enumerate(settings):
+        for token, bias in (s.logit_bias or {}).items():
+            if token < vocab:
+                rows.append(i)
+                cols.append(token)
+                vals.append(bias)
+    if not rows:
+        return logits
+    x = logits.float().clone()
+    dev = x.device
+    x.index_put_((upload(rows, torch.long, dev), upload(cols, torch.long, dev)), upload(vals, torch.float32, dev),
+                 accumulate=True)
+    return x
+
+
+def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen: Optional[torch.Tensor] = None,
+                counts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(penalized, filtered) float32 [B, V]: row i through settings[i]'s chain of `sample` (repetition penalty
-    from `seen` [B, V] bool; then temperature, top-k, top-p, min-p; greedy rows are left unfiltered)."""
+    from `seen` [B, V] bool, frequency and presence penalties from `counts` [B, V] float32, the reply's token
+    counts; then temperature, top-k, top-p, min-p; greedy rows are left unfiltered)."""
     x = logits.float()
     b, vocab = x.shape
     dev = x.device
@@ -115,6 +148,10 @@ def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen
     if seen is not None and any(p != 1.0 for p in pen):
         p = upload(pen, torch.float32, dev)[:, None]
         x = torch.where(seen, torch.where(x < 0, x * p, x / p), x)
+    if counts is not None and any(s.counts_tokens for s in settings):
+        fp = upload([[s.frequency_penalty, s.presence_penalty] for s in settings], torch.float32, dev)
+        x = x - fp[:, :1] * counts
+        x = x - torch.where(counts > 0, fp[:, 1:], 0.0)
     live = [not s.greedy for s in settings]
     if not any(live):
         return x, x
@@ -150,18 +187,19 @@ def fused_params(settings: Sequence[SamplingSettings], vocab: int) -> list[list[
         g = s.greedy
         rows.append([s.repetition_penalty, 1.0 if g else s.temperature,
                      float(s.top_k) if not g and 0 < s.top_k < vocab else 0.0, 1.0 if g else s.top_p,
-                     0.0 if g else s.min_p, 1.0 if g else 0.0, 0.0, 0.0])
+                     0.0 if g else s.min_p, 1.0 if g else 0.0, s.frequency_penalty, s.presence_penalty])
     return rows
 
 
 def _fused_draw(x: torch.Tensor, settings: Sequence[SamplingSettings], keys: torch.Tensor,
-                seen: Optional[torch.Tensor], cuts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                seen: Optional[torch.Tensor], counts: Optional[torch.Tensor] = None,
+                cuts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`sample_rows` through `kernels.sampling.draw`: the filters as cutoffs found without sorting, fused with the
     draw (x float32 [B, V] contiguous)."""
     rows = fused_params(settings, x.shape[1])
     params = upload(rows, torch.float32, x.device)
-    return draw(x, params, keys, seen, has_k=any(r[2] > 0 for r in rows), has_p=any(r[3] < 1.0 for r in rows),
-                has_min_p=any(r[4] > 0 for r in rows), cuts=cuts)
+    return draw(x, params, keys, seen, counts, has_k=any(r[2] > 0 for r in rows),
+                has_p=any(r[3] < 1.0 for r in rows), has_min_p=any(r[4] > 0 for r in rows), cuts=cuts)
 
 
 _FUSED_OK: dict[torch.device, bool] = {}
@@ -176,12 +214,15 @@ def fused_ok(device: torch.device) -> bool:
         logits = (torch.randn(4, 5000, generator=g) * 3).to(device)
         logits[1, ::3] = float("-inf")
         seen = (torch.rand(4, 5000, generator=g) < 0.05).to(device)
+        counts = torch.randint(0, 3, (4, 5000), generator=g).float().to(device)
         settings = [SamplingSettings(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2),
-                    SamplingSettings(temperature=1.1, top_p=0.8), SamplingSettings(temperature=0.0),
+                    SamplingSettings(temperature=1.1, top_p=0.8, frequency_penalty=0.3, presence_penalty=0.7),
+                    SamplingSettings(temperature=0.0),
                     SamplingSettings(temperature=0.7, min_p=0.1, repetition_penalty=0.9)]
         keys = upload(row_keys([1, 2, 3, 4], [0, 5, 9, 2]), torch.int64, device)
         try:
-            ok = torch.equal(_fused_draw(logits, settings, keys, seen).cpu(), _twin_draw(logits, settings, keys, seen).cpu())
+            ok = torch.equal(_fused_draw(logits, settings, keys, seen, counts).cpu(),
+                             _twin_draw(logits, settings, keys, seen, counts).cpu())
         except Exception:  # noqa: BLE001 - any compile or launch failure means "use the PyTorch path"
             ok = False
         if not ok:
@@ -191,9 +232,9 @@ def fused_ok(device: torch.device) -> bool:
 
 
 def _twin_draw(logits: torch.Tensor, settings: Sequence[SamplingSettings], keys: torch.Tensor,
-               seen: Optional[torch.Tensor]) -> torch.Tensor:
+               seen: Optional[torch.Tensor], counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`sample_rows` through `filter_rows` and the draw's PyTorch twin."""
-    x, y = filter_rows(logits, settings, seen)
+    x, y = filter_rows(logits, settings, seen, counts)
     greedy = [s.greedy for s in settings]
     if all(greedy):
         return x.argmax(dim=-1)
@@ -204,16 +245,22 @@ def _twin_draw(logits: torch.Tensor, settings: Sequence[SamplingSettings], keys:
 
 
 def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seeds: Sequence[int],
-                counters: Sequence[int], seen: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One token per row of `logits` [B, V], row i sampled with settings[i] (`filter_rows`) from its own stream
-    (seeds[i], counters[i]: `kernels.sampling.row_keys`) by a Gumbel-max draw; `seen` [B, V] bool feeds repetition
-    penalties. Returns int64 [B] on the logits' device, without waiting for the GPU."""
+                counters: Sequence[int], seen: Optional[torch.Tensor] = None,
+                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One token per row of `logits` [B, V], row i sampled with settings[i] (`filter_rows`, after its
+    `logit_bias`) from its own stream (seeds[i], counters[i]: `kernels.sampling.row_keys`) by a Gumbel-max draw;
+    `seen` [B, V] bool feeds repetition penalties, `counts` [B, V] float32 (the reply's token counts) frequency
+    and presence penalties. Returns int64 [B] on the logits' device, without waiting for the GPU."""
     greedy = [s.greedy for s in settings]
     if seen is not None and all(s.repetition_penalty == 1.0 for s in settings):
         seen = None
-    if all(greedy) and seen is None:
+    if counts is not None and not any(s.counts_tokens for s in settings):
+        counts = None
+    logits = apply_logit_bias(logits, settings)
+    if all(greedy) and seen is None and counts is None:
         return logits.float().argmax(dim=-1)
     keys = upload(row_keys(seeds, counters), torch.int64, logits.device)
     if use_triton(logits) and fused_ok(logits.device):
-        return _fused_draw(logits.float().contiguous(), settings, keys, None if seen is None else seen.contiguous())
-    return _twin_draw(logits, settings, keys, seen)
+        return _fused_draw(logits.float().contiguous(), settings, keys, None if seen is None else seen.contiguous(),
+                           None if counts is None else counts.float().contiguous())
+    return _twin_draw(logits, settings, keys, seen, counts)

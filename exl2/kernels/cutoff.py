@@ -9,8 +9,9 @@ parallel over chunks of the row; the next pass's programs each read the previous
 digit. Eight passes over the row find the exact key; they replace a sort of it, which with its cumsum and scatter
 took 0.6-0.7 ms a step for 16 x 128,256 logits on an H100 (benchmarks/RESULTS.md, session 21).
 
-The logits are transformed on the fly (`logit`: repetition penalty, then temperature) by every kernel that reads
-them, so the filtered logits are never written.
+The logits are transformed on the fly (`logit`: the penalties, then the temperature) by every kernel that reads
+them, so the filtered logits are never written. The kernels are compiled without FMA contraction, so x - f · c
+rounds as PyTorch's separate multiply and subtract do in the PyTorch path.
 """
 from __future__ import annotations
 
@@ -23,15 +24,22 @@ PASSES = 8  # 32-bit keys
 
 
 @triton.jit
-def logit(x_ptr, seen_ptr, row, idx, ok, V, penalty, temp, HAS_SEEN: tl.constexpr):
-    """y = penalized(x) / temperature for tokens idx of a row (-inf where not ok); the same IEEE operations as
-    `sampler.filter_rows`, so the kernels see its values bit for bit."""
+def logit(x_ptr, seen_ptr, cnt_ptr, par_ptr, row, idx, ok, V, HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """y for tokens idx of a row (-inf where not ok): the repetition penalty on seen tokens, then the frequency
+    and presence penalties on the reply's token counts, then the temperature (params row: penalty, temperature,
+    ..., frequency, presence), with the same IEEE operations as `sampler.filter_rows`, so the kernels see its
+    values bit for bit."""
     base = row.to(tl.int64) * V
     x = tl.load(x_ptr + base + idx, mask=ok, other=-float("inf"))
     if HAS_SEEN:
+        penalty = tl.load(par_ptr + row * 8)
         s = tl.load(seen_ptr + base + idx, mask=ok, other=0)
         x = tl.where(s != 0, tl.where(x < 0, x * penalty, tl.math.div_rn(x, penalty)), x)
-    return tl.math.div_rn(x, temp)
+    if HAS_COUNTS:
+        c = tl.load(cnt_ptr + base + idx, mask=ok, other=0.0)
+        x = x - tl.load(par_ptr + row * 8 + 6) * c
+        x = x - tl.where(c > 0, tl.load(par_ptr + row * 8 + 7), 0.0)
+    return tl.math.div_rn(x, tl.load(par_ptr + row * 8 + 1))
 
 
 @triton.jit
@@ -94,29 +102,25 @@ def row_max(pmax_ptr, row, P, PP: tl.constexpr):
 
 
 @triton.jit
-def _max_kernel(x_ptr, seen_ptr, par_ptr, pmax_ptr, V, P, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                HAS_SEEN: tl.constexpr):
+def _max_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, pmax_ptr, V, P, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr):
     row = tl.program_id(0)
     pid = tl.program_id(1)
-    penalty = tl.load(par_ptr + row * 8)
-    temp = tl.load(par_ptr + row * 8 + 1)
     best = tl.full([BLOCK], -float("inf"), tl.float32)
     for start in range(pid * CHUNK, pid * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
-        best = tl.maximum(best, logit(x_ptr, seen_ptr, row, idx, idx < V, V, penalty, temp, HAS_SEEN))
+        best = tl.maximum(best, logit(x_ptr, seen_ptr, cnt_ptr, par_ptr, row, idx, idx < V, V, HAS_SEEN, HAS_COUNTS))
     tl.store(pmax_ptr + row * P + pid, tl.max(best, axis=0))
 
 
 @triton.jit
-def _pass_kernel(x_ptr, seen_ptr, par_ptr, pmax_ptr, hist_ptr, sti_ptr, stf_ptr, khist_ptr, ksti_ptr, kstf_ptr,
+def _pass_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, pmax_ptr, hist_ptr, sti_ptr, stf_ptr, khist_ptr, ksti_ptr, kstf_ptr,
                  V, B, P, step, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PP: tl.constexpr,
-                 HAS_SEEN: tl.constexpr, MASS: tl.constexpr, AFTER_K: tl.constexpr):
+                 HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr, MASS: tl.constexpr, AFTER_K: tl.constexpr):
     """Pass `step` of a cutoff search (MASS: top-p's, weights exp(y - max) over the tokens top-k keeps; else
     top-k's, weights 1)."""
     row = tl.program_id(0)
     pid = tl.program_id(1)
-    penalty = tl.load(par_ptr + row * 8)
-    temp = tl.load(par_ptr + row * 8 + 1)
     top_k = tl.load(par_ptr + row * 8 + 2)
     top_p = tl.load(par_ptr + row * 8 + 3)
     if MASS:
@@ -150,7 +154,7 @@ def _pass_kernel(x_ptr, seen_ptr, par_ptr, pmax_ptr, hist_ptr, sti_ptr, stf_ptr,
     for start in range(pid * CHUNK, pid * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < limit
-        y = logit(x_ptr, seen_ptr, row, idx, ok, V, penalty, temp, HAS_SEEN)
+        y = logit(x_ptr, seen_ptr, cnt_ptr, par_ptr, row, idx, ok, V, HAS_SEEN, HAS_COUNTS)
         key = order_key(y)
         inside = ok & (key >= key_k)
         if step > 0:
@@ -175,19 +179,21 @@ class Cutoffs:
         self.sti = torch.empty(2, PASSES, b, dtype=torch.int32, device=device)
         self.stf = torch.empty(2, PASSES, b, 2, dtype=torch.float32, device=device)
 
-    def run(self, x: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, chunk: int, block: int, pp: int,
-            has_seen: bool, need_max: bool, has_k: bool, has_p: bool) -> None:
+    def run(self, x: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params: torch.Tensor, chunk: int,
+            block: int, pp: int, has_seen: bool, has_counts: bool, need_max: bool, has_k: bool, has_p: bool) -> None:
         """The row maxima (where a mass search or min-p needs them), then the top-k search, then top-p's."""
         b, p = self.pmax.shape
         v = x.shape[1]
         if need_max:
-            _max_kernel[(b, p)](x, seen, params, self.pmax, v, p, CHUNK=chunk, BLOCK=block, HAS_SEEN=has_seen,
-                                num_warps=4)
+            _max_kernel[(b, p)](x, seen, counts, params, self.pmax, v, p, CHUNK=chunk, BLOCK=block,
+                                HAS_SEEN=has_seen, HAS_COUNTS=has_counts, num_warps=4,
+                                enable_fp_fusion=False)
         for mass, on in ((0, has_k), (1, has_p)):
             if not on:
                 continue
             for step in range(PASSES):
-                _pass_kernel[(b, p)](x, seen, params, self.pmax, self.hist[mass], self.sti[mass], self.stf[mass],
+                _pass_kernel[(b, p)](x, seen, counts, params, self.pmax, self.hist[mass], self.sti[mass], self.stf[mass],
                                      self.hist[0], self.sti[0], self.stf[0], v, b, p, step, CHUNK=chunk,
-                                     BLOCK=block, PP=pp, HAS_SEEN=has_seen, MASS=bool(mass),
-                                     AFTER_K=bool(mass) and has_k, num_warps=4)
+                                     BLOCK=block, PP=pp, HAS_SEEN=has_seen, HAS_COUNTS=has_counts, MASS=bool(mass),
+                                     AFTER_K=bool(mass) and has_k, num_warps=4,
+                                     enable_fp_fusion=False)

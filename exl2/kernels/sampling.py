@@ -72,15 +72,14 @@ def _hash32_tl(x):
 
 
 @triton.jit
-def _draw_kernel(x_ptr, seen_ptr, par_ptr, key_ptr, pmax_ptr, khist_ptr, ksti_ptr, kstf_ptr, phist_ptr, psti_ptr,
-                 pstf_ptr, val_ptr, arg_ptr, cut_ptr, V, B, P, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PP: tl.constexpr, HAS_SEEN: tl.constexpr,
-                 HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+def _draw_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, key_ptr, pmax_ptr, khist_ptr, ksti_ptr, kstf_ptr, phist_ptr,
+                 psti_ptr, pstf_ptr, val_ptr, arg_ptr, cut_ptr, V, B, P, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 PP: tl.constexpr, HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_K: tl.constexpr,
+                 HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
     """Each program's best token of its chunk: max of y + Gumbel noise over the tokens the row's cutoffs keep
     (max of y for greedy rows)."""
     row = tl.program_id(0)
     pid = tl.program_id(1)
-    penalty = tl.load(par_ptr + row * 8)
-    temp = tl.load(par_ptr + row * 8 + 1)
     top_k = tl.load(par_ptr + row * 8 + 2)
     top_p = tl.load(par_ptr + row * 8 + 3)
     min_p = tl.load(par_ptr + row * 8 + 4)
@@ -103,7 +102,7 @@ def _draw_kernel(x_ptr, seen_ptr, par_ptr, key_ptr, pmax_ptr, khist_ptr, ksti_pt
     for start in range(pid * CHUNK, pid * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < V
-        y = logit(x_ptr, seen_ptr, row, idx, ok, V, penalty, temp, HAS_SEEN)
+        y = logit(x_ptr, seen_ptr, cnt_ptr, par_ptr, row, idx, ok, V, HAS_SEEN, HAS_COUNTS)
         keep = ok & (order_key(y) >= cut)
         if HAS_MIN_P:
             keep = keep & (tl.exp(y - m) >= tl.where(min_p > 0.0, min_p, -1.0))
@@ -134,28 +133,31 @@ def chunking(vocab: int) -> tuple[int, int]:
 
 
 def draw(x: torch.Tensor, params: torch.Tensor, keys: torch.Tensor, seen: Optional[torch.Tensor] = None,
-         has_k: bool = False, has_p: bool = False, has_min_p: bool = False,
+         counts: Optional[torch.Tensor] = None, has_k: bool = False, has_p: bool = False, has_min_p: bool = False,
          chunking_: Optional[tuple[int, int]] = None, cuts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """int64 [B]: row b's token from float32 logits x [B, V] through its settings in params (float32 [B, 8]:
-    repetition penalty, temperature, top-k (0: off), top-p (1: off), min-p (0: off), greedy flag) and the noise of
-    keys[b] (int64 [B], 32-bit values from `row_keys`); `seen` (bool [B, V]) marks the tokens the penalty applies
-    to. Filters as `sampler.filter_rows`, draws as `gumbel_argmax_torch`; a few launches, no wait for them.
+    repetition penalty, temperature, top-k (0: off), top-p (1: off), min-p (0: off), greedy flag, frequency and
+    presence penalties) and the noise of keys[b] (int64 [B], 32-bit values from `row_keys`); `seen` (bool [B, V])
+    marks the tokens the repetition penalty applies to, `counts` (float32 [B, V]) how often the reply has each.
+    Filters as `sampler.filter_rows`, draws as `gumbel_argmax_torch`; a few launches, no wait for them.
     `cuts` (int32 [B]), when given, receives each row's top-k/top-p cutoff as an `order_key` (tests)."""
     b, v = x.shape
     chunk, block = chunking_ or chunking(v)
     p = triton.cdiv(v, chunk)
     pp = triton.next_power_of_2(p)
-    has_seen = seen is not None
+    has_seen, has_counts = seen is not None, counts is not None
     seen_arg = seen.view(torch.uint8) if has_seen else x
+    counts_arg = counts if has_counts else x
     cut = Cutoffs(b, p, x.device)
-    cut.run(x, seen_arg, params, chunk, block, pp, has_seen, has_p or has_min_p, has_k, has_p)
+    cut.run(x, seen_arg, counts_arg, params, chunk, block, pp, has_seen, has_counts, has_p or has_min_p, has_k,
+            has_p)
     val = torch.empty(b, p, dtype=torch.float32, device=x.device)
     arg = torch.empty(b, p, dtype=torch.int32, device=x.device)
     cuts = torch.empty(b, dtype=torch.int32, device=x.device) if cuts is None else cuts
-    _draw_kernel[(b, p)](x, seen_arg, params, keys, cut.pmax, cut.hist[0], cut.sti[0], cut.stf[0], cut.hist[1],
-                         cut.sti[1], cut.stf[1], val, arg, cuts, v, b, p,
-                         CHUNK=chunk, BLOCK=block, PP=pp, HAS_SEEN=has_seen, HAS_K=has_k, HAS_P=has_p,
-                         HAS_MIN_P=has_min_p, num_warps=4)
+    _draw_kernel[(b, p)](x, seen_arg, counts_arg, params, keys, cut.pmax, cut.hist[0], cut.sti[0], cut.stf[0],
+                         cut.hist[1], cut.sti[1], cut.stf[1], val, arg, cuts, v, b, p, CHUNK=chunk, BLOCK=block,
+                         PP=pp, HAS_SEEN=has_seen, HAS_COUNTS=has_counts, HAS_K=has_k, HAS_P=has_p,
+                         HAS_MIN_P=has_min_p, num_warps=4, enable_fp_fusion=False)
     out = torch.empty(b, dtype=torch.int64, device=x.device)
     _pick_kernel[(b,)](val, arg, out, p, PP=pp, num_warps=1)
     return out
