@@ -121,7 +121,7 @@ for s in $steps; do
        timeout 60 python3 benchmarks/sampling.py --profile > "$OUT/sampling.txt" 2>&1; echo "sampling rc=$?"; head -30 "$OUT/sampling.txt"
        timeout ${SERVING_TIMEOUT:-150} python3 benchmarks/serving.py --batches 1,16 > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"
        tail -14 "$OUT/serving.txt"
-       timeout 200 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench.txt" 2>       timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"; tail -12 "$OUT/bench.txt" ;;1; echo "bench rc=$?"; tail -12 "$OUT/bench.txt" ;;
+       timeout 200 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"; tail -12 "$OUT/bench.txt" ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"
