@@ -22,6 +22,8 @@ CASES = {
     "T 0.8, top-k 50": SamplingSettings(temperature=0.8, top_k=50),
     "T 0.8, min-p 0.05": SamplingSettings(temperature=0.8, min_p=0.05),
     "T 0.8, top-p 0.9, penalty 1.1": SamplingSettings(temperature=0.8, top_p=0.9, repetition_penalty=1.1),
+    "T 0.8, top-k 50, top-p 0.9": SamplingSettings(temperature=0.8, top_k=50, top_p=0.9),
+    "T 0.8, top-p 0.9, frequency 0.5": SamplingSettings(temperature=0.8, top_p=0.9, frequency_penalty=0.5),
 }
 
 
@@ -56,7 +58,9 @@ def main() -> int:
             logits = torch.randn(b, a.vocab, device="cuda") * 3
             seen = torch.zeros(b, a.vocab, dtype=torch.bool, device="cuda")
             seen[:, :512] = True
-            cells.append(time_ms(lambda: sample_rows(logits, [s] * b, list(range(b)), [0] * b, seen)))
+            counts = torch.zeros(b, a.vocab, device="cuda")
+            counts[:, :256] = 2.0
+            cells.append(time_ms(lambda: sample_rows(logits, [s] * b, list(range(b)), [0] * b, seen, counts)))
         print(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
