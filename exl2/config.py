@@ -22,6 +22,8 @@ class EngineConfig(BaseModel):
     # shard every layer over the GPUs gpu_split lists (budget above 0), or over every visible GPU (runtime.tp)
     tensor_parallel: bool = False
     kv_cache_mode: str = "fp16"
+    # prompt attention through PyTorch's flash/cuDNN SDPA or the flash_attn package where they apply; False keeps
+    # it in the engine's own Triton flash-attention kernel (decode attention is always the engine's kernel)
     flash_attention_enabled: bool = True
     device: Optional[str] = None
     max_batch_size: int = Field(16, ge=1, le=256)

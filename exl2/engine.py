@@ -32,7 +32,8 @@ class Engine:
                              config.kv_cache_mode, config.num_draft_tokens)
         self.dynamic = DynamicGenerator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode,
                                         cache_tokens=config.cache_size, max_batch=config.max_batch_size,
-                                        draft=draft, num_draft_tokens=config.num_draft_tokens)
+                                        draft=draft, num_draft_tokens=config.num_draft_tokens,
+                                        flash_attention=config.flash_attention_enabled)
         self.worker = BatchWorker(self.dynamic)
         self.generator = Generator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode, self.worker)
 

@@ -39,3 +39,23 @@ def test_engine_chat_uses_template():
     prompt = engine.chat_prompt([{"role": "user", "content": "hi"}])
     assert "hi" in prompt and prompt != "hi"
     assert engine.chat([{"role": "user", "content": "hi"}], SamplingSettings(temperature=0), 4).token_ids
+
+
+def test_flash_attention_flag_picks_the_prompt_attention_backend(monkeypatch):
+    """flash_attention_enabled=False keeps prompt attention in the engine's Triton kernel (no SDPA/flash_attn):
+    the backend every fresh-prompt attention call gets, for both settings."""
+    from exl2.runtime import paged_cache
+
+    backends = []
+    real = paged_cache.varlen_attention
+
+    def spy(*a, backend="auto", **k):
+        backends.append(backend)
+        return real(*a, backend=backend, **k)
+
+    monkeypatch.setattr(paged_cache, "varlen_attention", spy)
+    for flag, want in ((False, "triton"), (True, "auto")):
+        backends.clear()
+        engine = Engine(EngineConfig(model_dir=SRC, max_seq_len=512, device="cpu", flash_attention_enabled=flag))
+        assert engine.generate("The quick brown fox", SamplingSettings(temperature=0), max_new_tokens=2).token_ids
+        assert backends and set(backends) == {want}

@@ -47,12 +47,13 @@ class _Step:
 
 class DynamicGenerator:
     """`cache_tokens` (at least max_seq_len) sizes the cache all jobs share; `max_batch` bounds the decode batch;
-    `overlap` (default: on a GPU) lets decode steps run ahead of the host's text handling (see `iterate`)."""
+    `overlap` (default: on a GPU) lets decode steps run ahead of the host's text handling (see `iterate`);
+    `flash_attention` False keeps prompt attention off PyTorch's SDPA and the flash_attn package."""
 
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: int, cache_mode: str = "fp16",
                  cache_tokens: Optional[int] = None, max_batch: int = 16, page_size: int = 256, chunk: int = 2048,
                  use_graphs: bool = True, draft: Optional[Drafter] = None, num_draft_tokens: int = 4,
-                 overlap: Optional[bool] = None):
+                 overlap: Optional[bool] = None, flash_attention: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens = draft, num_draft_tokens
         self.max_seq_len, self.max_batch, self.chunk, self.page_size = max_seq_len, max_batch, chunk, page_size
@@ -61,6 +62,8 @@ class DynamicGenerator:
         self.pool = PagePool(num_pages, page_size)
         self.scratch = num_pages  # one spare page: where padded rows of a decode graph write
         self.cache = paged_cache_for(model, num_pages + 1, page_size, cache_mode)
+        for shard in getattr(self.cache, "shards", [self.cache]):  # EngineConfig.flash_attention_enabled
+            shard.prefill_backend = "auto" if flash_attention else "triton"
         model.prepare_rope(self.pages_per_seq * page_size)
         self.graphs = self.verify_graphs = None
         if use_graphs and model.device.type == "cuda" and graph_safe(model):

@@ -64,6 +64,7 @@ class PagedKVCache:
         self.spec, self.num_pages, self.page_size, self.mode = spec, num_pages, page_size, mode
         self.device, self.dtype = torch.device(device), dtype
         self.decode_splits = decode_splits
+        self.prefill_backend = "auto"  # varlen_attention's backend for fresh prompts ("triton": no SDPA/flash_attn)
         self.kv_heads, self.k_dim, self.v_dim = kv_shape(spec)
         self.k_bits, self.v_bits = KV_MODES[mode]
         for bits, dim in ((self.k_bits, self.k_dim), (self.v_bits, self.v_dim)):
@@ -193,7 +194,7 @@ class PagedKVCache:
         elif self._fresh(q_pos, slot):  # fresh prompts: attention among the new tokens only
             cu = list(range(0, b * t + 1, t))
             out = varlen_attention(qf, k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), cu, t,
-                                   **opts)
+                                   backend=self.prefill_backend, **opts)
         else:  # chunked prefill after a cached prefix
             cu = torch.arange(0, b * t + 1, t, dtype=torch.int32, device=q.device)
             out = paged_attention(qf, self.k[layer], self.v[layer], table, seq_lens, cu, t,
