@@ -150,7 +150,7 @@ def _pass_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, pmax_ptr, hist_ptr, sti_ptr,
     shift = 28 - 4 * step
     high = 32 - 4 * step  # bits kept by the interval test (step ≥ 1)
     d_idx = tl.arange(0, 16)
-    bins = tl.zeros([16], tl.float32)
+    acc = tl.zeros([BLOCK, 16], tl.float32)  # reduced once after the loop, not once a block
     for start in range(pid * CHUNK, pid * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < limit
@@ -166,8 +166,8 @@ def _pass_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, pmax_ptr, hist_ptr, sti_ptr,
             w = tl.where(inside, tl.exp(y - m), 0.0)
         else:
             w = inside.to(tl.float32)
-        bins += tl.sum(tl.where(digit[:, None] == d_idx[None, :], w[:, None], 0.0), axis=0)
-    tl.store(hist_ptr + ((step * B + row).to(tl.int64) * P + pid) * 16 + d_idx, bins)
+        acc += tl.where(digit[:, None] == d_idx[None, :], w[:, None], 0.0)
+    tl.store(hist_ptr + ((step * B + row).to(tl.int64) * P + pid) * 16 + d_idx, tl.sum(acc, axis=0))
 
 
 class Cutoffs:
