@@ -115,10 +115,28 @@ class ServerConfig(BaseModel):
     api_keys: tuple[str, ...] = ()           # empty: no authentication
     model_name: Optional[str] = None         # the id /v1/models reports; default: the model directory's name
     max_tokens: int = Field(1024, ge=1)      # completion length when a request names none
+    # Chat replies' `<think>` blocks as `reasoning_content` (Qwen3, DeepSeek-R1); None: on when the template has one
+    reasoning_parser: Optional[bool] = None
+    cors_origins: tuple[str, ...] = ()       # browser origins allowed to call the API ('*': any); empty: no CORS
 
     @field_validator("api_keys")
     @classmethod
     def _keys(cls, v):
         if any(not k.strip() for k in v):
             raise ValueError("api_keys must not contain empty keys")
+        return v
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v):
+        # Browsers send the origin as scheme://host[:port]; anything else (a path, a trailing slash) never matches.
+        def origin(o: str) -> bool:
+            scheme, sep, host = o.partition("://")
+            good_scheme = scheme[:1].isalpha() and scheme.isascii() and all(c.isalnum() or c in "+.-" for c in scheme)
+            return bool(good_scheme and sep and host) and not any(c in host for c in "/?# ")
+
+        bad = next((o for o in v if o != "*" and not origin(o)), None)
+        if bad is not None:
+            raise ValueError(f"entry {bad!r} is not '*' or an origin such as 'http://localhost:3000' "
+                             "(scheme and host, no path or trailing slash)")
         return v

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import AsyncIterator, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 from exl2.config import EngineConfig, SamplingSettings
 from exl2.generation.chat import ChatTemplate, tool_call_format
@@ -56,9 +56,10 @@ class Engine:
                 yield text
 
     def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None,
-                    add_generation_prompt: bool = True) -> str:
-        """The chat template's rendering of `messages` (and `tools`), by default ending where the reply starts."""
-        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+                    add_generation_prompt: bool = True, **variables: Any) -> str:
+        """The chat template's rendering of `messages` (and `tools`), by default ending where the reply starts;
+        `variables` are extra template inputs (e.g. Qwen3's `enable_thinking`)."""
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
 
     def chat(self, messages: list[dict], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 512,
              grammar: Optional[Grammar] = None) -> GenerationResult:

@@ -20,9 +20,11 @@ import uvicorn
 from exl2.cli.main import main
 from exl2.config import EngineConfig, SamplingSettings, ServerConfig
 from exl2.engine import Engine
+from exl2.generation.chat import ChatTemplate
 from exl2.generation.generator import GenerationResult
 from exl2.generation.job import Event
 from exl2.server.app import create_app
+from exl2.server.reasoning import ReasoningSplitter, split_reasoning
 
 from test_cli import SRC
 
@@ -76,11 +78,13 @@ class FakeEngine:
         self.reply: str | None = CALL      # None: an endless reply, for the disconnect tests
         self.fail_seed: int | None = None  # the job sampling with this seed fails after its first piece
         self.rendered: list[tuple[list, object]] = []
+        self.prompts: list = []             # what each engine stream was asked to continue
+        self.template = ChatTemplate()      # ChatML, as for a model without a template of its own
         self.forced: list[str] = []         # the tool_choice grammars asked for
         self.closed = threading.Event()
         self.opened = self.closes = 0      # streams started and closed, for the disconnect tests
 
-    def chat_prompt(self, messages, tools=None):
+    def chat_prompt(self, messages, tools=None, **variables):
         self.rendered.append((messages, tools))
         return "PROMPT"
 
@@ -94,6 +98,7 @@ class FakeEngine:
     async def aevent_stream(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None,
                             grammar=None, logprobs=None):
         self.opened += 1
+        self.prompts.append(prompt)
         try:
             if self.reply is None:
                 while True:
@@ -256,6 +261,25 @@ def test_chat_greedy_matches_engine(app, engine):
     # No max_tokens: ServerConfig.max_tokens (16) applies.
     assert default.usage.completion_tokens == 16
     assert default.choices[0].message.content == reference(engine, prompt, 16, add_bos=False).text
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(url, engine):
+    """frequency_penalty / presence_penalty / logit_bias: the reply is the engine's own with the same settings, and
+    a +100 bias on one token makes the greedy reply that token throughout."""
+    from exl2.config import SamplingSettings
+
+    messages = [{"role": "user", "content": "Count: one one one one"}]
+    prompt = engine.chat_prompt(messages)
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    for fields in (dict(frequency_penalty=1.5), dict(presence_penalty=2.0)):
+        r = c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=10, **fields)
+        want = engine.generator.generate(prompt, SamplingSettings(temperature=0, **fields), 10, add_bos=False)
+        assert r.choices[0].message.content == want.text, fields
+        assert want.token_ids != reference(engine, prompt, 10, add_bos=False).token_ids  # the penalty mattered
+    token = engine.tokenizer.encode(" yes", add_bos=False)[0]
+    r = c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=4,
+                                  logit_bias={str(token): 100})
+    assert r.choices[0].message.content == engine.tokenizer.decode([token] * 4)
 
 
 def test_chat_streaming_over_socket(url, engine):
@@ -431,14 +455,16 @@ def test_bad_requests_are_400_in_openai_shape(app):
         cases = [dict(n=17), dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
                  dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
                      "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}),
-                 dict(frequency_penalty=0.5), dict(top_logprobs=3), dict(stop=["a", "b", "c", "d", "e"])]
+                 dict(logit_bias={"abc": 1.0}), dict(logit_bias={"99999999": 1.0}), dict(top_logprobs=3),
+                 dict(stop=["a", "b", "c", "d", "e"])]
         params = []
         for extra in cases:
             with pytest.raises(openai.BadRequestError) as e:
                 await c.chat.completions.create(model="tiny", messages=hi, max_tokens=2, **extra)
             assert set(e.value.body) == {"message", "type", "param", "code"}
             params.append(e.value.body["param"])
-        assert params == ["n", "response_format", "response_format", "frequency_penalty", "top_logprobs", "stop"]
+        assert params == ["n", "response_format", "response_format", "logit_bias", "logit_bias", "top_logprobs",
+                          "stop"]
         assert "at most 4" in e.value.body["message"]
         with pytest.raises(openai.BadRequestError) as e:
             await c.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, n=17)
@@ -721,3 +747,276 @@ def test_logprobs_requests_the_engine_cannot_serve(app):
         with pytest.raises(openai.BadRequestError):
             await aclient(app).completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=6)
     run(go())
+
+
+# ---- reasoning output -------------------------------------------------------------------------------------------
+
+# Qwen3-style: the generation prompt opens a think block unless enable_thinking is false, which closes it empty.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+THOUGHT = 'Maybe <tool_call>{"name": "sub", "arguments": {}}</tool_call>? No: add.'
+
+
+class ThinkingEngine(FakeEngine):
+    """A fake reasoning model: its own template (so chat_template_kwargs reach it) and canned replies."""
+
+    model_name = "thinking-model"
+
+    def __init__(self):
+        super().__init__()
+        self.template = ChatTemplate(THINKING_TEMPLATE)     # mentions <think>: the reasoning parser is on
+
+    def chat_prompt(self, messages, tools=None, **variables):
+        self.rendered.append((messages, tools))
+        return self.template.render(messages, tools, **variables)
+
+    def json_grammar(self, schema=None):
+        return "json grammar"          # not applied by the fake; tells the server the reply is constrained
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    return ThinkingEngine()
+
+
+@pytest.fixture(scope="module")
+def thinker_url(thinker):
+    with serving(create_app(thinker, ServerConfig())) as base:
+        yield base
+
+
+def test_reasoning_splitter_any_chunking():
+    """Every way of cutting a reply into two or three pieces, and one character at a time, splits it as the whole
+    text does: tags cut across pieces are held until complete, whitespace around the block is dropped."""
+    cases = [("<think>\nLet me see.\n</think>\n\nIt is 3.", False, ("Let me see.", "It is 3.")),
+             ("Let me see.\n</think>\n\nIt is 3.", True, ("Let me see.", "It is 3.")),
+             ("<think>\nagain</think>It is 3.", True, ("again", "It is 3.")),
+             ("  <think>a  b </think>  c d ", False, ("a  b", "c d ")),
+             ("<think>\n\n</think>\n\nHi", False, ("", "Hi")),
+             ("<think>cut off at max_tok", False, ("cut off at max_tok", "")),
+             ("cut off in the tag </thi", True, ("cut off in the tag </thi", "")),
+             ("\n\nPlain <b>x</b> </think>", False, (None, "\n\nPlain <b>x</b> </think>")),
+             ("<thi", False, (None, "<thi")), ("", True, ("", "")), ("", False, (None, ""))]
+    for text, thinking, want in cases:
+        assert split_reasoning(text, thinking) == want, text
+        cuts = [(i, j) for i in range(len(text) + 1) for j in range(i, len(text) + 1)]
+        pieces = [[text[:i], text[i:j], text[j:]] for i, j in cuts] + [list(text)]
+        for parts in pieces:
+            splitter, reasoning, content = ReasoningSplitter(thinking), "", ""
+            for part in parts:
+                r, c = splitter.push(part)
+                reasoning, content = reasoning + r, content + c
+            r, c = splitter.finish()
+            assert (reasoning + r if splitter.found else None, content + c) == want, (text, parts)
+
+
+def test_reasoning_non_streamed(thinker_url, thinker):
+    """The template opens the think block, so the reply only closes it; with enable_thinking false the prompt
+    closes it and the reply is all content; a reply opening its own block is split too; tool calls are read only
+    from the content (a call mentioned while thinking is not one)."""
+    c = openai.OpenAI(base_url=f"{thinker_url}/v1", api_key="unused", max_retries=0)
+    hi = [{"role": "user", "content": "1+2?"}]
+
+    thinker.reply = "\nLet me see.\n</think>\n\nIt is 3."
+    r = c.chat.completions.create(model="x", messages=hi)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "Let me see." and msg.content == "It is 3." and r.choices[0].finish_reason == "stop"
+    assert thinker.prompts[-1].endswith("<|im_start|>assistant\n<think>\n")
+
+    history = [*hi, {"role": "assistant", "content": "It is 3.", "reasoning_content": "Easy."}, *hi]
+    c.chat.completions.create(model="x", messages=history)     # thinking sent back reaches the template
+    assert thinker.rendered[-1][0][1] == {"role": "assistant", "content": "It is 3.", "reasoning_content": "Easy."}
+
+    thinker.reply = "It is 3."
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = c.chat.completions.create(model="x", messages=hi, extra_body=no_think)
+    assert r.choices[0].message.content == "It is 3." and r.choices[0].message.reasoning_content is None
+    assert thinker.prompts[-1].endswith("<think>\n\n</think>\n\n")
+
+    thinker.reply = "<think>Easy.</think>\n3"
+    r = c.chat.completions.create(model="x", messages=hi, extra_body={"template_vars": {"enable_thinking": False}})
+    assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == ("Easy.", "3")
+
+    thinker.reply = "Still thinking when max_tokens ran out"
+    r = c.chat.completions.create(model="x", messages=hi)
+    assert r.choices[0].message.reasoning_content == thinker.reply and r.choices[0].message.content is None
+
+    thinker.reply = THOUGHT + "\n</think>\n\n" + CALL
+    r = c.chat.completions.create(model="x", messages=hi, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.reasoning_content == THOUGHT and msg.content is None
+    assert [t.function.name for t in msg.tool_calls] == ["add"]
+    thinker.reply = '{"a": 1}'                           # a grammar from the first token: the reply cannot think
+    r = c.chat.completions.create(model="x", messages=hi, response_format={"type": "json_object"})
+    assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == (None, '{"a": 1}')
+    thinker.reply = THOUGHT + "\n</think>\n\nNo call."
+    r = c.chat.completions.create(model="x", messages=hi, tools=TOOLS)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == "No call."
+
+
+def test_reasoning_streamed(thinker_url, thinker):
+    """Streamed deltas carry reasoning_content, then content, equal to the non-streamed split however the fake's
+    3-character pieces cut the tags; neither carries a tag; with tools the call is parsed from the content alone."""
+    def stream(reply, **body):
+        thinker.reply = reply
+        data = sse_data(thinker_url, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "1+2?"}], "stream": True, **body})
+        deltas = [json.loads(d)["choices"][0]["delta"] for d in data[:-1]]
+        finish = json.loads(data[-2])["choices"][0]["finish_reason"]
+        assert not any("think>" in (d.get("content") or "") + (d.get("reasoning_content") or "") for d in deltas)
+        return ("".join(d.get("reasoning_content") or "" for d in deltas),
+                "".join(d.get("content") or "" for d in deltas),
+                [tc for d in deltas for tc in d.get("tool_calls") or []], finish, deltas)
+
+    no_think = {"enable_thinking": False}
+    for pad in ("", "x", "xy"):                          # the closing tag cut at each place of a piece
+        reasoning, content, _, finish, deltas = stream(f"\n{pad}Let me see.\n</think>\n\nIt is 3.")
+        assert (reasoning, content, finish) == (f"{pad}Let me see.", "It is 3.", "stop")
+        first = next(i for i, d in enumerate(deltas) if d.get("content"))
+        assert all(not d.get("reasoning_content") for d in deltas[first:])      # thinking first, then the answer
+        reasoning, content, _, _, _ = stream(f"{pad}It is 3.", chat_template_kwargs=no_think)
+        assert (reasoning, content) == ("", f"{pad}It is 3.")
+        reasoning, content, _, _, _ = stream(f"<think>{pad}Hm.</think> 3", chat_template_kwargs=no_think)
+        assert (reasoning, content) == (f"{pad}Hm.", "3")
+    c = openai.OpenAI(base_url=f"{thinker_url}/v1", api_key="unused", max_retries=0)
+    for reply, kwargs in [("Cut off in the tag </thi", {}), ("Cut off with space  ", {}), ("<thi", no_think),
+                          ("  \n", no_think), ("<think>x\n</think>\n", no_think)]:
+        streamed = stream(reply, chat_template_kwargs=kwargs)[:2]      # what is held at the end comes out too
+        whole = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "1+2?"}],
+                                          extra_body={"chat_template_kwargs": kwargs}).choices[0].message
+        assert streamed == (whole.reasoning_content or "", whole.content or ""), reply
+
+    reasoning, content, calls, finish, _ = stream(THOUGHT + "\n</think>\n\n" + CALL, tools=TOOLS)
+    assert reasoning == THOUGHT and content == "" and finish == "tool_calls"
+    assert [tc["function"]["name"] for tc in calls] == ["add"]
+    reasoning, content, calls, finish, _ = stream("Hm.</think>Let me add.\n" + CALL, tools=TOOLS, n=1)
+    assert (reasoning, content, finish) == ("Hm.", "Let me add.\n", "tool_calls") and len(calls) == 1
+
+
+def test_reasoning_parser_setting(thinker, fake_app):
+    """Auto: on for a template that mentions <think>, off otherwise (the ChatML-prompted fake); ServerConfig turns
+    it off (the reply then comes unchanged, without reasoning_content) or on."""
+    async def ask(app, reply):
+        thinker.reply = reply
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        card = (await http.get("/v1/model")).json()["parameters"]["reasoning_parser"]
+        r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        return card, r.json()["choices"][0]["message"]
+
+    reply = "Hm.\n</think>\n\n3"
+    card, msg = run(ask(create_app(thinker, ServerConfig(reasoning_parser=False)), reply))
+    assert card is False and msg["content"] == reply and "reasoning_content" not in msg
+    card, msg = run(ask(create_app(thinker, ServerConfig()), reply))
+    assert card is True and (msg["reasoning_content"], msg["content"]) == ("Hm.", "3")
+    plain = FakeEngine()
+    plain.reply = "<think>Hm.</think>3"
+    forced = create_app(plain, ServerConfig(reasoning_parser=True))
+    assert fake_app.state.exl2.reasoning is False and forced.state.exl2.reasoning is True
+    msg = run(aclient(forced).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}]))
+    assert (msg.choices[0].message.reasoning_content, msg.choices[0].message.content) == ("Hm.", "3")
+
+
+# ---- chat template variables ------------------------------------------------------------------------------------
+
+def test_chat_template_kwargs_reach_the_template(thinker_url, thinker, app, engine):
+    c = openai.OpenAI(base_url=f"{thinker_url}/v1", api_key="unused", max_retries=0)
+    hi = [{"role": "user", "content": "hi"}]
+    thinker.reply = "3"
+    for body, closed in [({}, False), ({"chat_template_kwargs": {"enable_thinking": False}}, True),
+                         ({"template_vars": {"enable_thinking": False}}, True),
+                         ({"template_vars": {"enable_thinking": False},
+                           "chat_template_kwargs": {"enable_thinking": True}}, False),   # the latter wins
+                         ({"chat_template_kwargs": {"enable_thinking": True, "x": [1, {"y": None}]}}, False)]:
+        c.chat.completions.create(model="x", messages=hi, extra_body=body)
+        assert thinker.prompts[-1].endswith("<think>\n\n</think>\n\n" if closed else "assistant\n<think>\n"), body
+
+    # The real engine: variables its template does not use leave the prompt as engine.chat_prompt renders it.
+    ref = reference(engine, engine.chat_prompt(hi), 2, add_bos=False)
+    r = run(aclient(app).chat.completions.create(model="tiny", messages=hi, temperature=0, max_tokens=2,
+                                                 extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.prompt_tokens
+
+
+def test_chat_template_kwargs_rejected(thinker_url):
+    """Not an object, or a name the server sets itself: a 400 with one sentence naming the field."""
+    def post(**body):
+        return httpx.post(f"{thinker_url}/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], **body})
+
+    for body, param, words in [({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages",
+                                "messages"),
+                               ({"template_vars": {"bos_token": "<s>"}}, "template_vars.bos_token", "bos_token"),
+                               ({"chat_template_kwargs": {"add_generation_prompt": False}},
+                                "chat_template_kwargs.add_generation_prompt", "add_generation_prompt"),
+                               ({"chat_template_kwargs": {"raise_exception": 1}},
+                                "chat_template_kwargs.raise_exception", "raise_exception"),
+                               ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs.self", "self"),
+                               ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "dictionary"),
+                               ({"template_vars": "enable_thinking"}, "template_vars", "dictionary")]:
+        r = post(**body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and words in err["message"], (body, err)
+        assert err["message"].count(". ") == 0 and err["message"].endswith("."), err["message"]
+
+
+# ---- CORS -------------------------------------------------------------------------------------------------------
+
+def test_cors(fake, fake_app):
+    """With origins configured, a browser's preflight is answered (before the key check) and replies, errors
+    included, carry Access-Control-Allow-Origin for those origins only; without, no CORS headers at all."""
+    origin = "http://localhost:3000"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+
+    async def go(app):
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        pre = await http.options("/v1/chat/completions", headers=preflight)
+        other = await http.options("/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+        ok = await http.get("/v1/models", headers={"Origin": origin, "Authorization": f"Bearer {KEY}"})
+        denied = await http.get("/v1/models", headers={"Origin": origin})
+        return pre, other, ok, denied
+
+    on = create_app(fake, ServerConfig(api_keys=(KEY,), cors_origins=(origin, "https://app.example")))
+    pre, other, ok, denied = run(go(on))
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == origin
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    assert "access-control-allow-origin" not in other.headers
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == origin
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == origin
+
+    pre, other, ok, _ = run(go(create_app(fake, ServerConfig(api_keys=(KEY,)))))
+    assert pre.status_code != 200 and not any(h.startswith("access-control-") for h in pre.headers)
+    assert "access-control-allow-origin" not in ok.headers
+    assert run(go(create_app(fake, ServerConfig(cors_origins=("*",)))))[0].headers["access-control-allow-origin"] == "*"
+
+    for bad in ("http://localhost:3000/", "localhost:3000", "null", ""):
+        with pytest.raises(ValueError, match="origin"):
+            ServerConfig(cors_origins=(bad,))
+
+
+def test_serve_flags(monkeypatch, capsys):
+    """`exl2 serve --cors-origin ... --no-reasoning-parser` reaches the app's ServerConfig; a bad origin is one
+    line on stderr before anything loads."""
+    import uvicorn as uv
+
+    apps = []
+    monkeypatch.setattr("exl2.engine.Engine", lambda config: ThinkingEngine())
+    monkeypatch.setattr(uv.Server, "run", lambda self, sockets=None: apps.append(self.config.app))
+    argv = ["serve", "-m", str(SRC), "--device", "cpu", "--port", "0"]
+    assert main(argv + ["--cors-origin", "http://a.example", "--cors_origin", "http://b.example:8080",
+                        "--no-reasoning-parser"]) == 0
+    assert main(argv) == 0
+    flagged, plain = (a.state.exl2 for a in apps)
+    assert flagged.config.cors_origins == ("http://a.example", "http://b.example:8080")
+    assert plain.config.cors_origins == ()
+    assert flagged.config.reasoning_parser is False and flagged.reasoning is False
+    assert plain.config.reasoning_parser is None and plain.reasoning is True         # the template mentions <think>
+    capsys.readouterr()
+    assert main(argv + ["--cors-origin", "http://a.example/"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cors_origins" in err[0] and "http://a.example/" in err[0]

@@ -1,6 +1,7 @@
 """`exl2 serve`: the OpenAI-compatible HTTP API (docs/server.md) for one model, run by uvicorn."""
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import socket
@@ -32,6 +33,13 @@ def register(sub) -> None:
                         "requests run at once and keeps more prompt prefixes cached)")
     p.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=1024,
                    help="completion length for requests that give no max_tokens (default 1024)")
+    p.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="return chat replies' <think>...</think> block as reasoning_content, apart from content "
+                        "(default: on when the model's chat template mentions <think>)")
+    p.add_argument("--cors-origin", "--cors_origin", dest="cors_origins", action="append", default=[],
+                   metavar="ORIGIN", help="let browser apps on this origin call the API, e.g. http://localhost:3000 "
+                                          "(repeatable; '*' = any origin; default: no CORS headers)")
     p.set_defaults(func=run)
 
 
@@ -81,7 +89,8 @@ def run(args) -> int:
     keys = args.api_keys or [k.strip() for k in os.environ.get(KEY_ENV, "").split(",") if k.strip()]
     try:
         server_config = ServerConfig(host=args.host, port=args.port, api_keys=tuple(keys),
-                                     model_name=args.model_name, max_tokens=args.max_tokens)
+                                     model_name=args.model_name, max_tokens=args.max_tokens,
+                                     reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins))
     except ValueError as e:   # pydantic's ValidationError
         raise ConfigError(f"Invalid setting {_one_sentence(e)}.") from None
 

@@ -87,6 +87,13 @@ class ChatTemplate:
         """The model's own template (or ChatML when it has none) with its special-token strings."""
         return cls(tokenizer.chat_template, special_tokens=tokenizer.special_tokens_map)
 
+    @property
+    def reserved_variables(self) -> frozenset[str]:
+        """Names `render` sets itself (its arguments, the special tokens, the template's functions): extra
+        variables from a request must not replace them."""
+        return frozenset({"self", "messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                          *self.special_tokens, *self._compiled.environment.globals})
+
     def render(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
                **extra: Any) -> str:
         kwargs = {**self.special_tokens, **extra}

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 
 from exl2.config import ServerConfig
 from exl2.server import completions, tokens
 from exl2.server.errors import APIError, install_handlers
+from exl2.server.reasoning import template_thinks
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class ServerState:
     config: ServerConfig
     name: str
     created: int
+    reasoning: bool = False         # split think blocks from the answer (`reasoning_content`)
 
 
 def _api_key_check(keys: tuple[str, ...]):
@@ -76,7 +79,8 @@ def _models_router() -> APIRouter:
             "cache_mode": cfg.kv_cache_mode, "max_batch_size": cfg.max_batch_size,
             "prompt_template": "fallback (ChatML)" if getattr(st.engine.template, "is_fallback", False)
             else "the model's own",
-            "draft": str(cfg.draft_model_dir) if cfg.draft_model_dir else ("ngram" if cfg.ngram_draft else None)}}
+            "draft": str(cfg.draft_model_dir) if cfg.draft_model_dir else ("ngram" if cfg.ngram_draft else None),
+            "reasoning_parser": st.reasoning}}
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
@@ -90,10 +94,19 @@ def _models_router() -> APIRouter:
 
 
 def create_app(engine, config: ServerConfig) -> FastAPI:
-    """A FastAPI app serving `engine`; `config` supplies the API keys, the model id and the default max_tokens."""
+    """A FastAPI app serving `engine`; `config` supplies the API keys, the model id, the default max_tokens, the
+    reasoning parser's setting (None: on when the chat template knows `<think>`) and the CORS origins."""
     app = FastAPI(title="exl2", summary="OpenAI-compatible API for one model loaded by the exl2 engine")
-    app.state.exl2 = ServerState(engine, config, config.model_name or engine.model_name, int(time.time()))
+    reasoning = config.reasoning_parser
+    if reasoning is None:
+        reasoning = template_thinks(engine.template)
+    app.state.exl2 = ServerState(engine, config, config.model_name or engine.model_name, int(time.time()), reasoning)
     install_handlers(app)
+    if config.cors_origins:
+        # Browser apps on these origins may call the API; preflights are answered before the key check, as
+        # browsers send them without credentials. No cookies are involved, so credentials stay off.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     auth = [Depends(_api_key_check(config.api_keys))]
     app.include_router(_models_router(), dependencies=auth)
     app.include_router(completions.router, dependencies=auth)

@@ -26,7 +26,8 @@ from exl2.generation.generator import GenerationResult
 from exl2.generation.output import TokenLogprob
 from exl2.server import params
 from exl2.server.errors import APIError, from_engine
-from exl2.server.messages import template_messages
+from exl2.server.messages import template_messages, template_variables
+from exl2.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from exl2.server.schemas import ChatCompletionRequest, CompletionRequest
 from exl2.server.tools import ToolCallHoldback, content_before_calls, openai_tool_calls, template_tools
 
@@ -69,7 +70,8 @@ def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, defau
     """The request fanned out into one job per choice, prompt-major: choice index = prompt index * n + i.
     Choice i samples with seed + i; each job gets its own grammar, since a grammar holds parse state."""
     max_new, stops = params.max_new_tokens(req, default_max), params.stop_strings(req)
-    return [Job(prompt, params.sampling(req, i), max_new, stops, add_bos, param,
+    bias = params.logit_bias(req, getattr(engine.model.spec, "vocab_size", None))
+    return [Job(prompt, params.sampling(req, i, bias), max_new, stops, add_bos, param,
                 params.response_grammar(engine, req.response_format), params.logprobs(req))
             for prompt in prompts for i in range(req.n)]
 
@@ -264,13 +266,26 @@ def _usage_head(body, head: dict) -> Optional[dict]:
     return {**head, "choices": []} if body.stream_options and body.stream_options.include_usage else None
 
 
-def _chat_message(result: GenerationResult, tools) -> tuple[dict[str, Any], str]:
-    """A finished reply as an assistant message with its finish_reason; tool calls parsed when tools were given."""
-    calls = parse_tool_calls(result.text) if tools else []
+def _chat_message(result: GenerationResult, tools, thinking: Optional[bool]) -> tuple[dict[str, Any], str]:
+    """A finished reply as an assistant message with its finish_reason. With the reasoning parser on (`thinking`:
+    whether the reply started inside a think block; None: off) the block is `reasoning_content`; tool calls are
+    parsed from the rest when tools were given."""
+    text, message = result.text, {"role": "assistant"}
+    if thinking is not None:
+        reasoning, text = split_reasoning(text, thinking)
+        message["reasoning_content"] = reasoning or None
+        if reasoning is not None and not text:
+            text = None                   # it only thought (e.g. stopped by max_tokens): no answer yet
+    calls = parse_tool_calls(text) if tools and text else []
     if calls:
-        return {"role": "assistant", "content": content_before_calls(result.text),
-                "tool_calls": openai_tool_calls(calls)}, "tool_calls"
-    return {"role": "assistant", "content": result.text}, result.finish_reason
+        return {**message, "content": content_before_calls(text), "tool_calls": openai_tool_calls(calls)}, \
+            "tool_calls"
+    return {**message, "content": text}, result.finish_reason
+
+
+def _delta(reasoning: str, content: str) -> dict[str, str]:
+    """A streamed chat delta with the non-empty ones of the two."""
+    return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
 
 
 @router.post("/v1/chat/completions")
@@ -282,12 +297,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     for job in jobs:  # a grammar holds parse state: one per choice
         job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice, body.response_format) or job.grammar
     messages = template_messages(body.messages)
+    variables = template_variables(body, st.engine.template)
     try:
-        prompt = st.engine.chat_prompt(messages, tools)
+        prompt = st.engine.chat_prompt(messages, tools, **variables)
     except Exl2Error as e:
         raise _engine_error(e, "messages") from e
     for job in jobs:
         job.prompt = prompt
+    # A grammar (response_format, a forced tool_choice) holds from the reply's first token, so such a reply cannot
+    # think first, even where the prompt opens a think block: it is all content.
+    constrained = any(job.grammar is not None for job in jobs)
+    thinking = (opens_thinking(prompt) and not constrained) if st.reasoning else None
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": st.name}
 
     if not body.stream:
@@ -297,13 +317,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             return Response(status_code=499)
         choices = []
         for i, result in enumerate(results):
-            message, finish = _chat_message(result, tools)
+            message, finish = _chat_message(result, tools, thinking)
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": _chat_logprobs(st.engine.tokenizer, result.logprobs)})
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(results, body.n)}
 
     head["object"] = "chat.completion.chunk"
     holdbacks = [ToolCallHoldback() for _ in jobs] if tools else None
+    splitters = [ReasoningSplitter(thinking) for _ in jobs] if thinking is not None else None
 
     def chunk(i: int, delta: dict, finish: Optional[str] = None, logprobs: Optional[dict] = None) -> str:
         return json.dumps({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
@@ -313,13 +334,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         yield chunk(i, {"role": "assistant", "content": ""})
 
     def on_text(i: int, text: str, logprobs: list):
-        out = holdbacks[i].push(text) if holdbacks else text
+        reasoning, content = splitters[i].push(text) if splitters else ("", text)
+        out = holdbacks[i].push(content) if holdbacks else content
         lp = _chat_logprobs(st.engine.tokenizer, logprobs) if logprobs else None
-        if out or lp:
-            yield chunk(i, {"content": out} if out else {}, None, lp)
+        if reasoning or out or lp:
+            yield chunk(i, _delta(reasoning, out), None, lp)
 
     def finish(i: int, result):
         reason = result.finish_reason
+        reasoning, content = splitters[i].finish() if splitters else ("", "")
+        out = holdbacks[i].push(content) if holdbacks else content
+        if reasoning or out:
+            yield chunk(i, _delta(reasoning, out))
         if holdbacks:
             calls = parse_tool_calls(holdbacks[i].text)
             if calls:

@@ -1,11 +1,13 @@
-"""OpenAI chat messages -> the message dicts Hugging Face chat templates are written against."""
+"""OpenAI chat requests -> chat template input: the message dicts Hugging Face chat templates are written against,
+and the extra variables a request passes to the template."""
 from __future__ import annotations
 
 import json
 from typing import Any, Optional, Union
 
+from exl2.generation.chat import ChatTemplate
 from exl2.server.errors import APIError, unsupported
-from exl2.server.schemas import ChatMessage, ContentPart
+from exl2.server.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 
 
 def _text(content: Optional[Union[str, list[ContentPart]]], param: str) -> str:
@@ -39,7 +41,7 @@ def _arguments(raw: Union[str, dict[str, Any]], param: str) -> dict[str, Any]:
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The conversation as chat-template input: text content, 'developer' read as 'system' (HF templates do
-    not know it), assistant tool calls with dict arguments, tool results with their call id."""
+    not know it), assistant tool calls with dict arguments and thinking, tool results with their call id."""
     out = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
@@ -57,5 +59,23 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 for j, c in enumerate(m.tool_calls)]
         if m.role == "tool" and m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
+        if m.role == "assistant" and m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content      # Qwen3's template shows it in tool-call turns
         out.append(msg)
+    return out
+
+
+def template_variables(req: ChatCompletionRequest, template: ChatTemplate) -> dict[str, Any]:
+    """The request's extra template variables: TabbyAPI's `template_vars` and vLLM's `chat_template_kwargs` (which
+    wins where both set a name). Names the server sets itself (messages, tools, bos_token, ...) are a 400, so a
+    request cannot silently replace the conversation or a template function."""
+    reserved = template.reserved_variables
+    out: dict[str, Any] = {}
+    for param in ("template_vars", "chat_template_kwargs"):
+        given = getattr(req, param) or {}
+        clash = next((k for k in given if k in reserved), None)
+        if clash is not None:
+            raise APIError(400, f"{param} cannot set '{clash}', which the server passes to the chat template itself.",
+                           param=f"{param}.{clash}")
+        out.update(given)
     return out

@@ -56,12 +56,6 @@ def check_supported(req: SamplingFields) -> None:
     """Reject fields whose meaning the engine cannot deliver, so a client never gets a silently different reply."""
     if req.n > MAX_N:
         raise APIError(400, f"'n' is at most {MAX_N}.", param="n")
-    if req.frequency_penalty:
-        raise unsupported("frequency_penalty", "frequency_penalty (use repetition_penalty)")
-    if req.presence_penalty:
-        raise unsupported("presence_penalty", "presence_penalty (use repetition_penalty)")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
@@ -80,12 +74,33 @@ def check_supported(req: SamplingFields) -> None:
             raise unsupported("best_of", "best_of other than 1")
 
 
-def sampling(req: SamplingFields, choice: int = 0) -> SamplingSettings:
-    """OpenAI/TabbyAPI sampling fields as engine settings. top_p 0 keeps only the most likely token (greedy).
-    Choice i of n samples with seed + i: the choices differ, yet a seeded request is reproducible."""
+def logit_bias(req: SamplingFields, vocab: Optional[int]) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias (token id strings → -100..100) with integer ids; a key that is not a token id of the
+    model (`vocab` logits; None: unknown) is a 400, not a bias silently dropped."""
+    out: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias key '{key}' is not a token id.", param="logit_bias") from None
+        if token < 0 or (vocab is not None and token >= vocab):
+            raise APIError(400, f"logit_bias names token {token}, outside the model's vocabulary.",
+                           param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(400, f"logit_bias values must be between -100 and 100 (token {token}: {value}).",
+                           param="logit_bias")
+        out[token] = value
+    return out or None
+
+
+def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, float]] = None) -> SamplingSettings:
+    """OpenAI/TabbyAPI sampling fields as engine settings (`bias`: from `logit_bias`). top_p 0 keeps only the most
+    likely token (greedy). Choice i of n samples with seed + i: the choices differ, yet a seeded request is
+    reproducible."""
     return SamplingSettings(temperature=req.temperature, top_k=1 if req.top_p == 0 else max(req.top_k, 0),
                             top_p=req.top_p or 1.0, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                            seed=None if req.seed is None else req.seed + choice)
+                            frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+                            logit_bias=bias, seed=None if req.seed is None else req.seed + choice)
 
 
 def stop_strings(req: SamplingFields) -> list[str]:

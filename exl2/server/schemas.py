@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 
 class _Body(BaseModel):
@@ -41,6 +41,7 @@ class ChatMessage(_Body):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None     # an earlier reply's thinking, as this server returned it
 
 
 class FunctionDef(_Body):
@@ -105,6 +106,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None             # accepted; the model decides how many calls it makes
     functions: Optional[list[dict[str, Any]]] = None       # the pre-tools API: rejected with a pointer to `tools`
+    # Extra chat-template variables (e.g. Qwen3's {"enable_thinking": false}): vLLM's name and TabbyAPI's.
+    chat_template_kwargs: Optional[dict[str, JsonValue]] = None
+    template_vars: Optional[dict[str, JsonValue]] = None
 
 
 class CompletionRequest(SamplingFields):
