@@ -24,6 +24,7 @@
 # sampling draw. s24 (session 20): the q4 attention split sweep at batch 1, ctx 2048, then batches 2, 4 and 16 with the
 # gemv up to 4 rows (the old default), 2 (the new one) and 1 (EXL2_GEMV_MAX_M), then benchmarks/sampling.py. s25
 # (session 21): the sampler's tests on CUDA (the fused cutoff search and draw), sampling.py, serving.py, the bench.
+# s26: the same without the bench, then the Gluon kernel's launch settings A/B at batches 2, 4 and 16.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -122,6 +123,13 @@ for s in $steps; do
        timeout ${SERVING_TIMEOUT:-150} python3 benchmarks/serving.py --batches 1,16 > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"
        tail -14 "$OUT/serving.txt"
        timeout 200 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"; tail -12 "$OUT/bench.txt" ;;
+  s26) timeout -s INT -k 10 90 python3 -m pytest tests/test_sampler.py -q -p no:cacheprovider -rfE > "$OUT/sampler_cuda.txt" 2>&1
+       echo "sampler tests (cpu + cuda) rc=$?"; tail -n 3 "$OUT/sampler_cuda.txt"
+       timeout 60 python3 benchmarks/sampling.py --profile > "$OUT/sampling.txt" 2>&1; echo "sampling rc=$?"; head -26 "$OUT/sampling.txt"
+       timeout ${SERVING_TIMEOUT:-150} python3 benchmarks/serving.py --batches 1,16 > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"
+       head -11 "$OUT/serving.txt"
+       AB_SPECS=";EXL2_MMA4_PER_SM=2;EXL2_MMA4_PER_SM=6;EXL2_MMA4_PER_SM=8;EXL2_MMA4_STAGES=6;EXL2_MMA4_V=1;EXL2_MMA4_V=4;EXL2_MMA4_BS=8; " \
+         TAG=_mma BENCH_TIMEOUT=60 BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64 --batch 2,4,16" bash "$0" envab ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"

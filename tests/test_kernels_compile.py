@@ -159,22 +159,20 @@ def _compile_all() -> dict:
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[f"rope-write-{kb}-{vb}-{had}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     from exl2.kernels import cutoff, sampling
-    sptrs = {"x_ptr": "*fp32", "seen_ptr": "*u8", "cnt_ptr": "*fp32", "par_ptr": "*fp32", "pmax_ptr": "*fp32", "hist_ptr": "*fp32",
+    sptrs = {"x_ptr": "*fp32", "y_ptr": "*fp32", "seen_ptr": "*u8", "cnt_ptr": "*fp32", "par_ptr": "*fp32", "pmax_ptr": "*fp32", "hist_ptr": "*fp32",
              "sti_ptr": "*i32", "stf_ptr": "*fp32", "khist_ptr": "*fp32", "ksti_ptr": "*i32", "kstf_ptr": "*fp32",
              "phist_ptr": "*fp32", "psti_ptr": "*i32", "pstf_ptr": "*fp32", "key_ptr": "*i64", "val_ptr": "*fp32", "arg_ptr": "*i32", "cut_ptr": "*i32", "out_ptr": "*i64"}
     on = dict(HAS_SEEN=True, HAS_COUNTS=True)
-    cases = {"sample-max": (cutoff._max_kernel, dict(CHUNK=4096, BLOCK=512, **on)),
-             "sample-pass-k": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, MASS=False, AFTER_K=False,
-                                                         **on)),
-             "sample-pass-p": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, MASS=True, AFTER_K=True,
-                                                         **on)),
+    cases = {"sample-prep": (cutoff._prep_kernel, dict(CHUNK=4096, BLOCK=512, **on)),
+             "sample-pass-k": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, MASS=False, AFTER_K=False)),
+             "sample-pass-p": (cutoff._pass_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, MASS=True, AFTER_K=True)),
              "sample-draw": (sampling._draw_kernel, dict(CHUNK=4096, BLOCK=512, PP=32, HAS_K=True, HAS_P=True,
-                                                         HAS_MIN_P=True, **on)),
+                                                         HAS_MIN_P=True, PREPPED=False, **on)),
              "sample-pick": (sampling._pick_kernel, dict(PP=32))}
     for key, (fn, consts) in cases.items():
         try:  # the penalty and temperature divide exactly (div.rn), as PyTorch does in the sampler's PyTorch path
             text = ptx(fn, sptrs, consts, 1 if key == "sample-pick" else 4, 1)
-            exact = key == "sample-pick" or "div.rn.f32" in text
+            exact = key in ("sample-pick", "sample-pass-k", "sample-pass-p") or "div.rn.f32" in text
             out[key] = "ok" if exact else "no div.rn.f32"
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -238,6 +236,6 @@ if __name__ == "__main__":
     print(json.dumps(_compile_all()))
 
 
-@pytest.mark.parametrize("kernel", ["sample-max", "sample-pass-k", "sample-pass-p", "sample-draw", "sample-pick"])
+@pytest.mark.parametrize("kernel", ["sample-prep", "sample-pass-k", "sample-pass-p", "sample-draw", "sample-pick"])
 def test_sampling_kernels_compile_with_exact_division(compiled, kernel):
     assert compiled[kernel] == "ok"

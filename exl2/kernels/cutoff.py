@@ -102,23 +102,26 @@ def row_max(pmax_ptr, row, P, PP: tl.constexpr):
 
 
 @triton.jit
-def _max_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, pmax_ptr, V, P, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr):
+def _prep_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, y_ptr, pmax_ptr, V, P, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """y (`logit`) written once for the searches and the draw to read, and each chunk's maximum."""
     row = tl.program_id(0)
     pid = tl.program_id(1)
     best = tl.full([BLOCK], -float("inf"), tl.float32)
     for start in range(pid * CHUNK, pid * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
-        best = tl.maximum(best, logit(x_ptr, seen_ptr, cnt_ptr, par_ptr, row, idx, idx < V, V, HAS_SEEN, HAS_COUNTS))
+        y = logit(x_ptr, seen_ptr, cnt_ptr, par_ptr, row, idx, idx < V, V, HAS_SEEN, HAS_COUNTS)
+        tl.store(y_ptr + row.to(tl.int64) * V + idx, y, mask=idx < V)
+        best = tl.maximum(best, y)
     tl.store(pmax_ptr + row * P + pid, tl.max(best, axis=0))
 
 
 @triton.jit
-def _pass_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, pmax_ptr, hist_ptr, sti_ptr, stf_ptr, khist_ptr, ksti_ptr, kstf_ptr,
-                 V, B, P, step, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PP: tl.constexpr,
-                 HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr, MASS: tl.constexpr, AFTER_K: tl.constexpr):
-    """Pass `step` of a cutoff search (MASS: top-p's, weights exp(y - max) over the tokens top-k keeps; else
-    top-k's, weights 1)."""
+def _pass_kernel(y_ptr, par_ptr, pmax_ptr, hist_ptr, sti_ptr, stf_ptr, khist_ptr, ksti_ptr, kstf_ptr,
+                 V, B, P, step, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PP: tl.constexpr, MASS: tl.constexpr,
+                 AFTER_K: tl.constexpr):
+    """Pass `step` of a cutoff search over y (MASS: top-p's, weights exp(y - max) over the tokens top-k keeps;
+    else top-k's, weights 1)."""
     row = tl.program_id(0)
     pid = tl.program_id(1)
     top_k = tl.load(par_ptr + row * 8 + 2)
@@ -154,46 +157,62 @@ def _pass_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, pmax_ptr, hist_ptr, sti_ptr,
     for start in range(pid * CHUNK, pid * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < limit
-        y = logit(x_ptr, seen_ptr, cnt_ptr, par_ptr, row, idx, ok, V, HAS_SEEN, HAS_COUNTS)
+        y = tl.load(y_ptr + row.to(tl.int64) * V + idx, mask=ok, other=-float("inf"))
         key = order_key(y)
         inside = ok & (key >= key_k)
         if step > 0:
             inside = inside & ((key >> high) == (prefix >> high))
-        digit = (key >> shift) & 15
-        if step == 0:
-            digit = digit ^ 8
-        if MASS:
-            w = tl.where(inside, tl.exp(y - m), 0.0)
-        else:
-            w = inside.to(tl.float32)
-        acc += tl.where(digit[:, None] == d_idx[None, :], w[:, None], 0.0)
+        # After the first passes the interval is narrow and most blocks hold none of it: skip their binning.
+        if tl.max(inside.to(tl.int32), axis=0) > 0:
+            digit = (key >> shift) & 15
+            if step == 0:
+                digit = digit ^ 8
+            if MASS:
+                w = tl.where(inside, tl.exp(y - m), 0.0)
+            else:
+                w = inside.to(tl.float32)
+            acc += tl.where(digit[:, None] == d_idx[None, :], w[:, None], 0.0)
     tl.store(hist_ptr + ((step * B + row).to(tl.int64) * P + pid) * 16 + d_idx, tl.sum(acc, axis=0))
 
 
 class Cutoffs:
-    """The searches' buffers for one batch; `run` fills them, the draw kernel reads the keys from them."""
+    """The searches' buffers for one batch shape (y, chunk maxima, partial bins, resolved states); `run` fills
+    them, the draw kernel reads y and the keys from them. Kept between calls of the same shape (`for_shape`), so a
+    decode step allocates nothing."""
 
-    def __init__(self, b: int, p: int, device: torch.device):
+    def __init__(self, b: int, v: int, p: int, device: torch.device):
+        self.y = torch.empty(b, v, dtype=torch.float32, device=device)
         self.pmax = torch.empty(b, p, dtype=torch.float32, device=device)
         self.hist = torch.empty(2, PASSES, b, p, NB, dtype=torch.float32, device=device)
         self.sti = torch.empty(2, PASSES, b, dtype=torch.int32, device=device)
         self.stf = torch.empty(2, PASSES, b, 2, dtype=torch.float32, device=device)
+        self.val = torch.empty(b, p, dtype=torch.float32, device=device)
+        self.arg = torch.empty(b, p, dtype=torch.int32, device=device)
+        self.cuts = torch.empty(b, dtype=torch.int32, device=device)
+
+    @classmethod
+    def for_shape(cls, b: int, v: int, p: int, device: torch.device) -> "Cutoffs":
+        key = (device, b, v, p)
+        ws = _WORKSPACES.pop(key, None) or cls(b, v, p, device)
+        _WORKSPACES[key] = ws  # most recent last
+        while len(_WORKSPACES) > 8:
+            _WORKSPACES.pop(next(iter(_WORKSPACES)))
+        return ws
 
     def run(self, x: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params: torch.Tensor, chunk: int,
-            block: int, pp: int, has_seen: bool, has_counts: bool, need_max: bool, has_k: bool, has_p: bool) -> None:
-        """The row maxima (where a mass search or min-p needs them), then the top-k search, then top-p's."""
+            block: int, pp: int, has_seen: bool, has_counts: bool, has_k: bool, has_p: bool) -> None:
+        """y and the row maxima, then the top-k search, then top-p's."""
         b, p = self.pmax.shape
         v = x.shape[1]
-        if need_max:
-            _max_kernel[(b, p)](x, seen, counts, params, self.pmax, v, p, CHUNK=chunk, BLOCK=block,
-                                HAS_SEEN=has_seen, HAS_COUNTS=has_counts, num_warps=4,
-                                enable_fp_fusion=False)
+        _prep_kernel[(b, p)](x, seen, counts, params, self.y, self.pmax, v, p, CHUNK=chunk, BLOCK=block,
+                             HAS_SEEN=has_seen, HAS_COUNTS=has_counts, num_warps=4, enable_fp_fusion=False)
         for mass, on in ((0, has_k), (1, has_p)):
             if not on:
                 continue
             for step in range(PASSES):
-                _pass_kernel[(b, p)](x, seen, counts, params, self.pmax, self.hist[mass], self.sti[mass], self.stf[mass],
+                _pass_kernel[(b, p)](self.y, params, self.pmax, self.hist[mass], self.sti[mass], self.stf[mass],
                                      self.hist[0], self.sti[0], self.stf[0], v, b, p, step, CHUNK=chunk,
-                                     BLOCK=block, PP=pp, HAS_SEEN=has_seen, HAS_COUNTS=has_counts, MASS=bool(mass),
-                                     AFTER_K=bool(mass) and has_k, num_warps=4,
-                                     enable_fp_fusion=False)
+                                     BLOCK=block, PP=pp, MASS=bool(mass), AFTER_K=bool(mass) and has_k, num_warps=4)
+
+
+_WORKSPACES: dict[tuple, Cutoffs] = {}

@@ -72,12 +72,12 @@ def _hash32_tl(x):
 
 
 @triton.jit
-def _draw_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, key_ptr, pmax_ptr, khist_ptr, ksti_ptr, kstf_ptr, phist_ptr,
-                 psti_ptr, pstf_ptr, val_ptr, arg_ptr, cut_ptr, V, B, P, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 PP: tl.constexpr, HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_K: tl.constexpr,
-                 HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+def _draw_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, key_ptr, y_ptr, pmax_ptr, khist_ptr, ksti_ptr, kstf_ptr,
+                 phist_ptr, psti_ptr, pstf_ptr, val_ptr, arg_ptr, cut_ptr, V, B, P, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, PP: tl.constexpr, HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr,
+                 PREPPED: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
     """Each program's best token of its chunk: max of y + Gumbel noise over the tokens the row's cutoffs keep
-    (max of y for greedy rows)."""
+    (max of y for greedy rows); y read from the prep kernel's output (PREPPED) or computed from the logits."""
     row = tl.program_id(0)
     pid = tl.program_id(1)
     top_k = tl.load(par_ptr + row * 8 + 2)
@@ -102,7 +102,10 @@ def _draw_kernel(x_ptr, seen_ptr, cnt_ptr, par_ptr, key_ptr, pmax_ptr, khist_ptr
     for start in range(pid * CHUNK, pid * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < V
-        y = logit(x_ptr, seen_ptr, cnt_ptr, par_ptr, row, idx, ok, V, HAS_SEEN, HAS_COUNTS)
+        if PREPPED:
+            y = tl.load(y_ptr + row.to(tl.int64) * V + idx, mask=ok, other=-float("inf"))
+        else:
+            y = logit(x_ptr, seen_ptr, cnt_ptr, par_ptr, row, idx, ok, V, HAS_SEEN, HAS_COUNTS)
         keep = ok & (order_key(y) >= cut)
         if HAS_MIN_P:
             keep = keep & (tl.exp(y - m) >= tl.where(min_p > 0.0, min_p, -1.0))
@@ -148,16 +151,15 @@ def draw(x: torch.Tensor, params: torch.Tensor, keys: torch.Tensor, seen: Option
     has_seen, has_counts = seen is not None, counts is not None
     seen_arg = seen.view(torch.uint8) if has_seen else x
     counts_arg = counts if has_counts else x
-    cut = Cutoffs(b, p, x.device)
-    cut.run(x, seen_arg, counts_arg, params, chunk, block, pp, has_seen, has_counts, has_p or has_min_p, has_k,
-            has_p)
-    val = torch.empty(b, p, dtype=torch.float32, device=x.device)
-    arg = torch.empty(b, p, dtype=torch.int32, device=x.device)
-    cuts = torch.empty(b, dtype=torch.int32, device=x.device) if cuts is None else cuts
-    _draw_kernel[(b, p)](x, seen_arg, counts_arg, params, keys, cut.pmax, cut.hist[0], cut.sti[0], cut.stf[0],
-                         cut.hist[1], cut.sti[1], cut.stf[1], val, arg, cuts, v, b, p, CHUNK=chunk, BLOCK=block,
-                         PP=pp, HAS_SEEN=has_seen, HAS_COUNTS=has_counts, HAS_K=has_k, HAS_P=has_p,
-                         HAS_MIN_P=has_min_p, num_warps=4, enable_fp_fusion=False)
+    ws = Cutoffs.for_shape(b, v, p, x.device)
+    prepped = has_k or has_p or has_min_p
+    if prepped:
+        ws.run(x, seen_arg, counts_arg, params, chunk, block, pp, has_seen, has_counts, has_k, has_p)
+    cuts = ws.cuts if cuts is None else cuts
+    _draw_kernel[(b, p)](x, seen_arg, counts_arg, params, keys, ws.y, ws.pmax, ws.hist[0], ws.sti[0], ws.stf[0],
+                         ws.hist[1], ws.sti[1], ws.stf[1], ws.val, ws.arg, cuts, v, b, p, CHUNK=chunk,
+                         BLOCK=block, PP=pp, HAS_SEEN=has_seen, HAS_COUNTS=has_counts, PREPPED=prepped,
+                         HAS_K=has_k, HAS_P=has_p, HAS_MIN_P=has_min_p, num_warps=4, enable_fp_fusion=False)
     out = torch.empty(b, dtype=torch.int64, device=x.device)
-    _pick_kernel[(b,)](val, arg, out, p, PP=pp, num_warps=1)
+    _pick_kernel[(b,)](ws.val, ws.arg, out, p, PP=pp, num_warps=1)
     return out
