@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 
 def register(sub) -> None:
     from exl2.cli.common import add_gpu_args
-    from exl2.quantize.evaluate import DEFAULT_LENGTH, DEFAULT_ROWS
+    from exl2.quantize.evaluate import DEFAULT_CHUNK, DEFAULT_LENGTH, DEFAULT_ROWS
 
     p = sub.add_parser(
         "eval", help="perplexity, and KL divergence / top-1 agreement against a reference model",
         description="Evaluate a model on held-out text: perplexity, and with --ref the mean KL divergence "
                     "KL(ref || model) and the top-1 agreement of the next-token distributions on the same tokens. "
-                    "The built-in text (Python's pydoc topics) is never part of the built-in calibration set.")
+                    "The built-in text (Python's pydoc topics) is never part of the built-in calibration set. "
+                    "With a quantized -cm the model reads each row in chunks through a KV cache of that mode, so "
+                    "that later chunks attend to keys/values read back from it: what the cache costs in quality.")
     p.add_argument("-m", "--model_dir", "--model", dest="model_dir", default=None,
                    help="model to evaluate (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--ref", default=None, help="reference model directory (e.g. the fp16 source of a conversion)")
@@ -20,10 +23,34 @@ def register(sub) -> None:
     p.add_argument("-r", "--rows", type=int, default=DEFAULT_ROWS, help=f"rows to evaluate (default {DEFAULT_ROWS})")
     p.add_argument("-l", "--length", type=int, default=DEFAULT_LENGTH,
                    help=f"tokens per row (default {DEFAULT_LENGTH})")
+    p.add_argument("-cm", "--cache-mode", "--cache_mode", dest="cache_mode", default="fp16",
+                   choices=["fp16", "q8", "q6", "q4", "q3", "q2"],
+                   help="the model's KV cache: fp16 or quantized (q8, q6 = 8-bit keys/4-bit values, q4, q3, q2); "
+                        "--ref always runs uncached (default fp16: one uncached forward per row)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help=f"tokens per forward through the cache (default {DEFAULT_CHUNK} with a quantized -cm; "
+                        "with fp16, --chunk runs the fp16 paged cache the same way, a control for the chunking)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
     add_gpu_args(p, "; --ref is placed the same way, planned on its own (with 'auto', over what the model left)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
+
+
+def cache_settings(args, warn) -> tuple[Optional[str], int]:
+    """(the model's cache mode, None for one uncached forward per row; tokens per chunk). fp16 without --chunk keeps
+    the uncached forward; a chunk as long as the rows would never read the cache back, hence the warning."""
+    from exl2.errors import ConfigError
+    from exl2.quantize.evaluate import DEFAULT_CHUNK
+
+    if args.chunk is not None and args.chunk < 1:
+        raise ConfigError(f"--chunk must be at least 1 token, not {args.chunk}.")
+    chunk = args.chunk or DEFAULT_CHUNK
+    if args.cache_mode == "fp16" and args.chunk is None:
+        return None, chunk
+    if args.cache_mode != "fp16" and chunk >= args.length:
+        warn(f"--chunk {chunk} covers whole rows of {args.length} tokens: the {args.cache_mode} cache is written "
+             "but never read, so it cannot change the result; use a smaller --chunk")
+    return args.cache_mode, chunk
 
 
 def run(args) -> int:
@@ -32,15 +59,16 @@ def run(args) -> int:
     from exl2.cli.common import resolve_model_dir
     from exl2.errors import ConfigError
     from exl2.generation.tokenizer import Tokenizer
-    from exl2.quantize.evaluate import eval_rows, evaluate
+    from exl2.quantize.evaluate import eval_rows, evaluate, row_cache
     from exl2.quantize.progress import Reporter
     from exl2.runtime.loader import load_model
     from exl2.runtime.placement import parse_gpu_split
 
     if args.rows < 1 or args.length < 2:
         raise ConfigError("-r must be at least 1 and -l at least 2.")
-    split = parse_gpu_split(args.gpu_split)
     ui = Reporter(quiet=args.json)
+    cache_mode, chunk = cache_settings(args, ui.warn)
+    split = parse_gpu_split(args.gpu_split)
     model_dir = resolve_model_dir(args.model_dir)
     tok = Tokenizer.from_dir(model_dir)
     ids, warning = eval_rows(tok, args.data, args.rows, args.length)
@@ -48,7 +76,9 @@ def run(args) -> int:
         ui.warn(warning)
     dtype = torch.float32 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu" else None
     model = load_model(model_dir, args.device, dtype, gpu_split=split, cache_tokens=args.length,
-                       tensor_parallel=args.tensor_parallel)
+                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel)
+    if cache_mode is not None:
+        row_cache(model, cache_mode, 1)  # a model that cannot use the mode fails now, not after loading --ref
     ref = None
     if args.ref:
         ref = load_model(args.ref, args.device, dtype, gpu_split=split, cache_tokens=args.length,
@@ -57,11 +87,12 @@ def run(args) -> int:
             raise ConfigError(f"The reference model has a vocabulary of {ref.spec.vocab_size} tokens and the model "
                               f"{model.spec.vocab_size}; they must share a tokenizer.")
     with ui.stage("evaluation", ids.shape[0]) as tick:
-        res = evaluate(model, ids, ref, lambda: tick(1))
+        res = evaluate(model, ids, ref, lambda: tick(1), cache_mode, chunk)
     if args.json:
         print(json.dumps(res.as_dict()))
         return 0
     print(f"tokens          {res.tokens}")
+    print(f"cache mode      {res.cache_mode}" + (f", chunks of {res.chunk} tokens" if res.chunk else ", uncached"))
     print(f"perplexity      {res.perplexity:.4f}")
     if res.kl is not None:
         print(f"ref perplexity  {res.ref_perplexity:.4f}")
