@@ -77,7 +77,11 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
 WRITTEN = {"hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
                      '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
            "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "now", "arguments": {}}]',
-           "llama": '{"name": "add", "parameters": {"a": 1, "b": 2}}'}
+           "llama": '{"name": "add", "parameters": {"a": 1, "b": 2}}',
+           "qwen3_xml": "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n"
+                        "</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>"}
+# How each written reply is taken out of its schema (b = 200 > 99).
+OUT_OF_SCHEMA = {"qwen3_xml": ("2\n</parameter>", "200\n</parameter>")}
 
 
 def _accepts(grammar, tok, text: str) -> bool:
@@ -93,7 +97,9 @@ def test_tool_call_grammar_accepts_calls_in_the_models_format(engine, fmt):
     assert parse_tool_calls(text)[0] == {"name": "add", "arguments": {"a": 1, "b": 2}}
     assert _accepts(tool_call_grammar(tok, TOOLS, fmt), tok, text)
     assert not _accepts(tool_call_grammar(tok, TOOLS, fmt, name="now"), tok, text)      # only 'now' may be called
-    assert not _accepts(tool_call_grammar(tok, TOOLS, fmt), tok, text.replace("2}", "200}"))  # out of its schema
+    old, new = OUT_OF_SCHEMA.get(fmt, ("2}", "200}"))
+    assert old in text
+    assert not _accepts(tool_call_grammar(tok, TOOLS, fmt), tok, text.replace(old, new))  # out of its schema
     assert not _accepts(tool_call_grammar(tok, TOOLS, fmt), tok, "Sure! " + text)           # nothing but calls
     with pytest.raises(ConfigError):
         tool_call_grammar(tok, TOOLS, fmt, name="missing")
@@ -103,6 +109,58 @@ def test_tool_call_format_follows_the_template():
     assert tool_call_format(ChatTemplate(None)) == "hermes"   # the ChatML fallback announces Hermes-style calls
     assert tool_call_format(ChatTemplate("{{ '[TOOL_CALLS]' }}")) == "mistral"
     assert tool_call_format(ChatTemplate("{{ '<|python_tag|>' }}{{ messages }}")) == "llama"
+
+
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "required": ["text"], "$defs": {"tag": {"type": "string", "maxLength": 3}},
+    "properties": {"text": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+                   "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}}}}}}
+
+
+@pytest.mark.parametrize("text, ok", [
+    # free text (even code with '<' and a partial closing tag), a string enum as text, JSON following the schema
+    ('<tool_call>\n<function=note>\n<parameter=text>\nif a < b:\n    x = "</param"\n</parameter>\n'
+     '<parameter=unit>\nc\n</parameter>\n<parameter=tags>\n["ab", "c"]\n</parameter>\n</function>\n</tool_call>', True),
+    ("<tool_call>\n<function=note>\n<parameter=text>\n\n</parameter>\n</function>\n</tool_call>", True),
+    ("<tool_call>\n<function=note>\n</function>\n</tool_call>", False),                       # 'text' is required
+    ("<tool_call>\n<function=note>\n<parameter=text>\nx</parameter>y\n</parameter>\n</function>\n</tool_call>",
+     False),                                                                                     # value ends at the tag
+    ("<tool_call>\n<function=note>\n<parameter=text>\nx\n</parameter>\n<parameter=unit>\nk\n</parameter>\n"
+     "</function>\n</tool_call>", False),                                                        # not in the enum
+    ('<tool_call>\n<function=note>\n<parameter=text>\nx\n</parameter>\n<parameter=tags>\n["abcd"]\n</parameter>\n'
+     "</function>\n</tool_call>", False),                                                        # $ref'd maxLength
+])
+def test_qwen3_xml_grammar_values(engine, text, ok):
+    tok = engine.tokenizer
+    assert _accepts(tool_call_grammar(tok, TOOLS + [NOTE], "qwen3_xml"), tok, text) is ok
+    if ok:  # what the grammar lets through reads back as the tool's arguments
+        args = parse_tool_calls(text, TOOLS + [NOTE])[0]["arguments"]
+        assert isinstance(args["text"], str) and args.get("unit", "c") == "c" and args.get("tags", ["ab", "c"]) == \
+            ["ab", "c"]
+
+
+@pytest.mark.parametrize("fmt", ["deepseek", "pythonic"])
+def test_forcing_a_call_in_formats_without_a_grammar_is_refused(engine, fmt):
+    with pytest.raises(ConfigError, match=rf"^Forcing a tool call is not supported for this model's tool-call "
+                                          rf"format \({fmt}\); use tool_choice 'auto'\.$"):
+        tool_call_grammar(engine.tokenizer, TOOLS, fmt)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_random_model_forced_into_qwen3_xml_calls_calls(engine, seed):
+    tools = TOOLS + [{"type": "function", "function": {"name": "unit", "parameters": {
+        "type": "object", "required": ["u"], "properties": {"u": {"enum": ["c", "f"]}}}}}]
+    for name in (None, "add", "unit"):
+        r = engine.generate("Call:", SamplingSettings(temperature=1.0, seed=seed), 200,
+                            grammar=tool_call_grammar(engine.tokenizer, tools, "qwen3_xml", name))
+        calls = parse_tool_calls(r.text, tools)
+        assert r.finish_reason == "stop" and calls, r.text
+        for call in calls:
+            assert name is None or call["name"] == name
+            if call["name"] == "add":
+                assert set(call["arguments"]) == {"a", "b"} and all(0 <= v <= 99 for v in call["arguments"].values())
+            if call["name"] == "unit":
+                assert call["arguments"] in ({"u": "c"}, {"u": "f"})
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -1,7 +1,9 @@
 """Chat templates (Jinja2, rendered like transformers' apply_chat_template) and parsing of tool calls in model output."""
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 from datetime import datetime
 from typing import Any, Optional
@@ -110,15 +112,40 @@ class ChatTemplate:
 
 # ---- tool calls -----------------------------------------------------------------------------------------------
 
+# DeepSeek V3/R1/V3.1 call tokens, exactly as their templates write them: fullwidth bars (U+FF5C) and U+2581 for
+# the spaces.
+DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+DS_CALLS_END = "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+DS_CALL_END = "<｜tool▁call▁end｜>"
+DS_SEP = "<｜tool▁sep｜>"
+DS_EOS = "<｜end▁of▁sentence｜>"
+PY_START, PY_END = "<|python_start|>", "<|python_end|>"   # Llama 4 wraps code (and calls) in these
+
+# Where call markup starts in a reply, for every format parse_tool_calls reads. A reply that is only a call, as
+# JSON (Llama 3.1) or a Python list (pythonic), has no marker: it opens with '{' or '['.
+CALL_MARKERS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", DS_CALLS_BEGIN, DS_CALL_BEGIN,
+                PY_START)
+
+
 def tool_call_format(template: ChatTemplate) -> str:
     """How the model writes tool calls, from its template: 'hermes' (`<tool_call>{json}</tool_call>`: Qwen, Hermes
-    and the ChatML fallback), 'mistral' (`[TOOL_CALLS][{json}, ...]`) or 'llama' (Llama 3.1: the bare JSON object
-    `{"name": ..., "parameters": {...}}`). Templates that name none of them get 'hermes'."""
+    and the ChatML fallback), 'qwen3_xml' (Qwen3-Coder: `<tool_call>` around `<function=NAME>` and
+    `<parameter=KEY>` blocks), 'deepseek' (V3/R1/V3.1 `<｜tool▁call▁begin｜>` tokens), 'mistral'
+    (`[TOOL_CALLS][{json}, ...]`), 'pythonic' (a Python list of calls, `[f(a=1), g()]`: Llama 3.2/4 pythonic and
+    Gemma-style templates) or 'llama' (Llama 3.1: the bare JSON object `{"name": ..., "parameters": {...}}`).
+    Templates that name none of them get 'hermes'."""
     src = template.source
+    if "<function=" in src:            # before hermes: Qwen3-Coder templates also write <tool_call>
+        return "qwen3_xml"
+    if "tool▁calls▁begin" in src:
+        return "deepseek"
     if "<tool_call>" in src:
         return "hermes"
     if "[TOOL_CALLS]" in src:
         return "mistral"
+    if "[func_name1(" in src:          # the pythonic instruction: "[func_name1(params_name1=params_value1, ...)]"
+        return "pythonic"
     if "<|python_tag|>" in src or "ipython" in src:
         return "llama"
     return "hermes"
@@ -126,6 +153,11 @@ def tool_call_format(template: ChatTemplate) -> str:
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+_NAME = re.compile(r"[^\s<>()\[\]{}\"',;=]+")   # what may be a tool name in markup formats
+_XML_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|(?=<function=)|$)", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+_DS_CALL = re.compile(re.escape(DS_CALL_BEGIN) + r"([^<]*)" + re.escape(DS_SEP) + r"(.*?)(?:" + re.escape(DS_CALL_END)
+                      + "|(?=" + re.escape(DS_CALL_BEGIN) + ")|(?=" + re.escape(DS_CALLS_END) + ")|$)", re.S)
 
 
 def _call(obj: Any, need_args: bool = False) -> Optional[dict]:
@@ -172,19 +204,177 @@ def _calls(values: list, need_args: bool = False) -> list[dict]:
     return calls if calls and all(calls) else []
 
 
-def parse_tool_calls(text: str) -> list[dict]:
+def _tool_params(tools: Optional[list[dict]], name: str) -> dict:
+    """The `properties` of tool `name`'s parameters schema ({} when unknown)."""
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name:
+            props = (fn.get("parameters") or {}).get("properties")
+            return props if isinstance(props, dict) else {}
+    return {}
+
+
+def is_text_schema(schema: Any) -> bool:
+    """Whether a Qwen3-Coder `<parameter>` with this JSON schema is written as plain text (a string) rather than
+    as JSON: type 'string' (or a list of types with 'string'), string `enum`/`const` values, or no type and no
+    structure at all."""
+    if not isinstance(schema, dict):
+        return True
+    kind = schema.get("type")
+    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(options, list) and options and kind in (None, "string"):
+        return all(isinstance(o, str) for o in options)
+    if kind is None:
+        return not any(k in schema for k in ("anyOf", "oneOf", "allOf", "enum", "const", "$ref", "properties",
+                                             "items"))
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+_PY_WORDS = {"True": True, "False": False, "None": None}
+
+
+def _no_constant(name: str):
+    raise ValueError(name)
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter value. With the tool's schema: text for string parameters, JSON otherwise. Without
+    it: JSON when the text is a number, boolean, object or array, else the text itself."""
+    if schema is not None and is_text_schema(schema):
+        return text
+    try:
+        value = json.loads(text, parse_constant=_no_constant)   # no NaN / Infinity
+    except ValueError:
+        # Qwen3-Coder templates render history values with Jinja's `string`, so the model has seen Python's words
+        return _PY_WORDS.get(text.strip(), text) if schema is not None else text
+    if schema is None and (value is None or isinstance(value, str)):
+        return text
+    return value
+
+
+def _xml_calls(text: str, tools: Optional[list[dict]]) -> list[dict]:
+    """Qwen3-Coder calls: `<function=NAME>` blocks of `<parameter=KEY>\\nVALUE\\n</parameter>`; a block that is
+    malformed (no name, stray text between its parameters) is skipped."""
+    found = []
+    for name, body in _XML_FUNCTION.findall(text):
+        name = name.strip()
+        if not _NAME.fullmatch(name):
+            continue
+        if "<parameter=" not in body:          # no parameters, or a JSON object of them
+            call = _call({"name": name, "arguments": body.strip() or "{}"})
+            if call:
+                found.append(call)
+            continue
+        if _XML_PARAMETER.sub("", body).strip():
+            continue
+        props = _tool_params(tools, name) if tools else None
+        args = {}
+        for key, raw in _XML_PARAMETER.findall(body):
+            key = key.strip()
+            value = raw[1:] if raw.startswith("\n") else raw
+            value = value[:-1] if value.endswith("\n") else value
+            args[key] = _xml_value(value, None if props is None else props.get(key))   # unknown: no schema
+        if "" not in args:
+            found.append({"name": name, "arguments": args})
+    return found
+
+
+def _deepseek_calls(text: str) -> list[dict]:
+    """DeepSeek calls: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`
+    (V3, R1) or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` (V3.1); malformed ones are skipped."""
+    found = []
+    for head, rest in _DS_CALL.findall(text):
+        head = head.strip()
+        rest = rest.replace(DS_EOS, "").replace(DS_CALLS_END, "")
+        if head in ("function", "") and not rest.lstrip().startswith("{"):
+            name, _, body = rest.strip().partition("\n")
+        else:
+            name, body = head, rest
+        name, body = name.strip(), body.strip()
+        fenced = _FENCE.match(body)
+        if fenced:
+            body = fenced.group(1)
+        call = _call({"name": name, "arguments": body or "{}"}) if _NAME.fullmatch(name) else None
+        if call:
+            found.append(call)
+    return found
+
+
+class _JsonWords(ast.NodeTransformer):
+    """true / false / null, which models often write in Python calls, as the constants they mean."""
+    WORDS = {"true": True, "false": False, "null": None}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(self.WORDS[node.id]) if node.id in self.WORDS else node
+
+
+def _plain(value: Any) -> Any:
+    """A Python literal as JSON-ready data (tuples become lists); ValueError for what JSON cannot hold."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain(v) for k, v in value.items()}
+    raise ValueError(f"{type(value).__name__} is not JSON")
+
+
+def _pythonic_calls(text: str, tools: Optional[list[dict]]) -> list[dict]:
+    """A reply that is exactly a Python list of calls, `[get_weather(city="Paris", days=3), ping()]`, keyword
+    arguments with literal values only; [] for anything else (so lists in ordinary answers are not calls). With
+    `tools`, every name must be one of them."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return []
+    names = {(t.get("function", t) or {}).get("name") for t in tools} if tools else None
+    found = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return []
+        if names is not None and node.func.id not in names:
+            return []
+        args = {}
+        for kw in node.keywords:
+            if kw.arg is None:                     # **kwargs
+                return []
+            try:
+                args[kw.arg] = _plain(ast.literal_eval(_JsonWords().visit(kw.value)))
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return []
+        found.append({"name": node.func.id, "arguments": args})
+    return found
+
+
+def parse_tool_calls(text: str, tools: Optional[list[dict]] = None) -> list[dict]:
     """Tool calls in a model reply, as [{'name': str, 'arguments': dict}]; [] when the reply calls nothing.
 
-    Recognised: Hermes/Qwen `<tool_call>{json}</tool_call>`, Mistral `[TOOL_CALLS][{...}]` and
-    `[TOOL_CALLS]name[ARGS]{...}`, and Llama-3.1 replies that are just `{"name": ..., "parameters": ...}`
-    (optionally after `<|python_tag|>`, several separated by ';').
+    Recognised: Hermes/Qwen `<tool_call>{json}</tool_call>`; Qwen3-Coder `<tool_call><function=NAME>
+    <parameter=KEY>VALUE</parameter>...</function></tool_call>` (also without the `<tool_call>` wrapper);
+    DeepSeek V3/R1/V3.1 `<｜tool▁call▁begin｜>...<｜tool▁sep｜>...<｜tool▁call▁end｜>`; Mistral `[TOOL_CALLS][{...}]`
+    and `[TOOL_CALLS]name[ARGS]{...}`; Llama-3.1 replies that are just `{"name": ..., "parameters": ...}`
+    (optionally after `<|python_tag|>`, several separated by ';'); and replies that are just a Python list of
+    calls with literal keyword arguments (`[f(a=1), g()]`, optionally inside `<|python_start|>...<|python_end|>`).
+
+    `tools` (OpenAI-shaped, optional) types Qwen3-Coder parameter values by their schema: without it a value is
+    decoded as JSON when it is a number, boolean, object or array and kept as text otherwise. It also limits
+    pythonic calls to the tools' names.
     """
     if "<tool_call>" in text:
         found = []
         for body in _HERMES.findall(text):
+            if body.startswith("<function="):
+                found.extend(_xml_calls(body, tools))
+                continue
             values = _json_values(body)
             found.extend(_calls(values) if values else [])
         return found
+    if DS_CALL_BEGIN in text:
+        return _deepseek_calls(text)
     if "[TOOL_CALLS]" in text:
         rest = text.split("[TOOL_CALLS]", 1)[1].strip()
         if "[ARGS]" in rest:
@@ -197,12 +387,21 @@ def parse_tool_calls(text: str) -> list[dict]:
             return found
         values = _json_values(rest.replace("</s>", ""))
         return _calls(values) if values else []
-    body = text.replace("<|python_tag|>", "").replace("<|eom_id|>", "").replace("<|eot_id|>", "").strip()
+    if "<function=" in text:                   # Qwen3-Coder sometimes leaves out the <tool_call> wrapper
+        return _xml_calls(text, tools)
+    body = text
+    if PY_START in body:
+        body = body.split(PY_START, 1)[1].split(PY_END, 1)[0]
+    for end in ("<|python_tag|>", "<|eom_id|>", "<|eot_id|>", "<|eom|>", "<|eot|>"):
+        body = body.replace(end, "")
+    body = body.strip()
     fenced = _FENCE.match(body)
     if fenced:
         body = fenced.group(1)
     if not body.startswith(("{", "[")):
         return []
     values = _json_values(body)
+    if values is None:
+        return _pythonic_calls(body, tools) if body.startswith("[") and not fenced else []
     # Bare JSON is only a call when it says so with its arguments, so ordinary JSON answers are not mistaken.
     return _calls(values, need_args=True) if values else []

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from exl2.errors import ConfigError
+from exl2.generation.chat import is_text_schema
 from exl2.generation.tokenizer import Tokenizer
 
 
@@ -99,16 +100,20 @@ def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict[str, Any]], fmt: st
     the tool called `name` only, in the model's own format (`chat.tool_call_format`), arguments following each
     tool's JSON schema: what tool_choice 'required' or a named function means, enforced rather than hoped for."""
     args_key = "parameters" if fmt == "llama" else "arguments"
+    fns = [tool.get("function", tool) for tool in tools]
+    fns = [fn for fn in fns if name is None or fn["name"] == name]
+    if not fns:
+        raise ConfigError(f"No tool named '{name}' to call." if name else "A tool call needs at least one tool.")
+    if fmt in ("deepseek", "pythonic"):
+        raise ConfigError(f"Forcing a tool call is not supported for this model's tool-call format ({fmt}); "
+                          "use tool_choice 'auto'.")
+    if fmt == "qwen3_xml":
+        return _checked(tokenizer, _qwen3_xml_lark(fns))
     calls = []
-    for tool in tools:
-        fn = tool.get("function", tool)
-        if name is not None and fn["name"] != name:
-            continue
+    for fn in fns:
         params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
         calls.append({"type": "object", "additionalProperties": False, "required": ["name", args_key],
                       "properties": {"name": {"const": fn["name"]}, args_key: params}})
-    if not calls:
-        raise ConfigError(f"No tool named '{name}' to call." if name else "A tool call needs at least one tool.")
     call = json.dumps({"anyOf": calls, "x-guidance": JSON_STYLE})
     if fmt == "hermes":
         lark = f'start: call ("\\n" call)*\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {call}'
@@ -119,6 +124,49 @@ def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict[str, Any]], fmt: st
     else:
         raise ConfigError(f"Unknown tool-call format '{fmt}'.")
     return _checked(tokenizer, lark)
+
+
+# A Qwen3-Coder text value: anything without "</parameter>", then the newline and the closing tag, all one lexeme so
+# that the value ends exactly where the model closes it (and parse_tool_calls, which cuts at the first
+# "</parameter>", reads back the same value).
+_XML_TEXT = 'XML_TEXT: (/(?s:.*)/ & ~/(?s:.*<\\/parameter>.*)/) "\\n</parameter>"'
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _qwen3_xml_value(schema: Any, defs: dict[str, Any]) -> str:
+    """The Lark expression of one parameter's value and its closing tag."""
+    if not isinstance(schema, dict):
+        return "XML_TEXT"
+    if is_text_schema(schema):
+        options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+            return "(" + " | ".join(_lit(o + "\n</parameter>") for o in options) + ")"
+        return "XML_TEXT"
+    return f'%json {json.dumps({**defs, **schema, "x-guidance": JSON_STYLE})} "\\n</parameter>"'
+
+
+def _qwen3_xml_lark(fns: list[dict[str, Any]]) -> str:
+    """Qwen3-Coder calls as its template writes them: `<tool_call>\\n<function=NAME>\\n`, each parameter in the
+    schema's order (the required ones always, the others optionally) as `<parameter=KEY>\\nVALUE\\n</parameter>\\n`,
+    then `</function>\\n</tool_call>`. Text parameters (`chat.is_text_schema`) are free text without
+    `</parameter>`, or one of their string `enum` values; the others are JSON following their schema."""
+    rules = ['start: call ("\\n" call)*',
+             'call: "<tool_call>\\n" (' + " | ".join(f"fn{i}" for i in range(len(fns))) + ') "</tool_call>"']
+    for i, fn in enumerate(fns):
+        params = fn.get("parameters") or {}
+        required = set(params.get("required") or ())
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}   # for "#/$defs/..." references
+        parts = [_lit(f"<function={fn['name']}>\n")]
+        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            opening = _lit(f"<parameter={key}>\n")
+            rules.append(f'fn{i}_p{j}: {opening} {_qwen3_xml_value(schema, defs)} "\\n"')
+            parts.append(f"fn{i}_p{j}" + ("" if key in required else "?"))
+        rules.append(f"fn{i}: " + " ".join(parts) + ' "</function>\\n"')
+    return "\n".join(rules + [_XML_TEXT]) + "\n"
 
 
 def _checked(tokenizer: Tokenizer, grammar: str) -> Grammar:

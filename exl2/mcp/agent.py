@@ -18,11 +18,7 @@ from fastmcp.exceptions import ToolError
 from mcp.shared.exceptions import McpError
 
 from exl2.config import SamplingSettings
-from exl2.generation.chat import parse_tool_calls
-
-# Where tool-call markup starts in a reply, for the formats parse_tool_calls reads.
-_CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
-
+from exl2.generation.chat import CALL_MARKERS, parse_tool_calls
 
 @dataclass
 class ToolCall:
@@ -65,7 +61,7 @@ def result_text(result) -> str:
 
 def reply_content(text: str) -> str:
     """A reply's prose without its tool-call markup (templates that know tool_calls render the calls themselves)."""
-    cut = min((i for i in (text.find(m) for m in _CALL_MARKERS) if i >= 0), default=-1)
+    cut = min((i for i in (text.find(m) for m in CALL_MARKERS) if i >= 0), default=-1)
     if cut >= 0:
         return text[:cut].strip()
     return "" if parse_tool_calls(text) else text.strip()

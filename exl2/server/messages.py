@@ -26,17 +26,31 @@ def _text(content: Optional[Union[str, list[ContentPart]]], param: str) -> str:
     return "\n".join(texts)
 
 
+class Arguments(dict):
+    """Tool-call arguments for a template: a mapping (most templates iterate them, e.g. `|items`) that reads as its
+    JSON text where a template joins it into a string (DeepSeek's: `'...' + tool['function']['arguments']`)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other):
+        return str(self) + other
+
+    def __radd__(self, other):
+        return other + str(self)
+
+
 def _arguments(raw: Union[str, dict[str, Any]], param: str) -> dict[str, Any]:
-    """Clients send arguments as a JSON string; most templates iterate them as a mapping (e.g. `|items`)."""
+    """Clients send arguments as a JSON string; templates get them as `Arguments`."""
     if isinstance(raw, dict):
-        return raw
+        return Arguments(raw)
     try:
         value = json.loads(raw) if raw.strip() else {}
     except ValueError:
         raise APIError(400, "Tool call arguments must be a JSON object string.", param=param) from None
     if not isinstance(value, dict):
         raise APIError(400, "Tool call arguments must be a JSON object string.", param=param)
-    return value
+    return Arguments(value)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Tool calling: which tools the template sees, and model replies translated into OpenAI `tool_calls`.
 
-The model writes calls as text in its own format (Hermes/Qwen `<tool_call>`, Mistral `[TOOL_CALLS]`, Llama-3.1
-bare JSON); `parse_tool_calls` reads them at the end of the turn. While streaming, text that may turn out to be
+The model writes calls as text in its own format (Hermes/Qwen `<tool_call>`, Qwen3-Coder `<function=...>`,
+DeepSeek `<｜tool▁call▁begin｜>`, Mistral `[TOOL_CALLS]`, Llama-3.1 bare JSON, a pythonic `[f(a=1)]` list);
+`parse_tool_calls` reads them at the end of the turn. While streaming, text that may turn out to be
 a call is held back so a client never receives half a call as content.
 """
 from __future__ import annotations
@@ -10,10 +11,11 @@ import json
 import secrets
 from typing import Any, Optional, Union
 
+from exl2.generation.chat import CALL_MARKERS
 from exl2.server.errors import APIError
 from exl2.server.schemas import NamedToolChoice, Tool
 
-MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+MARKERS = CALL_MARKERS   # where a call starts, in every format parse_tool_calls reads
 
 ToolChoice = Union[str, NamedToolChoice, None]
 
@@ -64,8 +66,9 @@ def content_before_calls(text: str) -> Optional[str]:
 class ToolCallHoldback:
     """Passes streamed text through until it could be a tool call, then keeps everything for the end of the turn.
 
-    A call may start with a marker anywhere, or be the whole reply as JSON (Llama 3.1): so leading whitespace
-    waits, a reply opening with '{' or '[' is held entirely, and a tail that could begin a marker waits.
+    A call may start with a marker anywhere, or be the whole reply as JSON (Llama 3.1) or a Python list of calls
+    (pythonic): so leading whitespace waits, a reply opening with '{' or '[' is held entirely, and a tail that
+    could begin a marker waits.
     """
 
     def __init__(self) -> None:
