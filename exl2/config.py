@@ -1,14 +1,27 @@
 """Pydantic v2 models for everything a user configures: the engine, sampling, conversion, the server."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 KV_CACHE_MODES = ("fp16", "q8", "q6", "q4", "q3", "q2")
 # exllamav2's integer cache codes: 0 = 16-bit, 1 = 8-bit, 2 = 4-bit, 3 = 2-bit.
 KV_CACHE_CODES = {0: "fp16", 1: "q8", 2: "q4", 3: "q2"}
+# YaRN computes every frequency for the longer context itself; exllamav2 also never stacks -ry on -rs/-ra.
+ROPE_YARN_EXCLUSIVE = ("rope_yarn cannot be combined with rope_scale or rope_alpha, because YaRN sets every "
+                       "frequency itself")
+
+
+def rope_factor_problem(name: str, value: Optional[float]) -> Optional[str]:
+    """One sentence on why `value` is no RoPE factor (None: it is one, or unset); shared by EngineConfig and
+    the command line so both say the same."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        return f"{name} must be a positive number, not {value}"
+    return None
 
 
 class EngineConfig(BaseModel):
@@ -33,6 +46,25 @@ class EngineConfig(BaseModel):
     ngram_draft: bool = False
     draft_model_dir: Optional[Path] = None
     num_draft_tokens: int = Field(4, ge=1, le=16)
+    # RoPE overrides (exllamav2's -rs/-ra/-ry), None = the model's own config.json. rope_scale divides positions
+    # (linear interpolation), rope_alpha multiplies the base by alpha^(d/(d-2)) (NTK-aware), rope_yarn is a YaRN
+    # factor over the native context. max_seq_len may then exceed max_position_embeddings: up to native × scale or
+    # × yarn; with rope_alpha the max_seq_len given is taken as is (alpha defines no length), as exllamav2 does.
+    rope_scale: Optional[float] = None
+    rope_alpha: Optional[float] = None
+    rope_yarn: Optional[float] = None
+
+    @field_validator("rope_scale", "rope_alpha", "rope_yarn")
+    @classmethod
+    def _rope(cls, v: Optional[float], info: ValidationInfo) -> Optional[float]:
+        # a field validator, not a model one, so that the error names the field (the CLI reports loc[0])
+        problem = rope_factor_problem(info.field_name, v)
+        if problem is None and info.field_name == "rope_yarn" and v is not None and (
+                info.data.get("rope_scale") is not None or info.data.get("rope_alpha") is not None):
+            problem = ROPE_YARN_EXCLUSIVE
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _cache_size(self):

@@ -13,7 +13,7 @@ from exl2.generation.job import Event
 from exl2.generation.speculative import make_drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.generation.worker import BatchWorker
-from exl2.runtime.loader import load_model
+from exl2.runtime.loader import context_length, engine_rope, load_model
 
 
 class Engine:
@@ -24,10 +24,11 @@ class Engine:
         self.config = config
         self.model = load_model(config.model_dir, config.device, gpu_split=config.gpu_split,
                                 cache_tokens=config.cache_size or config.max_seq_len, cache_mode=config.kv_cache_mode,
-                                tensor_parallel=config.tensor_parallel)
+                                tensor_parallel=config.tensor_parallel, rope=engine_rope(config))
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
-        max_seq_len = min(config.max_seq_len, self.model.spec.max_position)
+        asked = config.max_seq_len if "max_seq_len" in config.model_fields_set else None  # None: the default
+        max_seq_len = context_length(self.model.spec, asked)  # capped at what RoPE covers, with a warning
         draft = make_drafter(self.model, config.ngram_draft, config.draft_model_dir, max_seq_len,
                              config.kv_cache_mode, config.num_draft_tokens)
         self.dynamic = DynamicGenerator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode,
@@ -43,15 +44,24 @@ class Engine:
 
     def generate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None,
-                 logprobs: Optional[int] = None) -> GenerationResult:
+                 logprobs: Optional[int] = None, *, stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
+                 ignore_eos: bool = False) -> GenerationResult:
         """`grammar` (`json_grammar`, `regex_grammar`) restricts the reply to a format; `logprobs` (k) puts each
-        token's log-probability and its k likeliest alternatives in `result.logprobs`."""
+        token's log-probability and its k likeliest alternatives in `result.logprobs`. `stop_token_ids` end the
+        reply like EOS (not part of its text); before `min_new_tokens` tokens neither they, EOS nor a stop string
+        end it (they are not sampled); `ignore_eos` never samples EOS, so the reply runs to `max_new_tokens` or a
+        stop."""
         return self.generator.generate(prompt, settings, max_new_tokens, stop_strings, grammar=grammar,
-                                       logprobs=logprobs)
+                                       logprobs=logprobs, stop_token_ids=stop_token_ids,
+                                       min_new_tokens=min_new_tokens, ignore_eos=ignore_eos)
 
     def stream(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-               stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None) -> Iterator[str]:
-        for text, _ in self.generator.stream(prompt, settings, max_new_tokens, stop_strings, grammar=grammar):
+               stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None, *,
+               stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0, ignore_eos: bool = False
+               ) -> Iterator[str]:
+        for text, _ in self.generator.stream(prompt, settings, max_new_tokens, stop_strings, grammar=grammar,
+                                             stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
+                                             ignore_eos=ignore_eos):
             if text:
                 yield text
 
@@ -79,14 +89,22 @@ class Engine:
         return tool_call_grammar(self.tokenizer, tools, tool_call_format(self.template), name)
 
     def generate_batch(self, prompts: Sequence[str], settings: Optional[SamplingSettings] = None,
-                       max_new_tokens: int = 256, stop_strings: Sequence[str] = ()) -> list[GenerationResult]:
+                       max_new_tokens: int = 256, stop_strings: Sequence[str] = (), *,
+                       stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
+                       ignore_eos: bool = False) -> list[GenerationResult]:
         """Several prompts decoded together; results in prompt order."""
-        return self.worker.run_all([self.generator.job(p, settings, max_new_tokens, stop_strings) for p in prompts])
+        return self.worker.run_all([self.generator.job(p, settings, max_new_tokens, stop_strings,
+                                                       stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
+                                                       ignore_eos=ignore_eos) for p in prompts])
 
     async def agenerate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-                        stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None) -> GenerationResult:
+                        stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None, *,
+                        stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
+                        ignore_eos: bool = False) -> GenerationResult:
         result = None
-        async for _, r in self.aevents(prompt, settings, max_new_tokens, stop_strings, grammar=grammar):
+        async for _, r in self.aevents(prompt, settings, max_new_tokens, stop_strings, grammar=grammar,
+                                       stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
+                                       ignore_eos=ignore_eos):
             result = r or result
         return result
 
@@ -98,12 +116,15 @@ class Engine:
 
     async def aevents(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
                       max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
-                      grammar: Optional[Grammar] = None, logprobs: Optional[int] = None
+                      grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, *,
+                      stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0, ignore_eos: bool = False
                       ) -> AsyncIterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) as tokens arrive, then ("", result) with the token ids, finish reason and prompt
         length. Chat prompts from `chat_prompt` pass add_bos=False (the template writes its own BOS). Closing the
-        iterator early cancels the request."""
-        events = self.aevent_stream(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar, logprobs)
+        iterator early cancels the request. The end controls are `generate`'s."""
+        events = self.aevent_stream(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar, logprobs,
+                                    stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
+                                    ignore_eos=ignore_eos)
         try:
             async for event in events:
                 if event.text:
@@ -116,10 +137,11 @@ class Engine:
     async def aevent_stream(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
                             max_new_tokens: int = 256, stop_strings: Sequence[str] = (),
                             add_bos: Optional[bool] = None, grammar: Optional[Grammar] = None,
-                            logprobs: Optional[int] = None) -> AsyncIterator[Event]:
+                            logprobs: Optional[int] = None, *, stop_token_ids: Sequence[int] = (),
+                            min_new_tokens: int = 0, ignore_eos: bool = False) -> AsyncIterator[Event]:
         """`aevents` as the generator's Event objects (text, the new tokens' log-probabilities, the result)."""
-        job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar,
-                                 logprobs=logprobs)
+        job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar,
+                                 logprobs, min_new_tokens, ignore_eos)
         events = self.worker.astream(job)
         try:
             async for event in events:

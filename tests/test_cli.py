@@ -185,3 +185,50 @@ def test_quantized_cache_rejects_small_heads(tmp_path):
 def test_bench_rejects_bad_options_in_one_sentence(args, word):
     """Checked before anything touches the GPU, so the same on machines with and without one."""
     assert_user_error(exl2("bench", *args), word)
+
+
+# ---------------------------------------------------------------- RoPE overrides: -rs/-ra/-ry reach the model
+
+@pytest.mark.parametrize("command", [["generate", "-p", "x"], ["chat"], ["serve"], ["mcp", "serve"],
+                                     ["mcp", "agent", "--server", "x", "-p", "y"]])
+def test_rope_flags_reach_engine_config(command):
+    from exl2.cli.common import engine_settings, rope_from_args
+    from exl2.cli.main import build_parser
+    from exl2.config import EngineConfig
+
+    parser = build_parser()
+    args = parser.parse_args([*command, "-m", str(SRC), "-rs", "2", "--rope-alpha", "1.5"])
+    config = EngineConfig(**engine_settings(args))
+    assert (config.rope_scale, config.rope_alpha, config.rope_yarn) == (2.0, 1.5, None)
+    assert "max_seq_len" not in config.model_fields_set   # no -l: the default, not a request to honour
+    args = parser.parse_args([*command, "-m", str(SRC), "--rope_yarn", "3", "-l", "8192"])
+    config = EngineConfig(**engine_settings(args))
+    assert config.rope_yarn == 3.0 and config.max_seq_len == 8192
+    assert rope_from_args(args).yarn == 3.0 and rope_from_args(args).context == 8192
+
+
+@pytest.mark.parametrize("command", [["eval"], ["bench"]])
+def test_rope_flags_on_eval_and_bench(command):
+    from exl2.cli.common import rope_from_args
+    from exl2.cli.main import build_parser
+
+    rope = rope_from_args(build_parser().parse_args([*command, "-m", str(SRC), "-ry", "2"]))
+    assert rope.yarn == 2.0 and rope.scale is None and rope.alpha is None
+
+
+def test_rope_yarn_with_scale_is_one_sentence():
+    assert_user_error(exl2("generate", "-m", str(SRC), "-p", "x", "-ry", "2", "-rs", "2", "--device", "cpu"),
+                      "rope_yarn cannot be combined")
+    assert_user_error(exl2("generate", "-m", str(SRC), "-p", "x", "-rs", "0", "--device", "cpu"),
+                      "rope_scale must be a positive number")
+
+
+def test_context_past_the_model_warns_once_unless_rope_extends_it():
+    r = exl2("generate", "-m", str(SRC), "-p", "The quick brown fox", "-n", "4", "-l", "4096", "--device", "cpu",
+             "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "capped at 2048" in lines[0], r.stderr
+    r = exl2("generate", "-m", str(SRC), "-p", "The quick brown fox", "-n", "4", "-l", "4096", "-rs", "2",
+             "--device", "cpu", "--temperature", "0")
+    assert r.returncode == 0 and "capped" not in r.stderr, r.stderr

@@ -39,3 +39,30 @@ def test_sampling_settings():
     assert SamplingSettings(temperature=0).greedy
     with pytest.raises(ValidationError):
         SamplingSettings(top_p=0)
+
+
+def test_rope_overrides_default_to_the_models_own():
+    c = EngineConfig(model_dir="/m")
+    assert c.rope_scale is None and c.rope_alpha is None and c.rope_yarn is None
+    both = EngineConfig(model_dir="/m", rope_scale=2, rope_alpha=1.5)   # exllamav2 stacks these two
+    assert (both.rope_scale, both.rope_alpha) == (2.0, 1.5)
+    assert EngineConfig(model_dir="/m", rope_yarn=4).rope_yarn == 4.0
+
+
+@pytest.mark.parametrize("field", ["rope_scale", "rope_alpha", "rope_yarn"])
+@pytest.mark.parametrize("value", [0, -2.0, float("nan"), float("inf")])
+def test_rope_overrides_must_be_positive(field, value):
+    with pytest.raises(ValidationError) as e:
+        EngineConfig(model_dir="/m", **{field: value})
+    err = e.value.errors()[0]
+    assert err["loc"] == (field,) and f"{field} must be a positive number" in err["msg"]
+
+
+@pytest.mark.parametrize("other", ["rope_scale", "rope_alpha"])
+def test_rope_yarn_is_not_combined_with_scale_or_alpha(other):
+    with pytest.raises(ValidationError) as e:
+        EngineConfig(model_dir="/m", rope_yarn=2, **{other: 2})
+    errs = e.value.errors()
+    assert len(errs) == 1 and errs[0]["loc"] == ("rope_yarn",)   # named, so the CLI can say which flag
+    msg = errs[0]["msg"].removeprefix("Value error, ")
+    assert msg.startswith("rope_yarn cannot be combined with rope_scale or rope_alpha") and "." not in msg

@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -336,3 +337,76 @@ def test_logprobs_are_the_models_own(model, tok, refs):
             for (t, lp), (wv, wi) in zip(x.top, zip(*want.topk(job.logprobs))):
                 assert t == wi.item() and abs(lp - wv.item()) < 1e-4
             seq.append(x.token_id)
+
+
+def masked_reference(model, ids: list[int], n: int, ends: set[int], min_tokens: int = 0,
+                     bias: Optional[dict[int, float]] = None) -> tuple[list[int], str]:
+    """Greedy over the whole sequence each step (with `bias` added to the logits), the end tokens `ends` masked
+    while the reply is shorter than min_tokens; (the reply's tokens, its finish reason)."""
+    seq, out = list(ids), []
+    with torch.inference_mode():
+        for step in range(n):
+            x = model(torch.tensor([seq]))[0, -1].float()
+            for t, b in (bias or {}).items():
+                x[t] += b
+            if step < min_tokens:
+                x[sorted(ends)] = float("-inf")
+            token = int(x.argmax())
+            if token in ends:
+                return out, "stop"
+            out.append(token)
+            seq.append(token)
+    return out, "length"
+
+
+@pytest.mark.parametrize("mode", ["batched", "overlap", "speculative"])
+def test_min_tokens_ignore_eos_and_stop_token_ids(model, tok, refs, mode):
+    """stop_token_ids end a reply like EOS (the token not in it); min_new_tokens masks EOS and them until the reply
+    has that many tokens (the uncached loop that masks them until then gives the same tokens) and keeps a stop
+    string from ending it early; ignore_eos never samples EOS. The same on the batched, overlapped and
+    speculative (a model drafting for itself, its guesses unmasked, so the verify rows must mask) paths."""
+    from exl2.generation.speculative import ModelDraft
+
+    eos = next(iter(tok.eos_ids))
+    ids, plain = tok.encode(PROMPTS[1]), refs[1]
+    stop_id = plain[3]                        # the plain greedy reply's 4th token, not among its first three
+    assert stop_id not in plain[:3] and stop_id != eos
+    pushy = SamplingSettings(temperature=0, logit_bias={eos: 100.0})   # EOS would always win
+    hello = tok.encode(PROMPTS[0])
+    dashes = tok.encode(PROMPTS[2])           # its greedy reply repeats "----"
+    jobs = [Job(ids, GREEDY, 12, stop_token_ids=[stop_id]),
+            Job(ids, GREEDY, 12, stop_token_ids=[stop_id], min_new_tokens=6),
+            Job(hello, pushy, 10), Job(hello, pushy, 10, min_new_tokens=4), Job(hello, pushy, 10, ignore_eos=True),
+            Job(dashes, GREEDY, 8, stop_strings=["--"]), Job(dashes, GREEDY, 8, stop_strings=["--"], min_new_tokens=5),
+            Job(tok.encode(PROMPTS[3]), GREEDY, 12)]
+    if mode == "speculative":                 # alone, so each job speculates
+        gen = DynamicGenerator(model, tok, 512, max_batch=1, page_size=16, draft=ModelDraft(model, 600, page_size=16))
+    else:
+        gen = DynamicGenerator(model, tok, 512, max_batch=8, page_size=16, overlap=mode == "overlap")
+    out = gen.generate(jobs)
+
+    assert (out[0].token_ids, out[0].finish_reason, out[0].text) == (plain[:3], "stop", tok.decode(plain[:3]))
+    late, why = masked_reference(model, ids, 12, {eos, stop_id}, 6)
+    assert (out[1].token_ids, out[1].finish_reason) == (late, why)
+    assert len(late) >= 6 and late[:3] == plain[:3] and late[3] != stop_id
+    assert (out[2].token_ids, out[2].finish_reason) == ([], "stop")
+    assert (out[3].token_ids, out[3].finish_reason) == (refs[0][:4], "stop")
+    assert (out[4].token_ids, out[4].finish_reason) == (refs[0][:10], "length")
+    assert (out[5].text, out[5].finish_reason) == ("", "stop")
+    assert (out[6].text, out[6].finish_reason, len(out[6].token_ids)) == ("----" * 4, "stop", 5)
+    assert out[7].token_ids == refs[3] and out[7].finish_reason == "length"
+    if mode == "speculative":
+        assert jobs[1].drafted > jobs[1].accepted > 0
+    assert gen.pool.available() == gen.pool.num_pages
+
+
+def test_min_tokens_streams_what_the_result_says(model, tok):
+    """With min_new_tokens the text streamed before a stop string counts is the result's text, and a stop
+    string counts in the text of the min_new_tokens-th token on."""
+    gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16)
+    job = Job(tok.encode(PROMPTS[2]), GREEDY, 8, stop_strings=["-----"], min_new_tokens=3)
+    events = list(gen.stream(job))
+    text, result = "".join(e.text for e in events), events[-1].result
+    # tokens 1-2 ("--------") stream unchecked, so "-----" in them does not count; the checked text starts with
+    # token 3 ("----", held back as a possible start of the stop string) and token 4 completes it there
+    assert result.text == text == "-" * 8 and result.finish_reason == "stop" and len(result.token_ids) == 4

@@ -59,3 +59,20 @@ def test_flash_attention_flag_picks_the_prompt_attention_backend(monkeypatch):
         engine = Engine(EngineConfig(model_dir=SRC, max_seq_len=512, device="cpu", flash_attention_enabled=flag))
         assert engine.generate("The quick brown fox", SamplingSettings(temperature=0), max_new_tokens=2).token_ids
         assert backends and set(backends) == {want}
+
+
+def test_engine_end_controls():
+    """stop_token_ids, min_new_tokens and ignore_eos pass through every Engine entry point."""
+    engine = Engine(EngineConfig(model_dir=SRC, max_seq_len=512, device="cpu"))
+    eos = next(iter(engine.tokenizer.eos_ids))
+    pushy = SamplingSettings(temperature=0, logit_bias={eos: 100.0})    # EOS would win every step
+    plain = engine.generate("The quick brown fox", SamplingSettings(temperature=0), max_new_tokens=6)
+    assert engine.generate("The quick brown fox", pushy, max_new_tokens=6).token_ids == []
+    assert engine.generate("The quick brown fox", pushy, 6, ignore_eos=True).token_ids == plain.token_ids
+    assert "".join(engine.stream("The quick brown fox", pushy, 6, min_new_tokens=3)) == \
+        engine.tokenizer.decode(plain.token_ids[:3])
+    stop = plain.token_ids[0]
+    cut = engine.generate_batch(["The quick brown fox"], SamplingSettings(temperature=0), 6, stop_token_ids=[stop])
+    assert (cut[0].token_ids, cut[0].finish_reason) == ([], "stop")
+    again = asyncio.run(engine.agenerate("The quick brown fox", pushy, 6, min_new_tokens=2))
+    assert (again.token_ids, again.finish_reason) == (plain.token_ids[:2], "stop")

@@ -79,6 +79,7 @@ class FakeEngine:
         self.fail_seed: int | None = None  # the job sampling with this seed fails after its first piece
         self.rendered: list[tuple[list, object]] = []
         self.prompts: list = []             # what each engine stream was asked to continue
+        self.ends: list[dict] = []          # each stream's stop_token_ids / min_new_tokens / ignore_eos
         self.template = ChatTemplate()      # ChatML, as for a model without a template of its own
         self.forced: list[str] = []         # the tool_choice grammars asked for
         self.closed = threading.Event()
@@ -96,9 +97,11 @@ class FakeEngine:
         return None
 
     async def aevent_stream(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None,
-                            grammar=None, logprobs=None):
+                            grammar=None, logprobs=None, *, stop_token_ids=(), min_new_tokens=0, ignore_eos=False):
         self.opened += 1
         self.prompts.append(prompt)
+        self.ends.append(dict(stop_token_ids=list(stop_token_ids), min_new_tokens=min_new_tokens,
+                              ignore_eos=ignore_eos))
         try:
             if self.reply is None:
                 while True:
@@ -1020,3 +1023,72 @@ def test_serve_flags(monkeypatch, capsys):
     assert main(argv + ["--cors-origin", "http://a.example/"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cors_origins" in err[0] and "http://a.example/" in err[0]
+
+
+def test_min_tokens_ignore_eos_and_stop_token_ids(app, engine, fake_app, fake):
+    """vLLM's stop_token_ids / min_tokens / ignore_eos and TabbyAPI's integer `stop` / ban_eos_token reach the
+    engine and do there what the engine does with them; invalid values are 400s naming the field."""
+    prompt = "The quick brown fox"
+    full = reference(engine, prompt, 16)
+    at = next(i for i, t in enumerate(full.token_ids) if i >= 2 and t not in full.token_ids[:i])
+    stop_id = full.token_ids[at]
+    eos = next(iter(engine.tokenizer.eos_ids))
+    pushy = {str(eos): 100}                   # EOS would be the greedy choice at every step
+
+    async def go():
+        c = aclient(app)
+
+        async def complete(max_tokens=16, logit_bias=None, stop=None, **extra):
+            r = await c.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=max_tokens,
+                                           logit_bias=logit_bias, stop=stop, extra_body=extra)
+            return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+        out = {"ids": await complete(stop_token_ids=[stop_id]), "tabby": await complete(stop=["@@", stop_id]),
+               "min": await complete(stop_token_ids=[stop_id], min_tokens=at + 3),
+               "eos": await complete(8, pushy), "ignore": await complete(8, pushy, ignore_eos=True),
+               "ban": await complete(8, pushy, ban_eos_token=True), "eos_min": await complete(8, pushy, min_tokens=5)}
+        errors = []
+        for max_tokens, extra in ((16, dict(min_tokens=-1)), (4, dict(min_tokens=5)), (None, dict(min_tokens=17)),
+                                  (16, dict(stop_token_ids=[10 ** 8])), (16, dict(stop=[-3]))):
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=max_tokens, extra_body=extra)
+            errors.append((e.value.body["param"], e.value.body["message"]))
+        return out, errors
+
+    out, errors = run(go())
+    assert out["ids"] == out["tabby"] == (engine.tokenizer.decode(full.token_ids[:at]), "stop", at)
+    late = engine.generator.generate(prompt, GREEDY, 16, stop_token_ids=[stop_id], min_new_tokens=at + 3)
+    assert out["min"] == (late.text, late.finish_reason, len(late.token_ids)) and len(late.token_ids) >= at + 3
+    assert out["eos"] == ("", "stop", 0)
+    assert out["ignore"] == out["ban"] == (reference(engine, prompt, 8).text, "length", 8)
+    assert out["eos_min"] == (reference(engine, prompt, 5).text, "stop", 5)
+    assert [p for p, _ in errors] == ["min_tokens", "min_tokens", "min_tokens", "stop_token_ids", "stop"]
+    assert errors[0][1] == "min_tokens must be 0 or more, not -1."
+    assert errors[1][1] == "min_tokens (5) is more than max_tokens (4)."
+    assert errors[2][1] == "min_tokens (17) is more than the default max_tokens (16)."
+    assert "outside the model's vocabulary" in errors[3][1]
+
+    fake.reply = "ok"
+    c = aclient(fake_app)
+    run(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=9, n=2,
+                                  stop=["x", 7], extra_body=dict(stop_token_ids=[5], min_tokens=3, ignore_eos=True)))
+    assert fake.ends[-2:] == [dict(stop_token_ids=[5, 7], min_new_tokens=3, ignore_eos=True)] * 2
+
+
+def test_history_tool_call_arguments_render_as_mapping_and_as_text():
+    """Templates iterate arguments (`|items`, `|tojson`) or, like DeepSeek's, join them into a string: both work
+    with the arguments a client sends as a JSON string."""
+    from exl2.server.messages import template_messages
+    from exl2.server.schemas import ChatMessage
+
+    msg = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris", "n": 2}'}}]})
+    joined = ChatTemplate("{% for m in messages %}{% for t in m.tool_calls %}"
+                          "{{ '<args>' + t['function']['arguments'] + '</args>' }}{% endfor %}{% endfor %}")
+    mapped = ChatTemplate("{% for m in messages %}{% for t in m.tool_calls %}{% for k, v in "
+                          "t['function']['arguments'] | items %}{{ k }}={{ v }};{% endfor %}"
+                          "{{ t['function']['arguments'] | tojson }}{% endfor %}{% endfor %}")
+    history = template_messages([msg])
+    assert joined.render(history, add_generation_prompt=False) == '<args>{"city": "Paris", "n": 2}</args>'
+    assert mapped.render(history, add_generation_prompt=False) == 'city=Paris;n=2;{"city": "Paris", "n": 2}'

@@ -25,6 +25,9 @@ def register(sub) -> None:
                    help="batch size of the --breakdown step (default 1; 1, 2, 4, 8 or 16)")
     p.add_argument("--breakdown-mode", dest="breakdown_mode", default="fp16",
                    help="KV cache mode of the --breakdown step (default fp16)")
+    from exl2.cli.common import add_rope_args
+
+    add_rope_args(p)  # -m's RoPE as generate would run it (the speed does not depend on it)
     p.set_defaults(func=run)
 
 
@@ -52,6 +55,9 @@ def run(args) -> int:
     if args.breakdown_batch not in (1, 2, 4, 8, 16):
         raise ConfigError(f"--breakdown-batch must be 1, 2, 4, 8 or 16 (a captured batch size), not "
                           f"{args.breakdown_batch}.")
+    from exl2.cli.common import rope_from_args
+
+    rope = rope_from_args(args)
     if not torch.cuda.is_available():
         raise ConfigError("exl2 bench needs a CUDA GPU; none is available here.")
     from exl2.models.decoder import DecoderModel
@@ -66,7 +72,7 @@ def run(args) -> int:
     if args.model_dir:
         source = TensorSource(args.model_dir)
         with torch.inference_mode():
-            model = DecoderModel(spec_from_config(read_config(args.model_dir)),
+            model = DecoderModel(spec_from_config(read_config(args.model_dir), rope),
                                  WeightLoader(source, dev, torch.float16)).eval()
     else:
         model, source = synthetic_model(dev, args.layers, args.mixed)

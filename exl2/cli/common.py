@@ -3,21 +3,49 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError
+
+if TYPE_CHECKING:
+    from exl2.models.rope import RopeOverride
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model_dir", "--model", dest="model_dir", default=None,
                    help="model directory (HF fp16/bf16, EXL2 or GPTQ); default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
-    p.add_argument("-l", "--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=4096,
-                   help="context length to allocate (default 4096, capped by the model)")
+    p.add_argument("-l", "--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None,
+                   help="context length to allocate (default 4096, or the model's context if shorter); longer "
+                        "than the model's context needs -rs/-ra/-ry, else it is capped with a warning")
     p.add_argument("-cm", "--cache-mode", "--cache_mode", dest="cache_mode", default="fp16",
                    choices=["fp16", "q8", "q6", "q4", "q3", "q2"],
                    help="KV cache storage: fp16 or quantized (q8, q6 = 8-bit keys/4-bit values, q4, q3, q2)")
+    add_rope_args(p)
     add_gpu_args(p)
+
+
+def add_rope_args(p: argparse.ArgumentParser) -> None:
+    """exllamav2's RoPE overrides, which let a model run past its native context (default: config.json's)."""
+    p.add_argument("-rs", "--rope_scale", "--rope-scale", dest="rope_scale", type=float, default=None,
+                   help="linear RoPE scaling: positions divided by this factor; the context may grow to native "
+                        "× factor")
+    p.add_argument("-ra", "--rope_alpha", "--rope-alpha", dest="rope_alpha", type=float, default=None,
+                   help="NTK-aware RoPE alpha: the base times alpha^(d/(d-2)); -l is then taken as given (e.g. "
+                        "alpha 2.6 for twice the native context)")
+    p.add_argument("-ry", "--rope_yarn", "--rope-yarn", dest="rope_yarn", type=float, default=None,
+                   help="YaRN RoPE factor over the native context (or the config's own YaRN original); the "
+                        "context may grow to original × factor; not with -rs/-ra")
+
+
+def rope_from_args(args) -> RopeOverride:
+    """The RoPE override of the -rs/-ra/-ry flags (one-sentence ConfigError when invalid); an explicit -l is
+    the length -ra allows."""
+    from exl2.models.rope import RopeOverride
+
+    return RopeOverride(getattr(args, "rope_scale", None), getattr(args, "rope_alpha", None),
+                        getattr(args, "rope_yarn", None), context=getattr(args, "max_seq_len", None))
 
 
 def add_gpu_args(p: argparse.ArgumentParser, also: str = "") -> None:
@@ -46,11 +74,15 @@ def engine_settings(args) -> dict:
     """The EngineConfig fields the shared model and draft flags set."""
     from exl2.runtime.placement import parse_gpu_split
 
-    return dict(model_dir=resolve_model_dir(args.model_dir), max_seq_len=args.max_seq_len,
-                kv_cache_mode=args.cache_mode, device=args.device, gpu_split=parse_gpu_split(args.gpu_split),
-                tensor_parallel=args.tensor_parallel,
-                ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
-                num_draft_tokens=args.num_draft_tokens)
+    settings = dict(model_dir=resolve_model_dir(args.model_dir),
+                    kv_cache_mode=args.cache_mode, device=args.device, gpu_split=parse_gpu_split(args.gpu_split),
+                    tensor_parallel=args.tensor_parallel,
+                    ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
+                    num_draft_tokens=args.num_draft_tokens,
+                    rope_scale=args.rope_scale, rope_alpha=args.rope_alpha, rope_yarn=args.rope_yarn)
+    if args.max_seq_len is not None:  # left out, EngineConfig's default applies and counts as not asked for
+        settings["max_seq_len"] = args.max_seq_len
+    return settings
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> None:
@@ -93,15 +125,16 @@ def load_generator(args):
     from exl2.generation.generator import Generator
     from exl2.generation.speculative import make_drafter
     from exl2.generation.tokenizer import Tokenizer
-    from exl2.runtime.loader import load_model
+    from exl2.runtime.loader import context_length, load_model
     from exl2.runtime.placement import parse_gpu_split
 
     split = parse_gpu_split(args.gpu_split)
+    rope = rope_from_args(args)
     model_dir = resolve_model_dir(args.model_dir)
     model = load_model(model_dir, args.device, gpu_split=split, cache_tokens=args.max_seq_len,
-                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel)
+                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope)
     tok = Tokenizer.from_dir(model_dir)
-    max_seq_len = min(args.max_seq_len, model.spec.max_position)
+    max_seq_len = context_length(model.spec, args.max_seq_len)
     if not 1 <= args.num_draft_tokens <= 16:
         raise ConfigError("--draft_tokens must be between 1 and 16.")
     draft = make_drafter(model, args.ngram_draft, args.draft_model_dir, max_seq_len, args.cache_mode,

@@ -6,7 +6,7 @@ from typing import Optional
 
 
 def register(sub) -> None:
-    from exl2.cli.common import add_gpu_args
+    from exl2.cli.common import add_gpu_args, add_rope_args
     from exl2.quantize.evaluate import DEFAULT_CHUNK, DEFAULT_LENGTH, DEFAULT_ROWS
 
     p = sub.add_parser(
@@ -31,6 +31,7 @@ def register(sub) -> None:
                    help=f"tokens per forward through the cache (default {DEFAULT_CHUNK} with a quantized -cm; "
                         "with fp16, --chunk runs the fp16 paged cache the same way, a control for the chunking)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
+    add_rope_args(p)  # the model's and --ref's: both read the rows with the same positions
     add_gpu_args(p, "; --ref is placed the same way, planned on its own (with 'auto', over what the model left)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
@@ -56,7 +57,7 @@ def cache_settings(args, warn) -> tuple[Optional[str], int]:
 def run(args) -> int:
     import torch
 
-    from exl2.cli.common import resolve_model_dir
+    from exl2.cli.common import resolve_model_dir, rope_from_args
     from exl2.errors import ConfigError
     from exl2.generation.tokenizer import Tokenizer
     from exl2.quantize.evaluate import eval_rows, evaluate, row_cache
@@ -68,6 +69,7 @@ def run(args) -> int:
         raise ConfigError("-r must be at least 1 and -l at least 2.")
     ui = Reporter(quiet=args.json)
     cache_mode, chunk = cache_settings(args, ui.warn)
+    rope = rope_from_args(args)
     split = parse_gpu_split(args.gpu_split)
     model_dir = resolve_model_dir(args.model_dir)
     tok = Tokenizer.from_dir(model_dir)
@@ -76,13 +78,13 @@ def run(args) -> int:
         ui.warn(warning)
     dtype = torch.float32 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu" else None
     model = load_model(model_dir, args.device, dtype, gpu_split=split, cache_tokens=args.length,
-                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel)
+                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope)
     if cache_mode is not None:
         row_cache(model, cache_mode, 1)  # a model that cannot use the mode fails now, not after loading --ref
     ref = None
     if args.ref:
         ref = load_model(args.ref, args.device, dtype, gpu_split=split, cache_tokens=args.length,
-                         tensor_parallel=args.tensor_parallel)
+                         tensor_parallel=args.tensor_parallel, rope=rope)
         if ref.spec.vocab_size != model.spec.vocab_size:
             raise ConfigError(f"The reference model has a vocabulary of {ref.spec.vocab_size} tokens and the model "
                               f"{model.spec.vocab_size}; they must share a tokenizer.")

@@ -15,6 +15,10 @@ def register(sub) -> None:
     p.add_argument("-n", "--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=128,
                    help="maximum number of tokens to generate (default 128)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--min-new-tokens", dest="min_new_tokens", type=int, default=0,
+                   help="generate at least this many tokens: no end token or stop string ends the text sooner")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="never sample the end-of-sequence token: generate until -n tokens or a stop string")
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -22,7 +26,8 @@ def register(sub) -> None:
 def run(args) -> int:
     settings = sampling_from_args(args)
     _, _, gen = load_generator(args)
-    for text, _ in gen.stream(args.prompt, settings, args.max_new_tokens, args.stop):
+    for text, _ in gen.stream(args.prompt, settings, args.max_new_tokens, args.stop,
+                              min_new_tokens=args.min_new_tokens, ignore_eos=args.ignore_eos):
         if text:
             sys.stdout.write(text)
             sys.stdout.flush()

@@ -17,7 +17,7 @@ import torch
 
 from exl2.errors import ContextLengthError
 from exl2.generation.job import Event, Job
-from exl2.generation.output import GenerationResult, Reply, TokenLogprob
+from exl2.generation.output import GenerationResult, TokenLogprob
 from exl2.generation.sampler import SeenTokens, fresh_seed, sample_rows
 from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
@@ -135,7 +135,7 @@ class DynamicGenerator:
         job.length = job.cached_tokens = len(shared) * self.page_size
         job.key, job.published = key, len(shared)
         job.tokens = list(job.ids)
-        job.reply = Reply(self.tokenizer, job.stop_strings, job.stop_token_ids)
+        job.reply = job.new_reply(self.tokenizer)
         job.seed = job.settings.seed if job.settings.seed is not None else fresh_seed()
         job.times[1] = time.perf_counter()
         self.active.append(job)
@@ -330,11 +330,26 @@ class DynamicGenerator:
                 ) -> tuple[torch.Tensor, Optional[tuple]]:
         """Each job's next token from its row of `logits` (float32) at stream position draws[i], noted in the
         seen-token rows, and the log-probability tensors of `raw` (the model's own logits; default `logits`) for
-        the jobs that asked (`_logprob_tensors`); nothing waits for the GPU."""
-        picks = sample_rows(logits, [j.settings for j in jobs], [j.seed for j in jobs], draws,
-                            *self._seen_rows(jobs, logits.shape[-1]))
+        the jobs that asked (`_logprob_tensors`); nothing waits for the GPU. End tokens a job may not sample yet
+        are masked first (`_ban_stops`)."""
+        picks = sample_rows(self._ban_stops(jobs, logits, draws), [j.settings for j in jobs], [j.seed for j in jobs],
+                            draws, *self._seen_rows(jobs, logits.shape[-1]))
         self._mark_seen(jobs, picks)
         return picks, self._logprob_tensors(jobs, logits if raw is None else raw, picks)
+
+    def _ban_stops(self, jobs: list[Job], logits: torch.Tensor, draws: list[int]) -> torch.Tensor:
+        """`logits` [B, V] with the end tokens row i's job may not sample at its draw draws[i] (`Job.banned`: EOS
+        and stop_token_ids before min_new_tokens, EOS under ignore_eos) set to -inf by one index_put on a copy;
+        `logits` itself when no row bans any."""
+        vocab = logits.shape[-1]
+        cells = [(i, t) for i, (job, d) in enumerate(zip(jobs, draws))
+                 for t in job.banned(d, self.tokenizer.eos_ids) if 0 <= t < vocab]
+        if not cells:
+            return logits
+        rows, cols = zip(*cells)
+        dev = logits.device
+        return logits.index_put((upload(rows, torch.long, dev), upload(cols, torch.long, dev)),
+                                logits.new_full((len(cells),), float("-inf")))
 
     @staticmethod
     def _logprob_tensors(jobs: list[Job], logits: torch.Tensor, picks: torch.Tensor) -> Optional[tuple]:
@@ -456,6 +471,7 @@ class DynamicGenerator:
         # Position i's token only counts if the guesses before it were all kept, so its draw can assume them:
         # every position is sampled at once, from the stream position plain decoding would use for it.
         n = len(drafts) + 1
+        draws = [self._drawn(job) + i for i in range(n)]
         seen, counts = self._seen_rows([job], logits.shape[-1], extra=n)
         for i in range(1, n):
             if seen is not None:
@@ -463,8 +479,9 @@ class DynamicGenerator:
             if counts is not None:
                 ids = torch.tensor(drafts[:i], dtype=torch.long, device=dev)
                 counts[i].index_put_((ids,), torch.ones(i, device=dev), accumulate=True)
-        picks = sample_rows(logits.float()[:n], [job.settings] * n, [job.seed] * n,
-                            [self._drawn(job) + i for i in range(n)], seen, counts)
+        # the verify rows mask end tokens as plain decoding would at their draws (min_new_tokens, ignore_eos)
+        picks = sample_rows(self._ban_stops([job] * n, logits.float()[:n], draws), [job.settings] * n,
+                            [job.seed] * n, draws, seen, counts)
         choices = picks.tolist()
         kept = next((i for i, d in enumerate(drafts) if choices[i] != d), len(drafts))
         text = ""

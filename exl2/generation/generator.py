@@ -32,11 +32,15 @@ class Generator:
 
     def job(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
             stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None, stop_token_ids: Sequence[int] = (),
-            grammar: Optional[Grammar] = None, logprobs: Optional[int] = None) -> Job:
+            grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, min_new_tokens: int = 0,
+            ignore_eos: bool = False) -> Job:
         """A job for the dynamic generator; `grammar` (generation.constraints) restricts the reply's format;
-        `logprobs` (k) puts each token's log-probability and the k likeliest alternatives in the result."""
+        `logprobs` (k) puts each token's log-probability and the k likeliest alternatives in the result;
+        `stop_token_ids` end the reply like EOS; before `min_new_tokens` tokens neither they, EOS nor a stop string
+        can end it; `ignore_eos` never samples EOS (see Job)."""
         ids = self.tokenizer.encode(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
-        return Job(ids, settings, max_new_tokens, stop_strings, stop_token_ids, grammar, logprobs)
+        return Job(ids, settings, max_new_tokens, stop_strings, stop_token_ids, grammar, logprobs, min_new_tokens,
+                   ignore_eos)
 
     def events(self, job: Job) -> Iterator[Event]:
         if self.worker is not None:
@@ -49,9 +53,11 @@ class Generator:
     def stream(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
                stop_token_ids: Sequence[int] = (), grammar: Optional[Grammar] = None,
-               logprobs: Optional[int] = None) -> Iterator[tuple[str, Optional[GenerationResult]]]:
+               logprobs: Optional[int] = None, min_new_tokens: int = 0, ignore_eos: bool = False
+               ) -> Iterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) while generating and finally ("", result)."""
-        job = self.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar, logprobs)
+        job = self.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar, logprobs,
+                       min_new_tokens, ignore_eos)
         for event in self.events(job):
             if event.text:
                 yield event.text, None
@@ -60,9 +66,11 @@ class Generator:
 
     def generate(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
                  max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
-                 grammar: Optional[Grammar] = None, logprobs: Optional[int] = None) -> GenerationResult:
+                 grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, *,
+                 stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
+                 ignore_eos: bool = False) -> GenerationResult:
         result = None
-        for _, r in self.stream(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar=grammar,
-                                logprobs=logprobs):
+        for _, r in self.stream(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar,
+                                logprobs, min_new_tokens, ignore_eos):
             result = r or result
         return result

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import AbstractSet, Optional, Sequence
 
 from exl2.config import SamplingSettings
 from exl2.generation.constraints import Grammar
 from exl2.generation.output import GenerationResult, Reply, TokenLogprob
+from exl2.generation.tokenizer import Tokenizer
 
 _ids = itertools.count()
 
@@ -18,7 +19,8 @@ class Job:
 
     def __init__(self, ids: Sequence[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                 grammar: Optional[Grammar] = None, logprobs: Optional[int] = None):
+                 grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, min_new_tokens: int = 0,
+                 ignore_eos: bool = False):
         self.id = next(_ids)
         self.logprobs = logprobs         # None: off; k: each token's log-probability and the k likeliest tokens
         self.token_logprobs: list[TokenLogprob] = []
@@ -28,6 +30,9 @@ class Job:
         self.settings = settings or SamplingSettings()
         self.max_new_tokens = max_new_tokens
         self.stop_strings, self.stop_token_ids = tuple(stop_strings), tuple(stop_token_ids)
+        # vLLM's min_tokens: before this many reply tokens no end token is sampled and no stop string counts
+        self.min_new_tokens = max(0, min_new_tokens)
+        self.ignore_eos = ignore_eos     # the model's EOS tokens are never sampled (stop_token_ids still end it)
         self.cached_tokens = 0           # prompt tokens found in the cache, not computed again
         self.done = False
         self.cancelled = False
@@ -47,6 +52,17 @@ class Job:
 
     def __repr__(self) -> str:
         return f"Job({self.id}, {len(self.ids)} prompt tokens, {'done' if self.done else 'running'})"
+
+    def banned(self, drawn: int, eos_ids: AbstractSet[int]) -> tuple[int, ...]:
+        """The end tokens this job may not sample as its reply's token `drawn` (0-based): masked rather than
+        sampled and then ignored, so the reply goes on with the model's best other token."""
+        if drawn < self.min_new_tokens:
+            return tuple(eos_ids) + self.stop_token_ids
+        return tuple(eos_ids) if self.ignore_eos else ()
+
+    def new_reply(self, tokenizer: Tokenizer) -> Reply:
+        """The Reply that turns this job's tokens into text (stop strings counted from min_new_tokens on)."""
+        return Reply(tokenizer, self.stop_strings, self.stop_token_ids, self.min_new_tokens)
 
 
 @dataclass

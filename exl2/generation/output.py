@@ -64,9 +64,11 @@ class StopMatcher:
 
 
 class Reply:
-    """One sequence's output: tokens in, text safe to show out (a possible stop string's start is held back)."""
+    """One sequence's output: tokens in, text safe to show out (a possible stop string's start is held back).
+    Stop strings count only in the text from the `min_tokens`-th token on (vLLM's min_tokens)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop_ids = set(tokenizer.eos_ids) | set(stop_token_ids)
         self.stop_strings = [s for s in stop_strings if s]
@@ -75,6 +77,8 @@ class Reply:
         self.ids: list[int] = []
         self.finish_reason: Optional[str] = None   # set once the reply is over: "stop" or "length"
         self._hit = False
+        self.min_tokens = min_tokens
+        self.unchecked = 0                          # characters streamed before stop strings counted
 
     def push(self, token: int) -> str:
         """Add a sampled token; returns the new text. A stop token or stop string ends the reply."""
@@ -82,6 +86,8 @@ class Reply:
             self.finish_reason = "stop"
             return self._tail()
         self.ids.append(token)
+        if len(self.ids) < self.min_tokens:
+            return self._unchecked(self.decoder.push(token))
         text, self._hit = self.matcher.push(self.decoder.push(token))
         if self._hit:
             self.finish_reason = "stop"
@@ -94,15 +100,22 @@ class Reply:
         self.finish_reason = reason
         return self._tail()
 
+    def _unchecked(self, text: str) -> str:
+        self.unchecked += len(text)
+        return text
+
     def _tail(self) -> str:
         if self._hit:
             return ""
+        if len(self.ids) < self.min_tokens:
+            return self._unchecked(self.decoder.flush())
         tail, _ = self.matcher.push(self.decoder.flush())
         return tail + self.matcher.flush()
 
     def result(self, prompt_tokens: int) -> GenerationResult:
         text = self.tokenizer.decode(self.ids)
+        head, text = text[:self.unchecked], text[self.unchecked:]
         for s in self.stop_strings:
             if s in text:
                 text = text[: text.index(s)]
-        return GenerationResult(text, list(self.ids), self.finish_reason or "length", prompt_tokens)
+        return GenerationResult(head + text, list(self.ids), self.finish_reason or "length", prompt_tokens)

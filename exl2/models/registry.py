@@ -1,12 +1,13 @@
 """config.json → ModelSpec for every supported Hugging Face architecture."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from exl2.errors import ConfigError, ModelLoadError
-from exl2.models.rope import ROPE_TYPES, RopeSpec
+from exl2.models.rope import ROPE_TYPES, RopeOverride, RopeSpec
 from exl2.models.spec import LayerSpec, MLASpec, MoESpec, ModelSpec
 
 _FAMILIES: dict[str, str] = {
@@ -41,11 +42,17 @@ def read_config(model_dir: Path | str) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not valid JSON ({e}).") from None
 
 
-def spec_from_dir(model_dir: Path | str) -> ModelSpec:
-    return spec_from_config(read_config(model_dir))
+def spec_from_dir(model_dir: Path | str, rope: Optional[RopeOverride] = None) -> ModelSpec:
+    return spec_from_config(read_config(model_dir), rope)
 
 
-def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
+# the key under which spec_from_config hands a RoPE override to _rope, past every family's builder
+_OVERRIDE = "__exl2_rope_override__"
+
+
+def spec_from_config(cfg: dict[str, Any], rope: Optional[RopeOverride] = None) -> ModelSpec:
+    """The spec of config.json `cfg`; `rope` (-rs/-ra/-ry) overrides its RoPE, and `max_position` becomes the
+    context the override covers (`native_max_position` keeps config.json's)."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch == "Gemma3ForConditionalGeneration" or (arch is None and cfg.get("model_type") == "gemma3_text"):
@@ -58,10 +65,26 @@ def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
         raise ConfigError(
             f"Architecture {arch!r} is not supported; supported architectures are: {', '.join(SUPPORTED_ARCHITECTURES)}."
         )
+    active = rope is not None and rope.active
     try:
-        return _BUILDERS[_FAMILIES[arch]](arch, cfg)
+        spec = _BUILDERS[_FAMILIES[arch]](arch, {**cfg, _OVERRIDE: rope} if active else cfg)
     except KeyError as e:
         raise ConfigError(f"config.json for {arch} lacks the field {e.args[0]!r}.") from None
+    if not active:
+        return spec
+    return dataclasses.replace(spec, max_position=_override_context(spec, rope), rope_override=rope)
+
+
+def _override_context(spec: ModelSpec, ov: RopeOverride) -> int:
+    """Positions the override covers: native × scale, the YaRN original × factor; alpha has no length of its
+    own (exllamav2 leaves max_seq_len to the user), so an explicit request (`ov.context`) is taken as it is."""
+    native = spec.native_max_position
+    if ov.yarn is not None:
+        return int(spec.rope.params["original_max_position_embeddings"] * ov.yarn)
+    limit = int(native * (ov.scale or 1.0))
+    if ov.alpha is not None and ov.context is not None:
+        limit = max(limit, ov.context)
+    return limit
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -83,8 +106,35 @@ def _rope(cfg: dict, head_dim: int, default_theta: float = 10000.0, layer_type: 
         rp.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos))
     partial = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     rdim = dim if dim is not None else int(head_dim * partial)
+    pos_scale = 1.0
+    ov: Optional[RopeOverride] = cfg.get(_OVERRIDE)
+    # sliding-window layers with a table of their own (Gemma 3) never see distances past their window
+    if ov is not None and layer_type != "sliding_attention":
+        rtype, rp, theta, pos_scale = _overridden(ov, rtype, rp, float(theta), rdim, max_pos)
     return RopeSpec(rope_type=rtype, theta=float(theta), dim=rdim, max_position=max_pos, params=rp,
-                    interleaved=interleaved)
+                    interleaved=interleaved, pos_scale=pos_scale)
+
+
+def _overridden(ov: RopeOverride, rtype: str, rp: dict, theta: float, dim: int,
+                max_pos: int) -> tuple[str, dict, float, float]:
+    """(type, params, base, position scale) of a RoPE under the override, with exllamav2's semantics: -ry
+    makes it YaRN (keeping a YaRN config's original length and betas, else the native length as original);
+    -rs replaces a linear factor, or divides positions on top of the other types; -ra scales the base of any."""
+    pos_scale = 1.0
+    if ov.yarn is not None:
+        if rtype != "yarn":
+            keep = {k: rp[k] for k in ("rope_theta", "partial_rotary_factor") if k in rp}
+            rp = {**keep, "rope_type": "yarn", "original_max_position_embeddings": max_pos}
+            rtype = "yarn"
+        rp = {**rp, "factor": float(ov.yarn)}
+    if ov.scale is not None:
+        if rtype in ("default", "linear"):
+            rtype, rp = "linear", {**rp, "rope_type": "linear", "factor": float(ov.scale)}
+        else:
+            pos_scale = float(ov.scale)
+    if ov.alpha is not None:
+        theta = theta * ov.alpha ** (dim / (dim - 2))
+    return rtype, rp, theta, pos_scale
 
 
 def _eos(cfg: dict) -> tuple[int, ...]:

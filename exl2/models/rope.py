@@ -3,10 +3,48 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
+from exl2.config import ROPE_YARN_EXCLUSIVE, rope_factor_problem
+from exl2.errors import ConfigError
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeOverride:
+    """The user's RoPE overrides (exllamav2's -rs/-ra/-ry) over config.json; None keeps the model's own.
+
+    `scale`: positions divided by it (linear interpolation); it replaces a linear factor of config.json and
+    otherwise divides on top of the model's scaling, as exllamav2's scale_pos_emb does. `alpha`: the base times
+    alpha^(d/(d-2)) (NTK-aware), on top of every method, as exllamav2 applies it. `yarn`: a YaRN factor whose
+    original length is config.json's YaRN original, else max_position_embeddings. `context`: the length the
+    caller asked for explicitly; alpha defines no length of its own, so with alpha that length is allowed."""
+
+    scale: Optional[float] = None
+    alpha: Optional[float] = None
+    yarn: Optional[float] = None
+    context: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name, v in (("rope_scale", self.scale), ("rope_alpha", self.alpha), ("rope_yarn", self.yarn)):
+            problem = rope_factor_problem(name, v)
+            if problem:
+                raise ConfigError(f"{problem}.")
+        if self.yarn is not None and (self.scale is not None or self.alpha is not None):
+            raise ConfigError(f"{ROPE_YARN_EXCLUSIVE}.")
+
+    @property
+    def active(self) -> bool:
+        return self.scale is not None or self.alpha is not None or self.yarn is not None
+
+    def describe(self) -> str:
+        """The flags as a user typed them, for messages."""
+        parts = [f"{n} {v:g}" for n, v in (("rope_scale", self.scale), ("rope_alpha", self.alpha),
+                                           ("rope_yarn", self.yarn)) if v is not None]
+        return " and ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -19,9 +57,14 @@ class RopeSpec:
     max_position: int = 2048            # config.max_position_embeddings
     params: dict = field(default_factory=dict, hash=False, compare=False)
     interleaved: bool = False           # GPT-J style pairs (x0,x1),(x2,x3)… instead of rotate-half
+    pos_scale: float = 1.0              # -rs over a non-linear type: positions divided by it on top of the type
 
     def inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
         """Inverse frequencies [dim/2] (float32) and the cos/sin scale for a forward that reaches `seq_len`."""
+        inv, scale = self._type_inv_freq(seq_len)
+        return (inv if self.pos_scale == 1.0 else inv / self.pos_scale), scale
+
+    def _type_inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
         p, dim, base = self.params, self.dim, self.theta
         exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         inv = 1.0 / (base ** exps)

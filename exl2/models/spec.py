@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from exl2.models.rope import RopeSpec
+from exl2.models.rope import RopeOverride, RopeSpec
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,13 @@ class ModelSpec:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, hash=False, compare=False)
+    # the user's RoPE override (-rs/-ra/-ry) this spec was built with; max_position is then the context it covers
+    rope_override: Optional[RopeOverride] = None
+
+    @property
+    def native_max_position(self) -> int:
+        """config.json's max_position_embeddings, before a RoPE override extended `max_position`."""
+        return self.rope.max_position
 
     @property
     def num_params_hint(self) -> int:

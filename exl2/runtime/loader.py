@@ -1,8 +1,9 @@
 """Load a model directory (HF, EXL2, GPTQ) into a DecoderModel on a device, or split over several GPUs."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -10,12 +11,18 @@ from exl2.errors import ConfigError
 from exl2.formats.safetensors_io import TensorSource
 from exl2.models.decoder import DecoderModel
 from exl2.models.registry import read_config, spec_from_config
+from exl2.models.rope import RopeOverride
 from exl2.models.spec import ModelSpec
 from exl2.runtime.paged_cache import layer_bytes_per_token
 from exl2.runtime.placement import GpuSplit, Plan, plan_model, split_budgets
 from exl2.runtime.weights import WeightLoader
 
+if TYPE_CHECKING:
+    from exl2.config import EngineConfig
+
 PAGE_SIZE = 256  # the dynamic generator's page: the cache it allocates is whole pages plus one scratch page
+DEFAULT_CONTEXT = 4096  # max_seq_len when none is asked for (EngineConfig's and the CLI's default)
+log = logging.getLogger("exl2.model")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -32,14 +39,15 @@ def pick_device(device: Optional[str] = None) -> torch.device:
 
 def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                gpu_split: Optional[GpuSplit] = None, cache_tokens: Optional[int] = None, cache_mode: str = "fp16",
-               tensor_parallel: bool = False) -> DecoderModel:
+               tensor_parallel: bool = False, rope: Optional[RopeOverride] = None) -> DecoderModel:
     """`gpu_split` (GB per GPU, or "auto"; runtime.placement) spreads the decoder layers over several GPUs, with
     room for the KV cache of `cache_tokens` tokens (default: the model's context, at most 4096) in `cache_mode`
     next to each layer. A plan that uses one GPU loads the model there as if no split had been asked for.
     `tensor_parallel` shards every layer over the GPUs instead (runtime.tp): those `gpu_split` lists with a
-    budget above 0, or every visible GPU."""
+    budget above 0, or every visible GPU. `rope` (-rs/-ra/-ry) overrides config.json's RoPE; the spec's
+    `max_position` is then the context the override covers."""
     cfg = read_config(model_dir)
-    spec = spec_from_config(cfg)
+    spec = spec_from_config(cfg, rope)
     qc = cfg.get("quantization_config") or {}
     fmt = dict(checkpoint_format=qc.get("checkpoint_format", "gptq"),
                gptq_bits=int(qc.get("bits", 4)) if qc.get("quant_method") == "gptq" else 4)
@@ -54,6 +62,33 @@ def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optio
     model.config_dict = cfg
     model.model_dir = Path(model_dir)
     return model
+
+
+def engine_rope(config: "EngineConfig") -> RopeOverride:
+    """The RoPE override an EngineConfig asks for; its max_seq_len counts as asked for (what rope_alpha allows)
+    only where it was given, not EngineConfig's default."""
+    explicit = "max_seq_len" in config.model_fields_set
+    return RopeOverride(config.rope_scale, config.rope_alpha, config.rope_yarn,
+                        context=config.max_seq_len if explicit else None)
+
+
+def context_length(spec: ModelSpec, requested: Optional[int]) -> int:
+    """The max_seq_len to run: `requested` (None: the default 4096), at most the positions the model's RoPE
+    covers (`spec.max_position`, which a RoPE override extends). A request past that is capped with a one-line
+    warning, never silently: beyond them the model sees positions it was not trained on."""
+    limit = spec.max_position
+    if requested is None:
+        return min(DEFAULT_CONTEXT, limit)
+    if requested > limit:
+        ov = spec.rope_override
+        if ov is None or not ov.active:
+            log.warning(f"max_seq_len {requested} is longer than the model's native context of {limit} positions, "
+                        f"so it is capped at {limit}; rope_scale, rope_alpha or rope_yarn extend it.")
+        else:
+            log.warning(f"max_seq_len {requested} is longer than the {limit} positions that {ov.describe()} "
+                        f"covers (native {spec.native_max_position}), so it is capped at {limit}.")
+        return limit
+    return requested
 
 
 def _build(spec: ModelSpec, w, layer_w=None, head_w=None) -> DecoderModel:

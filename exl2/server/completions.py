@@ -12,7 +12,7 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Optional
 
 from fastapi import APIRouter, Request, Response
@@ -49,12 +49,16 @@ class Job:
     param: str
     grammar: Optional[Grammar] = None
     logprobs: Optional[int] = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
 
     async def events(self, engine) -> AsyncIterator[Event]:
         """(new text, result or None, the new tokens' log-probability records: empty when none) from the
         engine."""
         stream = engine.aevent_stream(self.prompt, self.settings, self.max_new_tokens, self.stop_strings,
-                                      self.add_bos, self.grammar, self.logprobs)
+                                      self.add_bos, self.grammar, self.logprobs, stop_token_ids=self.stop_token_ids,
+                                      min_new_tokens=self.min_new_tokens, ignore_eos=self.ignore_eos)
         try:
             async for event in stream:
                 yield event.text, event.result, event.logprobs
@@ -70,9 +74,12 @@ def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, defau
     """The request fanned out into one job per choice, prompt-major: choice index = prompt index * n + i.
     Choice i samples with seed + i; each job gets its own grammar, since a grammar holds parse state."""
     max_new, stops = params.max_new_tokens(req, default_max), params.stop_strings(req)
-    bias = params.logit_bias(req, getattr(engine.model.spec, "vocab_size", None))
+    vocab = getattr(engine.model.spec, "vocab_size", None)
+    bias = params.logit_bias(req, vocab)
+    ends = dict(stop_token_ids=params.stop_token_ids(req, vocab), min_new_tokens=params.min_new_tokens(req, max_new),
+                ignore_eos=params.ignore_eos(req))
     return [Job(prompt, params.sampling(req, i, bias), max_new, stops, add_bos, param,
-                params.response_grammar(engine, req.response_format), params.logprobs(req))
+                params.response_grammar(engine, req.response_format), params.logprobs(req), **ends)
             for prompt in prompts for i in range(req.n)]
 
 
@@ -276,7 +283,7 @@ def _chat_message(result: GenerationResult, tools, thinking: Optional[bool]) -> 
         message["reasoning_content"] = reasoning or None
         if reasoning is not None and not text:
             text = None                   # it only thought (e.g. stopped by max_tokens): no answer yet
-    calls = parse_tool_calls(text) if tools and text else []
+    calls = parse_tool_calls(text, tools) if tools and text else []
     if calls:
         return {**message, "content": content_before_calls(text), "tool_calls": openai_tool_calls(calls)}, \
             "tool_calls"
@@ -347,7 +354,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if reasoning or out:
             yield chunk(i, _delta(reasoning, out))
         if holdbacks:
-            calls = parse_tool_calls(holdbacks[i].text)
+            calls = parse_tool_calls(holdbacks[i].text, tools)
             if calls:
                 for k, call in enumerate(openai_tool_calls(calls)):
                     yield chunk(i, {"tool_calls": [{"index": k, **call}]})

@@ -104,10 +104,41 @@ def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, floa
 
 
 def stop_strings(req: SamplingFields) -> list[str]:
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    """`stop`'s strings (its integers are stop token ids, `stop_token_ids`)."""
+    stops = [req.stop] if isinstance(req.stop, str) else [s for s in req.stop or [] if isinstance(s, str)]
     if len(stops) > MAX_STOPS:
         raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings.", param="stop")
     return [s for s in stops if s]
+
+
+def stop_token_ids(req: SamplingFields, vocab: Optional[int]) -> list[int]:
+    """vLLM's stop_token_ids plus the integers in TabbyAPI's `stop`: tokens that end the reply like EOS. An id
+    that is not a token of the model (`vocab` logits; None: unknown) is a 400: it could never end the reply."""
+    given = {"stop_token_ids": list(req.stop_token_ids or []),
+             "stop": [s for s in req.stop if isinstance(s, int)] if isinstance(req.stop, list) else []}
+    for param, ids in given.items():
+        for token in ids:
+            if token < 0 or (vocab is not None and token >= vocab):
+                raise APIError(400, f"{param} names token {token}, outside the model's vocabulary.", param=param)
+    return given["stop_token_ids"] + given["stop"]
+
+
+def min_new_tokens(req: SamplingFields, max_new: int) -> int:
+    """min_tokens (vLLM, TabbyAPI), checked against the reply's limit `max_new` (see `max_new_tokens`): a reply
+    could never reach more."""
+    value = req.min_tokens or 0
+    if value < 0:
+        raise APIError(400, f"min_tokens must be 0 or more, not {value}.", param="min_tokens")
+    if value > max_new:
+        given = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        limit = f"max_tokens ({max_new})" if given else f"the default max_tokens ({max_new})"
+        raise APIError(400, f"min_tokens ({value}) is more than {limit}.", param="min_tokens")
+    return value
+
+
+def ignore_eos(req: SamplingFields) -> bool:
+    """vLLM's ignore_eos or TabbyAPI's ban_eos_token: the model's end-of-sequence tokens are never sampled."""
+    return req.ignore_eos or req.ban_eos_token
 
 
 def max_new_tokens(req: SamplingFields, default: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt
 
 
 class _Body(BaseModel):
@@ -90,7 +90,11 @@ class SamplingFields(_Body):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = Field(None)
+    stop: Optional[Union[str, list[Union[str, StrictInt]]]] = Field(None)   # TabbyAPI: integers are stop token ids
+    stop_token_ids: Optional[list[int]] = None    # vLLM's: tokens that end the reply like EOS
+    min_tokens: Optional[int] = None              # vLLM's and TabbyAPI's; 0 ≤ min_tokens ≤ max_tokens (params)
+    ignore_eos: bool = False                      # vLLM's
+    ban_eos_token: bool = False                   # TabbyAPI's name for ignore_eos
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
