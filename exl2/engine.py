@@ -109,8 +109,11 @@ class Engine:
         return result
 
     async def astream(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
-                      stop_strings: Sequence[str] = ()) -> AsyncIterator[str]:
-        async for text, _ in self.aevents(prompt, settings, max_new_tokens, stop_strings):
+                      stop_strings: Sequence[str] = (), *, stop_token_ids: Sequence[int] = (),
+                      min_new_tokens: int = 0, ignore_eos: bool = False) -> AsyncIterator[str]:
+        async for text, _ in self.aevents(prompt, settings, max_new_tokens, stop_strings,
+                                          stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
+                                          ignore_eos=ignore_eos):
             if text:
                 yield text
 

@@ -80,6 +80,7 @@ def _models_router() -> APIRouter:
             "prompt_template": "fallback (ChatML)" if getattr(st.engine.template, "is_fallback", False)
             else "the model's own",
             "draft": str(cfg.draft_model_dir) if cfg.draft_model_dir else ("ngram" if cfg.ngram_draft else None),
+            "rope_scale": cfg.rope_scale, "rope_alpha": cfg.rope_alpha, "rope_yarn": cfg.rope_yarn,
             "reasoning_parser": st.reasoning}}
 
     @router.get("/v1/models/{model_id:path}")
