@@ -1,7 +1,8 @@
 """The decode kernels' programmatic-dependent-launch variants (L2 prefetch before `griddepcontrol.wait`) compiled
 for sm_90 on this machine, GPU or not: the interpreter never runs them, so shapes only the GPU path meets (MLA head
-dims, narrow tiles) are checked here, and the prefetches must come before the wait to be of any use. The compiler
-runs in a child process without TRITON_INTERPRET (under it, kernels are not compilable objects)."""
+dims, narrow tiles) are checked here, and the prefetches must come before the wait to be of any use. The sampling
+kernels are compiled too, checked for IEEE division (their values must equal the PyTorch path's bit for bit). The
+compiler runs in a child process without TRITON_INTERPRET (under it, kernels are not compilable objects)."""
 import json
 import os
 import subprocess
