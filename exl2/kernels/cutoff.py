@@ -9,9 +9,10 @@ parallel over chunks of the row; the next pass's programs each read the previous
 digit. Eight passes over the row find the exact key; they replace a sort of it, which with its cumsum and scatter
 took 0.6-0.7 ms a step for 16 x 128,256 logits on an H100 (benchmarks/RESULTS.md, session 21).
 
-The logits are transformed on the fly (`logit`: the penalties, then the temperature) by every kernel that reads
-them, so the filtered logits are never written. The kernels are compiled without FMA contraction, so x - f · c
-rounds as PyTorch's separate multiply and subtract do in the PyTorch path.
+The prep kernel writes y (`logit`: the penalties, then the temperature) once for the passes and the draw; the
+filtered logits are never written. A pass skips the binning of blocks that hold no token of its interval (most
+blocks after the first passes). The kernels are compiled without FMA contraction, so x - f · c rounds as PyTorch's
+separate multiply and subtract do in the PyTorch path.
 """
 from __future__ import annotations
 
