@@ -153,6 +153,24 @@ def _arch_qwen3_moe():
     )
 
 
+def _arch_gemma():
+    from transformers import GemmaConfig
+
+    # Gemma 1: (1+w) norms, embeddings x sqrt(H), GeGLU (tanh), tied head, head_dim 32 != H/nh; no soft-caps,
+    # no sandwich norms, every layer global. MQA (1 KV head) as Gemma 2B; 3 layers keep greedy decoding varied.
+    return GemmaConfig(
+        **_cfg(
+            num_hidden_layers=3,
+            head_dim=32,
+            num_key_value_heads=1,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            hidden_act="gelu_pytorch_tanh",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    )
+
+
 def _arch_gemma2():
     from transformers import Gemma2Config
 
@@ -193,6 +211,60 @@ def _arch_gemma3():
             },
         )
     )
+
+
+def _arch_granite():
+    from transformers import GraniteConfig
+
+    # Granite 3.x: Llama with muP multipliers, each far from what Llama would do: embeddings x 12, softmax scale
+    # 0.03 (not head_dim^-0.5 = 0.25), sublayer outputs x 0.22 before each residual add, logits / 3. Untied: with
+    # a tied head the x12 embedding of the last token outweighs the x0.22 sublayers and greedy repeats it.
+    return GraniteConfig(
+        **_cfg(
+            num_hidden_layers=3,
+            head_dim=16,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.03,
+            residual_multiplier=0.22,
+            logits_scaling=3.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    )
+
+
+def _cohere(**kw):
+    from transformers import CohereConfig
+
+    base = _cfg(layer_norm_eps=1e-5, tie_word_embeddings=True, logit_scale=0.25,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    base.pop("rms_norm_eps")
+    base.update(kw)
+    return CohereConfig(**base)
+
+
+def _arch_cohere():
+    # Command-R: bias-free LayerNorm, parallel attention + MLP from one norm, interleaved (GPT-J) RoPE,
+    # logits x logit_scale, tied head (3 layers keep greedy decoding varied).
+    return _cohere(num_hidden_layers=3)
+
+
+def _arch_cohere_qk_norm():
+    # Command-R+ style per-head LayerNorms on q and k (weights [heads, head_dim]); with attention biases on q, k,
+    # v and o; untied head (lm_head.weight in the file).
+    return _cohere(use_qk_norm=True, attention_bias=True, tie_word_embeddings=False)
+
+
+def _arch_mistral3():
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+
+    # Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration) used as text only: the Mistral decoder is saved
+    # under language_model.model.* / language_model.lm_head.*, next to a (tiny) Pixtral vision tower and projector
+    # that must be ignored. head_dim 32 != H/nh; sliding_window null (full attention), as the real text_config.
+    text = MistralConfig(**_cfg(head_dim=32, sliding_window=None,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=16, image_size=28, patch_size=14)
+    return Mistral3Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
 def _arch_phi3():
@@ -317,8 +389,13 @@ ARCHS: dict[str, Callable] = {
     "qwen2": _arch_qwen2,
     "qwen3": _arch_qwen3,
     "qwen3_moe": _arch_qwen3_moe,
+    "gemma": _arch_gemma,
     "gemma2": _arch_gemma2,
     "gemma3": _arch_gemma3,
+    "granite": _arch_granite,
+    "cohere": _arch_cohere,
+    "cohere_qk_norm": _arch_cohere_qk_norm,
+    "mistral3": _arch_mistral3,
     "phi3": _arch_phi3,
     "phi3_longrope": _arch_phi3_longrope,
     "deepseek_v3": _arch_deepseek_v3,
@@ -331,7 +408,7 @@ ARCHS: dict[str, Callable] = {
 def _randomize(model: nn.Module, config, seed: int) -> None:
     """Redraw every weight so norms, biases and routers all matter and activations stay O(1)."""
     gen = torch.Generator().manual_seed(seed)
-    gemma = config.model_type in ("gemma2", "gemma3_text")
+    gemma = config.model_type in ("gemma", "gemma2", "gemma3_text")
     llama4 = config.model_type == "llama4_text"
 
     def randn(shape):
@@ -340,8 +417,9 @@ def _randomize(model: nn.Module, config, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith(".bias"):
             p.copy_(0.1 * randn(p.shape))
-        elif p.ndim == 1:
-            # RMSNorm weights: Gemma stores w and multiplies by (1 + w); the others multiply by w.
+        elif p.ndim == 1 or name.endswith("norm.weight"):
+            # Norm weights (Cohere's q/k norms are [heads, head_dim]): Gemma stores w and multiplies by (1 + w);
+            # the others multiply by w.
             p.copy_((0.0 if gemma else 1.0) + 0.1 * randn(p.shape))
         elif "embed_tokens" in name:
             # Gemma multiplies embeddings by sqrt(hidden). A tied head scores the input token's own
@@ -359,12 +437,20 @@ def _randomize(model: nn.Module, config, seed: int) -> None:
             b.copy_(0.1 * randn(b.shape))
 
 
-def build_tiny(name: str, out_dir: Path, seed: int = 0) -> Path:
-    """Build the tiny float32 model `name` with weights drawn from `seed` and save it as safetensors."""
-    from transformers import AutoModelForCausalLM
+def _auto_class(config):
+    """The transformers auto class of `config`: image-text-to-text for the multimodal wrappers (used as text only)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    return AutoModelForImageTextToText if config.model_type in ("mistral3",) else AutoModelForCausalLM
+
+
+def build_tiny(name: str, out_dir: Path, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """Build the tiny float32 model `name` with weights drawn from `seed` and save it as safetensors.
+    `vocab_size` replaces the 256 of the fixtures (e.g. to run a real tokenizer's ids through it)."""
     config = ARCHS[name]()
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    if vocab_size is not None:
+        config.get_text_config().vocab_size = vocab_size
+    model = _auto_class(config).from_config(config, attn_implementation="eager", dtype=torch.float32)
     _randomize(model, config, seed)
     model.eval()
     out_dir = Path(out_dir)
@@ -373,9 +459,10 @@ def build_tiny(name: str, out_dir: Path, seed: int = 0) -> Path:
 
 
 def _load(model_dir: Path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(Path(model_dir), attn_implementation="eager", dtype=torch.float32)
+    auto = _auto_class(AutoConfig.from_pretrained(Path(model_dir)))
+    model = auto.from_pretrained(Path(model_dir), attn_implementation="eager", dtype=torch.float32)
     return model.eval()
 
 

@@ -231,6 +231,8 @@ class Tokenizer:
         jinja = d / "chat_template.jinja"
         if template is None and jinja.is_file():
             template = jinja.read_text(encoding="utf-8")
+        if template is None:  # processor-style repos (Mistral 3, Gemma 3) keep it in chat_template.json
+            template = _pick_template(_read_json(d / "chat_template.json").get("chat_template"))
         return cls(backend, config, gen_ids, template)
 
     @property

@@ -12,7 +12,8 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch import nn
 
-from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, softcap, temperature_scale
+from exl2.errors import ConfigError
+from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, make_norm, softcap, temperature_scale
 from exl2.kernels.attention import scatter_columns
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.spec import LayerSpec, ModelSpec
@@ -98,8 +99,8 @@ class Attention(nn.Module):
         self.o_proj = w.linear(f"{prefix}.o_proj", h * d, hid, spec.o_bias)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
-            self.q_norm = RMSNorm(w.tensor(f"{prefix}.q_norm.weight"), spec.norm_eps, spec.norm_offset)
-            self.k_norm = RMSNorm(w.tensor(f"{prefix}.k_norm.weight"), spec.norm_eps, spec.norm_offset)
+            self.q_norm = make_norm(spec, w.tensor(f"{prefix}.q_norm.weight"))
+            self.k_norm = make_norm(spec, w.tensor(f"{prefix}.k_norm.weight"))
         self.scale = spec.attn_scale if spec.attn_scale is not None else d ** -0.5
 
     def shared_input_linears(self) -> tuple[nn.Module, ...]:
@@ -209,8 +210,9 @@ class DecoderLayer(nn.Module):
         self.layer = layer
         p = f"model.layers.{idx}"
         eps, off = spec.norm_eps, spec.norm_offset
-        self.input_layernorm = RMSNorm(w.tensor(f"{p}.input_layernorm.weight"), eps, off)
-        self.post_attention_layernorm = RMSNorm(w.tensor(f"{p}.post_attention_layernorm.weight"), eps, off)
+        self.input_layernorm = make_norm(spec, w.tensor(f"{p}.input_layernorm.weight"))
+        if not spec.parallel_block:  # a parallel block's attention and MLP both read input_layernorm's output
+            self.post_attention_layernorm = make_norm(spec, w.tensor(f"{p}.post_attention_layernorm.weight"))
         if spec.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(w.tensor(f"{p}.pre_feedforward_layernorm.weight"), eps, off)
             self.post_feedforward_layernorm = RMSNorm(w.tensor(f"{p}.post_feedforward_layernorm.weight"), eps, off)
@@ -220,33 +222,58 @@ class DecoderLayer(nn.Module):
 
     def attn_block(self, x, q_pos, rope, cache=None) -> torch.Tensor:
         """Residual stream after the attention half of the layer; q_pos [B, T] absolute positions."""
+        self._check_sequential()
         h = _summed(self.self_attn(self.input_layernorm(x), q_pos, rope, cache), x)
         if self.spec.sandwich_norm:
             h = self.post_attention_layernorm(h)
-        return x + h
+        return x + self._scaled(h)
 
     def mlp_block(self, x) -> torch.Tensor:
         """Residual stream after the feed-forward half of the layer."""
+        self._check_sequential()
         if self.spec.sandwich_norm:
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + _summed(self.mlp(self.post_attention_layernorm(x)), x)
+        return x + self._scaled(_summed(self.mlp(self.post_attention_layernorm(x)), x))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as the residual add takes it: × Granite's residual_multiplier (else as it is)."""
+        m = self.spec.residual_scale
+        return h if m == 1.0 else h * m
+
+    def _check_sequential(self) -> None:
+        if self.spec.parallel_block:
+            raise ConfigError(
+                f"exl2 convert does not support {self.spec.arch} yet: its layers run attention and MLP in parallel "
+                "on one normed input, so they do not split into the attention and MLP blocks it quantizes in turn.")
+
+    def parallel(self, x, q_pos, rope, cache=None) -> torch.Tensor:
+        """Cohere's block: `x + attn(n(x)) + mlp(n(x))`, one norm read by both (added in transformers' order)."""
+        h = self.input_layernorm(x)
+        a = _summed(self.self_attn(h, q_pos, rope, cache), x)
+        return x + a + _summed(self.mlp(h), x)
 
     def forward(self, x, q_pos, rope, cache=None):
+        if self.spec.parallel_block:
+            return self.parallel(x, q_pos, rope, cache)
         return self.mlp_block(self.attn_block(x, q_pos, rope, cache))
 
     def fused_step(self, x: torch.Tensor, delta: Optional[torch.Tensor], q_pos, rope, cache=None):
         """Inference form of forward: `x` is the residual stream (updated in place) and `delta` the previous
         layer's MLP output not yet added, so each residual add fuses with the following norm. Returns the new
         (x, delta)."""
-        if self.spec.sandwich_norm:
+        if self.spec.sandwich_norm or self.spec.parallel_block:
             if delta is not None:
-                x = x + delta
-            return self.mlp_block(self.attn_block(x, q_pos, rope, cache)), None
+                x = x + _summed(delta, x)
+            return self.forward(x, q_pos, rope, cache), None
         if delta is None:
             h = self.self_attn(self.input_layernorm(x), q_pos, rope, cache)
         else:
             h, x = self._norm_into(self.input_layernorm, delta, x, self.self_attn, q_pos, rope, cache)
+        if self.spec.residual_scale != 1.0:  # (route_split_sums leaves such a model's projections unsplit)
+            h = self._scaled(_summed(h, x))
         out, x = self._norm_into(self.post_attention_layernorm, h, x, self.mlp)
+        if self.spec.residual_scale != 1.0:
+            out = self._scaled(_summed(out, x))
         return x, out
 
     @staticmethod
@@ -260,6 +287,15 @@ class DecoderLayer(nn.Module):
             return module(norm.add_norm(delta, x), *args), x
         h, xp, x = norm.add_norm(delta, x, gather=idx)
         return module(h, *args, xp=xp), x
+
+
+def final_logits(spec: ModelSpec, out: torch.Tensor) -> torch.Tensor:
+    """The head's output `out` as float32 logits: the vocabulary columns, × logit_scale (Granite, Cohere), then
+    soft-capped (Gemma 2/3). Every path that computes logits (decoder, tensor parallel, quantizer) should use it."""
+    out = out[..., : spec.vocab_size].float()
+    if spec.logit_scale != 1.0:
+        out = out * spec.logit_scale
+    return softcap(out, spec.final_softcap)
 
 
 def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> nn.Module:
@@ -330,7 +366,7 @@ class DecoderModel(nn.Module):
         return on_device(torch.device(dev) if dev is not None else None)
 
     def _build_head(self, spec: ModelSpec, w: WeightProvider) -> None:
-        self.norm = RMSNorm(w.tensor("model.norm.weight"), spec.norm_eps, spec.norm_offset)
+        self.norm = make_norm(spec, w.tensor("model.norm.weight"))
         if w.has("lm_head.weight") or w.has("lm_head.q_weight") or w.has("lm_head.qweight"):
             self.lm_head = w.linear("lm_head", spec.hidden_size, spec.vocab_size, False)
         elif spec.tie_embeddings:
@@ -355,6 +391,8 @@ class DecoderModel(nn.Module):
             for producer, consumer_idx in pairs:
                 if isinstance(producer, Linear):
                     producer.split_sum = bool(on and not self.spec.sandwich_norm and isinstance(attn, Attention)
+                                              and self.spec.residual_scale == 1.0 and not self.spec.parallel_block
+                                              and self.spec.norm_type == "rms"
                                               and producer.kernel is not None and consumer_idx is not None)
                     routed += producer.split_sum
         return routed
@@ -426,8 +464,7 @@ class DecoderModel(nn.Module):
         return self.logits(self.norm(x))
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        out = self.lm_head(normed)[..., : self.spec.vocab_size]
-        return softcap(out.float(), self.spec.final_softcap)
+        return final_logits(self.spec, self.lm_head(normed))
 
     @staticmethod
     def positions(ids: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:

@@ -38,6 +38,38 @@ class RMSNorm(nn.Module):
         return normed
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm without bias, computed in float32 (Cohere): `w * (x - mean) / sqrt(var + eps)`. `weight` may be
+    [H] or, for Cohere's per-head q/k norms, [heads, head_dim] (the statistics are over the last dim either way)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        mean = xf.mean(-1, keepdim=True)
+        var = (xf - mean).pow(2).mean(-1, keepdim=True)
+        return (self.weight.float() * ((xf - mean) * torch.rsqrt(var + self.eps))).to(x.dtype)
+
+    def add_norm(self, delta: torch.Tensor, residual: torch.Tensor, gather=None):
+        """residual += delta (in place); return norm(residual) (RMSNorm.add_norm's contract, without `gather`)."""
+        if gather:
+            raise ValueError("LayerNorm does not write permuted copies for quantized projections.")
+        if isinstance(delta, SplitSum):
+            delta = delta.total(residual.dtype).view(residual.shape)
+        residual += delta
+        return self(residual)
+
+
+def make_norm(spec, weight: torch.Tensor) -> nn.Module:
+    """The norm `spec` uses (its type, eps and Gemma offset) around `weight`."""
+    if spec.norm_type == "layernorm":
+        return LayerNorm(weight, spec.norm_eps)
+    return RMSNorm(weight, spec.norm_eps, spec.norm_offset)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
               window: int | None = None, chunk: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Reference causal attention. q [B,T,H,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv]; q_pos [T] or [B,T] absolute

@@ -17,13 +17,23 @@ _FAMILIES: dict[str, str] = {
     "Qwen3ForCausalLM": "llama",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Phi3ForCausalLM": "llama",
+    "GraniteForCausalLM": "granite",
+    "CohereForCausalLM": "cohere",
     "DeepseekV3ForCausalLM": "deepseek",
     "Llama4ForCausalLM": "llama4",
 }
-SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+# multimodal wrappers run as their text decoder (config.json's text_config; exl2.formats.safetensors_io unwraps the
+# weights and leaves the vision tower and projector out)
+_TEXT_DECODER_OF = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+    "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES) + tuple(_TEXT_DECODER_OF)
 
 
 def read_config(model_dir: Path | str) -> dict[str, Any]:
@@ -55,12 +65,18 @@ def spec_from_config(cfg: dict[str, Any], rope: Optional[RopeOverride] = None) -
     context the override covers (`native_max_position` keeps config.json's)."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
-    if arch == "Gemma3ForConditionalGeneration" or (arch is None and cfg.get("model_type") == "gemma3_text"):
+    if arch is None and cfg.get("model_type") == "gemma3_text":
         arch = "Gemma3ForCausalLM"
-    if arch == "Llama4ForConditionalGeneration":
-        arch = "Llama4ForCausalLM"
-    if "text_config" in cfg and arch in ("Gemma3ForCausalLM", "Llama4ForCausalLM") and "hidden_size" not in cfg:
-        cfg = {**cfg["text_config"], "architectures": [arch]}
+    if arch == "Mistral3ForConditionalGeneration":
+        text_type = (cfg.get("text_config") or {}).get("model_type", "mistral")
+        if text_type != "mistral":  # Ministral 3 / Mistral Large 3 ("ministral3") scale queries by position
+            raise ConfigError(f"Mistral3ForConditionalGeneration with a {text_type!r} text model is not supported; "
+                              "supported: Mistral Small 3.1 / 3.2 style (text model_type 'mistral').")
+    arch = _TEXT_DECODER_OF.get(arch, arch)
+    if "text_config" in cfg and arch in _TEXT_DECODER_OF.values() and "hidden_size" not in cfg:
+        outer = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
+        cfg = {**outer, **{k: v for k, v in cfg["text_config"].items() if v is not None or k not in outer},
+               "architectures": [arch]}
     if arch not in _FAMILIES:
         raise ConfigError(
             f"Architecture {arch!r} is not supported; supported architectures are: {', '.join(SUPPORTED_ARCHITECTURES)}."
@@ -144,7 +160,7 @@ def _eos(cfg: dict) -> tuple[int, ...]:
     return tuple(e) if isinstance(e, list) else (int(e),)
 
 
-_HEAD_DIM_DEFAULTS = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128}
+_HEAD_DIM_DEFAULTS = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128, "GemmaForCausalLM": 256}
 
 
 def _common(arch: str, cfg: dict) -> dict:
@@ -201,6 +217,32 @@ def _llama(arch: str, cfg: dict) -> ModelSpec:
     )
 
 
+def _granite(arch: str, cfg: dict) -> ModelSpec:
+    """Granite 3.x dense: Llama plus four muP multipliers (all default 1.0, like transformers' GraniteConfig)."""
+    return dataclasses.replace(
+        _llama(arch, cfg),
+        embed_scale=float(cfg.get("embedding_multiplier", 1.0)),
+        attn_scale=float(cfg.get("attention_multiplier", 1.0)),   # the softmax scale itself, not head_dim ** -0.5
+        residual_scale=float(cfg.get("residual_multiplier", 1.0)),
+        logit_scale=1.0 / float(cfg.get("logits_scaling", 1.0)),
+    )
+
+
+def _cohere(arch: str, cfg: dict) -> ModelSpec:
+    """Command-R (v01, 08-2024; Aya 23): bias-free LayerNorm, attention and MLP in parallel from one norm, GPT-J
+    (interleaved) RoPE, logits × logit_scale, tied head; `use_qk_norm` (Command-R+) adds per-head LayerNorms
+    (weights [heads, head_dim]) on q and k before RoPE."""
+    c = _common(arch, cfg)
+    c["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
+    c["norm_eps"] = float(cfg.get("layer_norm_eps") or 1e-5)
+    bias = bool(cfg.get("attention_bias", False))
+    logit_scale = cfg.get("logit_scale", 0.0625)
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"], 500000.0, interleaved=True),
+                     layers=tuple(LayerSpec() for _ in range(c["num_layers"])), activation=_act(cfg),
+                     qkv_bias=bias, o_bias=bias, qk_norm=bool(cfg.get("use_qk_norm", False)), norm_type="layernorm",
+                     parallel_block=True, logit_scale=1.0 if logit_scale is None else float(logit_scale))
+
+
 def _act(cfg: dict) -> str:
     a = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if a in ("silu", "swish"):
@@ -237,11 +279,25 @@ def _qwen3_moe(arch: str, cfg: dict) -> ModelSpec:
                      layers=tuple(LayerSpec(sliding_window=w, moe=m) for w, m in zip(windows, is_moe)))
 
 
+def _gemma1_act(cfg: dict) -> str:
+    """Gemma 1's activation: `hidden_activation` where set, else the tanh GELU whatever `hidden_act` says.
+    Published Gemma 1 files say `hidden_act: "gelu"` while the models were trained with the tanh approximation;
+    transformers 4.38+ and exllamav2 run tanh (transformers 5 reads `hidden_act` literally)."""
+    if cfg.get("hidden_activation"):
+        return _act(cfg)
+    return "gelu_tanh" if cfg.get("hidden_act", "gelu") == "gelu" else _act(cfg)
+
+
 def _gemma(arch: str, cfg: dict) -> ModelSpec:
     c = _common(arch, cfg)
     c["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
     n = c["num_layers"]
     gemma3 = arch == "Gemma3ForCausalLM"
+    if arch == "GemmaForCausalLM":  # Gemma 1: plain pre-norm blocks, global attention, no soft-caps
+        return ModelSpec(**c, rope=_rope(cfg, c["head_dim"]), layers=tuple(LayerSpec() for _ in range(n)),
+                         activation=_gemma1_act(cfg), norm_offset=1.0, embed_scale=c["hidden_size"] ** 0.5,
+                         qkv_bias=bool(cfg.get("attention_bias", False)),
+                         o_bias=bool(cfg.get("attention_bias", False)))
     if not cfg.get("layer_types"):
         if gemma3:
             pattern = cfg.get("sliding_window_pattern", 6)
@@ -333,6 +389,6 @@ def _llama4(arch: str, cfg: dict) -> ModelSpec:
 
 
 _BUILDERS: dict[str, Callable[[str, dict], ModelSpec]] = {
-    "llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "gemma": _gemma,
-    "deepseek": _deepseek, "llama4": _llama4,
+    "llama": _llama, "granite": _granite, "cohere": _cohere, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
+    "gemma": _gemma, "deepseek": _deepseek, "llama4": _llama4,
 }

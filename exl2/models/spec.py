@@ -68,9 +68,13 @@ class ModelSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3, Gemma 3; Cohere: LayerNorm)
     sandwich_norm: bool = False            # Gemma 2/3: norms after attention and MLP too
+    norm_type: str = "rms"                 # rms | layernorm (Cohere: mean-centred, weight only, no bias)
+    parallel_block: bool = False           # Cohere: x + attn(n(x)) + mlp(n(x)), one norm per layer
     embed_scale: float = 1.0
+    residual_scale: float = 1.0            # Granite residual_multiplier: each sublayer's output × it before the add
+    logit_scale: float = 1.0               # logits × it (Granite 1/logits_scaling, Cohere logit_scale)
     attn_scale: Optional[float] = None     # softmax scale; default head_dim ** -0.5
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None

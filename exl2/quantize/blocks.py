@@ -12,10 +12,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from exl2.formats.safetensors_io import TensorSource
-from exl2.models.decoder import DecoderLayer, DecoderModel
-from exl2.models.layers import RMSNorm, softcap
+from exl2.models.decoder import DecoderLayer, DecoderModel, final_logits
+from exl2.models.layers import make_norm
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import Linear
 from exl2.runtime.weights import WeightLoader
@@ -94,15 +95,14 @@ class SourceModel:
                 return "lm_head"
         return "model.embed_tokens" if self.spec.tie_embeddings else "lm_head"
 
-    def final_norm(self) -> RMSNorm:
-        return RMSNorm(self.loader.tensor("model.norm.weight"), self.spec.norm_eps, self.spec.norm_offset)
+    def final_norm(self) -> nn.Module:
+        return make_norm(self.spec, self.loader.tensor("model.norm.weight"))
 
     def head_linear(self) -> Linear:
         return self.loader.linear(self.head_key(), self.spec.hidden_size, self.spec.vocab_size, False)
 
-    def logits(self, norm: RMSNorm, head: Linear, x: torch.Tensor) -> torch.Tensor:
-        out = head(norm(x))[..., : self.spec.vocab_size]
-        return softcap(out.float(), self.spec.final_softcap)
+    def logits(self, norm: nn.Module, head: Linear, x: torch.Tensor) -> torch.Tensor:
+        return final_logits(self.spec, head(norm(x)))
 
     def rope(self, batch: int, length: int, layer: int):
         """(q_pos [B, T], the layer's rope argument) for rows that start at position 0."""

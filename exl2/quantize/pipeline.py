@@ -168,6 +168,9 @@ class Converter:
         self.tpb = self.s.tokens_per_batch or (16384 if self.device.type == "cuda" else 8192)
         cfg = read_config(self.s.in_dir)
         self.spec = spec_from_config(cfg)
+        if self.spec.parallel_block:
+            raise ConfigError(f"Converting {self.spec.arch} is not supported yet: its layers run attention and MLP "
+                              "side by side, and the quantizer works one block after the other.")
         self.model = SourceModel(self.s.in_dir, self.spec, self.device, self.dtype)
         self.slots = model_slots(self.spec)
         self._tokenizer = None

@@ -1,0 +1,272 @@
+"""Gemma 1, Granite 3.x, Command-R (Cohere) and Mistral 3 (text only): what the parity fixtures (test_decoder_parity:
+`gemma`, `granite`, `cohere`, `cohere_qk_norm`, `mistral3`) do not show. Published config.json files read into the
+right spec, the paged cache (RoPE applied while storing keys, interleaved for Cohere) matches the contiguous one, the
+float16 CPU path stays near the float32 reference, a multimodal checkpoint's weights load under either layout and
+the architectures `exl2 convert` cannot quantize yet say so."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny_models import build_tiny, reference_logits
+
+from exl2.errors import ConfigError
+from exl2.formats.safetensors_io import TensorSource
+from exl2.models.registry import spec_from_config
+from exl2.runtime.loader import load_model
+from exl2.runtime.paged_cache import PagedKVCache
+
+NEW = ["gemma", "granite", "cohere", "cohere_qk_norm", "mistral3"]
+
+GEMMA_2B = {  # google/gemma-2b (transformers 4.38 layout)
+    "architectures": ["GemmaForCausalLM"], "attention_bias": False, "bos_token_id": 2, "eos_token_id": 1,
+    "head_dim": 256, "hidden_act": "gelu", "hidden_size": 2048, "intermediate_size": 16384,
+    "max_position_embeddings": 8192, "model_type": "gemma", "num_attention_heads": 8, "num_hidden_layers": 18,
+    "num_key_value_heads": 1, "pad_token_id": 0, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0,
+    "vocab_size": 256000,
+}
+GRANITE_8B = {  # ibm-granite/granite-3.1-8b-instruct
+    "architectures": ["GraniteForCausalLM"], "attention_bias": False, "attention_multiplier": 0.0078125,
+    "bos_token_id": 0, "embedding_multiplier": 12.0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 12800, "logits_scaling": 16.0, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "granite", "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
+    "residual_multiplier": 0.22, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000000.0,
+    "tie_word_embeddings": True, "vocab_size": 49155,
+}
+COMMAND_R = {  # CohereForAI/c4ai-command-r-v01 (no tie_word_embeddings key: tied)
+    "architectures": ["CohereForCausalLM"], "attention_bias": False, "bos_token_id": 5, "eos_token_id": 255001,
+    "hidden_act": "silu", "hidden_size": 8192, "intermediate_size": 22528, "layer_norm_eps": 1e-05,
+    "logit_scale": 0.0625, "max_position_embeddings": 8192, "model_type": "cohere", "num_attention_heads": 64,
+    "num_hidden_layers": 40, "num_key_value_heads": 64, "pad_token_id": 0, "rope_theta": 8000000.0,
+    "use_qk_norm": False, "vocab_size": 256000,
+}
+MISTRAL_SMALL_31 = {  # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (vision_config shortened)
+    "architectures": ["Mistral3ForConditionalGeneration"], "image_token_index": 10, "model_type": "mistral3",
+    "multimodal_projector_bias": False, "projector_hidden_act": "gelu", "spatial_merge_size": 2,
+    "text_config": {
+        "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+        "intermediate_size": 32768, "max_position_embeddings": 131072, "model_type": "mistral",
+        "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072,
+    },
+    "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "num_hidden_layers": 24},
+    "vision_feature_layer": -1,
+}
+
+
+def test_gemma1_published_config():
+    """hidden_act "gelu" without hidden_activation runs the tanh GELU Gemma was trained with (transformers 4.38+,
+    exllamav2); global attention, plain pre-norm blocks, no soft-caps, (1 + w) norms, embeddings x sqrt(H), tied."""
+    s = spec_from_config(GEMMA_2B)
+    assert (s.activation, s.head_dim, s.num_kv_heads, s.norm_offset) == ("gelu_tanh", 256, 1, 1.0)
+    assert s.embed_scale == pytest.approx(2048 ** 0.5) and s.tie_embeddings and s.eos_token_ids == (1,)
+    assert not s.sandwich_norm and s.attn_scale is None and s.attn_softcap is None and s.final_softcap is None
+    assert all(layer.sliding_window is None for layer in s.layers) and s.rope.theta == 10000.0
+    assert spec_from_config({**GEMMA_2B, "hidden_activation": "gelu"}).activation == "gelu"  # explicit legacy
+    no_head_dim = {k: v for k, v in GEMMA_2B.items() if k != "head_dim"}
+    assert spec_from_config(no_head_dim).head_dim == 256  # GemmaConfig's default, not H/nh
+
+
+def test_granite_published_config():
+    s = spec_from_config(GRANITE_8B)
+    assert (s.embed_scale, s.attn_scale, s.residual_scale, s.logit_scale) == (12.0, 0.0078125, 0.22, 1 / 16)
+    assert s.head_dim == 128 and s.rope.theta == 1e7 and s.tie_embeddings and s.norm_type == "rms"
+    plain = spec_from_config({k: v for k, v in GRANITE_8B.items() if "multiplier" not in k and k != "logits_scaling"})
+    assert (plain.embed_scale, plain.attn_scale, plain.residual_scale, plain.logit_scale) == (1.0, 1.0, 1.0, 1.0)
+
+
+def test_command_r_published_config():
+    s = spec_from_config(COMMAND_R)
+    assert (s.norm_type, s.parallel_block, s.norm_eps, s.logit_scale) == ("layernorm", True, 1e-5, 0.0625)
+    assert s.rope.interleaved and s.rope.theta == 8e6 and s.tie_embeddings and not s.qk_norm
+    assert not s.qkv_bias and not s.o_bias and s.head_dim == 128 and s.eos_token_ids == (255001,)
+    plus = spec_from_config({**COMMAND_R, "use_qk_norm": True, "logit_scale": 0.8333333333333334})
+    assert plus.qk_norm and plus.logit_scale == pytest.approx(0.8333333333333334)
+
+
+def test_mistral3_published_config():
+    """Mistral3ForConditionalGeneration runs its text_config as MistralForCausalLM: sliding_window null there
+    means full attention (MistralConfig would default an absent key to 4096)."""
+    s = spec_from_config(MISTRAL_SMALL_31)
+    assert (s.arch, s.hidden_size, s.head_dim, s.num_layers, s.vocab_size) == ("MistralForCausalLM", 5120, 128, 40,
+                                                                                131072)
+    assert all(layer.sliding_window is None for layer in s.layers) and s.rope.theta == 1e9
+    outer = spec_from_config({**MISTRAL_SMALL_31, "eos_token_id": 2, "bos_token_id": 1})
+    assert outer.eos_token_ids == (2,) and outer.bos_token_id == 1  # top-level ids where text_config has none
+    ministral3 = {**MISTRAL_SMALL_31, "text_config": {**MISTRAL_SMALL_31["text_config"], "model_type": "ministral3"}}
+    with pytest.raises(ConfigError, match="ministral3"):
+        spec_from_config(ministral3)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return {name: build_tiny(name, tmp_path_factory.mktemp(name)) for name in NEW}
+
+
+@pytest.mark.parametrize("name", ["gemma", "granite", "cohere", "cohere_qk_norm"])
+def test_paged_cache_matches_contiguous(dirs, name):
+    """Two sequences of different lengths decoded together through scattered pages give each sequence's logits
+    from the contiguous cache (the paged cache rotates keys while storing them: Cohere's interleaved pairs too)."""
+    model = load_model(dirs[name], "cpu")
+    lens, steps = [23, 40], 6
+    prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in lens]
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            c = model.new_cache(1, 64)
+            out = [model(p, c, 0)[:, -1]]
+            toks = []
+            for i in range(steps):
+                toks.append(out[-1].argmax(-1, keepdim=True))
+                out.append(model(toks[-1], c, p.shape[1] + i)[:, -1])
+            refs.append((torch.stack(out, 1), torch.cat(toks, 1)))
+        cache = PagedKVCache(model.spec, num_pages=16, page_size=8, device="cpu", dtype=torch.float32)
+        tables = torch.tensor([[9, 2, 14, 5, 7, 0], [1, 12, 3, 8, 10, 6]], dtype=torch.int32)
+        for b, p in enumerate(prompts):
+            cache.bind(tables[b:b + 1])
+            assert torch.allclose(model(p, cache, 0)[:, -1], refs[b][0][:, 0], atol=1e-5)
+        cache.bind(tables)
+        for i in range(steps):
+            toks = torch.stack([refs[b][1][:, i] for b in range(2)])
+            logits = model(toks, cache, torch.tensor(lens) + i)[:, -1]
+            for b in range(2):
+                assert torch.allclose(logits[b], refs[b][0][0, i + 1], atol=1e-5), f"step {i} row {b}"
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_float16_on_cpu_stays_near_float32(dirs, name):
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3))
+    ref = reference_logits(dirs[name], ids)
+    with torch.no_grad():
+        half = load_model(dirs[name], "cpu", dtype=torch.float16)(ids)[0]
+    assert half.dtype == torch.float32 and (half - ref).abs().max().item() <= 1e-2 * ref.abs().max().item() + 2e-3
+
+
+def test_mistral3_either_checkpoint_layout(dirs, tmp_path):
+    """Published files (and transformers 5's save_pretrained) hold language_model.model.* / language_model.lm_head.*
+    with vision_tower.* / multi_modal_projector.*; the in-memory layout of transformers 5 is model.language_model.*,
+    lm_head.*, model.vision_tower.*. Both load the same text model and show no vision tensor."""
+    src = dirs["mistral3"]
+    tensors = load_file(src / "model.safetensors")
+    assert any(k.startswith("vision_tower.") for k in tensors) and any(k.startswith("language_model.model.")
+                                                                        for k in tensors)
+    renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+               ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+
+    def v5_name(k):
+        for old, new in renames:
+            if k.startswith(old):
+                return new + k[len(old):]
+        return k
+
+    other = tmp_path / "v5"
+    other.mkdir()
+    save_file({v5_name(k): v for k, v in tensors.items()}, str(other / "model.safetensors"))
+    (other / "config.json").write_text((src / "config.json").read_text())
+    for d in (src, other):
+        names = set(TensorSource(d).keys())
+        assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+        assert not any("vision" in n or "projector" in n or "language_model" in n for n in names)
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(load_model(src, "cpu")(ids), load_model(other, "cpu")(ids))
+    assert json.loads((src / "config.json").read_text())["architectures"] == ["Mistral3ForConditionalGeneration"]
+
+
+def test_convert_says_cohere_is_not_supported_yet(dirs):
+    """exl2 convert quantizes a layer as an attention block then an MLP block; Cohere's parallel layers do not
+    split that way, so the block calls it makes are a one-sentence ConfigError (the CLI prints it, exit 2)."""
+    from exl2.quantize.blocks import SourceModel
+
+    model = SourceModel(dirs["cohere"], load_model(dirs["cohere"], "cpu").spec, torch.device("cpu"), torch.float32)
+    layer, x = model.layer(0), torch.randn(1, 8, 64)
+    q_pos, rope = model.rope(1, 8, 0)
+    for call in (lambda: layer.attn_block(x, q_pos, rope), lambda: layer.mlp_block(x)):
+        with pytest.raises(ConfigError, match="does not support CohereForCausalLM"):
+            call()
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_engine_chat_is_transformers_greedy(tmp_path, name):
+    """The whole serving path (tokenizer, chat template, dynamic generator, paged cache, sampler) at temperature 0
+    replies with transformers' greedy continuation of the same prompt ids (the golden model's tokenizer and template
+    over a tiny model of its 1024-token vocabulary; Mistral 3 as text only)."""
+    import shutil
+
+    from test_cli import SRC
+    from tiny_models import reference_decode
+
+    from exl2.config import EngineConfig, SamplingSettings
+    from exl2.engine import Engine
+
+    d = build_tiny(name, tmp_path / name, vocab_size=1024)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SRC / f, d)
+    engine = Engine(EngineConfig(model_dir=d, device="cpu"))  # context: the tiny config's 256 positions
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    ids = engine.tokenizer.encode(engine.chat_prompt(messages), add_bos=False)
+    steps = 8
+    _, _, greedy = reference_decode(d, torch.tensor(ids), steps)
+    got = engine.chat(messages, SamplingSettings(temperature=0), steps).token_ids
+    want = greedy.tolist()
+    assert got and got == want[:len(got)] and (len(got) == steps or want[len(got)] in engine.model.spec.eos_token_ids)
+
+
+def test_convert_rejects_cohere_before_any_work(dirs, tmp_path):
+    """The converter refuses Cohere's parallel layers at once, before reading calibration data or writing a job."""
+    from exl2.quantize.pipeline import Converter, ConvertSettings
+
+    work = tmp_path / "work"
+    with pytest.raises(ConfigError, match="not supported yet"):
+        Converter(ConvertSettings(in_dir=str(dirs["cohere"]), out_dir=str(work), bits=4.0))
+    assert not work.exists() or not any(work.iterdir())
+
+
+@pytest.mark.parametrize("name", ["granite", "cohere"])
+def test_tensor_parallel_refuses_layer_forms_it_does_not_shard(dirs, name):
+    from exl2.runtime.tp.shard import check_supported
+
+    with pytest.raises(ConfigError, match="Tensor parallelism does not support"):
+        check_supported(load_model(dirs[name], "cpu").spec, 2)
+
+
+def test_quantizer_logits_are_the_decoders(dirs):
+    """The quantizer's source-model logits (measurement, KL) go through the decoder's final_logits: Granite's
+    logits_scaling applies there too."""
+    from exl2.quantize.blocks import SourceModel
+
+    model = load_model(dirs["granite"], "cpu")
+    src = SourceModel(dirs["granite"], model.spec, torch.device("cpu"), torch.float32)
+    x = torch.randn(1, 4, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.logits(model.norm(x))
+        got = src.logits(src.final_norm(), src.head_linear(), x)
+    assert model.spec.logit_scale != 1.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_consolidated_mistral_weights_are_not_indexed(tmp_path):
+    """Mistral repos ship consolidated.safetensors (their own names) beside the HF shards: only the shards count."""
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, str(tmp_path / "consolidated.safetensors"))
+    src = TensorSource(tmp_path)
+    assert "model.embed_tokens.weight" in src and "tok_embeddings.weight" not in src
+
+
+def test_chat_template_json_is_read(tmp_path):
+    """Processor-style repos keep the chat template in chat_template.json."""
+    import shutil
+
+    from test_cli import SRC
+
+    from exl2.generation.tokenizer import Tokenizer
+
+    for f in SRC.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("config.json", "special_tokens_map.json"):
+            shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}!"}))
+    assert Tokenizer.from_dir(tmp_path).chat_template == "{{ messages[0]['content'] }}!"
