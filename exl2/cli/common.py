@@ -100,17 +100,21 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
 
 
+def flag_error(e) -> ConfigError:
+    """A pydantic ValidationError of settings built from flags as one sentence naming the flag."""
+    err = e.errors(include_url=False)[0]
+    return ConfigError(f"Invalid --{err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}.")
+
+
 def sampling_from_args(args) -> SamplingSettings:
+    from pydantic import ValidationError
+
     try:
         return SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                                 presence_penalty=args.presence_penalty, seed=args.seed)
-    except Exception as e:  # pydantic ValidationError: name the field in one sentence
-        errs = getattr(e, "errors", lambda: [])()
-        if errs:
-            err = errs[0]
-            raise ConfigError(f"Invalid --{err['loc'][0]}: {err['msg']}.") from None
-        raise ConfigError(str(e)) from None
+    except ValidationError as e:
+        raise flag_error(e) from None
 
 
 def resolve_model_dir(model_dir: str | None) -> Path:

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from exl2.cli.common import add_draft_args, add_model_args, add_sampling_args, engine_settings, sampling_from_args
+from exl2.cli.common import (add_draft_args, add_model_args, add_sampling_args, engine_settings, flag_error,
+                             sampling_from_args)
 from exl2.errors import ConfigError, ContextLengthError
 
 # Launchers whose first real argument names the server better than the launcher does (`python weather.py`).
@@ -71,8 +72,7 @@ def load_engine(args):
     try:
         config = EngineConfig(**engine_settings(args))
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        raise ConfigError(f"Invalid --{err['loc'][0]}: {err['msg']}.") from None
+        raise flag_error(e) from None
     return Engine(config)
 
 
