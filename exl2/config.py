@@ -150,12 +150,23 @@ class ServerConfig(BaseModel):
     # Chat replies' `<think>` blocks as `reasoning_content` (Qwen3, DeepSeek-R1); None: on when the template has one
     reasoning_parser: Optional[bool] = None
     cors_origins: tuple[str, ...] = ()       # browser origins allowed to call the API ('*': any); empty: no CORS
+    # Model management (POST /v1/model/load, /v1/model/unload): keys that may load and unload models (they pass
+    # the api_keys check too). None configured: allowed to everyone if api_keys is empty too, else to no one.
+    admin_keys: tuple[str, ...] = ()
+    model_dir_root: Optional[Path] = None    # the models /v1/model/list shows and /v1/model/load loads by name
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "admin_keys")
     @classmethod
-    def _keys(cls, v):
+    def _keys(cls, v, info: ValidationInfo):
         if any(not k.strip() for k in v):
-            raise ValueError("api_keys must not contain empty keys")
+            raise ValueError(f"{info.field_name} must not contain empty keys")
+        return v
+
+    @field_validator("model_dir_root")
+    @classmethod
+    def _root(cls, v: Optional[Path]) -> Optional[Path]:
+        if v is not None and not v.is_dir():
+            raise ValueError(f"{v} is not a directory" if v.exists() else f"{v} does not exist")
         return v
 
     @field_validator("cors_origins")

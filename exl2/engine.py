@@ -1,10 +1,14 @@
 """The Python entry point: an Engine built from an EngineConfig, with generate/stream and async variants."""
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
+import torch
+
 from exl2.config import EngineConfig, SamplingSettings
+from exl2.errors import Exl2Error
 from exl2.generation.chat import ChatTemplate, tool_call_format
 from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, tool_call_grammar
 from exl2.generation.dynamic import DynamicGenerator
@@ -41,6 +45,28 @@ class Engine:
     @property
     def model_name(self) -> str:
         return Path(self.config.model_dir).name
+
+    # what close() releases; reading one afterwards raises a clear error (see __getattr__)
+    _RELEASED = ("model", "dynamic", "worker", "generator")
+
+    def close(self) -> None:
+        """Release the model: let requests in flight end, stop the generator thread, drop the weights, the KV cache
+        and any draft model, and hand freed CUDA memory back to the driver. The engine cannot generate afterwards
+        (the tokenizer and chat template stay usable). Calling it again does nothing."""
+        if "worker" not in self.__dict__:
+            return
+        self.worker.close()
+        for name in self._RELEASED:
+            self.__dict__.pop(name, None)
+        gc.collect()                            # the model graph has reference cycles
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def __getattr__(self, name: str):
+        # only reached for attributes the instance lacks: those close() released, or a genuine typo
+        if name in Engine._RELEASED:
+            raise Exl2Error(f"The engine for {self.model_name} was closed; create a new Engine to generate again.")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def generate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None,

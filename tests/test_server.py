@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -182,7 +183,7 @@ def test_models_health_and_unknown_model(app):
             await c.models.retrieve("gpt-4o")
         assert e.value.body["code"] == "model_not_found"
         r = await c._client.get("http://test/health")       # no key needed
-        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert r.status_code == 200 and r.json() == {"status": "ok", "model": "tiny", "loading": None}
         card = (await c._client.get("http://test/v1/model", headers={"Authorization": f"Bearer {KEY}"})).json()
         assert card["id"] == "tiny" and card["parameters"]["max_seq_len"] == 512
         assert card["parameters"]["cache_mode"] == "fp16" and card["parameters"]["draft"] is None
@@ -1093,3 +1094,400 @@ def test_history_tool_call_arguments_render_as_mapping_and_as_text():
     history = template_messages([msg])
     assert joined.render(history, add_generation_prompt=False) == '<args>{"city": "Paris", "n": 2}</args>'
     assert mapped.render(history, add_generation_prompt=False) == 'city=Paris;n=2;{"city": "Paris", "n": 2}'
+
+
+# ---- model management (TabbyAPI's /v1/model/list, /load, /unload) -------------------------------------------------
+
+ADMIN = "sk-admin-key"
+GOLDEN = SRC.parent        # src, b3.0_hb6, b4.0_hb6, b6.0_hb6 and measurement.json
+
+
+class LoadedFake(FakeEngine):
+    """A FakeEngine as the patched build_engine makes it: named after its directory, replying with its name,
+    recording when the server closes it."""
+
+    def __init__(self, config: EngineConfig, reply: str | None = None):
+        super().__init__()
+        self.config = config
+        self.reply = reply or f"reply of {self.model_name}"
+        self.released = threading.Event()
+
+    @property
+    def model_name(self):
+        return config_dir(self.config).name
+
+    def close(self):
+        self.released.set()
+
+
+class SlowFake(LoadedFake):
+    """Streams its reply a piece every 50 ms, so a request is still running when the model is swapped."""
+
+    async def aevent_stream(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None,
+                            grammar=None, logprobs=None, **ends):
+        self.opened += 1
+        pieces = self.reply.split(" ")
+        for i, piece in enumerate(pieces):
+            await asyncio.sleep(0.05)
+            yield Event(None, piece + (" " if i < len(pieces) - 1 else ""))
+        yield Event(None, "", GenerationResult(self.reply, list(range(len(pieces))), "stop", 5))
+
+
+def config_dir(config: EngineConfig):
+    return Path(config.model_dir)
+
+
+@pytest.fixture
+def models_root(tmp_path):
+    """alpha, beta and broken are models (config.json); notes is a directory without one, .hidden is hidden."""
+    root = tmp_path / "models"
+    for name in ("alpha", "beta", "broken", ".hidden"):
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text("{}")
+    (root / "notes").mkdir()
+    (root / "readme.txt").write_text("not a model")
+    return root
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The engines loads build (fakes); loading 'broken' fails as an unsupported architecture does. Set
+    `built.gate` (a threading.Event) to hold builds until it is set."""
+    from exl2.errors import ConfigError
+
+    class Built(list):
+        gate: threading.Event | None = None
+
+    engines = Built()
+
+    def build(config):
+        if engines.gate is not None:
+            assert engines.gate.wait(10)
+        if config_dir(config).name == "broken":
+            raise ConfigError("Architecture 'BrokenForCausalLM' is not supported; supported architectures are: ...")
+        engines.append(LoadedFake(config))
+        return engines[-1]
+
+    monkeypatch.setattr("exl2.server.admin.build_engine", build)
+    return engines
+
+
+def mgmt_app(root, engine=None, **config):
+    config.setdefault("api_keys", (KEY,))
+    config.setdefault("admin_keys", (ADMIN,))
+    return create_app(engine, ServerConfig(model_dir_root=root, **config))
+
+
+def http(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def as_admin(key=ADMIN) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def load_events(response) -> list[dict]:
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+async def complete(client, key=KEY, **body):
+    return await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"prompt": "hi", "max_tokens": 8, **body})
+
+
+def test_model_list_filters_and_load_rejects_escaping_names(models_root, built):
+    start = LoadedFake(EngineConfig(model_dir="start", max_seq_len=512))
+    app = mgmt_app(models_root, start)
+
+    async def go():
+        c = http(app)
+        listed = (await c.get("/v1/model/list", headers={"x-api-key": KEY})).json()
+        assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == ["alpha", "beta", "broken"]
+        assert all(m["object"] == "model" and m["owned_by"] == "exl2" and isinstance(m["created"], int)
+                   for m in listed["data"])
+        assert (await c.get("/v1/model/draft/list", headers=as_admin())).json() == listed
+        assert (await c.get("/v1/model/list")).status_code == 401
+        assert [m["id"] for m in (await c.get("/v1/models", headers=as_admin())).json()["data"]] == ["start"]
+
+        for bad in ("../alpha", "..", ".", "/etc", str(models_root / "alpha"), "alpha/../beta", "a\\b", "C:x",
+                    ".hidden", ""):
+            r = await c.post("/v1/model/load", headers=as_admin(), json={"model_name": bad})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_model_name", (bad, r.text)
+            assert r.json()["error"]["param"] == "model_name"
+        r = await c.post("/v1/model/load", headers=as_admin(),
+                         json={"name": "alpha", "draft_model": {"draft_model_name": "../beta"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "draft_model.draft_model_name"
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "missing"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert "missing" in r.json()["error"]["message"]
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "notes"})
+        assert r.status_code == 400 and "config.json" in r.json()["error"]["message"]
+        assert built == [] and (await complete(c)).json()["choices"][0]["text"] == "reply of start"
+
+    run(go())
+    with pytest.raises(ValueError, match="does not exist"):
+        ServerConfig(model_dir_root=models_root / "nope")
+    with pytest.raises(ValueError, match="not a directory"):
+        ServerConfig(model_dir_root=models_root / "readme.txt")
+    with pytest.raises(ValueError, match="admin_keys"):
+        ServerConfig(admin_keys=(" ",))
+
+
+def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, built):
+    start = LoadedFake(EngineConfig(model_dir="start", max_seq_len=512, device="cpu", max_batch_size=4))
+    app = mgmt_app(models_root, start)
+
+    async def go():
+        c = http(app)
+        assert (await complete(c)).json()["choices"][0]["text"] == "reply of start"
+        # as SillyTavern's TabbyAPI loader sends it: `name`, numbers as strings, TabbyAPI's neutral values
+        r = await c.post("/v1/model/load", headers={"x-admin-key": ADMIN}, json={
+            "name": "beta", "max_seq_len": "1024", "cache_mode": "Q4", "rope_scale": "1.0", "rope_alpha": 1.0,
+            "gpu_split_auto": True, "fasttensors": True, "skip_queue": False})
+        assert load_events(r) == [{"model_type": "model", "module": 1, "modules": 1, "status": "finished"}]
+        beta = built[-1]
+        cfg = beta.config
+        assert config_dir(cfg) == models_root / "beta" and cfg.max_seq_len == 1024 and cfg.kv_cache_mode == "q4"
+        assert cfg.rope_scale is None and cfg.rope_alpha is None and cfg.gpu_split is None
+        assert cfg.device == "cpu" and cfg.max_batch_size == 4        # inherited from the model served before
+        out = (await complete(c)).json()
+        assert out["choices"][0]["text"] == "reply of beta" and out["model"] == "beta"
+        assert [m["id"] for m in (await c.get("/v1/models", headers=as_admin())).json()["data"]] == ["beta"]
+        assert (await c.get("/v1/model", headers=as_admin())).json()["parameters"]["cache_mode"] == "q4"
+        assert (await c.get("/health")).json() == {"status": "ok", "model": "beta", "loading": None}
+        assert wait_until(start.released.is_set), "the replaced engine was not closed"
+
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"model_name": "broken"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "model_load_failed"
+        assert err["message"].startswith("Architecture 'BrokenForCausalLM' is not supported")
+        assert (await complete(c)).json()["choices"][0]["text"] == "reply of beta"
+        assert not beta.released.is_set() and (await c.get("/health")).json()["model"] == "beta"
+
+        # the same model with the same settings again: nothing is rebuilt
+        n = len(built)
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "beta", "max_seq_len": 1024,
+                                                                      "cache_mode": "q4"})
+        assert load_events(r)[-1]["status"] == "finished" and len(built) == n and built[-1] is beta
+
+        r = await c.post("/v1/model/load", headers=as_admin(), json={
+            "model_name": "alpha", "draft_model": {"draft_model_name": "beta", "draft_num_tokens": 3}})
+        assert [e["model_type"] for e in load_events(r)] == ["draft", "model"]
+        cfg = built[-1].config
+        assert config_dir(cfg) == models_root / "alpha" and cfg.draft_model_dir == models_root / "beta"
+        assert cfg.num_draft_tokens == 3 and cfg.max_seq_len == 512      # the first model's, as given
+        assert wait_until(beta.released.is_set)
+
+        for body, param in (({"max_seq_len": 100}, "max_seq_len"), ({"cache_mode": "FP8"}, "cache_mode"),
+                            ({"vision": True}, "vision"), ({"prompt_template": "chatml"}, "prompt_template"),
+                            ({"draft": {"draft_model_name": "beta", "draft_rope_alpha": 2.0}},
+                             "draft_model.draft_rope_alpha"),
+                            ({"max_seq_len": 2048, "cache_size": 1024}, None)):
+            r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "beta", **body})
+            assert r.status_code == 400, (body, r.text)
+            assert param is None or r.json()["error"]["param"] == param, (body, r.json())
+        assert (await complete(c)).json()["choices"][0]["text"] == "reply of alpha"
+
+    run(go())
+
+
+def test_requests_wait_for_a_load_and_running_ones_finish_on_the_old_engine(models_root, built):
+    """While a load runs, the old model streams on; a request arriving then waits and is served by the new
+    model; the old engine is closed only after its last request ended."""
+    old = SlowFake(EngineConfig(model_dir="old", max_seq_len=512), reply=" ".join(f"w{i}" for i in range(40)))
+    app = mgmt_app(models_root, old)
+    built.gate = threading.Event()
+    with serving(app) as base:
+        results = {}
+
+        def stream_on_old():
+            results["stream"] = sse_data(base, "/v1/completions", {"prompt": "hi", "stream": True})
+
+        def load():
+            results["load"] = httpx.post(f"{base}/v1/model/load", headers=as_admin(), json={"name": "beta"},
+                                         timeout=20)
+
+        def later():
+            results["later"] = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                                          json={"prompt": "hi"}, timeout=20)
+
+        streaming = threading.Thread(target=stream_on_old)
+        streaming.start()
+        assert wait_until(lambda: old.opened == 1)
+        loading = threading.Thread(target=load)
+        loading.start()
+        assert wait_until(lambda: app.state.exl2_host.loading == "beta")
+        health = httpx.get(f"{base}/health").json()
+        assert health == {"status": "ok", "model": "old", "loading": "beta"}
+        second = httpx.post(f"{base}/v1/model/load", headers=as_admin(), json={"name": "alpha"})
+        assert second.status_code == 409 and "beta" in second.json()["error"]["message"]
+        waiting = threading.Thread(target=later)
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive() and "later" not in results       # held until the load ends
+        built.gate.set()
+        loading.join(20)
+        waiting.join(20)
+        assert streaming.is_alive() and not old.released.is_set()     # swapped, yet the old one still streams
+        streaming.join(20)
+        assert load_events(results["load"])[-1]["status"] == "finished"
+        assert results["later"].json()["choices"][0]["text"] == "reply of beta"
+        chunks = [json.loads(d) for d in results["stream"][:-1]]
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == old.reply
+        assert {ch["model"] for ch in chunks} == {"old"}
+        assert wait_until(old.released.is_set)
+
+
+def test_unload_then_generation_answers_503(models_root, built):
+    start = LoadedFake(EngineConfig(model_dir="start", max_seq_len=512))
+    app = mgmt_app(models_root, start)
+    no_model = "No model is loaded; load one with POST /v1/model/load."
+
+    async def go():
+        c = http(app)
+        r = await c.post("/v1/model/unload", headers=as_admin())
+        assert r.status_code == 200 and r.json() == {"status": "unloaded", "model": "start", "running_requests": 0}
+        assert start.released.is_set()                      # nothing was running: closed before the reply
+        r = await complete(c)
+        assert r.status_code == 503 and r.json()["error"]["message"] == no_model
+        assert r.json()["error"]["code"] == "model_not_loaded"
+        r = await c.post("/v1/chat/completions", headers=as_admin(KEY),
+                         json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["message"] == no_model
+        assert (await c.post("/v1/token/encode", headers=as_admin(KEY), json={"text": "hi"})).status_code == 503
+        assert (await c.get("/v1/model", headers=as_admin(KEY))).status_code == 503
+        assert (await c.get("/v1/models", headers=as_admin(KEY))).json() == {"object": "list", "data": []}
+        assert (await c.get("/v1/models/start", headers=as_admin(KEY))).status_code == 404
+        assert (await c.get("/health")).json() == {"status": "ok", "model": None, "loading": None}
+        assert (await complete(c, key="sk-wrong")).status_code == 401         # the key check still comes first
+        r = await c.post("/v1/model/unload", headers=as_admin())
+        assert r.status_code == 200 and r.json()["model"] is None
+        assert load_events(await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha"}))
+        assert (await complete(c)).json()["choices"][0]["text"] == "reply of alpha"
+
+    run(go())
+
+
+def test_admin_key_rules(models_root, built):
+    async def status(app, path="/v1/model/load", headers=None, body=None):
+        r = await http(app).post(path, headers=headers or {}, json=body if body is not None else {"name": "alpha"})
+        return r.status_code, r.json().get("error", {}).get("code") if r.status_code >= 400 else None
+
+    async def go():
+        both = mgmt_app(models_root)
+        assert await status(both) == (401, "invalid_api_key")
+        assert await status(both, headers=as_admin(KEY)) == (403, "admin_key_required")
+        assert await status(both, headers=as_admin("sk-wrong")) == (401, "invalid_api_key")
+        assert await status(both, headers={"x-api-key": ADMIN}) == (200, None)
+        assert await status(both, "/v1/model/unload", {"x-admin-key": KEY}) == (403, "admin_key_required")
+        assert await status(both, "/v1/model/unload", as_admin()) == (200, None)
+        c = http(both)
+        assert (await c.get("/v1/models", headers=as_admin())).status_code == 200     # an admin key is an API key
+        assert (await c.get("/v1/auth/permission", headers=as_admin())).json() == {"permission": "admin"}
+        assert (await c.get("/v1/auth/permission", headers=as_admin(KEY))).json() == {"permission": "api"}
+        assert (await c.get("/v1/auth/permission")).status_code == 401
+
+        api_only = mgmt_app(models_root, admin_keys=())
+        assert await status(api_only, headers=as_admin(KEY)) == (403, "admin_disabled")
+        assert await status(api_only, "/v1/model/unload", as_admin(KEY)) == (403, "admin_disabled")
+        assert await status(api_only) == (401, "invalid_api_key")
+
+        admin_only = mgmt_app(models_root, api_keys=())
+        assert await status(admin_only) == (401, "invalid_api_key")
+        assert await status(admin_only, headers=as_admin("sk-wrong")) == (401, "invalid_api_key")
+        assert await status(admin_only, headers=as_admin()) == (200, None)
+        assert (await complete(http(admin_only), key="anything")).status_code == 200   # the API needs no key
+
+        open_ = mgmt_app(models_root, api_keys=(), admin_keys=())       # local single-user use: no keys at all
+        assert await status(open_) == (200, None)
+        assert await status(open_, "/v1/model/unload", {"Origin": "http://test"}, {}) == (200, None)   # same origin
+        assert await status(open_, "/v1/model/unload", {"Origin": "https://evil.example"}, {}) \
+            == (403, "origin_not_allowed")
+        allowed = mgmt_app(models_root, api_keys=(), admin_keys=(), cors_origins=("http://localhost:8000",))
+        assert await status(allowed, headers={"Origin": "http://localhost:8000"}) == (200, None)
+
+    run(go())
+
+
+def test_real_load_and_unload_through_the_engine(engine):
+    """The golden directory as the model root: a server started empty loads the tiny model through the real
+    Engine (greedy text as the engine itself gives) and unloading stops its generator thread."""
+    from exl2.errors import Exl2Error
+
+    app = create_app(None, ServerConfig(api_keys=(KEY,), admin_keys=(ADMIN,), model_dir_root=GOLDEN),
+                     load_defaults={"device": "cpu"})
+
+    async def go():
+        c = http(app)
+        assert (await c.get("/health")).json()["model"] is None
+        assert (await complete(c)).status_code == 503
+        ids = [m["id"] for m in (await c.get("/v1/model/list", headers=as_admin(KEY))).json()["data"]]
+        assert ids == ["b3.0_hb6", "b4.0_hb6", "b6.0_hb6", "src"]
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"model_name": "src", "max_seq_len": 512})
+        assert load_events(r)[-1] == {"model_type": "model", "module": 1, "modules": 1, "status": "finished"}
+        served = app.state.exl2.engine
+        assert served.model_name == "src" and served.config.device == "cpu"
+        out = (await complete(c, prompt="The capital of France is", max_tokens=12, temperature=0)).json()
+        assert out["model"] == "src"
+        assert out["choices"][0]["text"] == reference(engine, "The capital of France is", 12).text
+        thread = served.worker._thread
+        assert thread.is_alive()
+        assert (await c.post("/v1/model/unload", headers=as_admin())).json()["model"] == "src"
+        assert not thread.is_alive()
+        with pytest.raises(Exl2Error, match="closed"):
+            served.generate("x")
+        assert (await complete(c)).status_code == 503
+
+    run(go())
+
+
+def test_serve_with_a_model_root_and_no_model(monkeypatch, capsys, tmp_path):
+    """`exl2 serve --model-dir-root DIR` without -m starts with no model; its flags become load defaults."""
+    import uvicorn as uv
+
+    apps = []
+    monkeypatch.setattr(uv.Server, "run", lambda self, sockets=None: apps.append(self.config.app))
+    assert main(["serve", "--model-dir-root", str(GOLDEN), "--device", "cpu", "--port", "0", "-l", "1024",
+                 "--admin-key", ADMIN, "--admin_key", "sk-admin-2", "-cm", "q8"]) == 0
+    assert "Serving no model yet" in capsys.readouterr().err
+    app = apps[-1]
+    h = app.state.exl2_host
+    assert app.state.exl2 is None and h.config.admin_keys == (ADMIN, "sk-admin-2")
+    assert h.config.model_dir_root == GOLDEN
+    assert h.load_defaults["device"] == "cpu" and h.load_defaults["max_seq_len"] == 1024
+    assert h.load_defaults["kv_cache_mode"] == "q8"
+
+    async def go():
+        c = http(app)
+        return (await c.get("/health")).json(), (await complete(c)).status_code
+
+    assert run(go()) == ({"status": "ok", "model": None, "loading": None}, 503)
+
+    monkeypatch.setenv("EXL2_ADMIN_KEY", "env-admin, other")
+    assert main(["serve", "--model-dir-root", str(GOLDEN), "--port", "0"]) == 0
+    assert apps[-1].state.exl2_host.config.admin_keys == ("env-admin", "other")
+    capsys.readouterr()
+    for argv, words in ((["--model-dir-root", str(tmp_path / "none")], ("model_dir_root", "does not exist")),
+                        (["--model-dir-root", str(GOLDEN), "-dm", str(SRC)], ("--draft_model_dir", "load"))):
+        assert main(["serve", "--port", "0", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_engine_close_lets_the_running_request_finish(engine):
+    """Engine.close() (what an unload or swap calls) lets a job in flight end, then stops the generator thread;
+    the engine then refuses work with one sentence."""
+    from exl2.errors import Exl2Error
+
+    own = Engine(EngineConfig(model_dir=SRC, max_seq_len=512, device="cpu"))
+    pieces = own.stream("The capital of France is", GREEDY, 16)
+    first = next(pieces)
+    thread = own.worker._thread
+    own.close()
+    assert not thread.is_alive()
+    assert first + "".join(pieces) == reference(engine, "The capital of France is", 16).text
+    with pytest.raises(Exl2Error, match="closed"):
+        own.generate("again")
+    own.close()                                     # a second close does nothing

@@ -1,4 +1,4 @@
-"""`exl2 serve`: the OpenAI-compatible HTTP API (docs/server.md) for one model, run by uvicorn."""
+"""`exl2 serve`: the OpenAI-compatible HTTP API (docs/server.md) for one model at a time, run by uvicorn."""
 from __future__ import annotations
 
 import argparse
@@ -6,11 +6,13 @@ import errno
 import os
 import socket
 import sys
+from types import SimpleNamespace
 
 from exl2.cli.common import add_draft_args, add_model_args, engine_settings
 from exl2.errors import ConfigError
 
 KEY_ENV = "EXL2_API_KEY"
+ADMIN_KEY_ENV = "EXL2_ADMIN_KEY"
 
 
 def register(sub) -> None:
@@ -24,6 +26,13 @@ def register(sub) -> None:
     p.add_argument("--api-key", "--api_key", dest="api_keys", action="append", default=[], metavar="KEY",
                    help=f"accept this key (repeatable); without any, also read comma-separated keys from ${KEY_ENV}; "
                         "no key at all = no authentication")
+    p.add_argument("--admin-key", "--admin_key", dest="admin_keys", action="append", default=[], metavar="KEY",
+                   help="accept this key for loading and unloading models (repeatable; it works as an API key "
+                        f"too); without any, also read comma-separated keys from ${ADMIN_KEY_ENV}. With no admin "
+                        "key, loading and unloading are open when there is no API key either, else disabled")
+    p.add_argument("--model-dir-root", "--model_dir_root", dest="model_dir_root", default=None, metavar="DIR",
+                   help="directory whose model directories /v1/model/list shows and POST /v1/model/load loads by "
+                        "name; with it and no -m the server starts with no model loaded")
     p.add_argument("--model-name", "--model_name", dest="model_name", default=None,
                    help="model id reported by /v1/models and in responses (default: the model directory's name)")
     p.add_argument("--max-batch-size", "--max_batch_size", dest="max_batch_size", type=int, default=16,
@@ -41,6 +50,10 @@ def register(sub) -> None:
                    metavar="ORIGIN", help="let browser apps on this origin call the API, e.g. http://localhost:3000 "
                                           "(repeatable; '*' = any origin; default: no CORS headers)")
     p.set_defaults(func=run)
+
+
+def _env_keys(var: str) -> list[str]:
+    return [k.strip() for k in os.environ.get(var, "").split(",") if k.strip()]
 
 
 def _one_sentence(e: Exception) -> str:
@@ -85,10 +98,13 @@ def run(args) -> int:
             from None
     from exl2.config import EngineConfig, ServerConfig
     from exl2.engine import Engine
+    from exl2.server.admin import load_defaults_of
 
-    keys = args.api_keys or [k.strip() for k in os.environ.get(KEY_ENV, "").split(",") if k.strip()]
+    keys = args.api_keys or _env_keys(KEY_ENV)
+    admin_keys = args.admin_keys or _env_keys(ADMIN_KEY_ENV)
     try:
         server_config = ServerConfig(host=args.host, port=args.port, api_keys=tuple(keys),
+                                     admin_keys=tuple(admin_keys), model_dir_root=args.model_dir_root,
                                      model_name=args.model_name, max_tokens=args.max_tokens,
                                      reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins))
     except ValueError as e:   # pydantic's ValidationError
@@ -96,17 +112,37 @@ def run(args) -> int:
 
     sock = _bind(server_config.host, server_config.port)
     try:
+        no_model = args.model_dir is None and server_config.model_dir_root is not None
+        if no_model:
+            per_model = [f for f, v in (("--draft_model_dir", args.draft_model_dir), ("--rope_scale", args.rope_scale),
+                                         ("--rope_alpha", args.rope_alpha), ("--rope_yarn", args.rope_yarn)) if v]
+            if per_model:
+                raise ConfigError(f"{per_model[0]} applies to the -m model, and none is given; set it in the "
+                                  "POST /v1/model/load request instead.")
+            # the flags still set what loaded models inherit; the root stands in for the model to check them
+            args = argparse.Namespace(**{**vars(args), "model_dir": str(server_config.model_dir_root)})
+        settings = engine_settings(args)
+        if args.cache_size is not None:
+            settings["cache_size"] = args.cache_size
         try:
-            engine_config = EngineConfig(**engine_settings(args), max_batch_size=args.max_batch_size,
-                                         cache_size=args.cache_size)
+            engine_config = EngineConfig(**settings, max_batch_size=args.max_batch_size)
         except ValueError as e:
             raise ConfigError(f"Invalid setting {_one_sentence(e)}.") from None
-        engine = Engine(engine_config)
-        app = create_app(engine, server_config)
+        # what models loaded through the API inherit: these flags, and -l / --cache-size where given
+        load_defaults = load_defaults_of(SimpleNamespace(config=engine_config))
+        if no_model:
+            engine = None               # no -m: start empty, an admin loads a model from the root
+        else:
+            engine = Engine(engine_config)
+        app = create_app(engine, server_config, load_defaults)
         host, port = sock.getsockname()[:2]
-        name = server_config.model_name or engine.model_name
-        print(f"Serving {name} at http://{f'[{host}]' if ':' in host else host}:{port}/v1", file=sys.stderr,
-              flush=True)
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+        if engine is None:
+            print(f"Serving no model yet at {url}; load one of {server_config.model_dir_root} with POST "
+                  "/v1/model/load", file=sys.stderr, flush=True)
+        else:
+            name = server_config.model_name or engine.model_name
+            print(f"Serving {name} at {url}", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

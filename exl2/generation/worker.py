@@ -1,7 +1,8 @@
 """The dynamic generator on a thread of its own, so that requests from any thread or event loop join one batch.
 
 Callers submit jobs and read their events from a queue; the thread admits new jobs and cancellations between
-steps (the generator itself is not thread-safe) and sleeps while there is nothing to do.
+steps (the generator itself is not thread-safe) and sleeps while there is nothing to do. `close()` lets the jobs in
+flight end, then stops the thread, so that the generator (and the model it holds) can be freed.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import queue
 import threading
 from typing import AsyncIterator, Callable, Iterator, Union
 
+from exl2.errors import Exl2Error
 from exl2.generation.dynamic import DynamicGenerator, Event, Job
 from exl2.generation.output import GenerationResult
 
@@ -23,17 +25,31 @@ class BatchWorker:
         self._sinks: dict[int, Sink] = {}
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
+        self._closed = False
 
     def submit(self, job: Job, sink: Sink) -> None:
         """Queue `job`; `sink` receives its events, or the exception that ended it, on the worker thread."""
         with self._start:
+            if self._closed:
+                raise Exl2Error("This engine was closed, so it takes no new requests.")
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="exl2-generator", daemon=True)
                 self._thread.start()
-        self._inbox.put(("add", job, sink))
+            self._inbox.put(("add", job, sink))     # under the lock: every job queued before close() runs
 
     def cancel(self, job: Job) -> None:
         self._inbox.put(("cancel", job, None))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Take no new jobs, let those in flight run to their ends, then stop the thread (waiting up to `timeout`
+        seconds for it; None: until it stopped). Calling it again does nothing more."""
+        with self._start:
+            self._closed = True
+            thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._inbox.put(("close", None, None))      # wakes the thread if it sleeps on the inbox
+            if thread is not threading.current_thread():
+                thread.join(timeout)
 
     def _take(self, block: bool) -> None:
         while True:
@@ -48,14 +64,20 @@ class BatchWorker:
                     self._sinks[job.id] = sink
                 except Exception as e:  # a prompt that does not fit: only this job fails
                     _deliver(sink, e)
+            elif op == "close":
+                continue
             elif not job.done:
                 self.generator.cancel(job)
                 self._sinks.pop(job.id, None)
 
     def _run(self) -> None:
         while True:
-            self._take(block=not self.generator.has_work())
+            self._take(block=not self.generator.has_work() and not self._closed)
             if not self.generator.has_work():
+                if self._closed:
+                    self._take(block=False)     # closed: no job can be queued after this last look
+                    if not self.generator.has_work():
+                        return
                 continue
             try:
                 events = self.generator.iterate()

@@ -1,56 +1,23 @@
-"""The OpenAI-compatible HTTP API over one loaded Engine: `create_app(engine, config)`.
+"""The OpenAI-compatible HTTP API over one loaded Engine at a time: `create_app(engine, config)`.
 
 One model per server: `/v1/models` lists it, and requests naming any other model id are still served by it
-(clients often hard-code an id such as "gpt-4o-mini"); responses always report the served model's id.
+(clients often hard-code an id such as "gpt-4o-mini"); responses always report the served model's id. Admins may
+swap the model through TabbyAPI's model management (admin.py), or start with none (`engine` None).
 """
 from __future__ import annotations
 
-import secrets
-import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 
 from exl2.config import ServerConfig
-from exl2.server import completions, tokens
+from exl2.server import admin, completions, tokens
+from exl2.server.auth import admin_key_check, api_key_check
 from exl2.server.errors import APIError, install_handlers
-from exl2.server.reasoning import template_thinks
+from exl2.server.host import Leases, ModelHost, ServerState, acquire, host, serve_state, serving
 
-
-@dataclass(frozen=True)
-class ServerState:
-    engine: Any
-    config: ServerConfig
-    name: str
-    created: int
-    reasoning: bool = False         # split think blocks from the answer (`reasoning_content`)
-
-
-def _api_key_check(keys: tuple[str, ...]):
-    """A dependency accepting `Authorization: Bearer KEY` (what the openai client sends) or `x-api-key: KEY`."""
-    wanted = [k.encode() for k in keys]
-
-    async def check(request: Request) -> None:
-        if not wanted:
-            return
-        offered = []
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            offered.append(token.strip())
-        if request.headers.get("x-api-key"):
-            offered.append(request.headers["x-api-key"].strip())
-        if not offered:
-            raise APIError(401, "Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        # Compare against every key without stopping early, so timing does not tell which key nearly matched.
-        ok = [secrets.compare_digest(o.encode(), k) for o in offered for k in wanted]
-        if not any(ok):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-    return check
+__all__ = ["create_app", "ServerState"]
 
 
 def _context_length(engine) -> int:
@@ -67,12 +34,13 @@ def _models_router() -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models(request: Request):
-        return {"object": "list", "data": [card(request.app.state.exl2)]}
+        st = host(request).state
+        return {"object": "list", "data": [card(st)] if st is not None else []}
 
     @router.get("/v1/model")
     async def current_model(request: Request):
         """TabbyAPI's card of the loaded model: the `/v1/models` entry plus how it is served."""
-        st: ServerState = request.app.state.exl2
+        st = serving(request)
         cfg = st.engine.config
         return {**card(st), "parameters": {
             "max_seq_len": _context_length(st.engine), "cache_size": cfg.cache_size or cfg.max_seq_len,
@@ -85,7 +53,10 @@ def _models_router() -> APIRouter:
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
-        st: ServerState = request.app.state.exl2
+        st = host(request).state
+        if st is None:
+            raise APIError(404, f"The model '{model_id}' does not exist; no model is loaded.", param="model",
+                           code="model_not_found")
         if model_id != st.name:
             raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{st.name}'.",
                            param="model", code="model_not_found")
@@ -94,28 +65,36 @@ def _models_router() -> APIRouter:
     return router
 
 
-def create_app(engine, config: ServerConfig) -> FastAPI:
-    """A FastAPI app serving `engine`; `config` supplies the API keys, the model id, the default max_tokens, the
-    reasoning parser's setting (None: on when the chat template knows `<think>`) and the CORS origins."""
+def create_app(engine, config: ServerConfig, load_defaults: Optional[dict] = None) -> FastAPI:
+    """A FastAPI app serving `engine` (None: no model until an admin loads one); `config` supplies the API and
+    admin keys, the model id, the default max_tokens, the reasoning parser's setting (None: on when the chat
+    template knows `<think>`), the CORS origins and the model directory. `load_defaults` are the EngineConfig
+    fields models loaded through the API inherit (default: `engine`'s device, cache mode, batch size and
+    placement; see admin.DEFAULT_FIELDS)."""
     app = FastAPI(title="exl2", summary="OpenAI-compatible API for one model loaded by the exl2 engine")
-    reasoning = config.reasoning_parser
-    if reasoning is None:
-        reasoning = template_thinks(engine.template)
-    app.state.exl2 = ServerState(engine, config, config.model_name or engine.model_name, int(time.time()), reasoning)
+    state = serve_state(engine, config, config.model_name) if engine is not None else None
+    if load_defaults is None:
+        load_defaults = admin.load_defaults_of(engine) if engine is not None else {}
+    app.state.exl2_host = ModelHost(app, config, state, dict(load_defaults))   # also sets app.state.exl2
     install_handlers(app)
+    app.add_middleware(Leases)
     if config.cors_origins:
         # Browser apps on these origins may call the API; preflights are answered before the key check, as
         # browsers send them without credentials. No cookies are involved, so credentials stay off.
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
-    auth = [Depends(_api_key_check(config.api_keys))]
-    app.include_router(_models_router(), dependencies=auth)
-    app.include_router(completions.router, dependencies=auth)
-    app.include_router(tokens.router, dependencies=auth)
+    auth = Depends(api_key_check(config))
+    engine_routes = [auth, Depends(acquire)]       # after the key check: wait out a load, pin the engine
+    app.include_router(_models_router(), dependencies=[auth])
+    app.include_router(admin.router(auth, Depends(admin_key_check(config))))
+    app.include_router(completions.router, dependencies=engine_routes)
+    app.include_router(tokens.router, dependencies=engine_routes)
 
     @app.get("/health")
-    async def health():
-        """Liveness for load balancers and scripts: no API key needed."""
-        return {"status": "ok"}
+    async def health(request: Request):
+        """Liveness for load balancers and scripts: no API key needed. `model`: the served model's id (None when
+        none is loaded); `loading`: the model being loaded, if any."""
+        h = host(request)
+        return {"status": "ok", "model": h.state.name if h.state is not None else None, "loading": h.loading}
 
     return app

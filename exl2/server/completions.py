@@ -26,6 +26,7 @@ from exl2.generation.generator import GenerationResult
 from exl2.generation.output import TokenLogprob
 from exl2.server import params
 from exl2.server.errors import APIError, from_engine
+from exl2.server.host import serving
 from exl2.server.messages import template_messages, template_variables
 from exl2.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from exl2.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -265,7 +266,7 @@ async def _stream(engine, jobs: list[Job], prelude, on_text, finish, usage_head:
 
 
 def _state(request: Request):
-    return request.app.state.exl2
+    return serving(request)         # the model pinned to this request when it started (host.acquire)
 
 
 def _usage_head(body, head: dict) -> Optional[dict]:

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 
 from exl2.errors import Exl2Error
 from exl2.server.errors import APIError
+from exl2.server.host import serving
 from exl2.server.messages import template_messages
 from exl2.server.schemas import DecodeRequest, EncodeRequest
 
@@ -16,7 +17,7 @@ router = APIRouter()
 @router.post("/v1/token/encode")
 async def encode(body: EncodeRequest, request: Request):
     """`{tokens, length}` of a string, or of chat messages rendered without the reply's opening."""
-    engine = request.app.state.exl2.engine
+    engine = serving(request).engine
     text = body.text
     if not isinstance(text, str):
         try:
@@ -30,7 +31,7 @@ async def encode(body: EncodeRequest, request: Request):
 @router.post("/v1/token/decode")
 async def decode(body: DecodeRequest, request: Request):
     """`{text}` of token ids; ids outside the vocabulary are a 400 naming the first one."""
-    tokenizer = request.app.state.exl2.engine.tokenizer
+    tokenizer = serving(request).engine.tokenizer
     vocab = tokenizer.vocab_size
     bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
     if bad is not None:

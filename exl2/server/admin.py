@@ -1,0 +1,333 @@
+"""TabbyAPI's model management: `GET /v1/model/list` (and `/v1/model/draft/list`), `POST /v1/model/load`,
+`POST /v1/model/unload` and `GET /v1/auth/permission`.
+
+Models are the directories with a config.json directly under `ServerConfig.model_dir_root`, named by their
+directory name. A load builds the new Engine on a worker thread while the current model keeps serving, then swaps
+it in (host.py says what happens to requests around the swap); if it fails, the current model stays.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import traceback
+from pathlib import Path, PureWindowsPath
+from typing import Literal, Optional, Union
+
+from fastapi import APIRouter, Request, Response
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from exl2.config import EngineConfig, ServerConfig
+from exl2.errors import Exl2Error
+from exl2.server.auth import permission
+from exl2.server.errors import APIError, unsupported
+from exl2.server.host import ModelHost, ServerState, close_slot, free_memory, host, serve_state
+
+log = logging.getLogger("exl2.server")
+
+# The EngineConfig fields that `exl2 serve`'s flags set for every model, so loads through the API inherit them.
+DEFAULT_FIELDS = ("device", "kv_cache_mode", "max_batch_size", "gpu_split", "tensor_parallel", "ngram_draft",
+                  "num_draft_tokens", "flash_attention_enabled")
+# EngineConfig field -> the load request's name for it, for error messages
+_REQUEST_NAMES = {"kv_cache_mode": "cache_mode", "draft_model_dir": "draft_model.draft_model_name",
+                  "num_draft_tokens": "draft_model.draft_num_tokens", "flash_attention_enabled": "no_flash_attention",
+                  "model_dir": "model_name"}
+
+
+def build_engine(config: EngineConfig):
+    """The Engine a load builds (tests replace this with a fake)."""
+    from exl2.engine import Engine
+
+    return Engine(config)
+
+
+def load_defaults_of(engine) -> dict:
+    """The settings of `engine` that a later load inherits (see DEFAULT_FIELDS), plus max_seq_len and cache_size
+    where they were set explicitly."""
+    cfg = getattr(engine, "config", None)
+    if not isinstance(cfg, EngineConfig):
+        return {}
+    out = {k: getattr(cfg, k) for k in DEFAULT_FIELDS}
+    out.update({k: getattr(cfg, k) for k in ("max_seq_len", "cache_size") if k in cfg.model_fields_set})
+    return out
+
+
+class DraftLoadRequest(BaseModel):
+    """TabbyAPI's `draft_model` (older clients: `draft`) object."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    draft_model_name: Optional[str] = None
+    draft_num_tokens: Optional[int] = None
+    # TabbyAPI's per-draft settings: this server runs the draft with the main model's cache mode and placement and
+    # its config.json's RoPE, so only their neutral values are accepted
+    draft_rope_scale: Optional[float] = None
+    draft_rope_alpha: Optional[Union[float, Literal["auto"]]] = None
+    draft_cache_mode: Optional[str] = None
+    draft_gpu_split: Optional[list[float]] = None
+
+
+class ModelLoadRequest(BaseModel):
+    """TabbyAPI's load request. Fields it has that change nothing here (chunk_size, fasttensors, skip_queue,
+    autosplit_reserve, backend, ...) are ignored; those that would change the model's replies in a way this
+    server cannot are refused when set."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    name: str = Field(validation_alias=AliasChoices("model_name", "name"))
+    max_seq_len: Optional[int] = None
+    cache_size: Optional[int] = None
+    cache_mode: Optional[Union[str, int]] = None
+    max_batch_size: Optional[int] = None
+    gpu_split_auto: Optional[bool] = None
+    gpu_split: Optional[list[float]] = None
+    tensor_parallel: Optional[bool] = None
+    rope_scale: Optional[float] = None
+    rope_alpha: Optional[Union[float, Literal["auto"]]] = None
+    rope_yarn: Optional[float] = None
+    no_flash_attention: Optional[bool] = None
+    draft_model: Optional[DraftLoadRequest] = Field(None, validation_alias=AliasChoices("draft_model", "draft"))
+    # refused when set
+    prompt_template: Optional[str] = None
+    vision: Optional[bool] = None
+    use_cfg: Optional[bool] = None
+    num_experts_per_token: Optional[int] = None
+    override_base_seq_len: Optional[int] = None
+
+
+def model_dir(root: Optional[Path], name: str, param: str) -> Path:
+    """The directory of model `name` under `root`: a plain directory name, never a path; 400 for a name that is
+    not one (or a directory without config.json), 404 for one that does not exist."""
+    if root is None:
+        raise APIError(400, "Loading models by name needs a model directory; start the server with "
+                            "--model-dir-root DIR.", param=param, code="model_dir_root_unset")
+    if (not name or name.startswith(".") or any(c in name for c in "/\\\0:") or PureWindowsPath(name).drive
+            or Path(name).is_absolute()):
+        raise APIError(400, f"'{name}' is not the name of a model directory; use a name GET /v1/model/list shows.",
+                       param=param, code="invalid_model_name")
+    path = root / name
+    if not path.is_dir():
+        raise APIError(404, f"The model '{name}' does not exist in the model directory.", param=param,
+                       code="model_not_found")
+    if not (path / "config.json").is_file():
+        raise APIError(400, f"'{name}' has no config.json, so it is not a model directory.", param=param,
+                       code="invalid_model_name")
+    return path
+
+
+def _neutral(v) -> bool:
+    """TabbyAPI clients send 1.0 (or "auto") for "the model's own" RoPE setting."""
+    return v is None or v == 1.0 or v == "auto"
+
+
+def _cuda_gpus(device: Optional[str]) -> int:
+    if device is not None and not device.startswith("cuda"):
+        return 0
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _refuse_unsupported(body: ModelLoadRequest) -> None:
+    if body.prompt_template:
+        raise unsupported("prompt_template", "Choosing a prompt template (the model's own chat template is used)")
+    if body.vision:
+        raise unsupported("vision", "Vision input")
+    if body.use_cfg:
+        raise unsupported("use_cfg", "Classifier-free guidance")
+    if body.num_experts_per_token is not None:
+        raise unsupported("num_experts_per_token", "Changing the experts per token")
+    if body.override_base_seq_len is not None:
+        raise unsupported("override_base_seq_len", "Overriding the base sequence length (use rope_scale or "
+                                                   "rope_alpha)")
+    d = body.draft_model
+    if d is not None:
+        for field in ("draft_rope_scale", "draft_rope_alpha"):
+            if not _neutral(getattr(d, field)):
+                raise unsupported(f"draft_model.{field}", "A RoPE setting for the draft model")
+        if d.draft_gpu_split:
+            raise unsupported("draft_model.draft_gpu_split", "Placing the draft model apart from the model")
+
+
+def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
+    """The EngineConfig a load request asks for: the request's fields over the server's defaults."""
+    root = h.config.model_dir_root
+    _refuse_unsupported(body)
+    settings = dict(h.load_defaults)
+    settings["model_dir"] = model_dir(root, body.name, "model_name")
+    if body.max_seq_len is not None:
+        settings["max_seq_len"] = body.max_seq_len
+        if body.cache_size is None and (settings.get("cache_size") or body.max_seq_len) < body.max_seq_len:
+            del settings["cache_size"]        # the server's default cache is too small for it: max_seq_len's
+    for field, key in (("cache_size", "cache_size"), ("cache_mode", "kv_cache_mode"),
+                       ("max_batch_size", "max_batch_size"), ("tensor_parallel", "tensor_parallel")):
+        if getattr(body, field) is not None:
+            settings[key] = getattr(body, field)
+    if body.gpu_split:
+        settings["gpu_split"] = body.gpu_split
+    elif body.gpu_split_auto and settings.get("gpu_split") is None and _cuda_gpus(settings.get("device")) > 1:
+        settings["gpu_split"] = "auto"
+    if body.no_flash_attention is not None:
+        settings["flash_attention_enabled"] = not body.no_flash_attention
+    for field in ("rope_scale", "rope_alpha"):
+        if not _neutral(getattr(body, field)):
+            settings[field] = getattr(body, field)
+    if body.rope_yarn is not None:
+        settings["rope_yarn"] = body.rope_yarn
+    d = body.draft_model
+    if d is not None and d.draft_model_name:
+        settings["draft_model_dir"] = model_dir(root, d.draft_model_name, "draft_model.draft_model_name")
+        settings["ngram_draft"] = False
+        if d.draft_num_tokens is not None:
+            settings["num_draft_tokens"] = d.draft_num_tokens
+        mode = settings.get("kv_cache_mode", "fp16")
+        if d.draft_cache_mode is not None and str(d.draft_cache_mode).lower() != str(mode).lower():
+            raise unsupported("draft_model.draft_cache_mode", "A cache mode for the draft model other than the "
+                                                              "model's")
+    try:
+        return EngineConfig(**settings)
+    except ValueError as e:                    # pydantic's ValidationError: one sentence naming the field
+        errs = getattr(e, "errors", lambda: [])()
+        if not errs:
+            raise APIError(400, f"Invalid load settings: {e}.") from None
+        field = ".".join(str(p) for p in errs[0]["loc"]) or None
+        field = _REQUEST_NAMES.get(field, field)
+        msg = errs[0]["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"Invalid value for '{field}': {msg}." if field else f"Invalid load settings: {msg}.",
+                       param=field) from None
+
+
+def _load_error(e: Exception, name: str, current: Optional[ServerState]) -> APIError:
+    """A failed load as the client hears it: the engine's sentence for the model's own problems (400), a clear
+    one for memory, a generic one for anything else (details in the log)."""
+    if isinstance(e, Exl2Error):
+        return APIError(400, str(e), param="model_name", code="model_load_failed")
+    if type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower():
+        hint = (f" while '{current.name}' is loaded; unload it first with POST /v1/model/unload" if current
+                else "")
+        return APIError(500, f"There is not enough memory to load '{name}'{hint}.", type="server_error",
+                        code="out_of_memory")
+    return APIError(500, f"Loading '{name}' failed; see the server log.", type="server_error",
+                    code="model_load_failed")
+
+
+async def _load(h: ModelHost, config: EngineConfig, name: str) -> ServerState:
+    """Build the engine on a thread, then serve it; the engine it replaces is closed once its requests ended."""
+    try:
+        return await _build_and_swap(h, config, name)
+    finally:
+        h.loading = None
+
+
+async def _build_and_swap(h: ModelHost, config: EngineConfig, name: str) -> ServerState:
+    error = None
+    try:
+        engine = await asyncio.to_thread(build_engine, config)
+    except Exception as e:
+        error = _load_error(e, name, h.state)
+        if isinstance(e, Exl2Error):
+            log.warning("loading %s failed: %s", name, e)
+        else:                   # formatted here: a logged exception would keep the half-built model alive
+            log.error("loading %s failed:\n%s", name, "".join(traceback.format_exception(e)))
+    if error is not None:       # raised outside the except block, so the failure's traceback is not kept
+        await asyncio.to_thread(free_memory)
+        raise error
+    state = serve_state(engine, h.config)
+    old = h.swap(state)
+    log.info("serving %s", state.name)
+    if old is not None and old.running == 0:
+        await asyncio.to_thread(close_slot, old)
+    return state
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()        # a load whose client went away: its error was logged already
+
+
+def _loading(h: ModelHost) -> bool:
+    return h.load_task is not None and not h.load_task.done()
+
+
+def _finished(draft: bool) -> Response:
+    """TabbyAPI's load reply: server-sent events of ModelLoadResponse, one "finished" per model loaded."""
+    kinds = (["draft"] if draft else []) + ["model"]
+    events = [{"model_type": k, "module": 1, "modules": 1, "status": "finished"} for k in kinds]
+    return Response("".join(f"data: {json.dumps(e)}\n\n" for e in events), media_type="text/event-stream")
+
+
+def _card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "exl2"}
+
+
+def model_cards(config: ServerConfig) -> list[dict]:
+    """The model directories (those with a config.json) under the root, by name."""
+    root = config.model_dir_root
+    try:
+        entries = sorted(root.iterdir(), key=lambda p: p.name)
+    except OSError as e:
+        raise APIError(500, f"The model directory {root} cannot be read ({e.strerror or e}).",
+                       type="server_error") from None
+    cards = []
+    for p in entries:
+        try:
+            if not p.name.startswith(".") and p.is_dir() and (p / "config.json").is_file():
+                cards.append(_card(p.name, int(p.stat().st_mtime)))
+        except OSError:
+            continue
+    return cards
+
+
+def router(auth, admin) -> APIRouter:
+    """The routes; `auth` and `admin` are the API-key and admin-key dependencies."""
+    r = APIRouter()
+
+    @r.get("/v1/model/list", dependencies=[auth])
+    @r.get("/v1/model/draft/list", dependencies=[auth])
+    async def list_models(request: Request):
+        """The models /v1/model/load can load (drafts come from the same directory); without a model directory,
+        the loaded model."""
+        h = host(request)
+        if h.config.model_dir_root is not None:
+            return {"object": "list", "data": model_cards(h.config)}
+        st = h.state
+        return {"object": "list", "data": [_card(st.name, st.created)] if st is not None else []}
+
+    @r.get("/v1/auth/permission", dependencies=[auth])
+    async def key_permission(request: Request):
+        """TabbyAPI's: "admin" for a key that may load models, else "api"."""
+        return {"permission": permission(request, host(request).config)}
+
+    @r.post("/v1/model/load", dependencies=[admin])
+    async def load_model(body: ModelLoadRequest, request: Request):
+        """Load a model by its directory name; answered when it serves (or with the error that stopped it)."""
+        h = host(request)
+        if _loading(h):
+            raise APIError(409, f"The model '{h.loading}' is being loaded; wait until that load has finished.",
+                           code="model_loading")
+        config = engine_config(h, body)
+        draft = config.draft_model_dir is not None
+        if h.state is not None and getattr(h.state.engine, "config", None) == config:
+            return _finished(draft)             # already served with these settings, as TabbyAPI does
+        h.loading = body.name
+        h.load_task = asyncio.ensure_future(_load(h, config, body.name))
+        h.load_task.add_done_callback(_retrieve)
+        await asyncio.shield(h.load_task)       # a client that goes away does not stop the load
+        return _finished(draft)
+
+    @r.post("/v1/model/unload", dependencies=[admin])
+    async def unload_model(request: Request):
+        """Stop serving the model; its memory is released now, or when the requests still running on it end."""
+        h = host(request)
+        if _loading(h):
+            raise APIError(409, f"The model '{h.loading}' is being loaded; wait until that load has finished.",
+                           code="model_loading")
+        old = h.swap(None)
+        if old is None:
+            return {"status": "unloaded", "model": None, "running_requests": 0}
+        running = old.running
+        log.info("unloaded %s", old.state.name)
+        if running == 0:
+            await asyncio.to_thread(close_slot, old)
+        return {"status": "unloaded", "model": old.state.name, "running_requests": running}
+
+    return r

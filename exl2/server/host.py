@@ -1,0 +1,163 @@
+"""The model slot behind the API: which engine serves requests now, and how loads and unloads swap it.
+
+Every request that generates or tokenizes pins the engine that serves it when it starts (`acquire`); a load or an
+unload only changes which engine later requests get. So requests already running finish on the engine they
+started on; a replaced engine is closed (its memory released) when the last of them has ended (`Leases`).
+While a load runs, requests that need the engine wait for it, then go to the new model (or, if the load failed,
+to the old one).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fastapi import Request
+
+from exl2.config import ServerConfig
+from exl2.server.errors import APIError
+from exl2.server.reasoning import template_thinks
+
+log = logging.getLogger("exl2.server")
+NO_MODEL = "No model is loaded; load one with POST /v1/model/load."
+_LEASES = "exl2.leases"          # the request scope's list of the slots the request pinned
+
+
+@dataclass(frozen=True)
+class ServerState:
+    engine: Any
+    config: ServerConfig
+    name: str
+    created: int
+    reasoning: bool = False         # split think blocks from the answer (`reasoning_content`)
+
+
+def serve_state(engine, config: ServerConfig, name: Optional[str] = None) -> ServerState:
+    """How `engine` is served: its id (`name`, default the model directory's name) and whether the reasoning
+    parser is on (ServerConfig.reasoning_parser; None: when the chat template knows `<think>`)."""
+    reasoning = config.reasoning_parser
+    if reasoning is None:
+        reasoning = template_thinks(engine.template)
+    return ServerState(engine, config, name or engine.model_name, int(time.time()), reasoning)
+
+
+class Slot:
+    """One loaded engine and the requests running on it."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.running = 0
+        self.retired = False        # replaced or unloaded: close the engine once `running` is 0
+        self.closed = False
+
+    def release(self) -> None:
+        """One request running on it has ended; the last one on a retired slot closes it (off the event loop)."""
+        self.running -= 1
+        if self.retired and self.running == 0:
+            asyncio.get_running_loop().run_in_executor(None, close_slot, self)
+
+
+class ModelHost:
+    """The app's current model (or none), the load in progress, and the engines still finishing requests."""
+
+    def __init__(self, app, config: ServerConfig, state: Optional[ServerState], load_defaults: dict):
+        self.app, self.config, self.load_defaults = app, config, load_defaults
+        self.current: Optional[Slot] = Slot(state) if state is not None else None
+        self.loading: Optional[str] = None          # the name of the model being loaded
+        self.load_task: Optional[asyncio.Task] = None
+        self._mirror()
+
+    @property
+    def state(self) -> Optional[ServerState]:
+        return self.current.state if self.current is not None else None
+
+    def _mirror(self) -> None:
+        self.app.state.exl2 = self.state            # `app.state.exl2`: the served model's state, None when none
+
+    def swap(self, state: Optional[ServerState]) -> Optional[Slot]:
+        """Serve `state` (None: nothing) from now on; the previous slot, now retired, is returned."""
+        old = self.current
+        self.current = Slot(state) if state is not None else None
+        self._mirror()
+        if old is not None:
+            old.retired = True
+        return old
+
+
+def close_slot(slot: Slot) -> None:
+    """Close a retired slot's engine (once): stops its generator thread and frees its memory."""
+    if slot.closed:
+        return
+    slot.closed = True
+    close = getattr(slot.state.engine, "close", None)
+    try:
+        if close is not None:
+            close()
+        else:
+            free_memory()
+    except Exception:
+        log.exception("closing the engine of %s failed", slot.state.name)
+    else:
+        log.info("released %s", slot.state.name)
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    import torch
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def host(request: Request) -> ModelHost:
+    return request.app.state.exl2_host
+
+
+async def acquire(request: Request) -> None:
+    """A dependency for routes that use the engine: waits for a load in progress, then pins the engine serving
+    now to the request until its response has been sent; 503 when no model is loaded."""
+    h = host(request)
+    while h.load_task is not None and not h.load_task.done():
+        await asyncio.wait([h.load_task])
+    slot = h.current
+    if slot is None:
+        raise no_model()
+    slot.running += 1
+    request.scope.setdefault(_LEASES, []).append(slot)
+
+
+def no_model() -> APIError:
+    return APIError(503, NO_MODEL, type="server_error", code="model_not_loaded")
+
+
+def serving(request: Request) -> ServerState:
+    """The state of the model that serves this request: the one `acquire` pinned, else the current one."""
+    pinned = request.scope.get(_LEASES)
+    if pinned:
+        return pinned[-1].state
+    state = host(request).state
+    if state is None:
+        raise no_model()
+    return state
+
+
+class Leases:
+    """ASGI middleware: when a request's response has ended (streamed ones included), the engines it pinned are
+    released, and a retired engine whose last request this was is closed."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope[_LEASES] = []
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for slot in scope[_LEASES]:
+                slot.release()
