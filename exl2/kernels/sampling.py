@@ -4,8 +4,9 @@ Row b's noise for token v is a 32-bit hash of (key_b + v · 0x9E3779B9), turned 
 token is argmax(y_v − log(−log u_v)) over the row's filtered, temperature-scaled logits y, which is a draw from
 softmax(y). Keys (`row_keys`) hash a job's seed with how many tokens it has drawn, so a job's tokens depend only on
 its seed and position: not on the batch around it, nor on speculative decoding checking several positions at once.
-The draw kernel applies the repetition penalty, temperature, min-p and the top-k/top-p cutoffs (`cutoff.py`) as it
-reads the logits, each program drawing over a chunk of the row and a last launch picking among the chunks: what
+The draw kernel reads y from the prep kernel (`cutoff.py`: the penalties and temperature applied once) or computes
+it, applies min-p and the top-k/top-p cutoffs, each program drawing over a chunk of the row, and a last launch picks
+among the chunks: what
 took ~90 small tensor operations a step (1.6 ms at batch 1 on the H200) and later a sort of the logits.
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ def counter_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def gumbel_argmax_torch(y: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Twin of `gumbel_argmax`."""
+    """Twin of `draw`'s Gumbel-max over already filtered logits y [B, V] (-inf where a token is excluded)."""
     return (y.float() - torch.log(-torch.log(counter_uniform(keys, y.shape[-1])))).argmax(dim=-1)
 
 

@@ -74,6 +74,12 @@ def check_supported(req: SamplingFields) -> None:
             raise unsupported("best_of", "best_of other than 1")
 
 
+def _check_token(token: int, vocab: Optional[int], param: str) -> None:
+    """A 400 naming `param` when `token` is not a token id of the model (`vocab` logits; None: unknown)."""
+    if token < 0 or (vocab is not None and token >= vocab):
+        raise APIError(400, f"{param} names token {token}, outside the model's vocabulary.", param=param)
+
+
 def logit_bias(req: SamplingFields, vocab: Optional[int]) -> Optional[dict[int, float]]:
     """OpenAI's logit_bias (token id strings → -100..100) with integer ids; a key that is not a token id of the
     model (`vocab` logits; None: unknown) is a 400, not a bias silently dropped."""
@@ -83,9 +89,7 @@ def logit_bias(req: SamplingFields, vocab: Optional[int]) -> Optional[dict[int, 
             token = int(key)
         except ValueError:
             raise APIError(400, f"logit_bias key '{key}' is not a token id.", param="logit_bias") from None
-        if token < 0 or (vocab is not None and token >= vocab):
-            raise APIError(400, f"logit_bias names token {token}, outside the model's vocabulary.",
-                           param="logit_bias")
+        _check_token(token, vocab, "logit_bias")
         if not -100.0 <= value <= 100.0:
             raise APIError(400, f"logit_bias values must be between -100 and 100 (token {token}: {value}).",
                            param="logit_bias")
@@ -118,8 +122,7 @@ def stop_token_ids(req: SamplingFields, vocab: Optional[int]) -> list[int]:
              "stop": [s for s in req.stop if isinstance(s, int)] if isinstance(req.stop, list) else []}
     for param, ids in given.items():
         for token in ids:
-            if token < 0 or (vocab is not None and token >= vocab):
-                raise APIError(400, f"{param} names token {token}, outside the model's vocabulary.", param=param)
+            _check_token(token, vocab, param)
     return given["stop_token_ids"] + given["stop"]
 
 
