@@ -24,7 +24,9 @@
 # sampling draw. s24 (session 20): the q4 attention split sweep at batch 1, ctx 2048, then batches 2, 4 and 16 with the
 # gemv up to 4 rows (the old default), 2 (the new one) and 1 (EXL2_GEMV_MAX_M), then benchmarks/sampling.py. s25
 # (session 21): the sampler's tests on CUDA (the fused cutoff search and draw), sampling.py, serving.py, the bench.
-# s26: the same without the bench, then the Gluon kernel's launch settings A/B at batches 2, 4 and 16.
+# s26: the same without the bench, then the Gluon kernel's launch settings A/B at batches 2, 4 and 16. s27 (session
+# 22): the GPU tests of the engine switches (prompt attention backends, RoPE overrides, Engine.close), eval with a
+# chunked q4 cache on CUDA and CPU, sampling.py, then the target bench at batches 1, 2, 4 and 16.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -130,6 +132,15 @@ for s in $steps; do
        head -11 "$OUT/serving.txt"
        AB_SPECS=";EXL2_MMA4_PER_SM=2;EXL2_MMA4_PER_SM=6;EXL2_MMA4_PER_SM=8;EXL2_MMA4_STAGES=6;EXL2_MMA4_V=1;EXL2_MMA4_V=4;EXL2_MMA4_BS=8; " \
          TAG=_mma BENCH_TIMEOUT=60 BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64 --batch 2,4,16" bash "$0" envab ;;
+  s27) timeout -s INT -k 15 ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu tests/test_gpu_engine.py tests/test_gpu_e2e.py \
+         -k "engine or backends or rope" -q -n 4 -p no:cacheprovider -rfE > "$OUT/gpu_s27.txt" 2>&1
+       echo "engine/rope/backend GPU tests rc=$?"; tail -n 12 "$OUT/gpu_s27.txt"
+       for cm in fp16 q4; do for dev in cuda cpu; do echo "eval -cm $cm --chunk 32 --device $dev"
+         timeout 100 python3 -m exl2.cli.main eval -m tests/fixtures/golden/b4.0_hb6 -cm $cm --chunk 32 -r 4 -l 256 \
+           --device $dev --json 2>&1 | tail -n 3; done; done > "$OUT/eval_cm.txt"; cat "$OUT/eval_cm.txt"
+       timeout 60 python3 benchmarks/sampling.py > "$OUT/sampling.txt" 2>&1; echo "sampling rc=$?"; head -14 "$OUT/sampling.txt"
+       timeout ${BENCH_TIMEOUT:-200} python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench.txt" 2>&1
+       echo "bench rc=$?"; tail -n 16 "$OUT/bench.txt" ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"

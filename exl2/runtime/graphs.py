@@ -13,6 +13,8 @@ loses more to the serial walk than the merge launch costs, and quantized values 
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from exl2.kernels.attention import decode_splits
@@ -23,6 +25,14 @@ from exl2.runtime.paged_cache import PagedKVCache
 BATCH_SIZES = (1, 2, 4, 8, 16)
 SHORT_CONTEXT = env_choice("EXL2_SHORT_CTX", 256, range(0, 1 << 20))
 SHORT_MAX_SPLITS = 4
+
+
+@lru_cache(maxsize=None)
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the eager runs before each capture (as torch.cuda.graph keeps one capture
+    stream): cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it runs on until the process ends, so a
+    new stream per capture would leave one behind for each graph of each model ever loaded."""
+    return torch.cuda.Stream(device)
 
 
 def graph_safe(model: DecoderModel) -> bool:
@@ -64,7 +74,7 @@ class DecodeGraphs:
             return
         for bs in batch_sizes or self.batch_sizes:
             ids, pos, bt = self._inputs(bs)
-            stream = torch.cuda.Stream()
+            stream = _warmup_stream(torch.device("cuda", torch.cuda.current_device()))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):
