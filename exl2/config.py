@@ -117,6 +117,49 @@ class SamplingSettings(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit before everything else
     seed: Optional[int] = None
+    # exllamav2's and TabbyAPI's further samplers, each off at its default. Order (exllamav2's): penalties,
+    # logit_bias, DRY; temperature (dynamic temperature or smoothing in its place; after the truncations with
+    # temperature_last); top-k, top-p, top-a, min-p, tail-free, typical, mirostat; XTC; the draw.
+    top_a: float = Field(0.0, ge=0.0, le=1.0)          # drop tokens with p < top_a · p_max²
+    tfs: float = Field(1.0, ge=0.0, le=1.0)            # tail-free sampling's z; 1 (or 0) = off
+    typical: float = Field(1.0, ge=0.0, le=1.0)        # locally typical sampling's mass; 1 (or 0) = off
+    smoothing_factor: float = Field(0.0, ge=0.0)       # quadratic sampling: logit → max − factor · (logit − max)²
+    temperature_last: bool = False                     # apply the temperature after the truncations
+    # dynamic temperature: min_temp + (max_temp − min_temp) · (entropy / max entropy)^temp_exponent replaces
+    # `temperature` when max_temp > min_temp
+    min_temp: float = Field(1.0, ge=0.0, le=10.0)
+    max_temp: float = Field(1.0, ge=0.0, le=10.0)
+    temp_exponent: float = Field(1.0, gt=0.0)
+    # XTC ("exclude top choices"): with this probability a draw drops every token of probability ≥ the threshold
+    # except the least likely of them (when at least two qualify); newline and special tokens are never dropped
+    xtc_probability: float = Field(0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    # DRY: a token that would extend a repeat of n ≥ dry_allowed_length tokens of the text loses
+    # dry_multiplier · dry_base^(n − dry_allowed_length) from its logit; sequence breakers (tokens whose text
+    # holds one of these strings; None: exllamav2's punctuation set and the special tokens) end a repeat
+    dry_multiplier: float = Field(0.0, ge=0.0)
+    dry_base: float = Field(1.75, ge=1.0)
+    dry_allowed_length: int = Field(2, ge=1)
+    dry_range: int = Field(0, ge=0)                    # tokens of the text DRY looks back over; 0: all of it
+    dry_sequence_breakers: Optional[tuple[str, ...]] = None
+    # Mirostat 2.0: truncates to the tokens of surprise ≤ μ and steers μ (starting at 2·tau) toward tau by eta
+    mirostat_mode: int = 0
+    mirostat_tau: float = Field(1.5, gt=0.0)
+    mirostat_eta: float = Field(0.1, gt=0.0)
+
+    @field_validator("mirostat_mode")
+    @classmethod
+    def _mirostat(cls, v: int) -> int:
+        if v not in (0, 2):
+            raise ValueError("mirostat_mode must be 0 (off) or 2 (Mirostat 2.0)")
+        return v
+
+    @field_validator("dry_sequence_breakers")
+    @classmethod
+    def _breakers(cls, v: Optional[tuple[str, ...]]) -> Optional[tuple[str, ...]]:
+        if v is not None and any(not b for b in v):
+            raise ValueError("dry_sequence_breakers must not contain empty strings")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -135,6 +178,26 @@ class SamplingSettings(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def dynamic_temperature(self) -> bool:
+        return self.max_temp > self.min_temp
+
+    @property
+    def dry(self) -> bool:
+        return self.dry_multiplier > 0.0
+
+    @property
+    def mirostat(self) -> bool:
+        return self.mirostat_mode == 2
+
+    @property
+    def extended(self) -> bool:
+        """Whether a sampled (non-greedy) draw uses a sampler beyond penalties, temperature, top-k/p and min-p:
+        those run on the PyTorch path (`generation.truncation`)."""
+        return not self.greedy and (
+            0.0 < self.top_a or 0.0 < self.tfs < 1.0 or 0.0 < self.typical < 1.0 or self.smoothing_factor > 0.0
+            or self.temperature_last or self.dynamic_temperature or self.xtc_probability > 0.0 or self.mirostat)
 
 
 class ServerConfig(BaseModel):

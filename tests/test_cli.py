@@ -232,3 +232,42 @@ def test_context_past_the_model_warns_once_unless_rope_extends_it():
     r = exl2("generate", "-m", str(SRC), "-p", "The quick brown fox", "-n", "4", "-l", "4096", "-rs", "2",
              "--device", "cpu", "--temperature", "0")
     assert r.returncode == 0 and "capped" not in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- exllamav2's further sampler flags
+
+@pytest.mark.parametrize("command", [["generate", "-p", "x"], ["chat"], ["mcp", "agent", "--server", "x", "-p", "y"]])
+def test_sampler_flags_reach_sampling_settings(command):
+    from exl2.cli.common import sampling_from_args
+    from exl2.cli.main import build_parser
+    from exl2.config import SamplingSettings
+
+    parser = build_parser()
+    short = sampling_from_args(parser.parse_args([
+        *command, "-smooth", "0.3", "-dyntemp", "0.5,1.5,1", "-topa", "0.2", "-typical", "0.8", "-tfs", "0.9",
+        "-xtcp", "0.4", "-xtct", "0.2", "-drym", "0.8", "-drya", "3", "-dryb", "2", "-dryr", "64", "-mirostat", "2"]))
+    assert (short.smoothing_factor, short.min_temp, short.max_temp, short.temp_exponent) == (0.3, 0.5, 1.5, 1.0)
+    assert (short.top_a, short.typical, short.tfs, short.xtc_probability, short.xtc_threshold) == (
+        0.2, 0.8, 0.9, 0.4, 0.2)
+    assert (short.dry_multiplier, short.dry_allowed_length, short.dry_base, short.dry_range) == (0.8, 3, 2.0, 64)
+    assert short.mirostat_mode == 2 and short.dynamic_temperature
+    long = sampling_from_args(parser.parse_args([
+        *command, "--smoothing-factor", "0.1", "--dynamic-temperature", "0.2,2,0.5", "--temperature-last",
+        "--top-a", "0.1", "--typical", "0.7", "--tfs", "0.95", "--xtc-probability", "0.5", "--xtc-threshold", "0.3",
+        "--dry-multiplier", "1", "--dry-allowed-length", "4", "--dry-base", "1.5", "--dry-range", "128",
+        "--dry-sequence-breakers", r"\n,:,end", "--mirostat", "2", "--mirostat-tau", "3", "--mirostat-eta", "0.2"]))
+    assert (long.min_temp, long.max_temp, long.temp_exponent, long.temperature_last) == (0.2, 2.0, 0.5, True)
+    assert long.dry_sequence_breakers == ("\n", ":", "end") and (long.mirostat_tau, long.mirostat_eta) == (3.0, 0.2)
+    assert (long.dry_multiplier, long.dry_allowed_length, long.dry_base, long.dry_range) == (1.0, 4, 1.5, 128)
+    default, engine = sampling_from_args(parser.parse_args(command)), SamplingSettings()
+    assert default.model_dump(exclude={"temperature"}) == engine.model_dump(exclude={"temperature"})
+
+
+@pytest.mark.parametrize("flags,words", [(["-dyntemp", "0.5"], ("--dynamic-temperature", "'0.5'")),
+                                         (["-dyntemp", "a,b,c"], ("--dynamic-temperature", "three numbers")),
+                                         (["-dyntemp", "0.5,11,1"], ("--dynamic-temperature", "max_temp")),
+                                         (["-xtcp", "2"], ("xtc_probability",)),
+                                         (["-dryb", "0.5"], ("dry_base",))])
+def test_bad_sampler_flags_are_one_sentence(flags, words):
+    """Checked before the model loads (a missing model would be the error otherwise)."""
+    assert_user_error(exl2("generate", "-m", "/nonexistent-model", "-p", "x", *flags), *words)

@@ -410,3 +410,43 @@ def test_min_tokens_streams_what_the_result_says(model, tok):
     # tokens 1-2 ("--------") stream unchecked, so "-----" in them does not count; the checked text starts with
     # token 3 ("----", held back as a possible start of the stop string) and token 4 completes it there
     assert result.text == text == "-" * 8 and result.finish_reason == "stop" and len(result.token_ids) == 4
+
+
+def test_extended_samplers_through_the_generator_match_an_uncached_loop(model, tok):
+    """DRY (over prompt + reply, custom breakers), Mirostat (μ carried from draw to draw), XTC (its kept tokens:
+    newlines and specials), tail-free/typical/top-a and dynamic temperature, batched beside a plain job: each
+    seeded reply equals a loop over the whole sequence that applies the same steps by hand at the same stream
+    positions."""
+    from exl2.generation.dry import dry_penalties, sequence_breakers
+    from exl2.generation.sampler import sample_rows
+
+    kinds = [SamplingSettings(temperature=0.0, dry_multiplier=2.0, dry_allowed_length=2, seed=1),
+             SamplingSettings(temperature=0.9, dry_multiplier=0.8, dry_base=2.0, dry_sequence_breakers=("e",),
+                              seed=2),
+             SamplingSettings(temperature=1.0, mirostat_mode=2, mirostat_tau=2.5, mirostat_eta=0.3, seed=3),
+             SamplingSettings(temperature=1.0, xtc_probability=0.7, xtc_threshold=0.05, tfs=0.95, typical=0.9,
+                              top_a=0.05, min_temp=0.5, max_temp=1.5, seed=4)]
+    ids = tok.encode(PROMPTS[2] * 2)
+    texts = [tok.decode([i]) for i in range(tok.vocab_size)]
+    keep = torch.tensor([("\n" in t) or i in tok.special_ids for i, t in enumerate(texts)])
+
+    def reference(s: SamplingSettings, n: int = 12) -> list[int]:
+        seq, mus = list(ids), [None]
+        breakers = sequence_breakers(tok, s.dry_sequence_breakers)
+        with torch.inference_mode():
+            for step in range(n):
+                x = model(torch.tensor([seq]))[0, -1:].float()
+                if s.dry:
+                    t, p = dry_penalties(seq, breakers, s.dry_multiplier, s.dry_base, s.dry_allowed_length)
+                    x[0, t] -= p
+                seq.append(int(sample_rows(x, [s], [s.seed], [step], mus=mus, xtc_keep=keep[:x.shape[1]])[0]))
+        return seq[len(ids):]
+
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16)
+    jobs = [Job(ids, s, 12) for s in kinds] + [Job(tok.encode(PROMPTS[0]), GREEDY, 12)]
+    out = gen.generate(jobs)
+    for s, r in zip(kinds, out):
+        assert r.token_ids == reference(s), s
+    assert jobs[2].mirostat_mu is not None and jobs[2].mirostat_mu != 2 * 2.5
+    assert torch.equal(gen._xtc_keep(tok.vocab_size).cpu(), keep)
+    assert out[0].token_ids != greedy_reference(model, ids, 12)  # DRY changed the greedy reply

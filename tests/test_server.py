@@ -1491,3 +1491,95 @@ def test_engine_close_lets_the_running_request_finish(engine):
     with pytest.raises(Exl2Error, match="closed"):
         own.generate("again")
     own.close()                                     # a second close does nothing
+
+
+# ---- TabbyAPI's further samplers --------------------------------------------------------------------------------
+
+class SettingsFake(FakeEngine):
+    """A fake engine that keeps the SamplingSettings each stream gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.reply = "ok"
+        self.settings: list[SamplingSettings] = []
+
+    async def aevent_stream(self, prompt, settings=None, *args, **kwargs):
+        self.settings.append(settings)
+        async for event in super().aevent_stream(prompt, settings, *args, **kwargs):
+            yield event
+
+
+def test_tabby_samplers_reach_the_engine():
+    """Every TabbyAPI sampler field, by its name or its alias, arrives in SamplingSettings; TabbyAPI's 0 for DRY's
+    base and allowed length means the engine's default."""
+    fake = SettingsFake()
+    c = aclient(create_app(fake, ServerConfig()))
+    hi = [{"role": "user", "content": "hi"}]
+    fields = dict(top_a=0.2, tfs=0.9, typical_p=0.8, smoothing_factor=0.3, temperature_last=True, dynatemp_low=0.5,
+                  dynatemp_high=1.5, dynatemp_exponent=2.0, xtc_probability=0.4, xtc_threshold=0.2,
+                  dry_multiplier=0.8, dry_base=2.0, dry_allowed_length=3, dry_penalty_last_n=64,
+                  dry_sequence_breakers=["\n", ":"], mirostat=2, mirostat_tau=4.0, mirostat_eta=0.2, skew=0)
+    canonical = dict(fields, typical=0.8, min_temp=0.5, max_temp=1.5, temp_exponent=2.0, dry_range=64,
+                     mirostat_mode=2, mirostat_tau=5.0, mirostat_eta=0.25)
+    for key in ("typical_p", "dynatemp_low", "dynatemp_high", "dynatemp_exponent", "dry_penalty_last_n", "mirostat"):
+        del canonical[key]
+
+    async def go():
+        await c.chat.completions.create(model="m", messages=hi, max_tokens=4, extra_body=fields)
+        await c.completions.create(model="m", prompt="x", max_tokens=4, extra_body=canonical)
+        await c.chat.completions.create(model="m", messages=hi, max_tokens=4)
+        for breakers in ('["\\n", ":"]', "\n,:", '"\\n", ":"', "a, b,,c", "", []):
+            await c.chat.completions.create(model="m", messages=hi, max_tokens=4,
+                                            extra_body=dict(dry_multiplier=1.0, dry_sequence_breakers=breakers))
+
+    run(go())
+    via_alias, by_name, default = fake.settings[:3]
+    expected = dict(top_a=0.2, tfs=0.9, typical=0.8, smoothing_factor=0.3, temperature_last=True, min_temp=0.5,
+                    max_temp=1.5, temp_exponent=2.0, xtc_probability=0.4, xtc_threshold=0.2, dry_multiplier=0.8,
+                    dry_base=2.0, dry_allowed_length=3, dry_range=64, dry_sequence_breakers=("\n", ":"),
+                    mirostat_mode=2, mirostat_tau=4.0, mirostat_eta=0.2)
+    assert {k: getattr(via_alias, k) for k in expected} == expected
+    assert {k: getattr(by_name, k) for k in expected} == dict(expected, mirostat_tau=5.0, mirostat_eta=0.25)
+    assert via_alias.dynamic_temperature and via_alias.dry and via_alias.mirostat
+    engine_default = SamplingSettings()
+    for k in expected:
+        if k != "mirostat_eta":       # TabbyAPI's default (0.3) differs from the engine's
+            assert getattr(default, k) == getattr(engine_default, k), k
+    assert default.mirostat_eta == 0.3 and default.dry_base == 1.75 and default.dry_allowed_length == 2
+    assert [s.dry_sequence_breakers for s in fake.settings[3:]] == [
+        ("\n", ":"), ("\n", ":"), ("\n", ":"), ("a", "b", "c"), None, None]
+
+
+def test_tabby_sampler_values_the_engine_cannot_take_are_400s():
+    """An out-of-range value, Mirostat 1, a skew and a malformed breaker list are 400s naming the field."""
+    fake = SettingsFake()
+    c = aclient(create_app(fake, ServerConfig()))
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [(dict(mirostat=1), "mirostat_mode", "Only Mirostat 2 is supported"),
+             (dict(mirostat_mode=1), "mirostat_mode", "Only Mirostat 2 is supported"),
+             (dict(skew=0.5), "skew", "skew is not supported"),
+             (dict(xtc_probability=2), "xtc_probability", "less than or equal to 1"),
+             (dict(typical_p=-0.1), "typical_p", "greater than or equal to 0"),
+             (dict(dynatemp_high=11), "dynatemp_high", "less than or equal to 10"),
+             (dict(mirostat_tau=0), "mirostat_tau", "greater than 0"),
+             (dict(dry_base=0.5), "dry_base", "greater than or equal to 1"),            # the engine's bound
+             (dict(dry_sequence_breakers=["a", ""]), "dry_sequence_breakers", "empty strings"),
+             (dict(dry_sequence_breakers="[1, 2]"), "dry_sequence_breakers", "JSON list of strings"),
+             (dict(dry_sequence_breakers="[oops"), "dry_sequence_breakers", "JSON list of strings")]
+
+    async def go():
+        out = []
+        for extra, _, _ in cases:
+            for create in (lambda: c.chat.completions.create(model="m", messages=hi, max_tokens=4, extra_body=extra),
+                           lambda: c.completions.create(model="m", prompt="x", max_tokens=4, extra_body=extra)):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await create()
+                out.append(e.value.body)
+        return out
+
+    bodies = run(go())
+    for i, (_, param, words) in enumerate(cases):
+        for body in bodies[2 * i:2 * i + 2]:
+            assert body["param"] == param and words in body["message"], body
+            assert param.split("_")[0] in body["message"] and body["message"].count(". ") == 0, body
+    assert fake.settings == []

@@ -109,3 +109,22 @@ def test_engine_settings(tmp_path):
     assert engine.generate(PROMPTS[0] * 4, GREEDY, 10).token_ids == greedy_reference(engine.model, ids, 10)
     with pytest.raises(ConfigError):
         make_drafter(engine.model, ngram=True, draft_model_dir=GOLDEN / "b3.0_hb6")
+
+
+def test_speculation_with_the_extended_samplers(model, tok):
+    """XTC and the other stateless samplers speculate and stay plain sampling token for token; DRY and Mirostat
+    need each token on the host before the next draw, so their jobs decode plainly (no guesses checked)."""
+    ids = tok.encode(PROMPTS[2] * 3)
+    xtc = SamplingSettings(temperature=0.9, xtc_probability=0.5, xtc_threshold=0.05, typical=0.9, seed=5)
+    plain = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16).generate([Job(ids, xtc, 24)])[0].token_ids
+    gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16, draft=_Oracle(ids, plain),
+                           num_draft_tokens=4)
+    job = Job(ids, xtc, 24)
+    assert gen.generate([job])[0].token_ids == plain
+    assert job.drafted > 0 and job.accepted == job.drafted
+    for s in (SamplingSettings(temperature=0.0, dry_multiplier=1.0, seed=1),
+              SamplingSettings(temperature=1.0, mirostat_mode=2, seed=1)):
+        ref = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16).generate([Job(ids, s, 16)])[0].token_ids
+        gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16, draft=NgramDraft(), num_draft_tokens=4)
+        job = Job(ids, s, 16)
+        assert gen.generate([job])[0].token_ids == ref and job.drafted == 0

@@ -98,6 +98,42 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
     p.add_argument("-prespen", "--presence-penalty", "--presence_penalty", dest="presence_penalty", type=float,
                    default=0.0, help="subtracted once from the logit of every token the reply has (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    # exllamav2's further samplers (its chat/test flags), each off at its default
+    p.add_argument("-topa", "--top-a", "--top_a", dest="top_a", type=float, default=0.0,
+                   help="top-a cutoff: drop tokens with p < top_a · p_max² (default 0 = off)")
+    p.add_argument("-typical", "--typical", dest="typical", type=float, default=1.0,
+                   help="locally typical sampling's probability mass (default 1 = off)")
+    p.add_argument("-tfs", "--tfs", dest="tfs", type=float, default=1.0,
+                   help="tail-free sampling's z (default 1 = off)")
+    p.add_argument("-smooth", "--smoothing-factor", "--smoothing_factor", dest="smoothing_factor", type=float,
+                   default=0.0, help="quadratic sampling's smoothing factor (default 0 = off)")
+    p.add_argument("-dyntemp", "--dynamic-temperature", "--dynamic_temperature", dest="dynamic_temperature",
+                   default=None, metavar="MIN,MAX,EXP",
+                   help="dynamic temperature from the entropy, between MIN and MAX with exponent EXP, in place of "
+                        "the temperature (e.g. 0.5,1.5,1; default off)")
+    p.add_argument("--temperature-last", "--temperature_last", dest="temperature_last", action="store_true",
+                   help="apply the temperature after the truncation samplers instead of before")
+    p.add_argument("-xtcp", "--xtc-probability", "--xtc_probability", dest="xtc_probability", type=float,
+                   default=0.0, help="XTC: chance per token of dropping the most likely choices (default 0 = off)")
+    p.add_argument("-xtct", "--xtc-threshold", "--xtc_threshold", dest="xtc_threshold", type=float, default=0.1,
+                   help="XTC: probability from which a choice counts as a top choice (default 0.1)")
+    p.add_argument("-drym", "--dry-multiplier", "--dry_multiplier", dest="dry_multiplier", type=float, default=0.0,
+                   help="DRY repetition penalty's multiplier (default 0 = off)")
+    p.add_argument("-drya", "--dry-allowed-length", "--dry_allowed_length", dest="dry_allowed_length", type=int,
+                   default=2, help="DRY: longest repeat left unpenalized (default 2)")
+    p.add_argument("-dryb", "--dry-base", "--dry_base", dest="dry_base", type=float, default=1.75,
+                   help="DRY: the penalty's growth per token of repeat (default 1.75)")
+    p.add_argument("-dryr", "--dry-range", "--dry_range", dest="dry_range", type=int, default=0,
+                   help="DRY: tokens of the text it looks back over (default 0 = all)")
+    p.add_argument("--dry-sequence-breakers", "--dry_sequence_breakers", dest="dry_sequence_breakers", default=None,
+                   metavar="S,S,...", help="DRY: strings that end a repeat, separated by commas (escapes such as "
+                                           "\\n are decoded); default: punctuation, newline and special tokens")
+    p.add_argument("-mirostat", "--mirostat", dest="mirostat_mode", type=int, default=0, choices=[0, 2],
+                   help="2 = Mirostat 2.0 sampling (default 0 = off)")
+    p.add_argument("--mirostat-tau", "--mirostat_tau", dest="mirostat_tau", type=float, default=1.5,
+                   help="Mirostat's target surprise (default 1.5)")
+    p.add_argument("--mirostat-eta", "--mirostat_eta", dest="mirostat_eta", type=float, default=0.1,
+                   help="Mirostat's learning rate (default 0.1)")
 
 
 def flag_error(e) -> ConfigError:
@@ -106,15 +142,50 @@ def flag_error(e) -> ConfigError:
     return ConfigError(f"Invalid --{err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}.")
 
 
+def dynamic_temperature(value: str | None) -> dict[str, float]:
+    """-dyntemp's 'min,max,exponent' as SamplingSettings fields (none when not given)."""
+    if value is None:
+        return {}
+    try:
+        low, high, exponent = (float(x) for x in value.split(","))
+    except ValueError:
+        raise ConfigError("--dynamic-temperature takes three numbers min,max,exponent (e.g. 0.5,1.5,1), "
+                          f"not {value!r}.") from None
+    return dict(min_temp=low, max_temp=high, temp_exponent=exponent)
+
+
+def sequence_breakers(value: str | None) -> tuple[str, ...] | None:
+    """--dry-sequence-breakers' comma-separated strings, backslash escapes decoded (a shell passes '\\n' as two
+    characters); None (the engine's set) when not given or empty."""
+    if not value:
+        return None
+    if "\\" in value:
+        value = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    return tuple(b for b in value.split(",") if b) or None
+
+
 def sampling_from_args(args) -> SamplingSettings:
+    """SamplingSettings from add_sampling_args' flags; an invalid value is a one-sentence ConfigError."""
     from pydantic import ValidationError
 
     try:
         return SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                                presence_penalty=args.presence_penalty, seed=args.seed)
+                                presence_penalty=args.presence_penalty, seed=args.seed, top_a=args.top_a,
+                                typical=args.typical, tfs=args.tfs, smoothing_factor=args.smoothing_factor,
+                                temperature_last=args.temperature_last, xtc_probability=args.xtc_probability,
+                                xtc_threshold=args.xtc_threshold, dry_multiplier=args.dry_multiplier,
+                                dry_allowed_length=args.dry_allowed_length, dry_base=args.dry_base,
+                                dry_range=args.dry_range,
+                                dry_sequence_breakers=sequence_breakers(args.dry_sequence_breakers),
+                                mirostat_mode=args.mirostat_mode, mirostat_tau=args.mirostat_tau,
+                                mirostat_eta=args.mirostat_eta, **dynamic_temperature(args.dynamic_temperature))
     except ValidationError as e:
-        raise flag_error(e) from None
+        err = flag_error(e)
+        field = e.errors(include_url=False)[0]["loc"][0]
+        if field in ("min_temp", "max_temp", "temp_exponent"):   # no flag of their own: -dyntemp sets them
+            err = ConfigError(str(err).replace(f"--{field}:", f"--dynamic-temperature ({field}):", 1))
+        raise err from None
 
 
 def resolve_model_dir(model_dir: str | None) -> Path:

@@ -18,6 +18,7 @@ import torch
 from exl2.errors import ContextLengthError
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
+from exl2.generation.dry import apply_dry, sequence_breakers
 from exl2.generation.sampler import SeenTokens, fresh_seed, sample_rows
 from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
@@ -77,6 +78,7 @@ class DynamicGenerator:
         self.active: list[Job] = []
         self._decode_table: tuple = ((), None)
         self.seen: Optional[SeenTokens] = None  # made when a job first asks for a penalty on seen tokens
+        self._xtc_mask: Optional[torch.Tensor] = None
         self.overlap = model.device.type == "cuda" if overlap is None else overlap
         self._inflight: Optional[_Step] = None  # a decode step launched, its tokens not read yet
         self.chained = 0                          # decode steps launched before the previous one's tokens were read
@@ -206,10 +208,10 @@ class DynamicGenerator:
             if all(j.length == len(j.ids) for j in group):
                 self._accept(group, logits, events)
         running = [j for j in self.active if j.pending is not None]
-        if len(running) == 1 and self.draft is not None and running[0].grammar is None and \
+        if len(running) == 1 and self.draft is not None and not running[0].host_sampling and \
                 running[0].logprobs is None and self._speculate(running[0], events):
             return events
-        if running and self.overlap and all(j.grammar is None for j in running):
+        if running and self.overlap and not any(j.host_sampling for j in running):
             self._inflight = self._launch(running)
         elif running:
             self._accept(running, self._decode(running, *self._feed(running)), events)
@@ -260,7 +262,7 @@ class DynamicGenerator:
         if len(self.active) != len(step.jobs) or any(j.done for j in step.jobs):
             return False
         # the token `step` samples must not be a job's last (the last token is never fed: no cache slot for it)
-        return all(j.grammar is None and len(j.reply.ids) + 2 <= j.max_new_tokens for j in step.jobs)
+        return all(not j.host_sampling and len(j.reply.ids) + 2 <= j.max_new_tokens for j in step.jobs)
 
     def _land(self, step: "_Step", events: list[Event]) -> None:
         """Read a launched step's tokens and stream them (jobs that ended meanwhile are skipped)."""
@@ -331,9 +333,16 @@ class DynamicGenerator:
         """Each job's next token from its row of `logits` (float32) at stream position draws[i], noted in the
         seen-token rows, and the log-probability tensors of `raw` (the model's own logits; default `logits`) for
         the jobs that asked (`_logprob_tensors`); nothing waits for the GPU. End tokens a job may not sample yet
-        are masked first (`_ban_stops`)."""
-        picks = sample_rows(self._ban_stops(jobs, logits, draws), [j.settings for j in jobs], [j.seed for j in jobs],
-                            draws, *self._seen_rows(jobs, logits.shape[-1]))
+        are masked first (`_ban_stops`), DRY's penalties subtracted (`_dry`)."""
+        settings = [j.settings for j in jobs]
+        mirostat = any(s.mirostat for s in settings)
+        mus = [j.mirostat_mu for j in jobs] if mirostat else None
+        xtc_keep = self._xtc_keep(logits.shape[-1]) if any(s.xtc_probability > 0 for s in settings) else None
+        picks = sample_rows(self._dry(jobs, self._ban_stops(jobs, logits, draws)), settings, [j.seed for j in jobs],
+                            draws, *self._seen_rows(jobs, logits.shape[-1]), mus=mus, xtc_keep=xtc_keep)
+        if mirostat:
+            for job, mu in zip(jobs, mus):
+                job.mirostat_mu = mu
         self._mark_seen(jobs, picks)
         return picks, self._logprob_tensors(jobs, logits if raw is None else raw, picks)
 
@@ -350,6 +359,23 @@ class DynamicGenerator:
         dev = logits.device
         return logits.index_put((upload(rows, torch.long, dev), upload(cols, torch.long, dev)),
                                 logits.new_full((len(cells),), float("-inf")))
+
+    def _dry(self, jobs: list[Job], logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with DRY's penalties subtracted for the jobs that ask, from their text so far (prompt and reply:
+        `Job.tokens`); `logits` itself when none asks."""
+        rows = [(i, j.tokens, j.settings, sequence_breakers(self.tokenizer, j.settings.dry_sequence_breakers))
+                for i, j in enumerate(jobs) if j.settings.dry]
+        return apply_dry(logits, rows) if rows else logits
+
+    def _xtc_keep(self, vocab: int) -> torch.Tensor:
+        """bool [vocab] on the model's device: the tokens XTC never drops (those whose text has a newline, and the
+        special tokens), as exllamav2 keeps them; made once."""
+        if self._xtc_mask is None or self._xtc_mask.shape[0] != vocab:
+            special = self.tokenizer.special_ids
+            texts = self.tokenizer.token_texts()
+            keep = [i in special or (i < len(texts) and "\n" in texts[i]) for i in range(vocab)]
+            self._xtc_mask = torch.tensor(keep, dtype=torch.bool, device=self.model.device)
+        return self._xtc_mask
 
     @staticmethod
     def _logprob_tensors(jobs: list[Job], logits: torch.Tensor, picks: torch.Tensor) -> Optional[tuple]:
@@ -480,8 +506,9 @@ class DynamicGenerator:
                 ids = torch.tensor(drafts[:i], dtype=torch.long, device=dev)
                 counts[i].index_put_((ids,), torch.ones(i, device=dev), accumulate=True)
         # the verify rows mask end tokens as plain decoding would at their draws (min_new_tokens, ignore_eos)
+        keep = self._xtc_keep(logits.shape[-1]) if job.settings.xtc_probability > 0 else None
         picks = sample_rows(self._ban_stops([job] * n, logits.float()[:n], draws), [job.settings] * n,
-                            [job.seed] * n, draws, seen, counts)
+                            [job.seed] * n, draws, seen, counts, xtc_keep=keep)
         choices = picks.tolist()
         kept = next((i for i, d in enumerate(drafts) if choices[i] != d), len(drafts))
         text = ""

@@ -44,11 +44,18 @@ class Job:
         self.reply: Optional[Reply] = None
         self.seed = 0                    # its random stream (settings.seed, or a fresh one)
         self.slot: Optional[int] = None  # its row of the generator's seen-token mask (repetition penalty)
+        self.mirostat_mu: Optional[float] = None  # Mirostat 2.0's μ (None: the start, 2·tau)
         self.key: Optional[bytes] = None     # prefix key of the last full page published
         self.published = 0
         self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
         self.skipped = 0                     # times younger jobs were admitted past it (see DynamicGenerator)
         self.times = [0.0, 0.0, 0.0, 0.0]   # enqueued, admitted, first token, finished (time.perf_counter)
+
+    @property
+    def host_sampling(self) -> bool:
+        """Whether sampling its next token needs the tokens before it on the host (a grammar, DRY's history,
+        Mirostat's μ), so its steps are never launched ahead of reading the last one, nor speculated."""
+        return self.grammar is not None or self.settings.dry or self.settings.mirostat
 
     def __repr__(self) -> str:
         return f"Job({self.id}, {len(self.ids)} prompt tokens, {'done' if self.done else 'running'})"

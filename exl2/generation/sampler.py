@@ -1,8 +1,9 @@
 """Next-token sampling with the semantics of transformers' logits processors, on CPU or CUDA tensors.
 
-Order: repetition penalty, temperature, top-k, top-p, min-p, then a seeded Gumbel-max draw (argmax when greedy).
-On the GPU the whole chain runs as a few fused launches (`kernels.sampling.draw`); `filter_rows` and the draw's
-PyTorch twin are the CPU path and the reference.
+Order: repetition, frequency and presence penalties, then the filters of `truncation` (temperature, top-k, top-p,
+min-p and the rest), then a seeded Gumbel-max draw (argmax when greedy). On the GPU the common chain (temperature,
+top-k, top-p, min-p) runs as a few fused launches (`kernels.sampling.draw`); `filter_rows` and the draw's PyTorch
+twin are the CPU path, the reference, and the path of the other filters.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from exl2.config import SamplingSettings
+from exl2.generation.truncation import mirostat_update, truncate, xtc_coin
 from exl2.kernels.backend import use_triton
 from exl2.kernels.sampling import draw, gumbel_argmax_torch, row_keys
 from exl2.runtime.upload import upload
@@ -137,12 +139,14 @@ def apply_logit_bias(logits: torch.Tensor, settings: Sequence[SamplingSettings])
 
 
 def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen: Optional[torch.Tensor] = None,
-                counts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(penalized, filtered) float32 [B, V]: row i through settings[i]'s chain of `sample` (repetition penalty
-    from `seen` [B, V] bool, frequency and presence penalties from `counts` [B, V] float32, the reply's token
-    counts; then temperature, top-k, top-p, min-p; greedy rows are left unfiltered)."""
+                counts: Optional[torch.Tensor] = None, coins: Optional[Sequence[float]] = None,
+                mus: Optional[Sequence[Optional[float]]] = None, xtc_keep: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(penalized, filtered) float32 [B, V]: row i through settings[i]'s chain (repetition penalty from `seen`
+    [B, V] bool, frequency and presence penalties from `counts` [B, V] float32, the reply's token counts; then
+    `truncation.truncate`: temperature, top-k, top-p, min-p and the other filters, with XTC's `coins`, Mirostat's
+    `mus` and the tokens XTC keeps; greedy rows are left unfiltered)."""
     x = logits.float()
-    b, vocab = x.shape
     dev = x.device
     pen = [s.repetition_penalty for s in settings]
     if seen is not None and any(p != 1.0 for p in pen):
@@ -152,31 +156,7 @@ def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen
         fp = upload([[s.frequency_penalty, s.presence_penalty] for s in settings], torch.float32, dev)
         x = x - fp[:, :1] * counts
         x = x - torch.where(counts > 0, fp[:, 1:], 0.0)
-    live = [not s.greedy for s in settings]
-    if not any(live):
-        return x, x
-    params = upload([[s.temperature if g else 1.0, s.top_p, s.min_p] for s, g in zip(settings, live)],
-                    torch.float32, dev)
-    temp, top_p, min_p = params[:, :1], params[:, 1:2], params[:, 2:3]
-    neg_inf = float("-inf")
-    y = x / temp
-    ks = [s.top_k if 0 < s.top_k < vocab and g else 0 for s, g in zip(settings, live)]
-    if any(ks):
-        k = upload(ks, torch.long, dev)[:, None]
-        kth = torch.topk(y, max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
-        y = y.masked_fill((k > 0) & (y < kth), neg_inf)
-    if any(s.top_p < 1.0 and g for s, g in zip(settings, live)):
-        sorted_y, order = torch.sort(y, dim=-1, descending=False)
-        cum = sorted_y.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = (cum <= (1.0 - top_p)) & (top_p < 1.0)
-        drop_sorted[..., -1] = False
-        y = y.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), neg_inf)
-    if any(s.min_p > 0.0 and g for s, g in zip(settings, live)):
-        probs = y.softmax(dim=-1)
-        drop = probs < min_p * probs.max(dim=-1, keepdim=True).values
-        drop.scatter_(-1, y.argmax(dim=-1, keepdim=True), False)
-        y = y.masked_fill(drop, neg_inf)
-    return x, y
+    return x, truncate(x, settings, coins, mus, xtc_keep)
 
 
 def fused_params(settings: Sequence[SamplingSettings], vocab: int) -> list[list[float]]:
@@ -232,25 +212,34 @@ def fused_ok(device: torch.device) -> bool:
 
 
 def _twin_draw(logits: torch.Tensor, settings: Sequence[SamplingSettings], keys: torch.Tensor,
-               seen: Optional[torch.Tensor], counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`sample_rows` through `filter_rows` and the draw's PyTorch twin."""
-    x, y = filter_rows(logits, settings, seen, counts)
+               seen: Optional[torch.Tensor], counts: Optional[torch.Tensor] = None,
+               coins: Optional[Sequence[float]] = None, mus: Optional[list[Optional[float]]] = None,
+               xtc_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`sample_rows` through `filter_rows` and the draw's PyTorch twin; Mirostat rows' `mus` updated in place."""
+    x, y = filter_rows(logits, settings, seen, counts, coins, mus, xtc_keep)
     greedy = [s.greedy for s in settings]
     if all(greedy):
         return x.argmax(dim=-1)
     drawn = gumbel_argmax_torch(y, keys)
-    if not any(greedy):
-        return drawn
-    return torch.where(upload(greedy, torch.bool, x.device), x.argmax(dim=-1), drawn)
+    if any(greedy):
+        drawn = torch.where(upload(greedy, torch.bool, x.device), x.argmax(dim=-1), drawn)
+    if mus is not None and any(s.mirostat for s in settings):
+        mus[:] = mirostat_update(y, drawn, settings, mus)
+    return drawn
 
 
 def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seeds: Sequence[int],
                 counters: Sequence[int], seen: Optional[torch.Tensor] = None,
-                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                counts: Optional[torch.Tensor] = None, mus: Optional[list[Optional[float]]] = None,
+                xtc_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One token per row of `logits` [B, V], row i sampled with settings[i] (`filter_rows`, after its
     `logit_bias`) from its own stream (seeds[i], counters[i]: `kernels.sampling.row_keys`) by a Gumbel-max draw;
     `seen` [B, V] bool feeds repetition penalties, `counts` [B, V] float32 (the reply's token counts) frequency
-    and presence penalties. Returns int64 [B] on the logits' device, without waiting for the GPU."""
+    and presence penalties. Returns int64 [B] on the logits' device, without waiting for the GPU unless a row
+    uses Mirostat: `mus` (one μ per row, None = the start) is then updated in place from the drawn token's
+    probability. XTC never drops the tokens `xtc_keep` (bool [V]) marks; its choice per draw comes from the seed
+    and counter (`truncation.xtc_coin`). Rows with samplers beyond temperature, top-k, top-p and min-p
+    (`SamplingSettings.extended`) take the whole batch to the PyTorch path."""
     greedy = [s.greedy for s in settings]
     if seen is not None and all(s.repetition_penalty == 1.0 for s in settings):
         seen = None
@@ -260,7 +249,9 @@ def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seed
     if all(greedy) and seen is None and counts is None:
         return logits.float().argmax(dim=-1)
     keys = upload(row_keys(seeds, counters), torch.int64, logits.device)
-    if use_triton(logits) and fused_ok(logits.device):
+    extended = any(s.extended for s in settings)
+    if not extended and use_triton(logits) and fused_ok(logits.device):
         return _fused_draw(logits.float().contiguous(), settings, keys, None if seen is None else seen.contiguous(),
                            None if counts is None else counts.float().contiguous())
-    return _twin_draw(logits, settings, keys, seen, counts)
+    coins = [xtc_coin(sd, c) for sd, c in zip(seeds, counters)] if extended else None
+    return _twin_draw(logits, settings, keys, seen, counts, coins, mus, xtc_keep)

@@ -103,6 +103,10 @@ class _HFBackend:
     def decode(self, ids: Sequence[int], skip_special: bool) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
+    def texts(self) -> list[str]:
+        """Every token decoded alone; the batch decoder keeps a 128k vocabulary well under a second."""
+        return self.tok.decode_batch([[i] for i in range(self.vocab_size())], skip_special_tokens=False)
+
 
 class _SPBackend:
     """sentencepiece model plus the added tokens of tokenizer_config.json, which sentencepiece does not know."""
@@ -174,6 +178,9 @@ class _SPBackend:
             text.append(self.sp.decode(run))
         return "".join(text)
 
+    def texts(self) -> list[str]:
+        return [self.decode([i], False) for i in range(self._n)]
+
 
 class Tokenizer:
     """The tokenizer of one model directory: encode, decode, special ids, chat template."""
@@ -201,6 +208,7 @@ class Tokenizer:
         add_bos = config.get("add_bos_token")
         self._add_bos = bool(add_bos) if isinstance(add_bos, bool) else backend.adds_bos(self.bos_id)
         self._special_ids = backend.special_ids()
+        self._texts: Optional[list[str]] = None
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> "Tokenizer":
@@ -277,6 +285,12 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self._b.decode([int(i) for i in ids], skip_special)
+
+    def token_texts(self) -> list[str]:
+        """The text of each token id decoded alone (specials included); cached, since every DRY request needs it."""
+        if self._texts is None:
+            self._texts = list(self._b.texts())
+        return self._texts
 
     def stream_decoder(self, skip_special: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special)

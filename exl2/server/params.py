@@ -1,7 +1,10 @@
 """Request fields -> engine arguments, and the 400s for what the engine cannot do (never silently ignored)."""
 from __future__ import annotations
 
+import json
 from typing import Optional
+
+from pydantic import ValidationError
 
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError
@@ -56,6 +59,11 @@ def check_supported(req: SamplingFields) -> None:
     """Reject fields whose meaning the engine cannot deliver, so a client never gets a silently different reply."""
     if req.n > MAX_N:
         raise APIError(400, f"'n' is at most {MAX_N}.", param="n")
+    if req.skew:
+        raise unsupported("skew", "skew")
+    if req.mirostat_mode == 1:
+        raise APIError(400, "Only Mirostat 2 is supported: mirostat_mode (mirostat) must be 0 or 2, not 1.",
+                       param="mirostat_mode")
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
@@ -97,14 +105,60 @@ def logit_bias(req: SamplingFields, vocab: Optional[int]) -> Optional[dict[int, 
     return out or None
 
 
+def _json_strings(text: str) -> Optional[list[str]]:
+    """`text` as a JSON list of strings; None when it is not one."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, list) and all(isinstance(b, str) for b in parsed) else None
+
+
+def dry_sequence_breakers(value: Optional[list[str] | str]) -> Optional[tuple[str, ...]]:
+    """The DRY sequence breakers a request sends: a list, or a string holding a JSON list (SillyTavern's form),
+    TabbyAPI's bracketless JSON items ('"\\n", ":"') or plain comma-separated text. Empty: None, the engine's own
+    set."""
+    if isinstance(value, str):
+        if value.lstrip().startswith("["):
+            parsed = _json_strings(value)
+            if parsed is None:
+                raise APIError(400, "dry_sequence_breakers must be a JSON list of strings or comma-separated text.",
+                               param="dry_sequence_breakers")
+        else:
+            # a breaker of whitespace alone (a newline) is kept as is; others lose the spaces around the commas
+            parsed = _json_strings(f"[{value}]") or [b.strip() or b for b in value.split(",") if b]
+        value = parsed
+    return tuple(value) if value else None
+
+
+def _or_default(value: float, name: str) -> float:
+    """TabbyAPI's 0 for "the engine's default"."""
+    return value or SamplingSettings.model_fields[name].default
+
+
 def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, float]] = None) -> SamplingSettings:
     """OpenAI/TabbyAPI sampling fields as engine settings (`bias`: from `logit_bias`). top_p 0 keeps only the most
     likely token (greedy). Choice i of n samples with seed + i: the choices differ, yet a seeded request is
-    reproducible."""
-    return SamplingSettings(temperature=req.temperature, top_k=1 if req.top_p == 0 else max(req.top_k, 0),
-                            top_p=req.top_p or 1.0, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                            frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-                            logit_bias=bias, seed=None if req.seed is None else req.seed + choice)
+    reproducible. A value the engine refuses (e.g. dry_base below 1) is a 400 naming the field."""
+    try:
+        return SamplingSettings(
+            temperature=req.temperature, top_k=1 if req.top_p == 0 else max(req.top_k, 0), top_p=req.top_p or 1.0,
+            min_p=req.min_p, repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty, logit_bias=bias,
+            seed=None if req.seed is None else req.seed + choice, top_a=req.top_a, tfs=req.tfs, typical=req.typical,
+            smoothing_factor=req.smoothing_factor, temperature_last=req.temperature_last, min_temp=req.min_temp,
+            max_temp=req.max_temp,
+            temp_exponent=req.temp_exponent, xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
+            dry_multiplier=req.dry_multiplier, dry_base=_or_default(req.dry_base, "dry_base"),
+            dry_allowed_length=_or_default(req.dry_allowed_length, "dry_allowed_length"), dry_range=req.dry_range,
+            dry_sequence_breakers=dry_sequence_breakers(req.dry_sequence_breakers),
+            mirostat_mode=req.mirostat_mode, mirostat_tau=req.mirostat_tau, mirostat_eta=req.mirostat_eta)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = str(err["loc"][0]) if err["loc"] else None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"Invalid value for '{field}': {msg}." if field else f"Invalid sampling settings: {msg}.",
+                       param=field) from None
 
 
 def stop_strings(req: SamplingFields) -> list[str]:

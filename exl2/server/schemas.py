@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, JsonValue, StrictInt
 
 
 class _Body(BaseModel):
@@ -90,6 +90,27 @@ class SamplingFields(_Body):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     seed: Optional[int] = None
+    # TabbyAPI's further samplers, with its names, aliases and defaults; bounds as in SamplingSettings
+    top_a: float = Field(0.0, ge=0.0, le=1.0)
+    tfs: float = Field(1.0, ge=0.0, le=1.0)
+    typical: float = Field(1.0, ge=0.0, le=1.0, validation_alias=AliasChoices("typical", "typical_p"))
+    smoothing_factor: float = Field(0.0, ge=0.0)
+    temperature_last: bool = False
+    min_temp: float = Field(1.0, ge=0.0, le=10.0, validation_alias=AliasChoices("min_temp", "dynatemp_low"))
+    max_temp: float = Field(1.0, ge=0.0, le=10.0, validation_alias=AliasChoices("max_temp", "dynatemp_high"))
+    temp_exponent: float = Field(1.0, gt=0.0, validation_alias=AliasChoices("temp_exponent", "dynatemp_exponent"))
+    xtc_probability: float = Field(0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    dry_multiplier: float = Field(0.0, ge=0.0)
+    dry_base: float = Field(0.0, ge=0.0)                  # 0: the engine's default (params); else at least 1
+    dry_allowed_length: int = Field(0, ge=0)              # 0: the engine's default
+    dry_range: int = Field(0, ge=0, validation_alias=AliasChoices("dry_range", "dry_penalty_last_n"))
+    # a list, or a string: a JSON list (SillyTavern sends one) or comma-separated; parsed in params
+    dry_sequence_breakers: Optional[Union[list[str], str]] = None
+    mirostat_mode: int = Field(0, ge=0, le=2, validation_alias=AliasChoices("mirostat_mode", "mirostat"))
+    mirostat_tau: float = Field(1.5, gt=0.0)
+    mirostat_eta: float = Field(0.3, gt=0.0)
+    skew: float = 0.0                                     # TabbyAPI's; only 0 is accepted (params)
     stop: Optional[Union[str, list[Union[str, StrictInt]]]] = Field(None)   # TabbyAPI: integers are stop token ids
     stop_token_ids: Optional[list[int]] = None    # vLLM's: tokens that end the reply like EOS
     min_tokens: Optional[int] = None              # vLLM's and TabbyAPI's; 0 ≤ min_tokens ≤ max_tokens (params)

@@ -1,0 +1,138 @@
+"""DRY ("Don't Repeat Yourself") penalties: discourage the token that would extend a verbatim repeat of the text.
+
+A token that, if sampled next, would continue a repeat of n ≥ allowed_length tokens loses
+multiplier · base^(n − allowed_length) from its logit. Sequence breakers (punctuation, newlines, special tokens)
+end a repeat, so ordinary structure such as "...\\n\\n" is never penalized.
+"""
+from __future__ import annotations
+
+import re
+import weakref
+from array import array
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from exl2.config import SamplingSettings
+    from exl2.generation.tokenizer import Tokenizer
+
+DEFAULT_BREAKERS: tuple[str, ...] = (".", ",", "!", "?", "<", ">", "[", "]", "(", ")", "{", "}", "\n", "\t", '"')
+
+# tokenizer -> {tuple(strings) or None: mask}; weak so a dropped model does not keep its masks alive.
+_BREAKER_CACHE: "weakref.WeakKeyDictionary[Tokenizer, dict[Optional[tuple[str, ...]], torch.Tensor]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def sequence_breakers(tokenizer: "Tokenizer", strings: Optional[Sequence[str]]) -> torch.Tensor:
+    """bool [vocab_size] CPU mask of breaker tokens: those whose text contains any of `strings`.
+
+    None means DEFAULT_BREAKERS plus every special token. Cached per tokenizer and string set, since every
+    request with DRY asks for it.
+    """
+    key = None if strings is None else tuple(strings)
+    per_tok = _BREAKER_CACHE.setdefault(tokenizer, {})
+    mask = per_tok.get(key)
+    if mask is not None:
+        return mask
+    texts = tokenizer.token_texts()
+    subs = DEFAULT_BREAKERS if key is None else key
+    if subs:
+        # One alternation regex scans a 128k vocabulary far faster than a substring test per (token, string).
+        pattern = re.compile("|".join(re.escape(s) for s in subs))
+        flags = [pattern.search(t) is not None for t in texts]
+    else:
+        flags = [False] * len(texts)
+    mask = torch.tensor(flags, dtype=torch.bool)
+    if key is None:
+        special = [i for i in tokenizer.special_ids if 0 <= i < len(flags)]
+        if special:
+            mask[torch.tensor(special, dtype=torch.long)] = True
+    per_tok[key] = mask
+    return mask
+
+
+def _empty() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float32)
+
+
+def dry_penalties(history: Sequence[int], breakers: torch.Tensor, multiplier: float, base: float,
+                  allowed_length: int, dry_range: int = 0, max_ngram: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids int64 [n], penalties float32 [n]) to subtract from the next token's logits.
+
+    For each earlier position j, the match length is how many of the text's last tokens (none a breaker, at most
+    max_ngram) also occur right before j; the token at j gets the longest match over its positions. Vectorized
+    over positions (one pass per n-gram length), so a 32k-token history costs milliseconds.
+    """
+    if multiplier == 0 or breakers.numel() == 0:
+        return _empty()
+    if not isinstance(history, (list, tuple, torch.Tensor)):
+        history = list(history)  # e.g. a deque, which cannot be sliced
+    if dry_range > 0:
+        history = history[-dry_range:]
+    if len(history) < 2:
+        return _empty()
+    if isinstance(history, torch.Tensor):
+        h = history.detach().to("cpu", torch.long).flatten()
+    else:
+        # Several times faster than torch.tensor(list) for long Python lists.
+        h = torch.frombuffer(array("q", history), dtype=torch.int64)
+    L = h.numel()
+    vocab = breakers.numel()
+    valid = (h >= 0) & (h < vocab)
+    is_brk = torch.where(valid, breakers.to("cpu", torch.bool)[h.clamp(0, max(vocab - 1, 0))], True)
+
+    # Index m = j - 1 over positions j = 1..L-1; alive[m]: the last k tokens all matched before position j.
+    prev = h[:-1]
+    alive = torch.ones(L - 1, dtype=torch.bool)
+    length = torch.zeros(L - 1, dtype=torch.long)
+    for k in range(min(max_ngram, L - 1)):
+        if is_brk[L - 1 - k]:
+            break
+        # Compare h[j-1-k] (= prev[m-k]) with h[L-1-k]; positions with m < k have nothing that far back.
+        alive[:k] = False
+        alive[k:] &= prev[: L - 1 - k] == h[L - 1 - k]
+        if not alive.any():
+            break
+        length += alive
+
+    # Only positions that reach the threshold can set a token's maximum, and they are usually few.
+    pos = ((length >= allowed_length) & valid[1:]).nonzero().flatten()
+    if pos.numel() == 0:
+        return _empty()
+    ids, inverse = torch.unique(h[1:][pos], sorted=True, return_inverse=True)
+    best = torch.zeros(ids.numel(), dtype=torch.long)
+    best.scatter_reduce_(0, inverse, length[pos], reduce="amax", include_self=False)
+    exps = (best - allowed_length).to(torch.float64)
+    pens = (multiplier * torch.pow(torch.tensor(float(base), dtype=torch.float64), exps)).to(torch.float32)
+    return ids, pens
+
+
+def apply_dry(logits: torch.Tensor,
+              rows: Sequence[tuple[int, Sequence[int], "SamplingSettings", torch.Tensor]]) -> torch.Tensor:
+    """logits [B, V] (any device, float) with DRY penalties subtracted: for each (row index, history, settings,
+    breakers) the row's penalties are computed on the CPU, then all rows go to the device in one index_put_.
+
+    Returns `logits` itself when nothing is penalized, else a float32 copy.
+    """
+    V = logits.shape[1]
+    r_parts, c_parts, v_parts = [], [], []
+    for row, history, s, breakers in rows:
+        ids, pens = dry_penalties(history, breakers, s.dry_multiplier, s.dry_base, s.dry_allowed_length,
+                                  s.dry_range)
+        keep = ids < V
+        ids, pens = ids[keep], pens[keep]
+        if ids.numel():
+            r_parts.append(torch.full_like(ids, int(row)))
+            c_parts.append(ids)
+            v_parts.append(pens)
+    if not r_parts:
+        return logits
+    dev = logits.device
+    r = torch.cat(r_parts).to(dev)
+    c = torch.cat(c_parts).to(dev)
+    v = torch.cat(v_parts).neg_().to(dev)
+    out = logits.to(torch.float32, copy=True)
+    out.index_put_((r, c), v, accumulate=True)
+    return out
