@@ -112,10 +112,16 @@ class SamplingSettings(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+    # the repetition penalty over the last repetition_range tokens of the text only (0: all of it), fading
+    # linearly to nothing over the repetition_decay tokens before them (exllamav2's range and decay)
+    repetition_range: int = Field(0, ge=0)
+    repetition_decay: int = Field(0, ge=0)
     # OpenAI's: subtracted from a token's logit per time the reply has it (frequency) or once if it has (presence)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit before everything else
+    banned_tokens: Optional[tuple[int, ...]] = None   # never sampled (ids past the vocabulary are ignored)
+    allowed_tokens: Optional[tuple[int, ...]] = None  # only these are sampled (None or no valid id: any)
     seed: Optional[int] = None
     # exllamav2's and TabbyAPI's further samplers, each off at its default. Order (exllamav2's): penalties,
     # logit_bias, DRY; temperature (dynamic temperature or smoothing in its place; after the truncations with
@@ -146,6 +152,13 @@ class SamplingSettings(BaseModel):
     mirostat_mode: int = 0
     mirostat_tau: float = Field(1.5, gt=0.0)
     mirostat_eta: float = Field(0.1, gt=0.0)
+
+    @field_validator("banned_tokens", "allowed_tokens")
+    @classmethod
+    def _token_ids(cls, v: Optional[tuple[int, ...]], info: ValidationInfo) -> Optional[tuple[int, ...]]:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError(f"{info.field_name} must be token ids (non-negative integers)")
+        return v or None
 
     @field_validator("mirostat_mode")
     @classmethod
@@ -178,6 +191,11 @@ class SamplingSettings(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def ranged_penalty(self) -> bool:
+        """Whether the repetition penalty looks at a window of the text rather than all of it."""
+        return self.repetition_penalty != 1.0 and self.repetition_range > 0
 
     @property
     def dynamic_temperature(self) -> bool:

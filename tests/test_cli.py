@@ -259,6 +259,9 @@ def test_sampler_flags_reach_sampling_settings(command):
     assert (long.min_temp, long.max_temp, long.temp_exponent, long.temperature_last) == (0.2, 2.0, 0.5, True)
     assert long.dry_sequence_breakers == ("\n", ":", "end") and (long.mirostat_tau, long.mirostat_eta) == (3.0, 0.2)
     assert (long.dry_multiplier, long.dry_allowed_length, long.dry_base, long.dry_range) == (1.0, 4, 1.5, 128)
+    ranged = sampling_from_args(parser.parse_args([*command, "-repp", "1.2", "--repetition-range", "512",
+                                                   "--repetition-decay", "128"]))
+    assert (ranged.repetition_range, ranged.repetition_decay) == (512, 128) and ranged.ranged_penalty
     default, engine = sampling_from_args(parser.parse_args(command)), SamplingSettings()
     assert default.model_dump(exclude={"temperature"}) == engine.model_dump(exclude={"temperature"})
 

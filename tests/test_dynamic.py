@@ -450,3 +450,27 @@ def test_extended_samplers_through_the_generator_match_an_uncached_loop(model, t
     assert jobs[2].mirostat_mu is not None and jobs[2].mirostat_mu != 2 * 2.5
     assert torch.equal(gen._xtc_keep(tok.vocab_size).cpu(), keep)
     assert out[0].token_ids != greedy_reference(model, ids, 12)  # DRY changed the greedy reply
+
+
+def test_repetition_penalty_with_a_range_matches_an_uncached_loop(model, tok):
+    """A ranged, decaying repetition penalty (greedy, so every token shows it) beside a plain-penalty job: each
+    reply equals a loop that applies the penalty by hand over the window of the whole text."""
+    from exl2.generation.sampler import filter_rows, recent_tokens
+
+    ranged = SamplingSettings(temperature=0.0, repetition_penalty=3.0, repetition_range=6, repetition_decay=4)
+    ids = tok.encode(PROMPTS[2] * 2)
+
+    def reference(n: int = 14) -> list[int]:
+        seq = list(ids)
+        with torch.inference_mode():
+            for _ in range(n):
+                x = model(torch.tensor([seq]))[0, -1:].float()
+                strength = recent_tokens(seq, 6, 4, x.shape[1])[None]
+                seq.append(int(filter_rows(x, [ranged], strength)[0].argmax()))
+        return seq[len(ids):]
+
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16)
+    whole = SamplingSettings(temperature=0.0, repetition_penalty=3.0)
+    out = gen.generate([Job(ids, ranged, 14), Job(ids, whole, 14)])
+    assert out[0].token_ids == reference()
+    assert out[0].token_ids != out[1].token_ids   # the window matters

@@ -335,3 +335,48 @@ def test_seen_tokens_slots():
     assert seen.mask[b].nonzero().flatten().tolist() == [3, 5]
     seen.give_back(a)
     assert seen.take([7]) == a and seen.mask[a].nonzero().flatten().tolist() == [7]
+
+
+def test_banned_and_allowed_tokens():
+    """banned_tokens never come, allowed_tokens are the only ones that can (greedy and sampled, rows independent);
+    ids past the vocabulary are ignored, and an allowed list with none inside restricts nothing."""
+    from exl2.generation.sampler import apply_token_lists
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 50, generator=g)
+    top = x.argmax(-1)
+    settings = [SamplingSettings(temperature=0, banned_tokens=(int(top[0]), 99)),
+                SamplingSettings(temperature=1.0, allowed_tokens=(3, 7, 11, 500)),
+                SamplingSettings(temperature=0, allowed_tokens=(77,))]
+    y = apply_token_lists(x, settings)
+    assert y[0, top[0]] == float("-inf") and torch.equal(torch.isinf(y[0]).nonzero().flatten(), top[0:1])
+    assert torch.isfinite(y[1]).nonzero().flatten().tolist() == [3, 7, 11]
+    assert torch.equal(y[2], x[2])
+    n = 300
+    draws = sample_rows(x[1:2].expand(n, -1), [settings[1]] * n, [4] * n, list(range(n)))
+    assert set(draws.tolist()) == {3, 7, 11}
+    greedy = sample_rows(x, settings, [0, 0, 0], [0, 0, 0])
+    assert greedy[0] == x[0].masked_fill(torch.arange(50) == top[0], float("-inf")).argmax() and greedy[2] == top[2]
+    assert apply_token_lists(x, [SamplingSettings()] * 3) is x
+    with pytest.raises(ValueError):
+        SamplingSettings(banned_tokens=(-1,))
+
+
+def test_repetition_penalty_range_and_decay():
+    """recent_tokens: 1 inside the window, a linear fade over the decay span, 0 before, each token at its most
+    recent place; filter_rows scales the penalty by it (strength 0.5: penalty 1 + (p − 1)/2)."""
+    from exl2.generation.sampler import recent_tokens
+
+    history = [5, 1, 2, 3, 4, 1, 6, 7]          # 7 is 0 back, 6 is 1 back, 1 is 2 back, 4: 3, 3: 4, 2: 5, 5: 7
+    got = recent_tokens(history, window=3, decay=3, vocab=10)
+    want = torch.zeros(10)
+    want[[7, 6, 1]] = 1.0
+    want[4], want[3], want[2] = 0.75, 0.5, 0.25   # 1, 2, 3 tokens past the window of 3, decay 3: 1 − d/4
+    assert torch.equal(got, want)
+    assert torch.equal(recent_tokens(history, 2, 0, 10) > 0, torch.isin(torch.arange(10), torch.tensor([6, 7])))
+    x = torch.tensor([[2.0, -2.0, 2.0, 1.0]])
+    s = SamplingSettings(temperature=0, repetition_penalty=1.5, repetition_range=4)
+    strength = torch.tensor([[1.0, 0.5, 0.0, 0.5]])
+    pen, _ = filter_rows(x, [s], strength)
+    assert torch.allclose(pen, torch.tensor([[2.0 / 1.5, -2.0 * 1.25, 2.0, 1.0 / 1.25]]))
+    assert s.ranged_penalty and not SamplingSettings(repetition_range=4).ranged_penalty

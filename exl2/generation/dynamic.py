@@ -19,7 +19,7 @@ from exl2.errors import ContextLengthError
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
 from exl2.generation.dry import apply_dry, sequence_breakers
-from exl2.generation.sampler import SeenTokens, fresh_seed, sample_rows
+from exl2.generation.sampler import SeenTokens, fresh_seed, recent_tokens, sample_rows
 from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import DecoderModel
@@ -428,7 +428,14 @@ class DynamicGenerator:
             if job.slot is None and (job.settings.repetition_penalty != 1.0 or job.settings.counts_tokens):
                 job.slot = self.seen.take(job.tokens)
         index = upload([j.slot or 0 for j in jobs for _ in range(extra)], torch.long, self.model.device)
-        return self.seen.mask[index] if rep else None, self.seen.counts[index] if cnt else None
+        seen = self.seen.mask[index] if rep else None
+        ranged = [i for i, j in enumerate(jobs) if j.settings.ranged_penalty]
+        if ranged:  # their rows become strengths over their windows (such jobs never speculate: extra is 1)
+            seen = seen.float()
+            for i in ranged:
+                s = jobs[i].settings
+                seen[i] = recent_tokens(jobs[i].tokens, s.repetition_range, s.repetition_decay, vocab).to(seen.device)
+        return seen, self.seen.counts[index] if cnt else None
 
     def _mark_seen(self, jobs: list[Job], picks: torch.Tensor) -> None:
         rows = [i for i, j in enumerate(jobs) if j.slot is not None]

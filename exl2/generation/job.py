@@ -54,8 +54,9 @@ class Job:
     @property
     def host_sampling(self) -> bool:
         """Whether sampling its next token needs the tokens before it on the host (a grammar, DRY's history,
-        Mirostat's μ), so its steps are never launched ahead of reading the last one, nor speculated."""
-        return self.grammar is not None or self.settings.dry or self.settings.mirostat
+        Mirostat's μ, a repetition penalty's window), so its steps are never launched ahead of reading the last one, nor speculated."""
+        s = self.settings
+        return self.grammar is not None or s.dry or s.mirostat or s.ranged_penalty
 
     def __repr__(self) -> str:
         return f"Job({self.id}, {len(self.ids)} prompt tokens, {'done' if self.done else 'running'})"

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from exl2.config import SamplingSettings
-from exl2.generation.truncation import mirostat_update, truncate, xtc_coin
+from exl2.generation.truncation import NEG_INF, mirostat_update, truncate, xtc_coin
 from exl2.kernels.backend import use_triton
 from exl2.kernels.sampling import draw, gumbel_argmax_torch, row_keys
 from exl2.runtime.upload import upload
@@ -118,6 +118,20 @@ class SeenTokens:
         self.free.append(slot)
 
 
+def recent_tokens(history: Sequence[int], window: int, decay: int, vocab: int) -> torch.Tensor:
+    """float32 [vocab] CPU: how strongly the repetition penalty applies to each token, from its most recent place
+    in `history`: 1 within the last `window` tokens, fading linearly over the `decay` tokens before them (d tokens
+    back past the window: 1 − (d + 1)/(decay + 1)), 0 for the rest."""
+    out = torch.zeros(vocab, dtype=torch.float32)
+    h = torch.as_tensor(list(history[-(window + decay):]), dtype=torch.long)
+    if not h.numel():
+        return out
+    back = torch.arange(h.numel() - 1, -1, -1, dtype=torch.float32)        # 0 = the last token
+    strength = torch.where(back < window, 1.0, 1.0 - (back - window + 1) / (decay + 1))
+    ok = (h >= 0) & (h < vocab)
+    return out.scatter_reduce_(0, h[ok], strength[ok], reduce="amax")
+
+
 def apply_logit_bias(logits: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.Tensor:
     """float32 logits with each row's `logit_bias` added (ids past the vocabulary ignored); the logits as they
     are when no row has a bias."""
@@ -138,12 +152,38 @@ def apply_logit_bias(logits: torch.Tensor, settings: Sequence[SamplingSettings])
     return x
 
 
+def apply_token_lists(logits: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.Tensor:
+    """float32 logits with each row's `banned_tokens` at -inf and, where a row has `allowed_tokens`, every other
+    token too (ids past the vocabulary ignored; an allowed list with none inside it restricts nothing); the
+    logits as they are when no row has a list."""
+    vocab = logits.shape[-1]
+    banned = [(i, t) for i, s in enumerate(settings) for t in (s.banned_tokens or ()) if t < vocab]
+    allowed = [(i, [t for t in s.allowed_tokens if t < vocab]) for i, s in enumerate(settings) if s.allowed_tokens]
+    allowed = [(i, ts) for i, ts in allowed if ts]
+    if not banned and not allowed:
+        return logits
+    x = logits.float().clone()
+    dev = x.device
+    if allowed:
+        cols = [t for _, ts in allowed for t in ts]
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=dev)
+        local = [k for k, (_, ts) in enumerate(allowed) for _ in ts]
+        keep[upload(local, torch.long, dev), upload(cols, torch.long, dev)] = True
+        index = upload([i for i, _ in allowed], torch.long, dev)
+        x[index] = x[index].masked_fill(~keep, NEG_INF)
+    if banned:
+        r, c = zip(*banned)
+        x.index_put_((upload(r, torch.long, dev), upload(c, torch.long, dev)),
+                     torch.tensor(NEG_INF, device=dev).expand(len(banned)))
+    return x
+
+
 def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen: Optional[torch.Tensor] = None,
                 counts: Optional[torch.Tensor] = None, coins: Optional[Sequence[float]] = None,
                 mus: Optional[Sequence[Optional[float]]] = None, xtc_keep: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(penalized, filtered) float32 [B, V]: row i through settings[i]'s chain (repetition penalty from `seen`
-    [B, V] bool, frequency and presence penalties from `counts` [B, V] float32, the reply's token counts; then
+    [B, V] bool or float32 strengths, frequency and presence penalties from `counts` [B, V] float32, the reply's token counts; then
     `truncation.truncate`: temperature, top-k, top-p, min-p and the other filters, with XTC's `coins`, Mirostat's
     `mus` and the tokens XTC keeps; greedy rows are left unfiltered)."""
     x = logits.float()
@@ -151,7 +191,9 @@ def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen
     pen = [s.repetition_penalty for s in settings]
     if seen is not None and any(p != 1.0 for p in pen):
         p = upload(pen, torch.float32, dev)[:, None]
-        x = torch.where(seen, torch.where(x < 0, x * p, x / p), x)
+        if seen.dtype != torch.bool:  # strengths (`recent_tokens`): the penalty scaled toward 1
+            p = 1.0 + (p - 1.0) * seen
+        x = torch.where(seen if seen.dtype == torch.bool else seen > 0, torch.where(x < 0, x * p, x / p), x)
     if counts is not None and any(s.counts_tokens for s in settings):
         fp = upload([[s.frequency_penalty, s.presence_penalty] for s in settings], torch.float32, dev)
         x = x - fp[:, :1] * counts
@@ -234,8 +276,9 @@ def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seed
                 xtc_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One token per row of `logits` [B, V], row i sampled with settings[i] (`filter_rows`, after its
     `logit_bias`) from its own stream (seeds[i], counters[i]: `kernels.sampling.row_keys`) by a Gumbel-max draw;
-    `seen` [B, V] bool feeds repetition penalties, `counts` [B, V] float32 (the reply's token counts) frequency
-    and presence penalties. Returns int64 [B] on the logits' device, without waiting for the GPU unless a row
+    `seen` [B, V] bool feeds repetition penalties (or float32 strengths in [0, 1] where a row's penalty has a
+    range: `recent_tokens`), `counts` [B, V] float32 (the reply's token counts) frequency and presence penalties.
+    Returns int64 [B] on the logits' device, without waiting for the GPU unless a row
     uses Mirostat: `mus` (one μ per row, None = the start) is then updated in place from the drawn token's
     probability. XTC never drops the tokens `xtc_keep` (bool [V]) marks; its choice per draw comes from the seed
     and counter (`truncation.xtc_coin`). Rows with samplers beyond temperature, top-k, top-p and min-p
@@ -245,12 +288,13 @@ def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seed
         seen = None
     if counts is not None and not any(s.counts_tokens for s in settings):
         counts = None
-    logits = apply_logit_bias(logits, settings)
+    logits = apply_token_lists(apply_logit_bias(logits, settings), settings)
     if all(greedy) and seen is None and counts is None:
         return logits.float().argmax(dim=-1)
     keys = upload(row_keys(seeds, counters), torch.int64, logits.device)
     extended = any(s.extended for s in settings)
-    if not extended and use_triton(logits) and fused_ok(logits.device):
+    fusable = not extended and (seen is None or seen.dtype == torch.bool)
+    if fusable and use_triton(logits) and fused_ok(logits.device):
         return _fused_draw(logits.float().contiguous(), settings, keys, None if seen is None else seen.contiguous(),
                            None if counts is None else counts.float().contiguous())
     coins = [xtc_coin(sd, c) for sd, c in zip(seeds, counters)] if extended else None
