@@ -122,6 +122,9 @@ class SamplingSettings(BaseModel):
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit before everything else
     banned_tokens: Optional[tuple[int, ...]] = None   # never sampled (ids past the vocabulary are ignored)
     allowed_tokens: Optional[tuple[int, ...]] = None  # only these are sampled (None or no valid id: any)
+    # exllamav2's banned strings (matched ignoring case): text that could become one is held back, and when one
+    # appears the reply is taken back to the token where it began, which is then banned there (not with a grammar)
+    banned_strings: Optional[tuple[str, ...]] = None
     seed: Optional[int] = None
     # exllamav2's and TabbyAPI's further samplers, each off at its default. Order (exllamav2's): penalties,
     # logit_bias, DRY; temperature (dynamic temperature or smoothing in its place; after the truncations with
@@ -158,6 +161,13 @@ class SamplingSettings(BaseModel):
     def _token_ids(cls, v: Optional[tuple[int, ...]], info: ValidationInfo) -> Optional[tuple[int, ...]]:
         if v is not None and any(t < 0 for t in v):
             raise ValueError(f"{info.field_name} must be token ids (non-negative integers)")
+        return v or None
+
+    @field_validator("banned_strings")
+    @classmethod
+    def _banned_strings(cls, v: Optional[tuple[str, ...]]) -> Optional[tuple[str, ...]]:
+        if v is not None and any(not b for b in v):
+            raise ValueError("banned_strings must not contain empty strings")
         return v or None
 
     @field_validator("mirostat_mode")

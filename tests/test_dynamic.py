@@ -474,3 +474,60 @@ def test_repetition_penalty_with_a_range_matches_an_uncached_loop(model, tok):
     out = gen.generate([Job(ids, ranged, 14), Job(ids, whole, 14)])
     assert out[0].token_ids == reference()
     assert out[0].token_ids != out[1].token_ids   # the window matters
+
+
+def test_ban_guard_holds_whole_tokens_and_finds_where_a_banned_string_began():
+    from exl2.generation.output import BanGuard
+
+    g = BanGuard(["Shivers"])
+    assert g.push("It sent ") == ("It sent ", None)
+    assert g.push(" sh") == ("", None)            # could become the banned string: held
+    assert g.push("iv") == ("", None)
+    assert g.push("ers down") == ("", 1)          # begins in reply token 1 (" sh"), ignoring case
+    g.rewind(1)
+    assert g.text == "" and g.spans == [] and g.first == 1
+    assert g.push(" trembled") == (" trembled", None) and g.first == 2
+    assert g.push(" s") == ("", None) and g.flush() == " s"
+
+
+def test_banned_strings_take_the_reply_back_and_ban_the_token_that_began_them(model, tok):
+    """Banned strings (ignoring case) never reach the text: the generator takes the reply back to the token
+    where one began and bans that token there. Against a loop over the whole sequence that does the same by
+    hand; the streamed text equals the final text, and log-probabilities are kept for exactly its tokens."""
+    ids = tok.encode(PROMPTS[1])
+    plain = greedy_reference(model, ids, 16)
+    text = tok.decode(plain)
+    banned = (text[len(tok.decode(plain[:3])):len(tok.decode(plain[:5]))].strip().upper(),
+              tok.decode(plain[9:10]).strip() or "zzz")
+
+    def reference(n: int = 16) -> list[int]:
+        reply, bans = [], {}
+        with torch.inference_mode():
+            while len(reply) < n:
+                x = model(torch.tensor([ids + reply]))[0, -1].float()
+                for t in bans.get(len(reply), ()):
+                    x[t] = float("-inf")
+                reply.append(int(x.argmax()))
+                low = tok.decode(reply).lower()
+                hits = [low.find(b.lower()) for b in banned if b.lower() in low]
+                if hits:
+                    k = next(i for i in range(len(reply)) if len(tok.decode(reply[:i + 1])) > min(hits))
+                    bans = {d: b for d, b in bans.items() if d <= k}
+                    bans.setdefault(k, set()).add(reply[k])
+                    del reply[k:]
+        return reply
+
+    gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16)
+    job = Job(ids, SamplingSettings(temperature=0.0, banned_strings=banned), 16, logprobs=2)
+    streamed, records = "", []
+    gen.enqueue(job)
+    result = None
+    while gen.has_work():
+        for ev in gen.iterate():
+            streamed += ev.text
+            records += ev.logprobs
+            result = ev.result or result
+    assert result.token_ids == reference() != plain
+    assert streamed == result.text and not any(b.lower() in result.text.lower() for b in banned)
+    assert len(result.logprobs) == len(result.token_ids)
+    assert [r.token_id for r in result.logprobs] == result.token_ids == [r.token_id for r in records]

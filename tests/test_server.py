@@ -6,6 +6,7 @@ whose reply is canned text in the Hermes, Llama-3.1 and plain forms.
 """
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -439,7 +440,8 @@ def test_streaming_n_choices_over_socket(url):
     chunks = [json.loads(d) for d in data[:-1]]
     with_usage = [i for i, ch in enumerate(chunks) if ch.get("usage")]
     assert with_usage == [len(chunks) - 1] and chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == whole.usage.model_dump(exclude_none=True)
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details")   # not the timings
+    assert {k: chunks[-1]["usage"][k] for k in counts} == whole.usage.model_dump(exclude_none=True, include=set(counts))
     parts = [ch["choices"][0] for ch in chunks[:-1]]
     assert all(len(ch["choices"]) == 1 for ch in chunks[:-1]) and {p["index"] for p in parts} == {0, 1}
     for i in (0, 1):
@@ -1583,3 +1585,260 @@ def test_tabby_sampler_values_the_engine_cannot_take_are_400s():
             assert body["param"] == param and words in body["message"], body
             assert param.split("_")[0] in body["message"] and body["message"].count(". ") == 0, body
     assert fake.settings == []
+
+
+# ---- TabbyAPI's token lists, structured-output fields, usage timings, generation prompt and prefix ------------------
+
+def test_token_lists_reach_the_engine(app, engine):
+    """banned_tokens / allowed_tokens, by their names or TabbyAPI's aliases, as lists or comma-separated strings,
+    arrive in SamplingSettings; on the real model an allowed token is the only one sampled, a banned one never."""
+    fake = SettingsFake()
+    fake.model.spec.vocab_size = 100
+    c = aclient(create_app(fake, ServerConfig()))
+    hi = [{"role": "user", "content": "hi"}]
+
+    async def go():
+        await c.chat.completions.create(model="m", messages=hi, max_tokens=4,
+                                        extra_body=dict(banned_tokens=[1, 2], allowed_tokens="3, 4,5"))
+        await c.completions.create(model="m", prompt="x", max_tokens=4,
+                                   extra_body=dict(custom_token_bans="7,8", allowed_token_ids=[9]))
+        await c.chat.completions.create(model="m", messages=hi, max_tokens=4,
+                                        extra_body=dict(banned_tokens="", allowed_tokens=[]))
+
+    run(go())
+    assert [(s.banned_tokens, s.allowed_tokens) for s in fake.settings] == [
+        ((1, 2), (3, 4, 5)), ((7, 8), (9,)), (None, None)]
+
+    prompt = engine.chat_prompt([{"role": "user", "content": "Say something."}])
+    ref = reference(engine, prompt, 4, add_bos=False)
+    token = engine.tokenizer.encode(" yes", add_bos=False)[0]
+
+    async def real():
+        rc = aclient(app)
+        only = await rc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say something."}],
+                                                temperature=0, max_tokens=4, extra_body=dict(allowed_tokens=[token]))
+        banned = await rc.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Say something."}], temperature=0, max_tokens=4,
+            extra_body=dict(custom_token_bans=",".join(str(t) for t in ref.token_ids)))
+        return only, banned
+
+    only, banned = run(real())
+    assert only.choices[0].message.content == engine.tokenizer.decode([token] * 4)
+    want = engine.generator.generate(prompt, SamplingSettings(temperature=0, banned_tokens=tuple(ref.token_ids)), 4,
+                                     add_bos=False)
+    assert banned.choices[0].message.content == want.text and not set(want.token_ids) & set(ref.token_ids)
+
+
+def test_token_lists_that_are_not_token_ids_are_400s(app):
+    """An id outside the vocabulary, a negative one or an item that is not an integer is a 400 naming the field."""
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [(dict(banned_tokens=[10 ** 8]), "banned_tokens", "outside the model's vocabulary"),
+             (dict(allowed_tokens="1,-2"), "allowed_tokens", "outside the model's vocabulary"),
+             (dict(allowed_tokens="1,x"), "allowed_tokens", "comma-separated integers"),
+             (dict(banned_tokens=[1, "a"]), "banned_tokens", "integer"),
+             (dict(banned_tokens=[1.5]), "banned_tokens", "integer"),
+             (dict(allowed_token_ids=[True]), "allowed_token_ids", "integer")]
+
+    async def go():
+        c = aclient(app)
+        out = []
+        for extra, _, _ in cases:
+            for create in (lambda: c.chat.completions.create(model="t", messages=hi, max_tokens=2, extra_body=extra),
+                           lambda: c.completions.create(model="t", prompt="x", max_tokens=2, extra_body=extra)):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await create()
+                out.append(e.value.body)
+        return out
+
+    bodies = run(go())
+    for i, (_, param, words) in enumerate(cases):
+        for body in bodies[2 * i:2 * i + 2]:
+            assert body["param"] == param and words in body["message"], body
+
+
+def test_tabby_structured_output_fields(url):
+    """regex_pattern, grammar_string (Lark) and a top-level json_schema hold the real model's reply, streamed or
+    not, on both endpoints; an invalid one is a 400 naming the field."""
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    hi = [{"role": "user", "content": "Answer."}]
+    for seed in (1, 2):
+        r = c.chat.completions.create(model="tiny", messages=hi, max_tokens=12, temperature=1.0, seed=seed,
+                                      extra_body=dict(regex_pattern="[0-9]{3}"))
+        assert re.fullmatch("[0-9]{3}", r.choices[0].message.content) and r.choices[0].finish_reason == "stop"
+        r = c.completions.create(model="tiny", prompt="Answer:", max_tokens=12, temperature=1.0, seed=seed,
+                                 extra_body=dict(grammar_string='start: "yes" | "no"'))
+        assert r.choices[0].text in {"yes", "no"} and r.choices[0].finish_reason == "stop"
+    parts = c.chat.completions.create(model="tiny", messages=hi, max_tokens=12, temperature=1.0, seed=3, stream=True,
+                                      extra_body=dict(grammar_string='start: "yes" | "no"'))
+    assert "".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices) in {"yes", "no"}
+    parts = c.completions.create(model="tiny", prompt="Code:", max_tokens=12, temperature=1.0, seed=4, stream=True,
+                                 extra_body=dict(regex_pattern="[a-c]{2}-[0-9]"))
+    assert re.fullmatch("[a-c]{2}-[0-9]", "".join(ch.choices[0].text for ch in parts if ch.choices))
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+              "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}}}
+    r = c.chat.completions.create(model="tiny", messages=hi, max_tokens=120, temperature=1.0, seed=5,
+                                  extra_body=dict(json_schema=schema))
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"city", "days"} and isinstance(value["days"], int) and len(value["city"]) <= 10
+    same = c.chat.completions.create(model="tiny", messages=hi, max_tokens=120, temperature=1.0, seed=5,
+                                     response_format={"type": "json_schema", "json_schema": {"name": "t",
+                                                                                             "schema": schema}})
+    assert same.choices[0].message.content == r.choices[0].message.content
+    free = c.chat.completions.create(model="tiny", messages=hi, max_tokens=4, temperature=0,
+                                     extra_body=dict(regex_pattern="", grammar_string="", json_schema={}))
+    plain = c.chat.completions.create(model="tiny", messages=hi, max_tokens=4, temperature=0)
+    assert free.choices[0].message.content == plain.choices[0].message.content      # empty: not given
+
+    invalid = [(dict(regex_pattern="[0-9"), "regex_pattern"), (dict(grammar_string="start: foo"), "grammar_string"),
+               (dict(json_schema={"type": "nonsense"}), "json_schema"), (dict(json_schema=[1]), "json_schema")]
+    for extra, param in invalid:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=hi, max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_constraint_fields_conflict(fake_app, fake):
+    """More than one of response_format, json_schema, regex_pattern, grammar_string and a forced tool_choice is a
+    400 that names the conflicting fields."""
+    fake.reply = "ok"
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [(dict(json_schema={"type": "object"}, regex_pattern="a"), ("json_schema", "regex_pattern")),
+             (dict(response_format={"type": "json_object"}, grammar_string='start: "a"'),
+              ("response_format", "grammar_string")),
+             (dict(tools=TOOLS, tool_choice="required", json_schema={"type": "object"}),
+              ("json_schema", "tool_choice")),
+             (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+                   response_format={"type": "json_object"}), ("response_format", "tool_choice")),
+             (dict(regex_pattern="a", grammar_string='start: "a"', json_schema={"type": "object"}),
+              ("json_schema", "regex_pattern", "grammar_string"))]
+    opened = fake.opened
+
+    async def go():
+        c = aclient(fake_app)
+        out = []
+        for extra, _ in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(model="m", messages=hi, max_tokens=2, extra_body=extra)
+            out.append(e.value.body)
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="m", prompt="x", max_tokens=2,
+                                       extra_body=dict(regex_pattern="a", grammar_string='start: "a"'))
+        out.append(e.value.body)
+        # a text response_format, tool_choice auto and empty fields constrain nothing: no conflict
+        await c.chat.completions.create(model="m", messages=hi, max_tokens=2, tools=TOOLS, tool_choice="auto",
+                                        response_format={"type": "json_object"},
+                                        extra_body=dict(regex_pattern="", grammar_string=""))
+        return out
+
+    bodies = run(go())
+    for body, (_, fields) in zip(bodies, cases + [(None, ("regex_pattern", "grammar_string"))]):
+        assert body["param"] == fields[-1] and "cannot be combined" in body["message"], body
+        assert all(f in body["message"].split(": only")[0] for f in fields), body
+    assert fake.opened == opened + 1
+
+
+def _timings_ok(usage: dict) -> None:
+    for key in ("prompt_time", "prompt_tokens_per_sec", "completion_time", "completion_tokens_per_sec", "total_time"):
+        assert isinstance(usage[key], float) and usage[key] >= 0, (key, usage)
+    assert usage["completion_time"] > 0 and usage["prompt_time"] > 0
+    assert usage["completion_tokens_per_sec"] == pytest.approx(usage["completion_tokens"] / usage["completion_time"])
+    assert usage["prompt_tokens_per_sec"] == pytest.approx(usage["prompt_tokens"] / usage["prompt_time"])
+    assert usage["total_time"] >= max(usage["prompt_time"], usage["completion_time"])
+
+
+def test_usage_timings(url, fake_app, fake):
+    """TabbyAPI's usage timings beside OpenAI's counts: non-streamed and in the streamed usage chunk, with several
+    choices; a rate over no time is 0; the slowest choice's times, the summed tokens."""
+    from exl2.server.completions import _usage
+
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    hi = [{"role": "user", "content": "Tell me a story."}]
+    r = c.chat.completions.create(model="tiny", messages=hi, max_tokens=6, temperature=0)
+    usage = r.usage.model_dump()
+    _timings_ok(usage)
+    assert usage["completion_tokens"] == 6 and usage["total_tokens"] == usage["prompt_tokens"] + 6
+    r = c.completions.create(model="tiny", prompt=["Once upon", "The fox"], n=2, max_tokens=5, temperature=1, seed=2)
+    _timings_ok(r.usage.model_dump())
+    data = sse_data(url, "/v1/chat/completions", {"messages": hi, "max_tokens": 6, "n": 2, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    streamed = json.loads(data[-2])["usage"]
+    _timings_ok(streamed)
+    assert streamed["completion_tokens"] == 12
+
+    fake.reply = "ok"                          # the fake reports no times
+    zero = run(aclient(fake_app).chat.completions.create(model="m", messages=hi, max_tokens=2)).usage.model_dump()
+    assert [zero[k] for k in ("prompt_time", "prompt_tokens_per_sec", "completion_time", "completion_tokens_per_sec",
+                              "total_time")] == [0.0] * 5
+
+    results = [GenerationResult("a", [1, 2], "stop", 10, time_queued=0.5, time_prefill=0.25, time_generate=1.0),
+               GenerationResult("b", [1, 2, 3, 4], "stop", 10, time_queued=0.0, time_prefill=0.5, time_generate=2.0)]
+    u = _usage(results, 2)
+    assert (u["prompt_time"], u["completion_time"], u["total_time"]) == (0.5, 2.0, 2.5)
+    assert (u["prompt_tokens_per_sec"], u["completion_tokens_per_sec"]) == (20.0, 3.0)
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (10, 6, 16)
+
+
+def test_add_generation_prompt_and_response_prefix(url, engine, thinker_url, thinker):
+    """add_generation_prompt false renders no assistant opening; response_prefix ends the prompt, the reply
+    continues it and its content starts with it, streamed (the first content delta) or not."""
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    hi = [{"role": "user", "content": "Tell me a story."}]
+    header = "<|im_start|>assistant\n"                   # ChatML, the tiny model's (fallback) template
+    with_header, without = engine.chat_prompt(hi), engine.chat_prompt(hi, add_generation_prompt=False)
+    assert with_header.endswith(header) and not without.endswith(header) and with_header == without + header
+
+    r = c.chat.completions.create(model="tiny", messages=hi, max_tokens=6, temperature=0,
+                                  extra_body=dict(add_generation_prompt=False))
+    on = c.chat.completions.create(model="tiny", messages=hi, max_tokens=6, temperature=0,
+                                   extra_body=dict(add_generation_prompt=True))
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(without, add_bos=False)) < on.usage.prompt_tokens
+    assert r.choices[0].message.content == reference(engine, without, 6, add_bos=False).text
+    assert on.choices[0].message.content == reference(engine, with_header, 6, add_bos=False).text
+
+    prefix = "Once upon a time,"
+    ref = reference(engine, with_header + prefix, 8, add_bos=False)
+    r = c.chat.completions.create(model="tiny", messages=hi, max_tokens=8, temperature=0,
+                                  extra_body=dict(response_prefix=prefix))
+    assert r.choices[0].message.content == prefix + ref.text
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == ref.prompt_tokens
+    chunks = list(c.chat.completions.create(model="tiny", messages=hi, max_tokens=8, temperature=0, stream=True,
+                                            extra_body=dict(response_prefix=prefix)))
+    contents = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert contents[0] == prefix and "".join(contents) == prefix + ref.text
+    r = c.chat.completions.create(model="tiny", messages=hi, max_tokens=4, temperature=0,
+                                  extra_body=dict(add_generation_prompt=False, response_prefix="\nSo"))
+    assert r.choices[0].message.content == "\nSo" + reference(engine, without + "\nSo", 4, add_bos=False).text
+
+    # The prefix is part of the reply: a reasoning model's prefix inside the think block is reasoning.
+    t = openai.OpenAI(base_url=f"{thinker_url}/v1", api_key="unused", max_retries=0)
+    thinker.reply = " see.\n</think>\n\nIt is 3."
+    r = t.chat.completions.create(model="x", messages=hi, extra_body=dict(response_prefix="Let me"))
+    assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == ("Let me see.", "It is 3.")
+    assert thinker.prompts[-1].endswith("<think>\nLet me")
+    parts = list(t.chat.completions.create(model="x", messages=hi, stream=True,
+                                           extra_body=dict(response_prefix="Let me")))
+    assert "".join(getattr(p.choices[0].delta, "reasoning_content", None) or "" for p in parts
+                   if p.choices) == "Let me see."
+
+
+def test_tabby_penalty_range_and_banned_strings_reach_the_engine():
+    """penalty_range (and its aliases; -1 and 0 mean the whole text), repetition_decay and banned_strings (a list or
+    one string; empty strings dropped) arrive in SamplingSettings."""
+    fake = SettingsFake()
+    c = aclient(create_app(fake, ServerConfig()))
+    hi = [{"role": "user", "content": "hi"}]
+    bodies = [dict(repetition_penalty=1.1, penalty_range=512, repetition_decay=64, banned_strings=["shivers", ""]),
+              dict(rep_pen_range=128, banned_strings="ministrations"), dict(repetition_penalty_range=-1),
+              dict(repetition_range=0, banned_strings=[])]
+
+    async def go():
+        for body in bodies:
+            await c.chat.completions.create(model="m", messages=hi, max_tokens=4, extra_body=body)
+        await c.completions.create(model="m", prompt="x", max_tokens=4, extra_body=bodies[0])
+
+    run(go())
+    got = [(s.repetition_range, s.repetition_decay, s.banned_strings) for s in fake.settings]
+    assert got == [(512, 64, ("shivers",)), (128, 0, ("ministrations",)), (0, 0, None), (0, 0, None),
+                   (512, 64, ("shivers",))]
+    assert fake.settings[0].ranged_penalty

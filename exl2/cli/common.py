@@ -97,6 +97,8 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
                    help="the repetition penalty looks at the last N tokens only (default 0 = the whole text)")
     p.add_argument("--repetition-decay", "--repetition_decay", dest="repetition_decay", type=int, default=0,
                    help="... fading linearly to nothing over the N tokens before that range (default 0)")
+    p.add_argument("--banned-string", "--banned_string", dest="banned_strings", action="append", default=None,
+                   metavar="TEXT", help="text the reply must never contain (case ignored; repeat the flag for more)")
     p.add_argument("-freqpen", "--frequency-penalty", "--frequency_penalty", dest="frequency_penalty", type=float,
                    default=0.0, help="subtracted from a token's logit per time the reply has it (default 0)")
     p.add_argument("-prespen", "--presence-penalty", "--presence_penalty", dest="presence_penalty", type=float,
@@ -175,7 +177,9 @@ def sampling_from_args(args) -> SamplingSettings:
     try:
         return SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, repetition_range=args.repetition_range,
-                                repetition_decay=args.repetition_decay, frequency_penalty=args.frequency_penalty,
+                                repetition_decay=args.repetition_decay,
+                                banned_strings=tuple(args.banned_strings) if args.banned_strings else None,
+                                frequency_penalty=args.frequency_penalty,
                                 presence_penalty=args.presence_penalty, seed=args.seed, top_a=args.top_a,
                                 typical=args.typical, tfs=args.tfs, smoothing_factor=args.smoothing_factor,
                                 temperature_last=args.temperature_last, xtc_probability=args.xtc_probability,

@@ -149,7 +149,7 @@ class DynamicGenerator:
 
     def _publish(self, job: Job) -> None:
         """Offer each page the job has filled to later prompts."""
-        while (job.published + 1) * self.page_size <= min(job.length, len(job.tokens)):
+        while (job.published + 1) * self.page_size <= min(job.length, len(job.tokens), job.stable_tokens):
             i = job.published
             job.key = page_key(job.key, job.tokens[i * self.page_size:(i + 1) * self.page_size])
             self.pool.publish(job.pages[i], job.key)
@@ -449,6 +449,9 @@ class DynamicGenerator:
         text = job.reply.push(token)
         job.tokens.append(token)
         job.pending = token
+        if job.reply.rewind_to is not None:
+            self._take_back(job)
+            return text
         if job.grammar is not None and job.reply.finish_reason is None:
             job.grammar.advance(token)
             if job.grammar.finished:  # complete: no need to wait for the model's end token
@@ -457,9 +460,26 @@ class DynamicGenerator:
             text += job.reply.close("length")
         return text
 
+    def _take_back(self, job: Job) -> None:
+        """A banned string appeared: take the reply back to the token where it began and ban that token at that
+        draw (its later draws' bans belonged to text that is gone). The cache keeps the keys/values before it;
+        the token before it is fed again."""
+        index = job.reply.rewind_to
+        token = job.reply.rewind()
+        job.string_bans = {d: b for d, b in job.string_bans.items() if d <= index}
+        job.string_bans.setdefault(index, set()).add(token)
+        del job.tokens[len(job.ids) + index:]
+        del job.token_logprobs[index:]
+        job.pending = job.tokens[-1]
+        job.length = len(job.tokens) - 1
+        if job.slot is not None:
+            self.seen.reset(job.slot, job.tokens, len(job.ids))
+
     def _emit(self, job: Job, text: str, events: list[Event]) -> None:
-        new = job.token_logprobs[job.logprobs_sent:]
-        job.logprobs_sent = len(job.token_logprobs)
+        # log-probabilities go out only for tokens no banned string can take back
+        sent = job.logprobs_sent
+        job.logprobs_sent = max(sent, min(len(job.token_logprobs), job.reply.confirmed))
+        new = job.token_logprobs[sent:job.logprobs_sent]
         if job.reply.finish_reason is not None:
             self._finish(job)
             if self.draft is not None:

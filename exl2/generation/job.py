@@ -45,6 +45,7 @@ class Job:
         self.seed = 0                    # its random stream (settings.seed, or a fresh one)
         self.slot: Optional[int] = None  # its row of the generator's seen-token mask (repetition penalty)
         self.mirostat_mu: Optional[float] = None  # Mirostat 2.0's μ (None: the start, 2·tau)
+        self.string_bans: dict[int, set[int]] = {}  # draw index -> tokens a banned string took back there
         self.key: Optional[bytes] = None     # prefix key of the last full page published
         self.published = 0
         self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
@@ -52,25 +53,37 @@ class Job:
         self.times = [0.0, 0.0, 0.0, 0.0]   # enqueued, admitted, first token, finished (time.perf_counter)
 
     @property
+    def banned_strings(self) -> tuple[str, ...]:
+        """The settings' banned strings; none with a grammar, which already decides what the text may be."""
+        return (self.settings.banned_strings or ()) if self.grammar is None else ()
+
+    @property
     def host_sampling(self) -> bool:
         """Whether sampling its next token needs the tokens before it on the host (a grammar, DRY's history,
-        Mirostat's μ, a repetition penalty's window), so its steps are never launched ahead of reading the last one, nor speculated."""
+        Mirostat's μ, a repetition penalty's window, banned strings), so its steps are never launched ahead of
+        reading the last one, nor speculated."""
         s = self.settings
-        return self.grammar is not None or s.dry or s.mirostat or s.ranged_penalty
+        return self.grammar is not None or s.dry or s.mirostat or s.ranged_penalty or bool(self.banned_strings)
+
+    @property
+    def stable_tokens(self) -> int:
+        """Prompt and reply tokens that can no longer be taken back (what may be offered to later prompts)."""
+        return len(self.ids) + self.reply.confirmed if self.reply is not None else len(self.tokens)
 
     def __repr__(self) -> str:
         return f"Job({self.id}, {len(self.ids)} prompt tokens, {'done' if self.done else 'running'})"
 
     def banned(self, drawn: int, eos_ids: AbstractSet[int]) -> tuple[int, ...]:
-        """The end tokens this job may not sample as its reply's token `drawn` (0-based): masked rather than
+        """The tokens this job may not sample as its reply's token `drawn` (0-based): end tokens before
+        min_new_tokens or under ignore_eos, and tokens a banned string was taken back from there; masked rather than
         sampled and then ignored, so the reply goes on with the model's best other token."""
-        if drawn < self.min_new_tokens:
-            return tuple(eos_ids) + self.stop_token_ids
-        return tuple(eos_ids) if self.ignore_eos else ()
+        ends = tuple(eos_ids) + self.stop_token_ids if drawn < self.min_new_tokens else \
+            tuple(eos_ids) if self.ignore_eos else ()
+        return ends + tuple(self.string_bans.get(drawn, ()))
 
     def new_reply(self, tokenizer: Tokenizer) -> Reply:
         """The Reply that turns this job's tokens into text (stop strings counted from min_new_tokens on)."""
-        return Reply(tokenizer, self.stop_strings, self.stop_token_ids, self.min_new_tokens)
+        return Reply(tokenizer, self.stop_strings, self.stop_token_ids, self.min_new_tokens, self.banned_strings)
 
 
 @dataclass

@@ -63,13 +63,63 @@ class StopMatcher:
         return out
 
 
+class BanGuard:
+    """Holds back whole tokens while their text could still become a banned string (ignoring case), so that a
+    reply can be taken back to where one began without taking back text already streamed."""
+
+    def __init__(self, banned: Sequence[str]):
+        self.banned = [b.lower() for b in banned if b]
+        self.text = ""                 # the held tokens' text
+        self.spans: list[int] = []     # each held token's share of it
+        self.first = 0                 # reply index of the first held token
+
+    def push(self, piece: str) -> tuple[str, Optional[int]]:
+        """Add the next token's text: (text now safe to release, reply index of the token where a banned string
+        begins, or None)."""
+        self.text += piece
+        self.spans.append(len(piece))
+        low = self.text.lower()
+        if len(low) != len(self.text):  # a character whose lower case is longer: match that text as it is
+            low = self.text
+        hits = [i for i in (low.find(b) for b in self.banned) if i >= 0]
+        if hits:
+            at, k, end = min(hits), 0, self.spans[0]
+            while end <= at:
+                k += 1
+                end += self.spans[k]
+            return "", self.first + k
+        keep = max((n for b in self.banned for n in range(min(len(b) - 1, len(low)), 0, -1)
+                    if low.endswith(b[:n])), default=0)
+        cut, out, n = len(self.text) - keep, 0, 0
+        while n < len(self.spans) and out + self.spans[n] <= cut:
+            out += self.spans[n]
+            n += 1
+        released, self.text = self.text[:out], self.text[out:]
+        self.spans, self.first = self.spans[n:], self.first + n
+        return released, None
+
+    def rewind(self, index: int) -> None:
+        """Forget the held tokens from reply index `index` on."""
+        k = index - self.first
+        self.text = self.text[:sum(self.spans[:k])]
+        self.spans = self.spans[:k]
+
+    def flush(self) -> str:
+        out, self.text = self.text, ""
+        self.first += len(self.spans)
+        self.spans = []
+        return out
+
+
 class Reply:
     """One sequence's output: tokens in, text safe to show out (a possible stop string's start is held back).
     Stop strings count only in the text from the `min_tokens`-th token on (vLLM's min_tokens)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, banned_strings: Sequence[str] = ()):
         self.tokenizer = tokenizer
+        self.guard = BanGuard(banned_strings) if any(banned_strings) else None
+        self.rewind_to: Optional[int] = None       # set by push: a banned string began at this reply token
         self.stop_ids = set(tokenizer.eos_ids) | set(stop_token_ids)
         self.stop_strings = [s for s in stop_strings if s]
         self.decoder = tokenizer.stream_decoder()
@@ -86,9 +136,12 @@ class Reply:
             self.finish_reason = "stop"
             return self._tail()
         self.ids.append(token)
+        piece = self.decoder.push(token)
+        if self.guard is not None:
+            piece, self.rewind_to = self.guard.push(piece)
         if len(self.ids) < self.min_tokens:
-            return self._unchecked(self.decoder.push(token))
-        text, self._hit = self.matcher.push(self.decoder.push(token))
+            return self._unchecked(piece)
+        text, self._hit = self.matcher.push(piece)
         if self._hit:
             self.finish_reason = "stop"
         return text
@@ -100,6 +153,22 @@ class Reply:
         self.finish_reason = reason
         return self._tail()
 
+    @property
+    def confirmed(self) -> int:
+        """Reply tokens that can no longer be taken back (all but those a BanGuard holds)."""
+        return len(self.ids) if self.guard is None else self.guard.first
+
+    def rewind(self) -> int:
+        """Take the reply back to the token where a banned string began (`rewind_to`); returns that token."""
+        index, self.rewind_to = self.rewind_to, None
+        token = self.ids[index]
+        del self.ids[index:]
+        self.guard.rewind(index)
+        self.decoder = self.tokenizer.stream_decoder()
+        for t in self.ids[-64:]:  # the decoder's context: what it emitted is already out (or held by the guard)
+            self.decoder.push(t)
+        return token
+
     def _unchecked(self, text: str) -> str:
         self.unchecked += len(text)
         return text
@@ -107,9 +176,12 @@ class Reply:
     def _tail(self) -> str:
         if self._hit:
             return ""
+        rest = self.decoder.flush()
+        if self.guard is not None:
+            rest = self.guard.flush() + rest
         if len(self.ids) < self.min_tokens:
-            return self._unchecked(self.decoder.flush())
-        tail, _ = self.matcher.push(self.decoder.flush())
+            return self._unchecked(rest)
+        tail, _ = self.matcher.push(rest)
         return tail + self.matcher.flush()
 
     def result(self, prompt_tokens: int) -> GenerationResult:

@@ -114,6 +114,17 @@ class SeenTokens:
         if self.counts is not None:
             self.counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
 
+    def reset(self, slot: int, tokens: Sequence[int], prompt: int) -> None:
+        """Set a slot again from a job's tokens (`prompt` of them the prompt's), after its reply was taken back."""
+        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.mask.device)
+        ids = ids[(ids >= 0) & (ids < self.mask.shape[1])]
+        self.mask[slot].zero_()
+        self.mask[slot, ids] = True
+        if self.counts is not None:
+            self.counts[slot].zero_()
+            reply = torch.as_tensor(list(tokens[prompt:]), dtype=torch.long, device=self.mask.device)
+            self.counts[slot].index_put_((reply,), torch.ones_like(reply, dtype=torch.float32), accumulate=True)
+
     def give_back(self, slot: int) -> None:
         self.free.append(slot)
 

@@ -77,10 +77,12 @@ def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, defau
     max_new, stops = params.max_new_tokens(req, default_max), params.stop_strings(req)
     vocab = getattr(engine.model.spec, "vocab_size", None)
     bias = params.logit_bias(req, vocab)
+    lists = dict(banned=params.token_list(req, "banned_tokens", vocab),
+                 allowed=params.token_list(req, "allowed_tokens", vocab))
     ends = dict(stop_token_ids=params.stop_token_ids(req, vocab), min_new_tokens=params.min_new_tokens(req, max_new),
                 ignore_eos=params.ignore_eos(req))
-    return [Job(prompt, params.sampling(req, i, bias), max_new, stops, add_bos, param,
-                params.response_grammar(engine, req.response_format), params.logprobs(req), **ends)
+    return [Job(prompt, params.sampling(req, i, bias, **lists), max_new, stops, add_bos, param,
+                params.response_grammar(engine, req), params.logprobs(req), **ends)
             for prompt in prompts for i in range(req.n)]
 
 
@@ -111,14 +113,26 @@ def _completion_logprobs(tokenizer, records: Optional[list[TokenLogprob]], start
             "text_offset": offsets}
 
 
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
 def _usage(results: list[GenerationResult], n: int) -> dict[str, Any]:
     """Prompt tokens once per prompt (every n-th result starts a prompt), completion tokens of every choice, and
-    how many prompt tokens the prompt cache held (OpenAI's prompt_tokens_details.cached_tokens)."""
+    how many prompt tokens the prompt cache held (OpenAI's prompt_tokens_details.cached_tokens). TabbyAPI's timings:
+    the choices run together, so the request took as long as its slowest one (each time the largest over the
+    choices), and the rates are the request's tokens over those times."""
     prompt = sum(r.prompt_tokens for r in results[::n])
     done = sum(len(r.token_ids) for r in results)
     cached = sum(r.cached_tokens for r in results[::n])
+    prompt_time = max(r.time_prefill for r in results)
+    completion_time = max(r.time_generate for r in results)
+    total_time = max(r.time_queued + r.time_prefill + r.time_generate for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_time": prompt_time, "prompt_tokens_per_sec": _rate(prompt, prompt_time),
+            "completion_time": completion_time, "completion_tokens_per_sec": _rate(done, completion_time),
+            "total_time": total_time}
 
 
 async def _close(agen) -> None:
@@ -274,11 +288,13 @@ def _usage_head(body, head: dict) -> Optional[dict]:
     return {**head, "choices": []} if body.stream_options and body.stream_options.include_usage else None
 
 
-def _chat_message(result: GenerationResult, tools, thinking: Optional[bool]) -> tuple[dict[str, Any], str]:
-    """A finished reply as an assistant message with its finish_reason. With the reasoning parser on (`thinking`:
-    whether the reply started inside a think block; None: off) the block is `reasoning_content`; tool calls are
-    parsed from the rest when tools were given."""
-    text, message = result.text, {"role": "assistant"}
+def _chat_message(result: GenerationResult, tools, thinking: Optional[bool], prefix: str = ""
+                  ) -> tuple[dict[str, Any], str]:
+    """A finished reply, after the `prefix` it continues (TabbyAPI's response_prefix, part of the reply), as an
+    assistant message with its finish_reason. With the reasoning parser on (`thinking`: whether the reply started
+    inside a think block; None: off) the block is `reasoning_content`; tool calls are parsed from the rest when
+    tools were given."""
+    text, message = prefix + result.text, {"role": "assistant"}
     if thinking is not None:
         reasoning, text = split_reasoning(text, thinking)
         message["reasoning_content"] = reasoning or None
@@ -303,16 +319,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     jobs = _jobs(body, st.engine, [""], False, "messages", st.config.max_tokens)   # checks every field first
     tools = template_tools(body.tools, body.tool_choice)
     for job in jobs:  # a grammar holds parse state: one per choice
-        job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice, body.response_format) or job.grammar
+        job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice) or job.grammar
     messages = template_messages(body.messages)
     variables = template_variables(body, st.engine.template)
     try:
-        prompt = st.engine.chat_prompt(messages, tools, **variables)
+        prompt = st.engine.chat_prompt(messages, tools, add_generation_prompt=body.add_generation_prompt,
+                                       **variables)
     except Exl2Error as e:
         raise _engine_error(e, "messages") from e
+    prefix = body.response_prefix or ""
     for job in jobs:
-        job.prompt = prompt
-    # A grammar (response_format, a forced tool_choice) holds from the reply's first token, so such a reply cannot
+        job.prompt = prompt + prefix
+    # A grammar (structured output, a forced tool_choice) holds from the reply's first token, so such a reply cannot
     # think first, even where the prompt opens a think block: it is all content.
     constrained = any(job.grammar is not None for job in jobs)
     thinking = (opens_thinking(prompt) and not constrained) if st.reasoning else None
@@ -325,7 +343,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             return Response(status_code=499)
         choices = []
         for i, result in enumerate(results):
-            message, finish = _chat_message(result, tools, thinking)
+            message, finish = _chat_message(result, tools, thinking, prefix)
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": _chat_logprobs(st.engine.tokenizer, result.logprobs)})
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(results, body.n)}
@@ -340,6 +358,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
     def prelude(i: int):
         yield chunk(i, {"role": "assistant", "content": ""})
+        if prefix:                        # the reply's start, split and held back like the text that follows it
+            yield from on_text(i, prefix, [])
 
     def on_text(i: int, text: str, logprobs: list):
         reasoning, content = splitters[i].push(text) if splitters else ("", text)

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError
-from exl2.generation.constraints import Grammar
+from exl2.generation.constraints import Grammar, lark_grammar
 from exl2.server.errors import APIError, unsupported
 from exl2.server.schemas import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat,
                                  SamplingFields)
@@ -25,30 +25,58 @@ def logprobs(req: SamplingFields) -> Optional[int]:
     return req.logprobs
 
 
-def response_grammar(engine, fmt: Optional[ResponseFormat]) -> Optional[Grammar]:
-    """The grammar a response_format asks for: json_object → any JSON object, json_schema → its `schema`."""
-    if fmt is None or fmt.type == "text":
+def _format_schema(fmt: ResponseFormat) -> Optional[dict]:
+    """The schema a non-text response_format asks for: json_object → None (any JSON object), json_schema → its
+    `schema`."""
+    if fmt.type != "json_schema":
         return None
-    schema = None
-    if fmt.type == "json_schema":
-        spec = fmt.json_schema or {}
-        schema = spec.get("schema")
-        if not isinstance(schema, dict):
-            raise APIError(400, "response_format.json_schema must carry a 'schema' object.", param="response_format")
+    schema = (fmt.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise APIError(400, "response_format.json_schema must carry a 'schema' object.", param="response_format")
+    return schema
+
+
+def constraint_fields(req: SamplingFields) -> list[str]:
+    """The given fields that hold the reply to a grammar: a non-text response_format, TabbyAPI's json_schema,
+    regex_pattern and grammar_string (empty ones count as not given, as in TabbyAPI) and a tool_choice that forces
+    a call."""
+    fmt = req.response_format
+    forced = isinstance(req, ChatCompletionRequest) and bool(req.tools) and (
+        req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
+    given = {"response_format": fmt is not None and fmt.type != "text", "json_schema": bool(req.json_schema),
+             "regex_pattern": bool(req.regex_pattern), "grammar_string": bool(req.grammar_string),
+             "tool_choice": forced}
+    return [name for name, on in given.items() if on]
+
+
+def response_grammar(engine, req: SamplingFields) -> Optional[Grammar]:
+    """The grammar of the request's response_format, json_schema (as response_format json_schema with that
+    schema), regex_pattern or grammar_string (Lark); `check_supported` lets at most one of them through. An
+    invalid one is a 400 naming its field."""
+    fmt = req.response_format
+    if req.json_schema:
+        param, build = "json_schema", lambda: engine.json_grammar(req.json_schema)
+    elif req.regex_pattern:
+        param, build = "regex_pattern", lambda: engine.regex_grammar(req.regex_pattern)
+    elif req.grammar_string:
+        # the Engine has no Lark builder of its own: the constraints module's, over the engine's tokenizer
+        param, build = "grammar_string", lambda: lark_grammar(engine.tokenizer, req.grammar_string)
+    elif fmt is not None and fmt.type != "text":
+        schema = _format_schema(fmt)
+        param, build = "response_format", lambda: engine.json_grammar(schema)
+    else:
+        return None
     try:
-        return engine.json_grammar(schema)
+        return build()
     except ConfigError as e:
-        raise APIError(400, str(e), param="response_format") from None
+        raise APIError(400, str(e), param=param) from None
 
 
-def tool_grammar(engine, tools: Optional[list[dict]], choice, fmt: Optional[ResponseFormat]) -> Optional[Grammar]:
+def tool_grammar(engine, tools: Optional[list[dict]], choice) -> Optional[Grammar]:
     """The grammar of a tool_choice that forces a call ('required', or a named function): the reply is then one or
     more calls in the model's own format, arguments following each tool's schema. None for 'auto'/'none'."""
     if not tools or not (choice == "required" or isinstance(choice, NamedToolChoice)):
         return None
-    if fmt is not None and fmt.type != "text":
-        raise APIError(400, "response_format cannot be combined with a tool_choice that forces a call.",
-                       param="response_format")
     try:
         return engine.tool_grammar(tools, choice.function.name if isinstance(choice, NamedToolChoice) else None)
     except ConfigError as e:
@@ -64,6 +92,12 @@ def check_supported(req: SamplingFields) -> None:
     if req.mirostat_mode == 1:
         raise APIError(400, "Only Mirostat 2 is supported: mirostat_mode (mirostat) must be 0 or 2, not 1.",
                        param="mirostat_mode")
+    constraints = constraint_fields(req)
+    if len(constraints) > 1:
+        named = [f"{c} (forcing a tool call)" if c == "tool_choice" else c for c in constraints]
+        raise APIError(400, f"{' and '.join(named)} cannot be combined: only one of response_format, json_schema, "
+                            "regex_pattern, grammar_string and a tool_choice that forces a call may constrain the "
+                            "reply.", param=constraints[-1])
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
@@ -105,6 +139,22 @@ def logit_bias(req: SamplingFields, vocab: Optional[int]) -> Optional[dict[int, 
     return out or None
 
 
+def token_list(req: SamplingFields, param: str, vocab: Optional[int]) -> Optional[tuple[int, ...]]:
+    """TabbyAPI's banned_tokens / allowed_tokens (`param`): a list of ids or a string of comma-separated ids. Each
+    must be a token id of the model (`vocab` logits; None: unknown), else a 400: an id the sampler would skip
+    silently is a client's mistake. Empty: None."""
+    value = getattr(req, param)
+    if isinstance(value, str):
+        try:
+            value = [int(item) for item in value.split(",") if item.strip()]
+        except ValueError:
+            raise APIError(400, f"{param} must be token ids: a list of integers or comma-separated integers.",
+                           param=param) from None
+    for token in value or ():
+        _check_token(token, vocab, param)
+    return tuple(value) if value else None
+
+
 def _json_strings(text: str) -> Optional[list[str]]:
     """`text` as a JSON list of strings; None when it is not one."""
     try:
@@ -131,20 +181,30 @@ def dry_sequence_breakers(value: Optional[list[str] | str]) -> Optional[tuple[st
     return tuple(value) if value else None
 
 
+def banned_strings(value: Optional[list[str] | str]) -> Optional[tuple[str, ...]]:
+    """TabbyAPI's banned_strings: a list, or one string; empty strings are dropped (they would ban everything)."""
+    items = [value] if isinstance(value, str) else value or []
+    return tuple(b for b in items if b) or None
+
+
 def _or_default(value: float, name: str) -> float:
     """TabbyAPI's 0 for "the engine's default"."""
     return value or SamplingSettings.model_fields[name].default
 
 
-def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, float]] = None) -> SamplingSettings:
-    """OpenAI/TabbyAPI sampling fields as engine settings (`bias`: from `logit_bias`). top_p 0 keeps only the most
-    likely token (greedy). Choice i of n samples with seed + i: the choices differ, yet a seeded request is
-    reproducible. A value the engine refuses (e.g. dry_base below 1) is a 400 naming the field."""
+def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, float]] = None,
+             banned: Optional[tuple[int, ...]] = None, allowed: Optional[tuple[int, ...]] = None) -> SamplingSettings:
+    """OpenAI/TabbyAPI sampling fields as engine settings (`bias`: from `logit_bias`; `banned`, `allowed`: from
+    `token_list`). top_p 0 keeps only the most likely token (greedy). Choice i of n samples with seed + i: the
+    choices differ, yet a seeded request is reproducible. A value the engine refuses (e.g. dry_base below 1) is a
+    400 naming the field."""
     try:
         return SamplingSettings(
             temperature=req.temperature, top_k=1 if req.top_p == 0 else max(req.top_k, 0), top_p=req.top_p or 1.0,
             min_p=req.min_p, repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
-            presence_penalty=req.presence_penalty, logit_bias=bias,
+            presence_penalty=req.presence_penalty, logit_bias=bias, banned_tokens=banned, allowed_tokens=allowed,
+            repetition_range=max(req.penalty_range, 0), repetition_decay=req.repetition_decay,
+            banned_strings=banned_strings(req.banned_strings),
             seed=None if req.seed is None else req.seed + choice, top_a=req.top_a, tfs=req.tfs, typical=req.typical,
             smoothing_factor=req.smoothing_factor, temperature_last=req.temperature_last, min_temp=req.min_temp,
             max_temp=req.max_temp,

@@ -89,7 +89,17 @@ class SamplingFields(_Body):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
+    # TabbyAPI's token lists: ids, or a string of comma-separated ids ("1,2,3"); parsed in params
+    banned_tokens: Optional[Union[list[StrictInt], str]] = Field(
+        None, validation_alias=AliasChoices("banned_tokens", "custom_token_bans"))
+    allowed_tokens: Optional[Union[list[StrictInt], str]] = Field(
+        None, validation_alias=AliasChoices("allowed_tokens", "allowed_token_ids"))
     seed: Optional[int] = None
+    # TabbyAPI's: the repetition penalty over the last N tokens (-1 or 0: all), fading over repetition_decay more
+    penalty_range: int = Field(-1, ge=-1, validation_alias=AliasChoices(
+        "penalty_range", "repetition_range", "repetition_penalty_range", "rep_pen_range"))
+    repetition_decay: int = Field(0, ge=0)
+    banned_strings: Optional[Union[list[str], str]] = None   # TabbyAPI's: text never produced (case ignored)
     # TabbyAPI's further samplers, with its names, aliases and defaults; bounds as in SamplingSettings
     top_a: float = Field(0.0, ge=0.0, le=1.0)
     tfs: float = Field(1.0, ge=0.0, le=1.0)
@@ -120,6 +130,10 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     response_format: Optional[ResponseFormat] = None
+    # TabbyAPI's structured output; empty counts as not given, as in TabbyAPI (SillyTavern sends "" by default)
+    json_schema: Optional[dict[str, Any]] = None
+    regex_pattern: Optional[str] = None
+    grammar_string: Optional[str] = None                  # a Lark grammar (llguidance's dialect)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -134,6 +148,8 @@ class ChatCompletionRequest(SamplingFields):
     # Extra chat-template variables (e.g. Qwen3's {"enable_thinking": false}): vLLM's name and TabbyAPI's.
     chat_template_kwargs: Optional[dict[str, JsonValue]] = None
     template_vars: Optional[dict[str, JsonValue]] = None
+    add_generation_prompt: bool = True       # TabbyAPI's: False renders no opening of the assistant's reply
+    response_prefix: Optional[str] = None    # TabbyAPI's: the reply continues this text, which starts its content
 
 
 class CompletionRequest(SamplingFields):
