@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exl2.config import SamplingSettings  # noqa: E402
+from exl2.generation.dry import apply_dry  # noqa: E402
 from exl2.generation.sampler import sample_rows  # noqa: E402
 
 CASES = {
@@ -24,6 +25,12 @@ CASES = {
     "T 0.8, top-p 0.9, penalty 1.1": SamplingSettings(temperature=0.8, top_p=0.9, repetition_penalty=1.1),
     "T 0.8, top-k 50, top-p 0.9": SamplingSettings(temperature=0.8, top_k=50, top_p=0.9),
     "T 0.8, top-p 0.9, frequency 0.5": SamplingSettings(temperature=0.8, top_p=0.9, frequency_penalty=0.5),
+    # the PyTorch path (generation.truncation): exllamav2's further samplers
+    "T 1.0, typical 0.9": SamplingSettings(temperature=1.0, typical=0.9),
+    "T 1.0, tail-free 0.95, top-a 0.1": SamplingSettings(temperature=1.0, tfs=0.95, top_a=0.1),
+    "T 1.0, XTC 0.5 / 0.1, min-p 0.05": SamplingSettings(temperature=1.0, xtc_probability=0.5, min_p=0.05),
+    "dynamic T 0.5-1.5, top-p 0.9": SamplingSettings(temperature=1.0, min_temp=0.5, max_temp=1.5, top_p=0.9),
+    "T 1.0, Mirostat 2 (μ read back)": SamplingSettings(temperature=1.0, mirostat_mode=2),
 }
 
 
@@ -60,8 +67,18 @@ def main() -> int:
             seen[:, :512] = True
             counts = torch.zeros(b, a.vocab, device="cuda")
             counts[:, :256] = 2.0
-            cells.append(time_ms(lambda: sample_rows(logits, [s] * b, list(range(b)), [0] * b, seen, counts)))
+            mus = [None] * b if s.mirostat else None
+            cells.append(time_ms(lambda: sample_rows(logits, [s] * b, list(range(b)), [0] * b, seen, counts, mus)))
         print(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
+    dry = SamplingSettings(temperature=1.0, dry_multiplier=0.8)
+    breakers = torch.zeros(a.vocab, dtype=torch.bool)
+    breakers[:200] = True
+    cells = []
+    for b in batches:
+        logits = torch.randn(b, a.vocab, device="cuda") * 3
+        history = torch.randint(0, 2000, (4096,)).tolist()  # a small alphabet: many repeats to match
+        cells.append(time_ms(lambda: apply_dry(logits, [(i, history, dry, breakers) for i in range(b)])))
+    print("| DRY penalties over 4,096 tokens a row (apply_dry) | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         b = max(batches)

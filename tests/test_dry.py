@@ -187,3 +187,24 @@ def test_apply_dry_skips_ids_past_logits():
     assert out is logits
     out = apply_dry(logits, [(0, [1, 2, 8, 1, 2, 8, 1], s, brk)])
     assert out[0].tolist()[2] < 0 and out[0].tolist()[0] == 0 and out[0].tolist()[1] == 0
+
+
+def test_apply_dry_batches_rows_like_one_row_at_a_time():
+    """Many rows at once (different lengths, settings, ranges and breaker masks; some with nothing to penalize)
+    subtract exactly what the brute-force reference gives each row alone."""
+    rng = random.Random(7)
+    V = 9
+    for trial in range(60):
+        rows, want = [], torch.zeros(5, V)
+        for r in rng.sample(range(5), rng.randint(1, 5)):
+            history = [rng.randrange(V) for _ in range(rng.randint(0, 40))]
+            brk = torch.tensor([rng.random() < 0.2 for _ in range(V)])
+            s = SamplingSettings(dry_multiplier=rng.choice([0.0, 0.5, 1.3]), dry_base=rng.choice([1.5, 2.0]),
+                                 dry_allowed_length=rng.randint(1, 3), dry_range=rng.choice([0, 0, 12]))
+            rows.append((r, history, s, brk))
+            h = history[-s.dry_range:] if s.dry_range else history
+            if s.dry_multiplier:
+                for t, p in reference(h, brk.tolist(), s.dry_multiplier, s.dry_base, s.dry_allowed_length).items():
+                    want[r, t] -= p
+        got = apply_dry(torch.zeros(5, V), rows)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), trial

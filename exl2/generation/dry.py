@@ -109,30 +109,76 @@ def dry_penalties(history: Sequence[int], breakers: torch.Tensor, multiplier: fl
     return ids, pens
 
 
+def _batch_penalties(rows: Sequence[tuple[int, Sequence[int], "SamplingSettings", torch.Tensor]], vocab: int,
+                     max_ngram: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, ids, penalties) of `dry_penalties` for several rows at once: the histories right-aligned in one
+    [B, L] tensor (padding -1, which matches nothing), so a batch costs one set of tensor operations."""
+    hists, brks, params = [], [], []
+    for _, history, s, breakers in rows:
+        if not isinstance(history, torch.Tensor):
+            history = list(history)  # frombuffer: several times faster than torch.tensor for long lists
+            history = torch.frombuffer(array("q", history), dtype=torch.int64) if history else torch.empty(0)
+        h = history.detach().to("cpu", torch.long).flatten()
+        if s.dry_range > 0:
+            h = h[-s.dry_range:]
+        ok = (h >= 0) & (h < breakers.numel())
+        hists.append(h)
+        brks.append(torch.where(ok, breakers.to("cpu", torch.bool)[h.clamp(0, max(breakers.numel() - 1, 0))], True))
+        params.append((s.dry_multiplier, s.dry_base, s.dry_allowed_length))
+    L = max(h.numel() for h in hists)
+    b = len(rows)
+    h = torch.full((b, L), -1, dtype=torch.long)
+    brk = torch.ones((b, L), dtype=torch.bool)
+    for i, (hi, bi) in enumerate(zip(hists, brks)):
+        if hi.numel():
+            h[i, L - hi.numel():] = hi
+            brk[i, L - hi.numel():] = bi
+    empty = torch.empty(0, dtype=torch.long)
+    if L < 2:
+        return empty, empty, torch.empty(0)
+    prev = h[:, :-1]                        # column m: the token before position j = m + 1
+    alive = torch.ones(b, L - 1, dtype=torch.bool)
+    length = torch.zeros(b, L - 1, dtype=torch.long)
+    going = ~brk[:, L - 1]
+    for k in range(min(max_ngram, L - 1)):
+        going &= ~brk[:, L - 1 - k]
+        alive[:, :k] = False
+        alive[:, k:] &= (prev[:, : L - 1 - k] == h[:, L - 1 - k: L - k]) & going[:, None]
+        if not alive.any():
+            break
+        length += alive
+    allowed = torch.tensor([p[2] for p in params])
+    cand = h[:, 1:]
+    hit = (length >= allowed[:, None]) & (cand >= 0) & (cand < vocab)
+    r, m = hit.nonzero(as_tuple=True)
+    if not r.numel():
+        return empty, empty, torch.empty(0)
+    keys, inverse = torch.unique(r * vocab + cand[r, m], return_inverse=True)
+    best = torch.zeros(keys.numel(), dtype=torch.long).scatter_reduce_(0, inverse, length[r, m], reduce="amax",
+                                                                       include_self=False)
+    kr = keys // vocab
+    mult = torch.tensor([p[0] for p in params], dtype=torch.float64)[kr]
+    base = torch.tensor([p[1] for p in params], dtype=torch.float64)[kr]
+    pens = mult * base.pow((best - allowed[kr]).to(torch.float64))
+    return kr, keys % vocab, pens.to(torch.float32)
+
+
 def apply_dry(logits: torch.Tensor,
               rows: Sequence[tuple[int, Sequence[int], "SamplingSettings", torch.Tensor]]) -> torch.Tensor:
     """logits [B, V] (any device, float) with DRY penalties subtracted: for each (row index, history, settings,
-    breakers) the row's penalties are computed on the CPU, then all rows go to the device in one index_put_.
+    breakers) the row's penalties (`dry_penalties`), all rows computed together on the CPU and sent to the device
+    in one index_put_.
 
     Returns `logits` itself when nothing is penalized, else a float32 copy.
     """
-    V = logits.shape[1]
-    r_parts, c_parts, v_parts = [], [], []
-    for row, history, s, breakers in rows:
-        ids, pens = dry_penalties(history, breakers, s.dry_multiplier, s.dry_base, s.dry_allowed_length,
-                                  s.dry_range)
-        keep = ids < V
-        ids, pens = ids[keep], pens[keep]
-        if ids.numel():
-            r_parts.append(torch.full_like(ids, int(row)))
-            c_parts.append(ids)
-            v_parts.append(pens)
-    if not r_parts:
+    rows = [r for r in rows if r[2].dry_multiplier > 0 and r[3].numel()]
+    if not rows:
+        return logits
+    local, ids, pens = _batch_penalties(rows, logits.shape[1])
+    if not ids.numel():
         return logits
     dev = logits.device
-    r = torch.cat(r_parts).to(dev)
-    c = torch.cat(c_parts).to(dev)
-    v = torch.cat(v_parts).neg_().to(dev)
+    index = torch.tensor([r[0] for r in rows], dtype=torch.long)[local]
     out = logits.to(torch.float32, copy=True)
-    out.index_put_((r, c), v, accumulate=True)
+    out.index_put_((index.to(dev), ids.to(dev)), pens.neg().to(dev), accumulate=True)
     return out
