@@ -24,6 +24,15 @@ def rope_factor_problem(name: str, value: Optional[float]) -> Optional[str]:
     return None
 
 
+class LoraSpec(BaseModel):
+    """A LoRA adapter to apply at runtime: its PEFT directory and the factor its update is scaled by."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: Path
+    scaling: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+
+
 class EngineConfig(BaseModel):
     """How to load and run one model."""
 
@@ -53,6 +62,8 @@ class EngineConfig(BaseModel):
     rope_scale: Optional[float] = None
     rope_alpha: Optional[float] = None
     rope_yarn: Optional[float] = None
+    # LoRA adapters applied to the model (not the draft model) from the start; Engine.set_loras changes them
+    loras: list[LoraSpec] = Field(default_factory=list)
 
     @field_validator("rope_scale", "rope_alpha", "rope_yarn")
     @classmethod
@@ -245,6 +256,7 @@ class ServerConfig(BaseModel):
     # the api_keys check too). None configured: allowed to everyone if api_keys is empty too, else to no one.
     admin_keys: tuple[str, ...] = ()
     model_dir_root: Optional[Path] = None    # the models /v1/model/list shows and /v1/model/load loads by name
+    lora_dir: Optional[Path] = None          # the LoRA adapters /v1/lora/list shows and /v1/lora/load loads by name
 
     @field_validator("api_keys", "admin_keys")
     @classmethod
@@ -253,7 +265,7 @@ class ServerConfig(BaseModel):
             raise ValueError(f"{info.field_name} must not contain empty keys")
         return v
 
-    @field_validator("model_dir_root")
+    @field_validator("model_dir_root", "lora_dir")
     @classmethod
     def _root(cls, v: Optional[Path]) -> Optional[Path]:
         if v is not None and not v.is_dir():

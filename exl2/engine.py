@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import torch
 
-from exl2.config import EngineConfig, SamplingSettings
+from exl2.config import EngineConfig, LoraSpec, SamplingSettings
 from exl2.errors import Exl2Error
 from exl2.generation.chat import ChatTemplate, tool_call_format
 from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, tool_call_grammar
@@ -18,7 +18,7 @@ from exl2.generation.speculative import make_drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.generation.worker import BatchWorker
 from exl2.runtime.loader import context_length, engine_rope, load_model
-
+from exl2.runtime.lora import LoraAdapter, active_loras
 
 class Engine:
     """A loaded model with its tokenizer and chat template. Calls from any number of threads or async tasks run
@@ -39,6 +39,8 @@ class Engine:
                                         cache_tokens=config.cache_size, max_batch=config.max_batch_size,
                                         draft=draft, num_draft_tokens=config.num_draft_tokens,
                                         flash_attention=config.flash_attention_enabled)
+        if config.loras:
+            self.dynamic.set_loras([self.load_lora(spec) for spec in config.loras])
         self.worker = BatchWorker(self.dynamic)
         self.generator = Generator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode, self.worker)
 
@@ -61,6 +63,22 @@ class Engine:
         gc.collect()                            # the model graph has reference cycles
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+
+    @property
+    def loras(self) -> list[LoraAdapter]:
+        """The LoRA adapters active on the model."""
+        return active_loras(self.model)
+
+    def load_lora(self, spec: LoraSpec) -> LoraAdapter:
+        """Read an adapter for this model without applying it (see `set_loras`)."""
+        return LoraAdapter.from_dir(spec.path, self.model, spec.scaling)
+
+    def set_loras(self, loras: Sequence[Union[LoraSpec, LoraAdapter]]) -> None:
+        """Make exactly these adapters active ([]: none), each read first unless already loaded (`load_lora`).
+        LoRAs apply to every request, so the change is refused (ConfigError) while requests run or wait; the
+        prompt cache is forgotten and CUDA graphs are captured again (DynamicGenerator.set_loras)."""
+        adapters = [x if isinstance(x, LoraAdapter) else self.load_lora(x) for x in loras]
+        self.worker.call(lambda: self.dynamic.set_loras(adapters))
 
     def __getattr__(self, name: str):
         # only reached for attributes the instance lacks: those close() released, or a genuine typo

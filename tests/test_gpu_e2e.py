@@ -41,12 +41,28 @@ def test_golden_greedy_decode_with_rope_scale(mode):
     _golden_decode("b4.0_hb6", mode, rope=RopeOverride(scale=2.0))
 
 
-def _golden_decode(name: str, mode: str, split_sum: bool = False, rope: RopeOverride | None = None) -> None:
+@pytest.mark.parametrize("mode", ["fp16", "q4"])
+def test_golden_greedy_decode_with_a_lora_adapter(mode, tmp_path):
+    """The same with a LoRA adapter on every projection: on the GPU its deltas are added where only permuted
+    inputs exist (the norm-gather's q/k/v and gate/up copies, the GLU's down input, attention's o_proj input),
+    inside the decode graphs, with split sums off; the CPU reference runs the same adapter."""
+    from test_lora import ALL, make_adapter
+
+    _golden_decode("b4.0_hb6", mode, lora=make_adapter(tmp_path / "a", ALL, r=8, alpha=16.0, seed=3))
+
+
+def _golden_decode(name: str, mode: str, split_sum: bool = False, rope: RopeOverride | None = None,
+                   lora=None) -> None:
+    from exl2.runtime.lora import LoraAdapter, set_loras
+
     ids = load_file(GOLDEN / "src" / "reference_logits_fp16_hf.safetensors")["input_ids"][:, :96]
     gpu = load_model(GOLDEN / name, "cuda", rope=rope)
     if split_sum:
         assert gpu.route_split_sums(True) > 0
     cpu = load_model(GOLDEN / name, "cpu", rope=rope)
+    if lora is not None:
+        for m in (gpu, cpu):
+            set_loras(m, [LoraAdapter.from_dir(lora, m)])
     page = 64
     cache = PagedKVCache(gpu.spec, num_pages=5, page_size=page, mode=mode, device="cuda", dtype=torch.float16)
     graphs = DecodeGraphs(gpu, cache, max_pages_per_seq=4, scratch_page=4)
@@ -68,7 +84,7 @@ def _golden_decode(name: str, mode: str, split_sum: bool = False, rope: RopeOver
     span = (ref.max() - ref.min()).item()
     assert (got - ref).abs().max().item() <= 0.03 * span
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
-    if rope is not None:  # it follows the override, not the model's own RoPE (see test_gpu_engine.py)
+    if rope is not None or lora is not None:  # it follows the override or adapter (see test_gpu_engine.py)
         with torch.no_grad():
             plain = load_model(GOLDEN / name, "cpu")(seq)[0, 95:]
         assert (got - ref).abs().mean() < 0.5 * (got - plain).abs().mean()

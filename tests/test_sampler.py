@@ -380,3 +380,26 @@ def test_repetition_penalty_range_and_decay():
     pen, _ = filter_rows(x, [s], strength)
     assert torch.allclose(pen, torch.tensor([[2.0 / 1.5, -2.0 * 1.25, 2.0, 1.0 / 1.25]]))
     assert s.ranged_penalty and not SamplingSettings(repetition_range=4).ranged_penalty
+
+
+@needs_kernels
+def test_extended_samplers_draw_through_the_fused_kernel_like_the_twin(small_chunks):
+    """With samplers only the PyTorch path filters (typical, tail-free, XTC, dynamic temperature), the filtered
+    logits go through the fused draw with its filters off: the same tokens as the twin's Gumbel-max, greedy rows
+    their argmax."""
+    from exl2.generation import sampler
+
+    logits, seen, _, _ = _mixed_batch()
+    n = 6
+    settings = [SamplingSettings(temperature=0.9, typical=0.8), SamplingSettings(temperature=1.1, tfs=0.9),
+                SamplingSettings(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.01),
+                SamplingSettings(temperature=1.0, min_temp=0.3, max_temp=2.0, top_p=0.9),
+                SamplingSettings(temperature=0.0, repetition_penalty=1.3), SamplingSettings(temperature=0.7, top_a=0.1)]
+    for counter in (0, 3):
+        keys = torch.tensor(row_keys(list(range(n)), [counter] * n))
+        coins = [0.5] * n
+        want = sampler._twin_draw(logits[:n], settings, keys, seen[:n], coins=coins)
+        with force_triton():
+            got = sampler._twin_draw(logits[:n].to(KERNEL_DEVICE), settings, keys.to(KERNEL_DEVICE),
+                                     seen[:n].to(KERNEL_DEVICE), coins=coins, fused=True).cpu()
+        assert got.tolist() == want.tolist(), counter

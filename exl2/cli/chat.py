@@ -4,7 +4,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, Optional
 
-from exl2.cli.common import add_draft_args, add_model_args, add_sampling_args, load_generator, sampling_from_args
+from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, load_generator,
+                             sampling_from_args)
 
 HELP = "Commands: /clear forgets the conversation, /exit quits (Ctrl-D too)."
 
@@ -15,6 +16,7 @@ def register(sub) -> None:
                                    "outgrows the context, its oldest turns are dropped (the system prompt stays). "
                                    + HELP)
     add_model_args(p)
+    add_lora_args(p)
     add_draft_args(p)
     system = p.add_mutually_exclusive_group()
     system.add_argument("-sp", "--system_prompt", "--system-prompt", dest="system_prompt", default=None,

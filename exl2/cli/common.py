@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from exl2.config import SamplingSettings
+from exl2.config import LoraSpec, SamplingSettings
 from exl2.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -70,6 +71,35 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
                    help="tokens guessed and checked per step when drafting (default 4)")
 
 
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", dest="loras", action="append", default=None, metavar="DIR",
+                   help="apply this PEFT LoRA adapter (adapter_config.json and adapter_model.safetensors) at "
+                        "runtime; repeatable, the adapters' updates add up")
+    p.add_argument("--lora-scaling", "--lora_scaling", dest="lora_scaling", action="append", type=float,
+                   default=None, metavar="S",
+                   help="scale of the --lora at the same position (repeatable; default 1.0 for each)")
+
+
+def lora_specs(args) -> list[LoraSpec]:
+    """The --lora adapters with their --lora-scaling, checked before the model loads: a missing directory or a
+    bad scale is a one-sentence ConfigError (the adapter files are read with the model)."""
+    dirs = getattr(args, "loras", None) or []
+    scales = getattr(args, "lora_scaling", None) or []
+    if len(scales) > len(dirs):
+        raise ConfigError(f"--lora-scaling is given {len(scales)} times but --lora only {len(dirs)}; each scale "
+                          "belongs to the --lora at its position.")
+    specs = []
+    for i, d in enumerate(dirs):
+        path = Path(d)
+        if not path.is_dir():
+            raise ConfigError(f"--lora {d}: {'is not a directory' if path.exists() else 'does not exist'}.")
+        scale = scales[i] if i < len(scales) else 1.0
+        if not (math.isfinite(scale) and scale >= 0):
+            raise ConfigError(f"--lora-scaling must be a number of at least 0, not {scale}.")
+        specs.append(LoraSpec(path=path, scaling=scale))
+    return specs
+
+
 def engine_settings(args) -> dict:
     """The EngineConfig fields the shared model and draft flags set."""
     from exl2.runtime.placement import parse_gpu_split
@@ -82,6 +112,9 @@ def engine_settings(args) -> dict:
                     rope_scale=args.rope_scale, rope_alpha=args.rope_alpha, rope_yarn=args.rope_yarn)
     if args.max_seq_len is not None:  # left out, EngineConfig's default applies and counts as not asked for
         settings["max_seq_len"] = args.max_seq_len
+    loras = lora_specs(args)
+    if loras:
+        settings["loras"] = loras
     return settings
 
 
@@ -205,18 +238,23 @@ def resolve_model_dir(model_dir: str | None) -> Path:
 
 
 def load_generator(args):
-    """(model_dir, tokenizer, generator) for the model flags of generate/chat."""
+    """(model_dir, tokenizer, generator) for the model flags of generate/chat, with the --lora adapters
+    applied."""
     from exl2.generation.generator import Generator
     from exl2.generation.speculative import make_drafter
     from exl2.generation.tokenizer import Tokenizer
     from exl2.runtime.loader import context_length, load_model
+    from exl2.runtime.lora import LoraAdapter, set_loras
     from exl2.runtime.placement import parse_gpu_split
 
     split = parse_gpu_split(args.gpu_split)
     rope = rope_from_args(args)
+    loras = lora_specs(args)
     model_dir = resolve_model_dir(args.model_dir)
     model = load_model(model_dir, args.device, gpu_split=split, cache_tokens=args.max_seq_len,
                        cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope)
+    if loras:   # before the generator exists: no graph or cached prefix was made without them
+        set_loras(model, [LoraAdapter.from_dir(s.path, model, s.scaling) for s in loras])
     tok = Tokenizer.from_dir(model_dir)
     max_seq_len = context_length(model.spec, args.max_seq_len)
     if not 1 <= args.num_draft_tokens <= 16:

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import sys
 
-from exl2.cli.common import add_draft_args, add_model_args, add_sampling_args, load_generator, sampling_from_args
+from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, load_generator,
+                             sampling_from_args)
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="complete a prompt (no chat template)",
                        description="Complete a prompt and print only the generated continuation.")
     add_model_args(p)
+    add_lora_args(p)
     add_draft_args(p)
     p.add_argument("-p", "--prompt", required=True, help="text to complete")
     p.add_argument("-n", "--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=128,

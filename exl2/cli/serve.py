@@ -8,7 +8,7 @@ import socket
 import sys
 from types import SimpleNamespace
 
-from exl2.cli.common import add_draft_args, add_model_args, engine_settings
+from exl2.cli.common import add_draft_args, add_lora_args, add_model_args, engine_settings
 from exl2.errors import ConfigError
 
 KEY_ENV = "EXL2_API_KEY"
@@ -20,6 +20,7 @@ def register(sub) -> None:
                        description="Serve /v1/chat/completions, /v1/completions and /v1/models (streaming, tools, "
                                    "API keys) for one model. See docs/server.md.")
     add_model_args(p)
+    add_lora_args(p)
     add_draft_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=5000, help="TCP port (default 5000; 0 = any free port)")
@@ -33,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--model-dir-root", "--model_dir_root", dest="model_dir_root", default=None, metavar="DIR",
                    help="directory whose model directories /v1/model/list shows and POST /v1/model/load loads by "
                         "name; with it and no -m the server starts with no model loaded")
+    p.add_argument("--lora-dir", "--lora_dir", dest="lora_dir", default=None, metavar="DIR",
+                   help="directory whose LoRA adapter directories /v1/lora/list shows and POST /v1/lora/load "
+                        "applies by name")
     p.add_argument("--model-name", "--model_name", dest="model_name", default=None,
                    help="model id reported by /v1/models and in responses (default: the model directory's name)")
     p.add_argument("--max-batch-size", "--max_batch_size", dest="max_batch_size", type=int, default=16,
@@ -105,6 +109,7 @@ def run(args) -> int:
     try:
         server_config = ServerConfig(host=args.host, port=args.port, api_keys=tuple(keys),
                                      admin_keys=tuple(admin_keys), model_dir_root=args.model_dir_root,
+                                     lora_dir=args.lora_dir,
                                      model_name=args.model_name, max_tokens=args.max_tokens,
                                      reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins))
     except ValueError as e:   # pydantic's ValidationError
@@ -119,6 +124,9 @@ def run(args) -> int:
             if per_model:
                 raise ConfigError(f"{per_model[0]} applies to the -m model, and none is given; set it in the "
                                   "POST /v1/model/load request instead.")
+            if args.loras:
+                raise ConfigError("--lora applies to the -m model, and none is given; apply adapters with "
+                                  "POST /v1/lora/load once a model is loaded.")
             # the flags still set what loaded models inherit; the root stands in for the model to check them
             args = argparse.Namespace(**{**vars(args), "model_dir": str(server_config.model_dir_root)})
         settings = engine_settings(args)
@@ -142,7 +150,8 @@ def run(args) -> int:
                   "/v1/model/load", file=sys.stderr, flush=True)
         else:
             name = server_config.model_name or engine.model_name
-            print(f"Serving {name} at {url}", file=sys.stderr, flush=True)
+            loras = f" with LoRA {', '.join(a.name for a in engine.loras)}" if engine_config.loras else ""
+            print(f"Serving {name}{loras} at {url}", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from exl2.errors import ContextLengthError
+from exl2.errors import ConfigError, ContextLengthError
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
 from exl2.generation.dry import apply_dry, sequence_breakers
@@ -23,6 +23,7 @@ from exl2.generation.sampler import SeenTokens, fresh_seed, recent_tokens, sampl
 from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import DecoderModel
+from exl2.runtime import lora
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.page_pool import PagePool, page_key
 from exl2.runtime.paged_cache import paged_cache_for
@@ -108,6 +109,23 @@ class DynamicGenerator:
 
     def has_work(self) -> bool:
         return bool(self.queue or self.active)
+
+    def set_loras(self, adapters: Sequence[lora.LoraAdapter]) -> None:
+        """Make exactly `adapters` active on the model ([]: none). They are global, as in exllamav2: every job
+        runs with them, so they change only between jobs (a running job's cache was computed without them).
+        The CUDA graphs and the prompt cache hold the previous weights' work, so the graphs are freed (captured
+        again lazily) and every cached prefix forgotten. The draft model keeps its own weights."""
+        if self.has_work():
+            raise ConfigError("LoRAs can change only while no request is running.")
+        if self._inflight is not None:  # a step of jobs cancelled since: nothing waits for its tokens
+            if self._inflight.done is not None:
+                self._inflight.done.synchronize()
+            self._inflight = None
+        lora.set_loras(self.model, adapters)   # checks everything before it changes anything
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.reset()
+        self.pool.forget_prefixes()
 
     def _pages_needed(self, job: Job) -> int:
         # The last sampled token is never fed back, so it takes no cache slot.

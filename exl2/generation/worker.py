@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import AsyncIterator, Callable, Iterator, Union
+from concurrent.futures import Future
+from typing import AsyncIterator, Callable, Iterator, TypeVar, Union
 
 from exl2.errors import Exl2Error
 from exl2.generation.dynamic import DynamicGenerator, Event, Job
 from exl2.generation.output import GenerationResult
 
 Sink = Callable[[Union[Event, BaseException]], None]
+T = TypeVar("T")
 
 
 class BatchWorker:
@@ -39,6 +41,19 @@ class BatchWorker:
 
     def cancel(self, job: Job) -> None:
         self._inbox.put(("cancel", job, None))
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the generator's thread between steps (the generator is not thread-safe), after the jobs
+        submitted before it were queued; its result, or its exception raised here. With no thread yet it runs
+        here, under the lock that starts one."""
+        with self._start:
+            if self._closed:
+                raise Exl2Error("This engine was closed, so it takes no new requests.")
+            if self._thread is None:
+                return fn()
+            done: Future = Future()
+            self._inbox.put(("call", fn, done))
+        return done.result()
 
     def close(self, timeout: float | None = None) -> None:
         """Take no new jobs, let those in flight run to their ends, then stop the thread (waiting up to `timeout`
@@ -66,6 +81,11 @@ class BatchWorker:
                     _deliver(sink, e)
             elif op == "close":
                 continue
+            elif op == "call":  # (fn, its Future) in the job and sink places
+                try:
+                    sink.set_result(job())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+                    sink.set_exception(e)
             elif not job.done:
                 self.generator.cancel(job)
                 self._sinks.pop(job.id, None)

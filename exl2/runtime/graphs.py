@@ -88,6 +88,15 @@ class DecodeGraphs:
                 finally:
                     self.cache.decode_splits = None
 
+    def reset(self) -> None:
+        """Free every captured graph, so that the next `step(lazy=True)` (or `capture`) records the model's
+        forward anew: a graph replays the kernels and weights it was captured with, so it goes stale when the
+        model's layers change (LoRA adapters set or removed)."""
+        if (self.graphs or self.short) and self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)   # no replay may still be reading what is freed
+        self.graphs.clear()
+        self.short.clear()
+
     def _wants_short(self, bs: int) -> bool:
         c = self.cache
         return bool(SHORT_CONTEXT and self.tokens == 1 and c.decode_splits is None and c.v_bits == 16

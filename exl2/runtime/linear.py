@@ -1,6 +1,7 @@
 """Linear layers whatever the weight format: dense, EXL2 or GPTQ, on CPU (PyTorch) or GPU (Triton kernels)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -9,10 +10,39 @@ from torch import nn
 
 from exl2.kernels import quant_matmul as qm
 from exl2.kernels.dequant import dequant_matmul_group
-from exl2.kernels.permute import gather_input, input_layout, share_input_orders, split_permuted
+from exl2.kernels.permute import gather_input, input_layout, share_input_orders, split_permuted, take_columns
 from exl2.kernels.quant_matmul import (grouped_matmul, permuted_matmul, quant_matmul, uses_dequant,
                                        uses_permuted_input)
 from exl2.kernels.split_sum import SplitSum
+
+
+@dataclass(eq=False)
+class LoraWeights:
+    """One LoRA adapter's low-rank pair for one Linear (runtime.lora): the layer adds `(x · aᵀ) · bᵀ`.
+
+    `a` [r, in]; `b` [out, r] with the adapter's scale folded in; `a_perm` [r, width]: `a`'s columns in a
+    quantized kernel's input order (`QuantWeight.x_index`, zero columns for its padding), for the paths where
+    only the permuted input exists."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_perm: Optional[torch.Tensor] = None
+
+
+def permute_lora_a(a: torch.Tensor, x_index: torch.Tensor) -> torch.Tensor:
+    """`a` [r, in] with its columns in the order of a permuted input (`xp[:, p] = x[:, x_index[p]]`, 0 where
+    x_index < 0), so that `xp · a_permᵀ == x · aᵀ`."""
+    return take_columns(a, x_index).contiguous()
+
+
+def lora_delta(x: torch.Tensor, loras: Sequence[LoraWeights], permuted: bool = False) -> torch.Tensor:
+    """The summed LoRA deltas for input x `[..., in]`, or with `permuted` for a permuted input `[..., width]`
+    (each pair's `a_perm`)."""
+    out = None
+    for lw in loras:
+        d = F.linear(F.linear(x, lw.a_perm if permuted else lw.a), lw.b)
+        out = d if out is None else out + d
+    return out
 
 
 class Linear(nn.Module):
@@ -21,10 +51,13 @@ class Linear(nn.Module):
     `weight` is the dense [out, in] matrix (the CPU path dequantizes quantized layers once at load);
     `kernel`, when set, is an exl2.kernels QuantWeight (EXL2 or GPTQ, bias included) that the quantized matmul
     kernels compute from directly on the GPU. `info` records the on-disk format for `exl2 info` and the quantizer.
+    `source` (prefix, first row, end row): the Hugging Face module and the rows of its output this layer holds,
+    which LoRA adapters are matched against; `loras`: the active adapters' pairs (runtime.lora.set_loras).
     """
 
     def __init__(self, in_features: int, out_features: int, weight: Optional[torch.Tensor] = None,
-                 bias: Optional[torch.Tensor] = None, kernel=None, info: Optional[dict] = None):
+                 bias: Optional[torch.Tensor] = None, kernel=None, info: Optional[dict] = None,
+                 source: Optional[tuple[str, int, int]] = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(weight, requires_grad=False) if weight is not None else None
@@ -33,21 +66,30 @@ class Linear(nn.Module):
         self.info = info or {"format": "dense"}
         # set by the decoder where this layer's output feeds a norm-gather, which can add K-split partial sums
         self.split_sum = False
+        self.source = source
+        self.loras: list[LoraWeights] = []
 
     def forward(self, x: torch.Tensor, xp: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`xp`: x already permuted for this layer's kernel (see `project`)."""
         if self.kernel is not None:
-            return self.trim(quant_matmul(x, self.kernel, xp))
-        return F.linear(x, self.weight, self.bias)
+            y = self.trim(quant_matmul(x, self.kernel, xp))
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y + lora_delta(x, self.loras) if self.loras else y
 
     def forward_permuted(self, xp: torch.Tensor, lead: Sequence[int]) -> torch.Tensor | SplitSum:
         """The quantized layer on its permuted input only (`[rows, S·32]`, rows ≤ 64); output `[*lead, out]`, or
-        with `split_sum` set, where the kernel splits K, its partial sums (`SplitSum`, for the norm-gather)."""
-        y = permuted_matmul(xp, self.kernel, self.split_sum and self.kernel.n == self.out_features)
+        with `split_sum` set, where the kernel splits K, its partial sums (`SplitSum`, for the norm-gather).
+        Active LoRA adapters add their deltas from xp through their permuted A (no partial sums then)."""
+        split = self.split_sum and not self.loras and self.kernel.n == self.out_features
+        y = permuted_matmul(xp, self.kernel, split)
         if isinstance(y, SplitSum):
             y.lead = tuple(lead)
             return y
-        return self.trim(y).reshape(*lead, self.out_features)
+        y = self.trim(y)
+        if self.loras:
+            y = y + lora_delta(xp, self.loras, permuted=True)
+        return y.reshape(*lead, self.out_features)
 
     def trim(self, y: torch.Tensor) -> torch.Tensor:
         """The kernel's output without the columns EXL2 pads N with (to a multiple of 32)."""
@@ -92,7 +134,7 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Te
     rows = x.numel() // max(1, x.shape[-1])
     if xp is None and 1 < len(quant) == len(linears) and uses_dequant(rows, x):  # large batches: one GEMM
         outs = dequant_matmul_group(x.reshape(rows, x.shape[-1]), [m.kernel for m in quant])
-        return [m.trim(y.view(*x.shape[:-1], y.shape[-1])) for m, y in zip(linears, outs)]
+        return with_loras(x, linears, [m.trim(y.view(*x.shape[:-1], y.shape[-1])) for m, y in zip(linears, outs)])
     if xp is None and (len(quant) < 2 or not uses_permuted_input(rows, x)):
         return [m(x) for m in linears]
     x2 = x.reshape(rows, x.shape[-1])
@@ -102,10 +144,15 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Te
     if len(quant) == len(linears):
         outs = grouped_matmul(x2, kernels, xp)
         if outs is not None:
-            return [m.trim(y.view(*x.shape[:-1], y.shape[-1])) for m, y in zip(linears, outs)]
+            return with_loras(x, linears, [m.trim(y.view(*x.shape[:-1], y.shape[-1])) for m, y in zip(linears, outs)])
         views = gather_input(x2, kernels) if xp is None else split_permuted(xp, kernels)
         return [m(x, v) for m, v in zip(linears, views)]
     if xp is not None:
         raise ValueError("a permuted input buffer needs every linear to be quantized.")
     xps = dict(zip(map(id, quant), gather_input(x2, kernels)))
     return [m(x, xps[id(m)]) if id(m) in xps else m(x) for m in linears]
+
+
+def with_loras(x: torch.Tensor, linears: Sequence[nn.Module], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`outs` (the linears' outputs on x from a path that bypasses `Linear.forward`) plus their LoRA deltas."""
+    return [y + lora_delta(x, m.loras) if getattr(m, "loras", None) else y for m, y in zip(linears, outs)]

@@ -86,6 +86,15 @@ class PagePool:
         self.page_of[key] = page
         self.key_of[page] = key
 
+    def forget_prefixes(self) -> None:
+        """Unpublish every cached prefix, for when the keys/values they hold no longer match the model (its LoRA
+        adapters changed): no later prompt shares them. Cached pages nobody uses become free; pages still in use
+        stay with their sequences and are freed, not cached, when released."""
+        self.free.extend(self.idle)
+        self.idle.clear()
+        self.key_of.clear()
+        self.page_of.clear()
+
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference to each page; unused keyed pages stay cached, the others become free."""
         for p in pages:

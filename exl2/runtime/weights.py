@@ -78,14 +78,14 @@ class WeightLoader:
                 raise FormatError(f"Layer {prefix!r} holds a {kernel.k}×{kernel.n} matrix, expected "
                                   f"{in_features}×{out_features}.")
             info = {"format": "exl2" if f"{prefix}.q_weight" in self.src else "gptq"}
-            return Linear(in_features, out_features, None, None, kernel, info)
+            return Linear(in_features, out_features, None, None, kernel, info, source=(prefix, 0, out_features))
         b = self._bias(prefix, out_features, bias)
         w, info = self._dense_matrix(prefix)
         w = w[:out_features]
         if tuple(w.shape) != (out_features, in_features):
             raise FormatError(f"Layer {prefix!r} has shape {tuple(w.shape)}, expected {(out_features, in_features)}.")
         return Linear(in_features, out_features, w.to(device=self.device, dtype=self.dtype).contiguous(), b,
-                      info=info)
+                      info=info, source=(prefix, 0, out_features))
 
     def linears_split(self, prefix: str, in_features: int, sizes: list[int], bias: bool) -> list[Linear]:
         """Split a fused dense projection (Phi-3 qkv_proj, gate_up_proj) into separate linears."""
@@ -97,7 +97,7 @@ class WeightLoader:
         for n in sizes:
             part = w[start:start + n].to(device=self.device, dtype=self.dtype).contiguous()
             out.append(Linear(in_features, n, part, None if b is None else b[start:start + n].contiguous(),
-                              info=info))
+                              info=info, source=(prefix, start, start + n)))
             start += n
         return out
 

@@ -1,9 +1,12 @@
 """TabbyAPI's model management: `GET /v1/model/list` (and `/v1/model/draft/list`), `POST /v1/model/load`,
-`POST /v1/model/unload` and `GET /v1/auth/permission`.
+`POST /v1/model/unload` and `GET /v1/auth/permission`; and its LoRA management: `GET /v1/lora/list` (and
+`/v1/loras`), `GET /v1/lora`, `POST /v1/lora/load` and `POST /v1/lora/unload`.
 
 Models are the directories with a config.json directly under `ServerConfig.model_dir_root`, named by their
 directory name. A load builds the new Engine on a worker thread while the current model keeps serving, then swaps
 it in (host.py says what happens to requests around the swap); if it fails, the current model stays.
+LoRA adapters are the directories with an adapter_config.json under `ServerConfig.lora_dir`. They apply to every
+request, so a change waits for the requests running to end and holds new ones until it is done.
 """
 from __future__ import annotations
 
@@ -12,18 +15,20 @@ import json
 import logging
 import traceback
 from pathlib import Path, PureWindowsPath
-from typing import Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 from fastapi import APIRouter, Request, Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from exl2.config import EngineConfig, ServerConfig
-from exl2.errors import Exl2Error
+from exl2.config import EngineConfig, LoraSpec, ServerConfig
+from exl2.errors import ConfigError, Exl2Error
 from exl2.server.auth import permission
 from exl2.server.errors import APIError, unsupported
-from exl2.server.host import ModelHost, ServerState, close_slot, free_memory, host, serve_state
+from exl2.server.host import (ModelHost, ServerState, close_slot, free_memory, host, no_model, serve_state,
+                              serving)
 
 log = logging.getLogger("exl2.server")
+T = TypeVar("T")
 
 # The EngineConfig fields that `exl2 serve`'s flags set for every model, so loads through the API inherit them.
 DEFAULT_FIELDS = ("device", "kv_cache_mode", "max_batch_size", "gpu_split", "tensor_parallel", "ngram_draft",
@@ -95,14 +100,36 @@ class ModelLoadRequest(BaseModel):
     override_base_seq_len: Optional[int] = None
 
 
+class LoraLoadInfo(BaseModel):
+    """One adapter of TabbyAPI's LoRA load request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    scaling: Optional[float] = Field(1.0, ge=0.0, allow_inf_nan=False)    # None: 1.0, as in TabbyAPI
+
+
+class LoraLoadRequest(BaseModel):
+    """TabbyAPI's LoRA load request: the adapters that replace the active ones (skip_queue is ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    loras: list[LoraLoadInfo] = Field(min_length=1)
+
+
+def _plain_name(name: str) -> bool:
+    """Whether `name` is a directory name that stays inside the directory it is looked up in."""
+    return (bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0:")
+            and not PureWindowsPath(name).drive and not Path(name).is_absolute())
+
+
 def model_dir(root: Optional[Path], name: str, param: str) -> Path:
     """The directory of model `name` under `root`: a plain directory name, never a path; 400 for a name that is
     not one (or a directory without config.json), 404 for one that does not exist."""
     if root is None:
         raise APIError(400, "Loading models by name needs a model directory; start the server with "
                             "--model-dir-root DIR.", param=param, code="model_dir_root_unset")
-    if (not name or name.startswith(".") or any(c in name for c in "/\\\0:") or PureWindowsPath(name).drive
-            or Path(name).is_absolute()):
+    if not _plain_name(name):
         raise APIError(400, f"'{name}' is not the name of a model directory; use a name GET /v1/model/list shows.",
                        param=param, code="invalid_model_name")
     path = root / name
@@ -259,22 +286,120 @@ def _card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "exl2"}
 
 
-def model_cards(config: ServerConfig) -> list[dict]:
-    """The model directories (those with a config.json) under the root, by name."""
-    root = config.model_dir_root
+def _listed(root: Path, marker: str, what: str) -> list[tuple[str, int]]:
+    """(name, modification time) of the directories under `root` that hold a file `marker`, by name."""
     try:
         entries = sorted(root.iterdir(), key=lambda p: p.name)
     except OSError as e:
-        raise APIError(500, f"The model directory {root} cannot be read ({e.strerror or e}).",
+        raise APIError(500, f"The {what} directory {root} cannot be read ({e.strerror or e}).",
                        type="server_error") from None
-    cards = []
+    found = []
     for p in entries:
         try:
-            if not p.name.startswith(".") and p.is_dir() and (p / "config.json").is_file():
-                cards.append(_card(p.name, int(p.stat().st_mtime)))
+            if not p.name.startswith(".") and p.is_dir() and (p / marker).is_file():
+                found.append((p.name, int(p.stat().st_mtime)))
         except OSError:
             continue
-    return cards
+    return found
+
+
+def model_cards(config: ServerConfig) -> list[dict]:
+    """The model directories (those with a config.json) under the root, by name."""
+    return [_card(name, created) for name, created in _listed(config.model_dir_root, "config.json", "model")]
+
+
+def _lora_card(name: str, created: int, scaling: Optional[float] = None) -> dict:
+    """TabbyAPI's LoraCard; `scaling` is set for active adapters only."""
+    return {"id": name, "object": "lora", "created": created, "owned_by": "exl2", "scaling": scaling}
+
+
+def lora_cards(config: ServerConfig) -> list[dict]:
+    """The adapter directories (those with an adapter_config.json) under the LoRA directory, by name."""
+    return [_lora_card(name, created) for name, created in _listed(config.lora_dir, "adapter_config.json", "LoRA")]
+
+
+def active_lora_cards(engine) -> list[dict]:
+    """The adapters active on `engine`, with the scaling each was applied with."""
+    def created(path: Path) -> int:
+        try:
+            return int(path.stat().st_mtime)
+        except OSError:
+            return 0
+
+    return [_lora_card(a.name, created(Path(a.path)), a.scaling) for a in engine.loras]
+
+
+def lora_path(root: Optional[Path], name: str, param: str) -> Path:
+    """The directory of adapter `name` under `root`; 400 for a name that is not a plain directory name (it could
+    reach outside `root`). One that does not exist fails to load, as TabbyAPI reports it."""
+    if root is None:
+        raise APIError(400, "Loading LoRAs by name needs a LoRA directory; start the server with --lora-dir DIR.",
+                       param=param, code="lora_dir_unset")
+    if not _plain_name(name):
+        raise APIError(400, f"'{name}' is not the name of a LoRA directory; use a name GET /v1/lora/list shows.",
+                       param=param, code="invalid_lora_name")
+    return root / name
+
+
+def _refuse_while_busy(h: ModelHost) -> None:
+    """409 while a model load or a LoRA change is in progress: one change at a time."""
+    if _loading(h):
+        raise APIError(409, f"The model '{h.loading}' is being loaded; wait until that load has finished.",
+                       code="model_loading")
+    if h.lora_task is not None and not h.lora_task.done():
+        raise APIError(409, "The LoRAs are being changed; wait until that change has finished.", code="lora_loading")
+
+
+async def _change_loras(h: ModelHost, change: Callable[[Any], T]) -> T:
+    """`change(engine)` on a thread once the requests running on the served model have ended; requests arriving
+    meanwhile wait for it (host.acquire). A client that goes away does not stop it."""
+    _refuse_while_busy(h)
+    slot = h.current
+    if slot is None:
+        raise no_model()
+
+    async def run() -> T:
+        await slot.drained()
+        return await asyncio.to_thread(change, slot.state.engine)
+
+    h.lora_task = asyncio.ensure_future(run())
+    h.lora_task.add_done_callback(_retrieve)
+    return await asyncio.shield(h.lora_task)
+
+
+def _set_loras(engine, adapters: list) -> None:
+    try:
+        engine.set_loras(adapters)
+    except ConfigError as e:    # the engine still runs a request this server did not start
+        raise APIError(409, str(e), code="requests_running") from None
+
+
+def _apply_loras(engine, specs: list[tuple[str, LoraSpec]]) -> dict:
+    """TabbyAPI's load: the adapters that load replace the active ones (all of them go), those that fail are
+    listed in `failure`, with why in `errors`."""
+    adapters, success, failure, errors = [], [], [], {}
+    for name, spec in specs:
+        try:
+            adapters.append(engine.load_lora(spec))
+            success.append(name)
+        except Exception as e:
+            failure.append(name)
+            if isinstance(e, Exl2Error):
+                errors[name] = str(e)
+                log.warning("loading LoRA %s failed: %s", name, e)
+            else:
+                errors[name] = f"Loading the LoRA '{name}' failed; see the server log."
+                log.error("loading LoRA %s failed:\n%s", name, "".join(traceback.format_exception(e)))
+    _set_loras(engine, adapters)
+    log.info("LoRAs: %s", ", ".join(a.name for a in adapters) or "none")
+    return {"success": success, "failure": failure, "errors": errors}
+
+
+def _unload_loras(engine) -> list[str]:
+    names = [a.name for a in engine.loras]
+    _set_loras(engine, [])
+    log.info("unloaded LoRAs %s", ", ".join(names) or "(none were active)")
+    return names
 
 
 def router(auth, admin) -> APIRouter:
@@ -292,6 +417,35 @@ def router(auth, admin) -> APIRouter:
         st = h.state
         return {"object": "list", "data": [_card(st.name, st.created)] if st is not None else []}
 
+    @r.get("/v1/lora/list", dependencies=[auth])
+    @r.get("/v1/loras", dependencies=[auth])
+    async def list_loras(request: Request):
+        """The adapters /v1/lora/load can apply; without a LoRA directory, the active ones."""
+        h = host(request)
+        if h.config.lora_dir is not None:
+            return {"object": "list", "data": lora_cards(h.config)}
+        st = h.state
+        return {"object": "list", "data": active_lora_cards(st.engine) if st is not None else []}
+
+    @r.get("/v1/lora", dependencies=[auth])
+    async def current_loras(request: Request):
+        """The adapters active on the served model, with their scaling."""
+        return {"object": "list", "data": active_lora_cards(serving(request).engine)}
+
+    @r.post("/v1/lora/load", dependencies=[admin])
+    async def load_loras(body: LoraLoadRequest, request: Request):
+        """Apply these adapters (by directory name) in place of the active ones, once no request runs."""
+        root = host(request).config.lora_dir
+        specs = [(x.name, LoraSpec(path=lora_path(root, x.name, f"loras[{i}].name"),
+                                   scaling=1.0 if x.scaling is None else x.scaling))
+                 for i, x in enumerate(body.loras)]
+        return await _change_loras(host(request), lambda engine: _apply_loras(engine, specs))
+
+    @r.post("/v1/lora/unload", dependencies=[admin])
+    async def unload_loras(request: Request):
+        """Remove every active adapter, once no request runs."""
+        return {"status": "unloaded", "loras": await _change_loras(host(request), _unload_loras)}
+
     @r.get("/v1/auth/permission", dependencies=[auth])
     async def key_permission(request: Request):
         """TabbyAPI's: "admin" for a key that may load models, else "api"."""
@@ -301,9 +455,7 @@ def router(auth, admin) -> APIRouter:
     async def load_model(body: ModelLoadRequest, request: Request):
         """Load a model by its directory name; answered when it serves (or with the error that stopped it)."""
         h = host(request)
-        if _loading(h):
-            raise APIError(409, f"The model '{h.loading}' is being loaded; wait until that load has finished.",
-                           code="model_loading")
+        _refuse_while_busy(h)
         config = engine_config(h, body)
         draft = config.draft_model_dir is not None
         if h.state is not None and getattr(h.state.engine, "config", None) == config:
@@ -318,9 +470,7 @@ def router(auth, admin) -> APIRouter:
     async def unload_model(request: Request):
         """Stop serving the model; its memory is released now, or when the requests still running on it end."""
         h = host(request)
-        if _loading(h):
-            raise APIError(409, f"The model '{h.loading}' is being loaded; wait until that load has finished.",
-                           code="model_loading")
+        _refuse_while_busy(h)
         old = h.swap(None)
         if old is None:
             return {"status": "unloaded", "model": None, "running_requests": 0}

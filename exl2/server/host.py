@@ -4,7 +4,8 @@ Every request that generates or tokenizes pins the engine that serves it when it
 unload only changes which engine later requests get. So requests already running finish on the engine they
 started on; a replaced engine is closed (its memory released) when the last of them has ended (`Leases`).
 While a load runs, requests that need the engine wait for it, then go to the new model (or, if the load failed,
-to the old one).
+to the old one). A LoRA change cannot leave running requests on an engine of their own (adapters are global to
+the model): it waits for the requests running to end, requests arriving meanwhile wait for it, as for a load.
 """
 from __future__ import annotations
 
@@ -51,12 +52,25 @@ class Slot:
         self.running = 0
         self.retired = False        # replaced or unloaded: close the engine once `running` is 0
         self.closed = False
+        self._drain: list[asyncio.Future] = []     # `drained()` callers waiting for `running` to reach 0
 
     def release(self) -> None:
         """One request running on it has ended; the last one on a retired slot closes it (off the event loop)."""
         self.running -= 1
+        if self.running == 0:
+            for waiter in self._drain:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._drain.clear()
         if self.retired and self.running == 0:
             asyncio.get_running_loop().run_in_executor(None, close_slot, self)
+
+    async def drained(self) -> None:
+        """Return once no request runs on this engine (new ones must be held off meanwhile, or it may never)."""
+        while self.running:
+            waiter = asyncio.get_running_loop().create_future()
+            self._drain.append(waiter)
+            await waiter
 
 
 class ModelHost:
@@ -67,6 +81,7 @@ class ModelHost:
         self.current: Optional[Slot] = Slot(state) if state is not None else None
         self.loading: Optional[str] = None          # the name of the model being loaded
         self.load_task: Optional[asyncio.Task] = None
+        self.lora_task: Optional[asyncio.Task] = None   # a LoRA change, waiting for requests to end or applying
         self._mirror()
 
     @property
@@ -75,6 +90,10 @@ class ModelHost:
 
     def _mirror(self) -> None:
         self.app.state.exl2 = self.state            # `app.state.exl2`: the served model's state, None when none
+
+    def pending(self) -> list[asyncio.Task]:
+        """The model load and LoRA change in progress, which requests must wait for."""
+        return [t for t in (self.load_task, self.lora_task) if t is not None and not t.done()]
 
     def swap(self, state: Optional[ServerState]) -> Optional[Slot]:
         """Serve `state` (None: nothing) from now on; the previous slot, now retired, is returned."""
@@ -117,11 +136,11 @@ def host(request: Request) -> ModelHost:
 
 
 async def acquire(request: Request) -> None:
-    """A dependency for routes that use the engine: waits for a load in progress, then pins the engine serving
-    now to the request until its response has been sent; 503 when no model is loaded."""
+    """A dependency for routes that use the engine: waits for a load or LoRA change in progress, then pins the
+    engine serving now to the request until its response has been sent; 503 when no model is loaded."""
     h = host(request)
-    while h.load_task is not None and not h.load_task.done():
-        await asyncio.wait([h.load_task])
+    while h.pending():
+        await asyncio.wait(h.pending())
     slot = h.current
     if slot is None:
         raise no_model()
