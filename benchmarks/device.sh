@@ -27,7 +27,8 @@
 # s26: the same without the bench, then the Gluon kernel's launch settings A/B at batches 2, 4 and 16. s27 (session
 # 22): the GPU tests of the engine switches (prompt attention backends, RoPE overrides, Engine.close), eval with a
 # chunked q4 cache on CUDA and CPU, sampling.py, then the target bench at batches 1, 2, 4 and 16. s28: the GPU tests of
-# the extended samplers, banned strings and ranged penalties, then sampling.py with their cases.
+# the extended samplers, banned strings and ranged penalties, then sampling.py with their cases. s29: the LoRA GPU
+# tests with those of s27/s28, sampling.py (the extended samplers now draw through the fused kernel), a short bench.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -146,6 +147,12 @@ for s in $steps; do
          -k "extended" -q -p no:cacheprovider -rfE > "$OUT/gpu_s28.txt" 2>&1
        echo "extended-sampler GPU tests rc=$?"; tail -n 6 "$OUT/gpu_s28.txt"
        timeout 120 python3 benchmarks/sampling.py > "$OUT/sampling.txt" 2>&1; echo "sampling rc=$?"; cat "$OUT/sampling.txt" ;;
+  s29) timeout -s INT -k 15 ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_gpu_engine.py \
+         -k "lora or extended or rope or backends or close" -q -n 4 -p no:cacheprovider -rfE > "$OUT/gpu_s29.txt" 2>&1
+       echo "LoRA/sampler/engine GPU tests rc=$?"; tail -n 8 "$OUT/gpu_s29.txt"
+       timeout 120 python3 benchmarks/sampling.py > "$OUT/sampling.txt" 2>&1; echo "sampling rc=$?"; cat "$OUT/sampling.txt"
+       timeout ${BENCH_TIMEOUT:-150} python3 -m exl2.cli.main bench --modes fp16 --contexts 128,2048 --prefill 64 \
+         > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"; tail -n 7 "$OUT/bench.txt" ;;
   attnsweep2) timeout ${SWEEP_TIMEOUT:-170} python3 benchmarks/attn_probe.py --sweep ${ATTN_SWEEP_ARGS:-} > "$OUT/attn_probe${TAG}.txt" 2>&1
            echo "attn_probe sweep rc=$?"; tail -60 "$OUT/attn_probe${TAG}.txt" ;;
   ncuattn) for shape in ${ATTN_SHAPES:-16:128:fp16:1 1:2048:fp16:0}; do IFS=: read -r ab actx amode asp <<< "$shape"
