@@ -208,3 +208,20 @@ def test_apply_dry_batches_rows_like_one_row_at_a_time():
                     want[r, t] -= p
         got = apply_dry(torch.zeros(5, V), rows)
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), trial
+
+
+def test_token_history_follows_a_growing_and_taken_back_token_list():
+    from exl2.generation.dry import TokenHistory
+
+    h, tokens = TokenHistory(), []
+    for step in range(600):                      # past the first buffer size: it grows and keeps what it had
+        tokens.append(step % 37)
+        assert h.sync(tokens).tolist() == tokens
+    del tokens[590:]
+    h.truncate(len(tokens))
+    tokens += [5, 6]
+    assert h.sync(tokens).tolist() == tokens
+    del tokens[100:]                             # cut short without truncate(): sync sees a shorter list
+    assert h.sync(tokens).tolist() == tokens
+    tokens.append(9)
+    assert h.sync(tokens).tolist() == tokens

@@ -53,6 +53,32 @@ def sequence_breakers(tokenizer: "Tokenizer", strings: Optional[Sequence[str]]) 
     return mask
 
 
+class TokenHistory:
+    """A job's text as an int64 tensor that grows as tokens come, so DRY reads it without converting the whole
+    token list every step (that conversion cost more than the matching)."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.long)
+        self.n = 0
+
+    def sync(self, tokens: Sequence[int]) -> torch.Tensor:
+        """The tensor of `tokens`, which extend what it last saw, or are shorter; a list cut short and then
+        extended again between two calls needs `truncate` at the cut."""
+        n = len(tokens)
+        self.n = min(self.n, n)
+        if n > self.buf.numel():
+            grown = torch.empty(max(2 * n, 256), dtype=torch.long)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        if self.n < n:
+            self.buf[self.n:n] = torch.tensor(tokens[self.n:n], dtype=torch.long)
+            self.n = n
+        return self.buf[:n]
+
+    def truncate(self, n: int) -> None:
+        self.n = min(self.n, n)
+
+
 def _empty() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float32)
 

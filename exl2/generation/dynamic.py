@@ -18,7 +18,7 @@ import torch
 from exl2.errors import ConfigError, ContextLengthError
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
-from exl2.generation.dry import apply_dry, sequence_breakers
+from exl2.generation.dry import TokenHistory, apply_dry, sequence_breakers
 from exl2.generation.sampler import SeenTokens, fresh_seed, recent_tokens, sample_rows
 from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
@@ -381,9 +381,16 @@ class DynamicGenerator:
     def _dry(self, jobs: list[Job], logits: torch.Tensor) -> torch.Tensor:
         """`logits` with DRY's penalties subtracted for the jobs that ask, from their text so far (prompt and reply:
         `Job.tokens`); `logits` itself when none asks."""
-        rows = [(i, j.tokens, j.settings, sequence_breakers(self.tokenizer, j.settings.dry_sequence_breakers))
+        rows = [(i, self._history(j), j.settings, sequence_breakers(self.tokenizer, j.settings.dry_sequence_breakers))
                 for i, j in enumerate(jobs) if j.settings.dry]
         return apply_dry(logits, rows) if rows else logits
+
+    @staticmethod
+    def _history(job: Job) -> torch.Tensor:
+        """The job's text (`Job.tokens`) as a tensor kept up to date step by step (`dry.TokenHistory`)."""
+        if job.history is None:
+            job.history = TokenHistory()
+        return job.history.sync(job.tokens)
 
     def _xtc_keep(self, vocab: int) -> torch.Tensor:
         """bool [vocab] on the model's device: the tokens XTC never drops (those whose text has a newline, and the
@@ -487,6 +494,8 @@ class DynamicGenerator:
         job.string_bans = {d: b for d, b in job.string_bans.items() if d <= index}
         job.string_bans.setdefault(index, set()).add(token)
         del job.tokens[len(job.ids) + index:]
+        if job.history is not None:
+            job.history.truncate(len(job.tokens))
         del job.token_logprobs[index:]
         job.pending = job.tokens[-1]
         job.length = len(job.tokens) - 1

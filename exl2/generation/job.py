@@ -46,6 +46,7 @@ class Job:
         self.slot: Optional[int] = None  # its row of the generator's seen-token mask (repetition penalty)
         self.mirostat_mu: Optional[float] = None  # Mirostat 2.0's μ (None: the start, 2·tau)
         self.string_bans: dict[int, set[int]] = {}  # draw index -> tokens a banned string took back there
+        self.history = None                  # DRY's tensor of `tokens` (dry.TokenHistory), made on first use
         self.key: Optional[bytes] = None     # prefix key of the last full page published
         self.published = 0
         self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
