@@ -136,6 +136,9 @@ class SamplingSettings(BaseModel):
     # exllamav2's banned strings (matched ignoring case): text that could become one is held back, and when one
     # appears the reply is taken back to the token where it began, which is then banned there (not with a grammar)
     banned_strings: Optional[tuple[str, ...]] = None
+    # exllamav2's token healing: the prompt's last token is taken off and the reply's first token must begin with
+    # its text, so a prompt that ends mid-word ("The capital of Fr") continues as the model would tokenize it
+    token_healing: bool = False
     seed: Optional[int] = None
     # exllamav2's and TabbyAPI's further samplers, each off at its default. Order (exllamav2's): penalties,
     # logit_bias, DRY; temperature (dynamic temperature or smoothing in its place; after the truncations with

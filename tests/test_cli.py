@@ -263,7 +263,8 @@ def test_sampler_flags_reach_sampling_settings(command):
                                                    "--repetition-decay", "128"]))
     assert (ranged.repetition_range, ranged.repetition_decay) == (512, 128) and ranged.ranged_penalty
     banned = sampling_from_args(parser.parse_args([*command, "--banned-string", "a, b", "--banned-string", "c"]))
-    assert banned.banned_strings == ("a, b", "c")
+    assert banned.banned_strings == ("a, b", "c") and not banned.token_healing
+    assert sampling_from_args(parser.parse_args([*command, "--token-healing"])).token_healing
     default, engine = sampling_from_args(parser.parse_args(command)), SamplingSettings()
     assert default.model_dump(exclude={"temperature"}) == engine.model_dump(exclude={"temperature"})
 

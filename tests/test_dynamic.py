@@ -531,3 +531,42 @@ def test_banned_strings_take_the_reply_back_and_ban_the_token_that_began_them(mo
     assert streamed == result.text and not any(b.lower() in result.text.lower() for b in banned)
     assert len(result.logprobs) == len(result.token_ids)
     assert [r.token_id for r in result.logprobs] == result.token_ids == [r.token_id for r in records]
+
+
+def test_token_healing_regrows_the_last_prompt_token(model, tok):
+    """Token healing takes the prompt's last token off; the reply's first token must begin with its text (a loop
+    over the whole sequence masks the same way), and the returned text continues the prompt without repeating
+    that text: prompt text + reply text == the decoded tokens."""
+    prompt = "The rain in Spain stays mainly in the pl"
+    ids = tok.encode(prompt)
+    head = tok.decode([ids[-1]])
+    allowed = [t for t in range(tok.vocab_size) if tok.decode([t]).startswith(head)]
+    assert len(allowed) > 1
+
+    def reference(n: int = 10) -> list[int]:
+        seq = list(ids[:-1])
+        with torch.inference_mode():
+            for step in range(n):
+                x = model(torch.tensor([seq]))[0, -1].float()
+                if step == 0:
+                    keep = torch.zeros_like(x, dtype=torch.bool)
+                    keep[allowed] = True
+                    x = x.masked_fill(~keep, float("-inf"))
+                seq.append(int(x.argmax()))
+        return seq[len(ids) - 1:]
+
+    gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16)
+    healing = SamplingSettings(temperature=0.0, token_healing=True)
+    job = Job(ids, healing, 10)
+    streamed = ""
+    gen.enqueue(job)
+    result = None
+    while gen.has_work():
+        for ev in gen.iterate():
+            streamed += ev.text
+            result = ev.result or result
+    assert result.token_ids == reference() and result.token_ids[0] in allowed
+    assert streamed == result.text
+    assert tok.decode(ids[:-1] + result.token_ids) == tok.decode(ids[:-1]) + head + result.text
+    plain = gen.generate([Job(ids, SamplingSettings(temperature=0.0), 10)])[0]   # off: nothing taken off
+    assert plain.token_ids == greedy_reference(model, ids, 10)

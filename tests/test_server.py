@@ -1828,7 +1828,8 @@ def test_tabby_penalty_range_and_banned_strings_reach_the_engine():
     fake = SettingsFake()
     c = aclient(create_app(fake, ServerConfig()))
     hi = [{"role": "user", "content": "hi"}]
-    bodies = [dict(repetition_penalty=1.1, penalty_range=512, repetition_decay=64, banned_strings=["shivers", ""]),
+    bodies = [dict(repetition_penalty=1.1, penalty_range=512, repetition_decay=64, banned_strings=["shivers", ""],
+                   token_healing=True),
               dict(rep_pen_range=128, banned_strings="ministrations"), dict(repetition_penalty_range=-1),
               dict(repetition_range=0, banned_strings=[])]
 
@@ -1841,4 +1842,4 @@ def test_tabby_penalty_range_and_banned_strings_reach_the_engine():
     got = [(s.repetition_range, s.repetition_decay, s.banned_strings) for s in fake.settings]
     assert got == [(512, 64, ("shivers",)), (128, 0, ("ministrations",)), (0, 0, None), (0, 0, None),
                    (512, 64, ("shivers",))]
-    assert fake.settings[0].ranged_penalty
+    assert fake.settings[0].ranged_penalty and fake.settings[0].token_healing and not fake.settings[1].token_healing

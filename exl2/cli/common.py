@@ -132,6 +132,9 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
                    help="... fading linearly to nothing over the N tokens before that range (default 0)")
     p.add_argument("--banned-string", "--banned_string", dest="banned_strings", action="append", default=None,
                    metavar="TEXT", help="text the reply must never contain (case ignored; repeat the flag for more)")
+    p.add_argument("--token-healing", "--token_healing", dest="token_healing", action="store_true",
+                   help="take the prompt's last token off and let the reply's first token regrow it (a prompt that "
+                        "ends mid-word continues as the model would tokenize it)")
     p.add_argument("-freqpen", "--frequency-penalty", "--frequency_penalty", dest="frequency_penalty", type=float,
                    default=0.0, help="subtracted from a token's logit per time the reply has it (default 0)")
     p.add_argument("-prespen", "--presence-penalty", "--presence_penalty", dest="presence_penalty", type=float,
@@ -212,6 +215,7 @@ def sampling_from_args(args) -> SamplingSettings:
                                 repetition_penalty=args.repetition_penalty, repetition_range=args.repetition_range,
                                 repetition_decay=args.repetition_decay,
                                 banned_strings=tuple(args.banned_strings) if args.banned_strings else None,
+                                token_healing=args.token_healing,
                                 frequency_penalty=args.frequency_penalty,
                                 presence_penalty=args.presence_penalty, seed=args.seed, top_a=args.top_a,
                                 typical=args.typical, tfs=args.tfs, smoothing_factor=args.smoothing_factor,

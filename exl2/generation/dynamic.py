@@ -80,6 +80,7 @@ class DynamicGenerator:
         self._decode_table: tuple = ((), None)
         self.seen: Optional[SeenTokens] = None  # made when a job first asks for a penalty on seen tokens
         self._xtc_mask: Optional[torch.Tensor] = None
+        self._heals: dict[int, tuple[int, ...]] = {}    # token healing: prompt token -> the tokens that may follow
         self.overlap = model.device.type == "cuda" if overlap is None else overlap
         self._inflight: Optional[_Step] = None  # a decode step launched, its tokens not read yet
         self.chained = 0                          # decode steps launched before the previous one's tokens were read
@@ -93,10 +94,27 @@ class DynamicGenerator:
         if len(job.ids) >= self.max_seq_len:
             raise ContextLengthError(
                 f"The prompt is {len(job.ids)} tokens long but the context holds {self.max_seq_len} tokens.")
+        if job.settings.token_healing and job.grammar is None:
+            self._take_last_token(job)
         job.max_new_tokens = max(1, min(job.max_new_tokens, self.max_seq_len - len(job.ids)))
         job.times[0] = time.perf_counter()
         self.queue.append(job)
         return job
+
+    def _take_last_token(self, job: Job) -> None:
+        """Token healing: take the prompt's last token off and let the reply begin only with a token whose text
+        begins with its text (the allowed sets are kept per token). Not for a prompt of one token, a special
+        token, or one whose text is empty."""
+        last = job.ids[-1]
+        texts = self.tokenizer.token_texts()
+        if len(job.ids) < 2 or last in self.tokenizer.special_ids or not 0 <= last < len(texts) or not texts[last]:
+            return
+        allowed = self._heals.get(last)
+        if allowed is None:
+            head = texts[last]
+            allowed = self._heals[last] = tuple(t for t, s in enumerate(texts) if s.startswith(head))
+        job.ids = job.ids[:-1]
+        job.heal = (texts[last], allowed)
 
     def cancel(self, job: Job) -> None:
         """Stop a job now; its pages go back to the pool (those holding a full prefix stay cached)."""
@@ -356,7 +374,8 @@ class DynamicGenerator:
         mirostat = any(s.mirostat for s in settings)
         mus = [j.mirostat_mu for j in jobs] if mirostat else None
         xtc_keep = self._xtc_keep(logits.shape[-1]) if any(s.xtc_probability > 0 for s in settings) else None
-        picks = sample_rows(self._dry(jobs, self._ban_stops(jobs, logits, draws)), settings, [j.seed for j in jobs],
+        logits = self._healed(jobs, self._ban_stops(jobs, logits, draws), draws)
+        picks = sample_rows(self._dry(jobs, logits), settings, [j.seed for j in jobs],
                             draws, *self._seen_rows(jobs, logits.shape[-1]), mus=mus, xtc_keep=xtc_keep)
         if mirostat:
             for job, mu in zip(jobs, mus):
@@ -377,6 +396,22 @@ class DynamicGenerator:
         dev = logits.device
         return logits.index_put((upload(rows, torch.long, dev), upload(cols, torch.long, dev)),
                                 logits.new_full((len(cells),), float("-inf")))
+
+    def _healed(self, jobs: list[Job], logits: torch.Tensor, draws: list[int]) -> torch.Tensor:
+        """`logits` with every token but those a healing job's reply may begin with at -inf, in the rows of
+        such jobs at their first draw; `logits` itself when there are none."""
+        rows = [(i, j.heal[1]) for i, (j, d) in enumerate(zip(jobs, draws)) if j.heal is not None and d == 0]
+        if not rows:
+            return logits
+        dev = logits.device
+        keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=dev)
+        local = [k for k, (_, ts) in enumerate(rows) for _ in ts]
+        cols = [t for _, ts in rows for t in ts]
+        keep[upload(local, torch.long, dev), upload(cols, torch.long, dev)] = True
+        index = upload([i for i, _ in rows], torch.long, dev)
+        out = logits.clone()
+        out[index] = out[index].masked_fill(~keep, float("-inf"))
+        return out
 
     def _dry(self, jobs: list[Job], logits: torch.Tensor) -> torch.Tensor:
         """`logits` with DRY's penalties subtracted for the jobs that ask, from their text so far (prompt and reply:

@@ -47,6 +47,8 @@ class Job:
         self.mirostat_mu: Optional[float] = None  # Mirostat 2.0's μ (None: the start, 2·tau)
         self.string_bans: dict[int, set[int]] = {}  # draw index -> tokens a banned string took back there
         self.history = None                  # DRY's tensor of `tokens` (dry.TokenHistory), made on first use
+        # token healing: the text of the prompt token taken off, and the tokens the reply may begin with
+        self.heal: Optional[tuple[str, tuple[int, ...]]] = None
         self.key: Optional[bytes] = None     # prefix key of the last full page published
         self.published = 0
         self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
@@ -84,7 +86,8 @@ class Job:
 
     def new_reply(self, tokenizer: Tokenizer) -> Reply:
         """The Reply that turns this job's tokens into text (stop strings counted from min_new_tokens on)."""
-        return Reply(tokenizer, self.stop_strings, self.stop_token_ids, self.min_new_tokens, self.banned_strings)
+        return Reply(tokenizer, self.stop_strings, self.stop_token_ids, self.min_new_tokens, self.banned_strings,
+                     self.heal[0] if self.heal else "")
 
 
 @dataclass

@@ -116,8 +116,10 @@ class Reply:
     Stop strings count only in the text from the `min_tokens`-th token on (vLLM's min_tokens)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                 min_tokens: int = 0, banned_strings: Sequence[str] = ()):
+                 min_tokens: int = 0, banned_strings: Sequence[str] = (), healed: str = ""):
         self.tokenizer = tokenizer
+        self.healed = healed                        # token healing: prompt text the first tokens repeat
+        self._skip = healed                         # ... and the part of it not yet cut from the stream
         self.guard = BanGuard(banned_strings) if any(banned_strings) else None
         self.rewind_to: Optional[int] = None       # set by push: a banned string began at this reply token
         self.stop_ids = set(tokenizer.eos_ids) | set(stop_token_ids)
@@ -137,6 +139,8 @@ class Reply:
             return self._tail()
         self.ids.append(token)
         piece = self.decoder.push(token)
+        if self._skip and piece:
+            piece = self._cut_healed(piece)
         if self.guard is not None:
             piece, self.rewind_to = self.guard.push(piece)
         if len(self.ids) < self.min_tokens:
@@ -153,6 +157,16 @@ class Reply:
         self.finish_reason = reason
         return self._tail()
 
+    def _cut_healed(self, piece: str) -> str:
+        """`piece` without the start that repeats healed prompt text (what the prompt already shows)."""
+        if piece.startswith(self._skip):
+            piece, self._skip = piece[len(self._skip):], ""
+        elif self._skip.startswith(piece):
+            piece, self._skip = "", self._skip[len(piece):]
+        else:  # the text went another way than the healed token's: nothing more to cut
+            self._skip = ""
+        return piece
+
     @property
     def confirmed(self) -> int:
         """Reply tokens that can no longer be taken back (all but those a BanGuard holds)."""
@@ -164,6 +178,8 @@ class Reply:
         token = self.ids[index]
         del self.ids[index:]
         self.guard.rewind(index)
+        if index == 0:
+            self._skip = self.healed
         self.decoder = self.tokenizer.stream_decoder()
         for t in self.ids[-64:]:  # the decoder's context: what it emitted is already out (or held by the guard)
             self.decoder.push(t)
@@ -186,6 +202,8 @@ class Reply:
 
     def result(self, prompt_tokens: int) -> GenerationResult:
         text = self.tokenizer.decode(self.ids)
+        if self.healed and text.startswith(self.healed):
+            text = text[len(self.healed):]
         head, text = text[:self.unchecked], text[self.unchecked:]
         for s in self.stop_strings:
             if s in text:

@@ -204,7 +204,7 @@ def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, floa
             min_p=req.min_p, repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, logit_bias=bias, banned_tokens=banned, allowed_tokens=allowed,
             repetition_range=max(req.penalty_range, 0), repetition_decay=req.repetition_decay,
-            banned_strings=banned_strings(req.banned_strings),
+            banned_strings=banned_strings(req.banned_strings), token_healing=req.token_healing,
             seed=None if req.seed is None else req.seed + choice, top_a=req.top_a, tfs=req.tfs, typical=req.typical,
             smoothing_factor=req.smoothing_factor, temperature_last=req.temperature_last, min_temp=req.min_temp,
             max_temp=req.max_temp,

@@ -100,6 +100,7 @@ class SamplingFields(_Body):
         "penalty_range", "repetition_range", "repetition_penalty_range", "rep_pen_range"))
     repetition_decay: int = Field(0, ge=0)
     banned_strings: Optional[Union[list[str], str]] = None   # TabbyAPI's: text never produced (case ignored)
+    token_healing: bool = False                               # TabbyAPI's: regrow the prompt's last token
     # TabbyAPI's further samplers, with its names, aliases and defaults; bounds as in SamplingSettings
     top_a: float = Field(0.0, ge=0.0, le=1.0)
     tfs: float = Field(1.0, ge=0.0, le=1.0)
