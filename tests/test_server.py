@@ -1497,6 +1497,24 @@ def test_engine_close_lets_the_running_request_finish(engine):
 
 # ---- TabbyAPI's further samplers --------------------------------------------------------------------------------
 
+def refused_on_both_endpoints(c, extras: list[dict]) -> list[dict]:
+    """Each extra body sent to chat completions, then to completions, each answered with a 400: the error bodies
+    in that order."""
+    hi = [{"role": "user", "content": "hi"}]
+
+    async def go():
+        out = []
+        for extra in extras:
+            for create in (lambda: c.chat.completions.create(model="m", messages=hi, max_tokens=2, extra_body=extra),
+                           lambda: c.completions.create(model="m", prompt="x", max_tokens=2, extra_body=extra)):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await create()
+                out.append(e.value.body)
+        return out
+
+    return run(go())
+
+
 class SettingsFake(FakeEngine):
     """A fake engine that keeps the SamplingSettings each stream gets."""
 
@@ -1556,7 +1574,6 @@ def test_tabby_sampler_values_the_engine_cannot_take_are_400s():
     """An out-of-range value, Mirostat 1, a skew and a malformed breaker list are 400s naming the field."""
     fake = SettingsFake()
     c = aclient(create_app(fake, ServerConfig()))
-    hi = [{"role": "user", "content": "hi"}]
     cases = [(dict(mirostat=1), "mirostat_mode", "Only Mirostat 2 is supported"),
              (dict(mirostat_mode=1), "mirostat_mode", "Only Mirostat 2 is supported"),
              (dict(skew=0.5), "skew", "skew is not supported"),
@@ -1569,17 +1586,7 @@ def test_tabby_sampler_values_the_engine_cannot_take_are_400s():
              (dict(dry_sequence_breakers="[1, 2]"), "dry_sequence_breakers", "JSON list of strings"),
              (dict(dry_sequence_breakers="[oops"), "dry_sequence_breakers", "JSON list of strings")]
 
-    async def go():
-        out = []
-        for extra, _, _ in cases:
-            for create in (lambda: c.chat.completions.create(model="m", messages=hi, max_tokens=4, extra_body=extra),
-                           lambda: c.completions.create(model="m", prompt="x", max_tokens=4, extra_body=extra)):
-                with pytest.raises(openai.BadRequestError) as e:
-                    await create()
-                out.append(e.value.body)
-        return out
-
-    bodies = run(go())
+    bodies = refused_on_both_endpoints(c, [extra for extra, _, _ in cases])
     for i, (_, param, words) in enumerate(cases):
         for body in bodies[2 * i:2 * i + 2]:
             assert body["param"] == param and words in body["message"], body
@@ -1631,7 +1638,6 @@ def test_token_lists_reach_the_engine(app, engine):
 
 def test_token_lists_that_are_not_token_ids_are_400s(app):
     """An id outside the vocabulary, a negative one or an item that is not an integer is a 400 naming the field."""
-    hi = [{"role": "user", "content": "hi"}]
     cases = [(dict(banned_tokens=[10 ** 8]), "banned_tokens", "outside the model's vocabulary"),
              (dict(allowed_tokens="1,-2"), "allowed_tokens", "outside the model's vocabulary"),
              (dict(allowed_tokens="1,x"), "allowed_tokens", "comma-separated integers"),
@@ -1639,18 +1645,7 @@ def test_token_lists_that_are_not_token_ids_are_400s(app):
              (dict(banned_tokens=[1.5]), "banned_tokens", "integer"),
              (dict(allowed_token_ids=[True]), "allowed_token_ids", "integer")]
 
-    async def go():
-        c = aclient(app)
-        out = []
-        for extra, _, _ in cases:
-            for create in (lambda: c.chat.completions.create(model="t", messages=hi, max_tokens=2, extra_body=extra),
-                           lambda: c.completions.create(model="t", prompt="x", max_tokens=2, extra_body=extra)):
-                with pytest.raises(openai.BadRequestError) as e:
-                    await create()
-                out.append(e.value.body)
-        return out
-
-    bodies = run(go())
+    bodies = refused_on_both_endpoints(aclient(app), [extra for extra, _, _ in cases])
     for i, (_, param, words) in enumerate(cases):
         for body in bodies[2 * i:2 * i + 2]:
             assert body["param"] == param and words in body["message"], body
