@@ -260,6 +260,11 @@ class ServerConfig(BaseModel):
     admin_keys: tuple[str, ...] = ()
     model_dir_root: Optional[Path] = None    # the models /v1/model/list shows and /v1/model/load loads by name
     lora_dir: Optional[Path] = None          # the LoRA adapters /v1/lora/list shows and /v1/lora/load loads by name
+    # TabbyAPI's sampler overrides: request-field defaults and forced values for every request (server.overrides);
+    # a preset name in sampler_override_dir or a preset file's path
+    sampler_override: Optional[str] = None
+    sampler_override_dir: Optional[Path] = None
+    kobold: bool = False                     # also serve TabbyAPI's KoboldAI API under /api (server/kobold.py)
 
     @field_validator("api_keys", "admin_keys")
     @classmethod
@@ -268,7 +273,7 @@ class ServerConfig(BaseModel):
             raise ValueError(f"{info.field_name} must not contain empty keys")
         return v
 
-    @field_validator("model_dir_root", "lora_dir")
+    @field_validator("model_dir_root", "lora_dir", "sampler_override_dir")
     @classmethod
     def _root(cls, v: Optional[Path]) -> Optional[Path]:
         if v is not None and not v.is_dir():

@@ -53,6 +53,13 @@ def register(sub) -> None:
     p.add_argument("--cors-origin", "--cors_origin", dest="cors_origins", action="append", default=[],
                    metavar="ORIGIN", help="let browser apps on this origin call the API, e.g. http://localhost:3000 "
                                           "(repeatable; '*' = any origin; default: no CORS headers)")
+    p.add_argument("--sampler-override", "--sampler_override", dest="sampler_override", default=None,
+                   metavar="PRESET", help="sampler overrides every request gets (TabbyAPI's presets): a preset name "
+                                          "in --sampler-override-dir, or a .yml/.json preset file")
+    p.add_argument("--sampler-override-dir", "--sampler_override_dir", dest="sampler_override_dir", default=None,
+                   metavar="DIR", help="the presets /v1/sampling/override/switch can put in force by name")
+    p.add_argument("--kobold", action="store_true",
+                   help="also serve the KoboldAI API under /api (KoboldAI Lite, SillyTavern's Kobold mode)")
     p.set_defaults(func=run)
 
 
@@ -111,9 +118,13 @@ def run(args) -> int:
                                      admin_keys=tuple(admin_keys), model_dir_root=args.model_dir_root,
                                      lora_dir=args.lora_dir,
                                      model_name=args.model_name, max_tokens=args.max_tokens,
-                                     reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins))
+                                     reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins),
+                                     kobold=args.kobold, sampler_override=args.sampler_override,
+                                     sampler_override_dir=args.sampler_override_dir)
     except ValueError as e:   # pydantic's ValidationError
         raise ConfigError(f"Invalid setting {_one_sentence(e)}.") from None
+    from exl2.server.overrides import startup_overrides
+    startup_overrides(server_config)   # a preset that cannot be read fails now, before the model loads
 
     sock = _bind(server_config.host, server_config.port)
     try:

@@ -26,6 +26,7 @@ from exl2.server.auth import permission
 from exl2.server.errors import APIError, unsupported
 from exl2.server.host import (ModelHost, ServerState, close_slot, free_memory, host, no_model, serve_state,
                               serving)
+from exl2.server.overrides import Overrides, find_preset, preset_names
 
 log = logging.getLogger("exl2.server")
 T = TypeVar("T")
@@ -98,6 +99,15 @@ class ModelLoadRequest(BaseModel):
     use_cfg: Optional[bool] = None
     num_experts_per_token: Optional[int] = None
     override_base_seq_len: Optional[int] = None
+
+
+class OverrideSwitchRequest(BaseModel):
+    """TabbyAPI's override switch: a preset of the preset directory, or rules given inline."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    preset: Optional[str] = None
+    overrides: Optional[dict[str, Any]] = None
 
 
 class LoraLoadInfo(BaseModel):
@@ -445,6 +455,36 @@ def router(auth, admin) -> APIRouter:
     async def unload_loras(request: Request):
         """Remove every active adapter, once no request runs."""
         return {"status": "unloaded", "loras": await _change_loras(host(request), _unload_loras)}
+
+    @r.get("/v1/sampling/overrides", dependencies=[auth])
+    @r.get("/v1/sampling/override/list", dependencies=[auth])
+    async def sampler_overrides(request: Request):
+        """The sampler override preset in force (TabbyAPI's); admins also see the presets they can switch to."""
+        h = host(request)
+        out: dict[str, Any] = {"selected_preset": h.overrides.name, "overrides": h.overrides.describe()}
+        if permission(request, h.config) == "admin":
+            out["presets"] = preset_names(h.config.sampler_override_dir)
+        return out
+
+    @r.post("/v1/sampling/override/switch", dependencies=[admin])
+    async def switch_sampler_overrides(body: OverrideSwitchRequest, request: Request):
+        """Put a preset by name, or rules sent inline, in force for the requests that arrive from now on."""
+        h = host(request)
+        if (body.preset is None) == (body.overrides is None):
+            raise APIError(400, "Send either a preset name or overrides, not both or neither.", param="preset")
+        try:
+            h.overrides = Overrides.from_file(find_preset(h.config.sampler_override_dir, body.preset)) \
+                if body.preset is not None else Overrides.parse(body.overrides)
+        except ConfigError as e:
+            raise APIError(400, str(e), param="preset" if body.preset is not None else "overrides") from None
+        log.info("sampler overrides: %s", h.overrides.name or "inline")
+        return {"selected_preset": h.overrides.name, "overrides": h.overrides.describe()}
+
+    @r.post("/v1/sampling/override/unload", dependencies=[admin])
+    async def unload_sampler_overrides(request: Request):
+        """Requests get no overrides from now on."""
+        host(request).overrides = Overrides({})
+        return {"selected_preset": None, "overrides": {}}
 
     @r.get("/v1/auth/permission", dependencies=[auth])
     async def key_permission(request: Request):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Optional
 
 from fastapi import APIRouter, Request, Response
+from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from exl2.config import SamplingSettings
@@ -26,7 +27,7 @@ from exl2.generation.generator import GenerationResult
 from exl2.generation.output import TokenLogprob
 from exl2.server import params
 from exl2.server.errors import APIError, from_engine
-from exl2.server.host import serving
+from exl2.server.host import host, serving
 from exl2.server.messages import template_messages, template_variables
 from exl2.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from exl2.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -67,7 +68,7 @@ class Job:
             await _close(stream)
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     pass
 
 
@@ -140,14 +141,14 @@ async def _close(agen) -> None:
         await agen.aclose()
 
 
-def _engine_error(e: Exception, param: Optional[str]) -> APIError:
+def engine_error(e: Exception, param: Optional[str]) -> APIError:
     err = from_engine(e, param)
     if err.status >= 500:
         log.error("generation failed", exc_info=e)
     return err
 
 
-class _Choices:
+class Choices:
     """A request's jobs running together: one task per choice owns its engine stream and feeds a shared queue,
     so `events()` interleaves the choices as the engine produces them. `close()` cancels the tasks, which
     closes every stream (the engine then cancels the jobs)."""
@@ -168,7 +169,7 @@ class _Choices:
         errors = [e for e in firsts if isinstance(e, BaseException)]
         if errors:
             await self.close()
-            raise _engine_error(errors[0], self.jobs[0].param) from errors[0]
+            raise engine_error(errors[0], self.jobs[0].param) from errors[0]
 
     async def _pump(self, i: int, started: asyncio.Future) -> None:
         stream = self.jobs[i].events(self.engine)
@@ -209,7 +210,7 @@ class _Choices:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def _unless_disconnected(request: Request, work: Awaitable):
+async def unless_disconnected(request: Request, work: Awaitable):
     """Await `work`, cancelling it if the client hangs up: a non-streamed request has no send to fail on."""
     task = asyncio.ensure_future(work)
     try:
@@ -218,7 +219,7 @@ async def _unless_disconnected(request: Request, work: Awaitable):
             if done:
                 return task.result()
             if await request.is_disconnected():
-                raise _ClientGone
+                raise ClientGone
     finally:
         if not task.done():
             task.cancel()
@@ -227,7 +228,7 @@ async def _unless_disconnected(request: Request, work: Awaitable):
 
 async def _generate(request: Request, engine, jobs: list[Job]) -> list[GenerationResult]:
     """Run the jobs to the end; their final GenerationResults in choice order."""
-    choices = _Choices(engine, jobs)
+    choices = Choices(engine, jobs)
 
     async def collect():
         await choices.start()
@@ -236,11 +237,11 @@ async def _generate(request: Request, engine, jobs: list[Job]) -> list[Generatio
         return choices.results
 
     try:
-        return await _unless_disconnected(request, collect())
-    except (APIError, _ClientGone):
+        return await unless_disconnected(request, collect())
+    except (APIError, ClientGone):
         raise
     except Exception as e:
-        raise _engine_error(e, jobs[0].param) from e
+        raise engine_error(e, jobs[0].param) from e
     finally:
         await choices.close()
 
@@ -253,7 +254,7 @@ async def _stream(engine, jobs: list[Job], prelude, on_text, finish, usage_head:
     reported in-band, as an OpenAI error event (the openai client raises it). Closing the event generator
     (client gone) closes every choice's job.
     """
-    choices = _Choices(engine, jobs)
+    choices = Choices(engine, jobs)
     await choices.start()
 
     async def chunks() -> AsyncIterator[str]:
@@ -272,7 +273,7 @@ async def _stream(engine, jobs: list[Job], prelude, on_text, finish, usage_head:
                 yield json.dumps({**usage_head, "usage": _usage(choices.results, n)})
             yield "[DONE]"
         except Exception as e:
-            yield json.dumps(_engine_error(e, None).body())
+            yield json.dumps(engine_error(e, None).body())
         finally:
             await choices.close()
 
@@ -312,9 +313,22 @@ def _delta(reasoning: str, content: str) -> dict[str, str]:
     return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
 
 
+def overridden(request: Request, body):
+    """The request with the server's sampler overrides applied (`overrides.Overrides.apply`); a combination the
+    schema refuses is a 400 naming the field."""
+    try:
+        return host(request).overrides.apply(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = str(err["loc"][0]) if err["loc"] else None
+        raise APIError(400, f"With the server's sampler overrides, '{field}' is invalid: "
+                            f"{err['msg'].removeprefix('Value error, ')}.", param=field) from None
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = _state(request)
+    body = overridden(request, body)
     params.check_supported(body)
     jobs = _jobs(body, st.engine, [""], False, "messages", st.config.max_tokens)   # checks every field first
     tools = template_tools(body.tools, body.tool_choice)
@@ -326,7 +340,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         prompt = st.engine.chat_prompt(messages, tools, add_generation_prompt=body.add_generation_prompt,
                                        **variables)
     except Exl2Error as e:
-        raise _engine_error(e, "messages") from e
+        raise engine_error(e, "messages") from e
     prefix = body.response_prefix or ""
     for job in jobs:
         job.prompt = prompt + prefix
@@ -339,7 +353,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if not body.stream:
         try:
             results = await _generate(request, st.engine, jobs)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         choices = []
         for i, result in enumerate(results):
@@ -390,6 +404,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     st = _state(request)
+    body = overridden(request, body)
     params.check_supported(body)
     prompts = params.completion_prompts(body)
     add_bos = body.add_bos_token if isinstance(prompts[0], str) else None
@@ -407,7 +422,7 @@ async def completions(body: CompletionRequest, request: Request):
     if not body.stream:
         try:
             results = await _generate(request, st.engine, jobs)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         return {**head, "choices": [choice(i, echo(i) + r.text, r.finish_reason,
                                            _completion_logprobs(st.engine.tokenizer, r.logprobs))

@@ -19,6 +19,7 @@ from fastapi import Request
 
 from exl2.config import ServerConfig
 from exl2.server.errors import APIError
+from exl2.server.overrides import startup_overrides
 from exl2.server.reasoning import template_thinks
 
 log = logging.getLogger("exl2.server")
@@ -82,6 +83,7 @@ class ModelHost:
         self.loading: Optional[str] = None          # the name of the model being loaded
         self.load_task: Optional[asyncio.Task] = None
         self.lora_task: Optional[asyncio.Task] = None   # a LoRA change, waiting for requests to end or applying
+        self.overrides = startup_overrides(config)     # the sampler override preset in force
         self._mirror()
 
     @property
