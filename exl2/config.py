@@ -55,6 +55,10 @@ class EngineConfig(BaseModel):
     ngram_draft: bool = False
     draft_model_dir: Optional[Path] = None
     num_draft_tokens: int = Field(4, ge=1, le=16)
+    # the draft model's RoPE overrides (TabbyAPI's draft_rope_scale / draft_rope_alpha); unset, a draft model whose
+    # native context is shorter than max_seq_len gets an NTK alpha for the difference (speculative.draft_rope)
+    draft_rope_scale: Optional[float] = None
+    draft_rope_alpha: Optional[float] = None
     # RoPE overrides (exllamav2's -rs/-ra/-ry), None = the model's own config.json. rope_scale divides positions
     # (linear interpolation), rope_alpha multiplies the base by alpha^(d/(d-2)) (NTK-aware), rope_yarn is a YaRN
     # factor over the native context. max_seq_len may then exceed max_position_embeddings: up to native × scale or
@@ -65,7 +69,7 @@ class EngineConfig(BaseModel):
     # LoRA adapters applied to the model (not the draft model) from the start; Engine.set_loras changes them
     loras: list[LoraSpec] = Field(default_factory=list)
 
-    @field_validator("rope_scale", "rope_alpha", "rope_yarn")
+    @field_validator("rope_scale", "rope_alpha", "rope_yarn", "draft_rope_scale", "draft_rope_alpha")
     @classmethod
     def _rope(cls, v: Optional[float], info: ValidationInfo) -> Optional[float]:
         # a field validator, not a model one, so that the error names the field (the CLI reports loc[0])

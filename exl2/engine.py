@@ -17,6 +17,7 @@ from exl2.generation.job import Event
 from exl2.generation.speculative import make_drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.generation.worker import BatchWorker
+from exl2.models.rope import RopeOverride
 from exl2.runtime.loader import context_length, engine_rope, load_model
 from exl2.runtime.lora import LoraAdapter, active_loras
 
@@ -34,7 +35,8 @@ class Engine:
         asked = config.max_seq_len if "max_seq_len" in config.model_fields_set else None  # None: the default
         max_seq_len = context_length(self.model.spec, asked)  # capped at what RoPE covers, with a warning
         draft = make_drafter(self.model, config.ngram_draft, config.draft_model_dir, max_seq_len,
-                             config.kv_cache_mode, config.num_draft_tokens)
+                             config.kv_cache_mode, config.num_draft_tokens,
+                             RopeOverride(config.draft_rope_scale, config.draft_rope_alpha))
         self.dynamic = DynamicGenerator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode,
                                         cache_tokens=config.cache_size, max_batch=config.max_batch_size,
                                         draft=draft, num_draft_tokens=config.num_draft_tokens,

@@ -1280,11 +1280,18 @@ def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, 
         cfg = built[-1].config
         assert config_dir(cfg) == models_root / "alpha" and cfg.draft_model_dir == models_root / "beta"
         assert cfg.num_draft_tokens == 3 and cfg.max_seq_len == 512      # the first model's, as given
+        assert cfg.draft_rope_alpha is None                               # not asked for: the draft's own (or NTK)
         assert wait_until(beta.released.is_set)
+        r = await c.post("/v1/model/load", headers=as_admin(), json={
+            "model_name": "alpha", "draft_model": {"draft_model_name": "beta", "draft_rope_alpha": 2.5,
+                                                  "draft_rope_scale": 1.0}})
+        assert r.status_code == 200, r.text
+        assert built[-1].config.draft_rope_alpha == 2.5
+        assert built[-1].config.draft_rope_scale is None
 
         for body, param in (({"max_seq_len": 100}, "max_seq_len"), ({"cache_mode": "FP8"}, "cache_mode"),
                             ({"vision": True}, "vision"), ({"prompt_template": "chatml"}, "prompt_template"),
-                            ({"draft": {"draft_model_name": "beta", "draft_rope_alpha": 2.0}},
+                            ({"draft": {"draft_model_name": "beta", "draft_rope_alpha": -2.0}},
                              "draft_model.draft_rope_alpha"),
                             ({"max_seq_len": 2048, "cache_size": 1024}, None)):
             r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "beta", **body})

@@ -128,3 +128,24 @@ def test_speculation_with_the_extended_samplers(model, tok):
         gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16, draft=NgramDraft(), num_draft_tokens=4)
         job = Job(ids, s, 16)
         assert gen.generate([job])[0].token_ids == ref and job.drafted == 0
+
+
+def test_a_draft_model_with_a_shorter_context_gets_an_ntk_alpha(tmp_path):
+    """draft_rope: an explicit override wins; a draft model whose native context (2,048 for the golden model) is
+    shorter than the length to cover gets the NTK alpha for the ratio; one that covers it gets none. The Engine
+    and the CLI pass the draft flags on, and the drafter's model then runs with them."""
+    from exl2.generation.speculative import draft_rope, ntk_alpha
+    from exl2.models.rope import RopeOverride
+
+    draft_dir = GOLDEN / "b3.0_hb6"
+    assert draft_rope(draft_dir, 2048) is None
+    auto = draft_rope(draft_dir, 4096)
+    assert auto.alpha == pytest.approx(ntk_alpha(2.0)) == pytest.approx(2.62978) and auto.context == 4096
+    assert ntk_alpha(1.0) == ntk_alpha(1.02) == 1.0 < ntk_alpha(1.04)
+    mine = RopeOverride(scale=2.0)
+    assert draft_rope(draft_dir, 4096, mine) is mine
+    engine = Engine(EngineConfig(model_dir=GOLDEN / "b6.0_hb6", device="cpu", draft_model_dir=draft_dir,
+                                 max_seq_len=1024, draft_rope_scale=2.0))
+    assert engine.dynamic.draft.model.spec.max_position == 4096     # 2,048 native × 2
+    with pytest.raises(Exception, match="draft_rope_alpha"):
+        EngineConfig(model_dir=GOLDEN / "b6.0_hb6", draft_rope_alpha=-1.0)

@@ -49,6 +49,19 @@ def rope_from_args(args) -> RopeOverride:
                         getattr(args, "rope_yarn", None), context=getattr(args, "max_seq_len", None))
 
 
+def draft_rope_from_args(args) -> RopeOverride:
+    """The draft model's RoPE override of --draft-rope-scale/--draft-rope-alpha (one-sentence ConfigError when
+    invalid)."""
+    from exl2.config import rope_factor_problem
+    from exl2.models.rope import RopeOverride
+
+    scale, alpha = getattr(args, "draft_rope_scale", None), getattr(args, "draft_rope_alpha", None)
+    problem = rope_factor_problem("--draft-rope-scale", scale) or rope_factor_problem("--draft-rope-alpha", alpha)
+    if problem:
+        raise ConfigError(f"{problem}.")
+    return RopeOverride(scale, alpha)
+
+
 def add_gpu_args(p: argparse.ArgumentParser, also: str = "") -> None:
     """-gs and -tp; `also` ends both helps (what they mean for a command's other models)."""
     p.add_argument("-gs", "--gpu_split", "--gpu-split", dest="gpu_split", default=None, metavar="GB,GB,...|auto",
@@ -69,6 +82,11 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding with this small draft model (same tokenizer)")
     p.add_argument("-dn", "--draft_tokens", "--num-draft-tokens", dest="num_draft_tokens", type=int, default=4,
                    help="tokens guessed and checked per step when drafting (default 4)")
+    p.add_argument("--draft-rope-scale", "--draft_rope_scale", dest="draft_rope_scale", type=float, default=None,
+                   help="the draft model's linear RoPE scale (default: its own, or an NTK alpha where its native "
+                        "context is shorter than the model's)")
+    p.add_argument("--draft-rope-alpha", "--draft_rope_alpha", dest="draft_rope_alpha", type=float, default=None,
+                   help="the draft model's NTK RoPE alpha (default: as --draft-rope-scale says)")
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -108,8 +126,8 @@ def engine_settings(args) -> dict:
                     kv_cache_mode=args.cache_mode, device=args.device, gpu_split=parse_gpu_split(args.gpu_split),
                     tensor_parallel=args.tensor_parallel,
                     ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
-                    num_draft_tokens=args.num_draft_tokens,
-                    rope_scale=args.rope_scale, rope_alpha=args.rope_alpha, rope_yarn=args.rope_yarn)
+                    num_draft_tokens=args.num_draft_tokens, draft_rope_scale=args.draft_rope_scale,
+                    draft_rope_alpha=args.draft_rope_alpha, rope_scale=args.rope_scale, rope_alpha=args.rope_alpha, rope_yarn=args.rope_yarn)
     if args.max_seq_len is not None:  # left out, EngineConfig's default applies and counts as not asked for
         settings["max_seq_len"] = args.max_seq_len
     loras = lora_specs(args)
@@ -264,6 +282,6 @@ def load_generator(args):
     if not 1 <= args.num_draft_tokens <= 16:
         raise ConfigError("--draft_tokens must be between 1 and 16.")
     draft = make_drafter(model, args.ngram_draft, args.draft_model_dir, max_seq_len, args.cache_mode,
-                         args.num_draft_tokens)
+                         args.num_draft_tokens, draft_rope_from_args(args))
     return model_dir, tok, Generator(model, tok, max_seq_len, args.cache_mode, draft=draft,
                                      num_draft_tokens=args.num_draft_tokens)

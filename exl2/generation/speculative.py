@@ -7,14 +7,18 @@ a small draft model with the same vocabulary.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Protocol, Sequence
 
 import torch
 
 from exl2.errors import ConfigError
 from exl2.models.decoder import DecoderModel
+from exl2.models.rope import RopeOverride
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.paged_cache import paged_cache_for
+
+log = logging.getLogger("exl2.speculative")
 
 
 class Drafter(Protocol):
@@ -97,9 +101,34 @@ class ModelDraft:
 
 
 
+def ntk_alpha(ratio: float) -> float:
+    """The NTK-aware RoPE alpha that stretches a model's context by `ratio` > 1 (the quadratic fit exllamav2's
+    users and TabbyAPI use; never below 1, which the fit dips under just past ratio 1)."""
+    return max(1.0, -0.13436 + 0.80541 * ratio + 0.28833 * ratio * ratio)
+
+
+def draft_rope(draft_model_dir, length: int, rope: Optional[RopeOverride] = None) -> Optional[RopeOverride]:
+    """The RoPE override a draft model runs with: `rope` when it sets one, else, where the draft model's native
+    context is shorter than the `length` it must cover, an NTK alpha for the ratio (its guesses past its native
+    context would otherwise be noise: speculation stays exact, only slower); else none."""
+    if rope is not None and rope.active:
+        return rope
+    from exl2.models.registry import read_config, spec_from_config
+
+    native = spec_from_config(read_config(draft_model_dir)).max_position
+    if length <= native:
+        return None
+    alpha = ntk_alpha(length / native)
+    log.info("The draft model's context (%d) is shorter than %d tokens: it runs with RoPE alpha %.2f.", native,
+             length, alpha)
+    return RopeOverride(alpha=alpha, context=length)
+
+
 def make_drafter(model: DecoderModel, ngram: bool = False, draft_model_dir=None, max_seq_len: int = 4096,
-                 cache_mode: str = "fp16", num_draft_tokens: int = 4) -> Optional[Drafter]:
-    """The drafter the settings ask for (None: no speculative decoding)."""
+                 cache_mode: str = "fp16", num_draft_tokens: int = 4,
+                 rope: Optional[RopeOverride] = None) -> Optional[Drafter]:
+    """The drafter the settings ask for (None: no speculative decoding); `rope`: the draft model's RoPE
+    override (`draft_rope`)."""
     if ngram and draft_model_dir:
         raise ConfigError("Choose n-gram drafting or a draft model, not both.")
     if ngram:
@@ -108,7 +137,8 @@ def make_drafter(model: DecoderModel, ngram: bool = False, draft_model_dir=None,
         return None
     from exl2.runtime.loader import load_model
 
-    draft = load_model(draft_model_dir, str(model.device))
+    length = max_seq_len + num_draft_tokens
+    draft = load_model(draft_model_dir, str(model.device), rope=draft_rope(draft_model_dir, length, rope))
     if abs(draft.spec.vocab_size - model.spec.vocab_size) > 1024:
         raise ConfigError(f"The draft model's vocabulary ({draft.spec.vocab_size} tokens) does not match the "
                           f"model's ({model.spec.vocab_size}); a draft model must share the tokenizer.")

@@ -37,6 +37,7 @@ DEFAULT_FIELDS = ("device", "kv_cache_mode", "max_batch_size", "gpu_split", "ten
 # EngineConfig field -> the load request's name for it, for error messages
 _REQUEST_NAMES = {"kv_cache_mode": "cache_mode", "draft_model_dir": "draft_model.draft_model_name",
                   "num_draft_tokens": "draft_model.draft_num_tokens", "flash_attention_enabled": "no_flash_attention",
+                  "draft_rope_scale": "draft_model.draft_rope_scale", "draft_rope_alpha": "draft_model.draft_rope_alpha",
                   "model_dir": "model_name"}
 
 
@@ -178,9 +179,6 @@ def _refuse_unsupported(body: ModelLoadRequest) -> None:
                                                    "rope_alpha)")
     d = body.draft_model
     if d is not None:
-        for field in ("draft_rope_scale", "draft_rope_alpha"):
-            if not _neutral(getattr(d, field)):
-                raise unsupported(f"draft_model.{field}", "A RoPE setting for the draft model")
         if d.draft_gpu_split:
             raise unsupported("draft_model.draft_gpu_split", "Placing the draft model apart from the model")
 
@@ -216,6 +214,9 @@ def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
         settings["ngram_draft"] = False
         if d.draft_num_tokens is not None:
             settings["num_draft_tokens"] = d.draft_num_tokens
+        for field in ("draft_rope_scale", "draft_rope_alpha"):   # "auto" or 1: the draft model's own (or NTK)
+            if not _neutral(getattr(d, field)):
+                settings[field] = getattr(d, field)
         mode = settings.get("kv_cache_mode", "fp16")
         if d.draft_cache_mode is not None and str(d.draft_cache_mode).lower() != str(mode).lower():
             raise unsupported("draft_model.draft_cache_mode", "A cache mode for the draft model other than the "
