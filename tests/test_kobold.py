@@ -393,3 +393,16 @@ def test_real_long_prompt_and_tokencount(url, engine):
     assert r == {"value": len(ids), "ids": ids}
     model = httpx.get(f"{url}/api/v1/model", headers=AUTH).json()
     assert model == {"result": "exl2/tiny"}
+
+
+def test_fit_keeps_the_memory():
+    """KoboldCpp's memory goes before the prompt and is never trimmed: a long story loses its start, not it."""
+    from exl2.generation.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(GOLDEN)
+    memory = "[Setting: a quiet harbour town.]\n"
+    head = tok.encode(memory)
+    got = _fit(tok, "word " * 300, 100, memory)
+    assert len(got) == 100 and got[:len(head)] == head
+    assert got[len(head):] == tok.encode(memory + "word " * 300)[-(100 - len(head)):]
+    assert _fit(tok, "short", 100, memory) == tok.encode(memory + "short")

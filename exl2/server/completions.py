@@ -158,6 +158,7 @@ class Choices:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.results: list[Optional[GenerationResult]] = [None] * len(jobs)
+        self.closed = False          # close() was called: streams that end now were ended on purpose
 
     async def start(self) -> None:
         """Start every job and wait for each one's first event, so a prompt that does not fit is answered with
@@ -168,8 +169,11 @@ class Choices:
         firsts = await asyncio.gather(*started, return_exceptions=True)
         errors = [e for e in firsts if isinstance(e, BaseException)]
         if errors:
+            on_purpose = self.closed     # closed while starting (a Kobold abort): no failure to log
             await self.close()
-            raise engine_error(errors[0], self.jobs[0].param) from errors[0]
+            err = from_engine(errors[0], self.jobs[0].param) if on_purpose else engine_error(errors[0],
+                                                                                              self.jobs[0].param)
+            raise err from errors[0]
 
     async def _pump(self, i: int, started: asyncio.Future) -> None:
         stream = self.jobs[i].events(self.engine)
@@ -205,6 +209,7 @@ class Choices:
             yield i, text, result, logprobs
 
     async def close(self) -> None:
+        self.closed = True
         for task in self.tasks:       # synchronous, so it holds even if this coroutine is cancelled at the await
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -37,6 +37,7 @@ class KoboldGenerate(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     prompt: str
+    memory: str = ""                 # KoboldCpp's: text put before the prompt and never trimmed away
     max_length: Optional[int] = Field(None, ge=1)   # None: the server's --max-tokens, as /config/max_length says
     max_context_length: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=10.0)
@@ -130,14 +131,22 @@ def _stops(body: KoboldGenerate) -> list[str]:
     return [s for s in stops if s]
 
 
-def _fit(tokenizer, prompt: str, limit: int) -> list[int]:
-    """The prompt's tokens, only the last `limit` of them (BOS kept) when it is longer: Kobold clients send the
-    whole story and expect the server to keep its end."""
-    ids = tokenizer.encode(prompt)
+def _fit(tokenizer, prompt: str, limit: int, memory: str = "") -> list[int]:
+    """The tokens of `memory` + `prompt`, with only the prompt's last tokens (memory and BOS kept) when they are
+    more than `limit`: Kobold clients send the whole story and expect the server to keep its end."""
+    if memory:
+        ids = tokenizer.encode(memory + prompt)
+        head = tokenizer.encode(memory)
+        if ids[:len(head)] != head:   # the two texts merge into one token at the seam: trim without memory
+            head = []
+    else:
+        ids = tokenizer.encode(prompt)
+        head = []
     if len(ids) <= limit:
         return ids
     bos = getattr(tokenizer, "bos_id", None)
-    head = ids[:1] if bos is not None and ids and ids[0] == bos else []
+    if not head and bos is not None and ids and ids[0] == bos:
+        head = ids[:1]
     keep = max(limit - len(head), 0)
     return head + (ids[len(ids) - keep:] if keep else [])
 
@@ -209,7 +218,7 @@ async def _start(request: Request, body: KoboldGenerate, context_length: Context
     stops = _stops(body)
     window = min(body.max_context_length or context_length(st.engine), context_length(st.engine))
     new_tokens = body.max_length or st.config.max_tokens
-    prompt = _fit(st.engine.tokenizer, body.prompt, max(window - new_tokens, 1))
+    prompt = _fit(st.engine.tokenizer, body.prompt, max(window - new_tokens, 1), body.memory)
     job = Job(prompt, settings, new_tokens, stops, None, "prompt", ignore_eos=body.use_default_badwordsids)
     gen = _Generation(Choices(st.engine, [job]))
     genkey = body.genkey or f"kobold-{secrets.token_hex(8)}"
