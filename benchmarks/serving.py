@@ -26,6 +26,9 @@ GREEDY = SamplingSettings(temperature=0)
 SAMPLED = SamplingSettings(temperature=0.8, top_p=0.9)
 VARIANTS = [(name, settings, overlap) for name, settings in (("greedy", GREEDY), ("T 0.8, top-p 0.9", SAMPLED))
             for overlap in (True, False)]
+# a roleplay front end's usual mix (--extended): min-p with DRY and XTC, which run on the PyTorch path and keep
+# their jobs' steps from being launched ahead (DRY reads each token on the host)
+ROLEPLAY = SamplingSettings(temperature=1.0, min_p=0.05, dry_multiplier=0.8, xtc_probability=0.5)
 
 
 def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, seed: int = 0,
@@ -59,7 +62,10 @@ def main() -> int:
     p.add_argument("--cache-mode", default="fp16")
     p.add_argument("--spread", type=float, default=0.5, help="prompt lengths vary by this fraction (default 0.5)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers, for a quick check")
+    p.add_argument("--extended", action="store_true", help="also min-p + DRY + XTC (a roleplay front end's mix)")
+    p.add_argument("--no-speculative", action="store_true", help="skip the speculative check-step table")
     args = p.parse_args()
+    variants = VARIANTS + ([("min-p 0.05, DRY 0.8, XTC 0.5", ROLEPLAY, True)] if args.extended else [])
     if not torch.cuda.is_available():
         print("error: benchmarks/serving.py needs a CUDA GPU.", file=sys.stderr)
         return 2
@@ -73,7 +79,7 @@ def main() -> int:
     # Warm-up at the measured shapes (compiles the prefill's kernels, captures the decode graphs); other prompts
     # than the measured ones, so nothing comes from the prompt cache.
     for b in batches:  # every variant once, at the measured prompt shapes
-        for _, settings, overlap in VARIANTS:
+        for _, settings, overlap in variants:
             gen.overlap = overlap
             run(gen, b, args.prompt, 4, model.spec.vocab_size, seed=1000 + b, settings=settings,
                 spread=args.spread, sizes_seed=b)
@@ -82,7 +88,7 @@ def main() -> int:
     print("| batch | sampling | overlap | first token (ms) | decode tok/s (total) | overall tok/s |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for b in batches:
-        for name, settings, overlap in VARIANTS:
+        for name, settings, overlap in variants:
             gen.overlap = overlap
             ttft, decode, overall = run(gen, b, args.prompt, args.new, model.spec.vocab_size,
                                         seed=b * 100 + 2 * (settings is SAMPLED) + overlap, settings=settings,
@@ -90,6 +96,8 @@ def main() -> int:
             print(f"| {b} | {name} | {'on' if overlap else 'off'} | {ttft * 1e3:.1f} | {decode:,.0f} | "
                   f"{overall:,.0f} |", flush=True)
     gen.overlap = True
+    if args.no_speculative:
+        return 0
     print("\nspeculative decoding, batch 1: one step checking k guesses against a plain decode step")
     print("| tokens fed | step (ms) | against plain | break-even guesses kept |\n| --- | --- | --- | --- |")
     plain = None
