@@ -1845,3 +1845,24 @@ def test_tabby_penalty_range_and_banned_strings_reach_the_engine():
     assert got == [(512, 64, ("shivers",)), (128, 0, ("ministrations",)), (0, 0, None), (0, 0, None),
                    (512, 64, ("shivers",))]
     assert fake.settings[0].ranged_penalty and fake.settings[0].token_healing and not fake.settings[1].token_healing
+
+
+def test_a_finished_request_logs_one_metrics_line(caplog):
+    """Whoever runs the server sees a line per finished request (streamed or not): its jobs, tokens and speeds."""
+    import logging
+
+    fake = SettingsFake()
+    c = aclient(create_app(fake, ServerConfig()))
+    hi = [{"role": "user", "content": "hi"}]
+
+    async def go():
+        await c.chat.completions.create(model="m", messages=hi, max_tokens=4)
+        stream = await c.completions.create(model="m", prompt="x", max_tokens=4, n=2, stream=True)
+        async for _ in stream:
+            pass
+
+    with caplog.at_level(logging.INFO, logger="exl2.server"):
+        run(go())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("finished")]
+    assert len(lines) == 2 and lines[0].startswith("finished 1 job:") and lines[1].startswith("finished 2 jobs:")
+    assert all("prompt tokens" in ln and "generated" in ln and "finish" in ln for ln in lines)

@@ -63,6 +63,29 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _log_to_stderr() -> None:
+    """The server's own log lines (a line per finished request, model and LoRA changes) beside uvicorn's."""
+    import logging
+
+    class Stderr(logging.StreamHandler):
+        """Writes to whatever sys.stderr is when a line is logged (tests and embedders swap it)."""
+
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, _):
+            pass
+
+    logger = logging.getLogger("exl2")
+    if not any(type(h).__name__ == "Stderr" for h in logger.handlers):
+        handler = Stderr()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def _env_keys(var: str) -> list[str]:
     return [k.strip() for k in os.environ.get(var, "").split(",") if k.strip()]
 
@@ -163,6 +186,7 @@ def run(args) -> int:
             name = server_config.model_name or engine.model_name
             loras = f" with LoRA {', '.join(a.name for a in engine.loras)}" if engine_config.loras else ""
             print(f"Serving {name}{loras} at {url}", file=sys.stderr, flush=True)
+        _log_to_stderr()
         config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

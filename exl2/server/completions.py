@@ -136,6 +136,18 @@ def _usage(results: list[GenerationResult], n: int) -> dict[str, Any]:
             "total_time": total_time}
 
 
+def log_metrics(results: list[GenerationResult]) -> None:
+    """One line per finished request for whoever runs the server (TabbyAPI logs the same): its jobs' prompt and
+    generated tokens, speeds and times."""
+    u = _usage(results, 1)
+    reasons = ",".join(sorted({r.finish_reason for r in results}))
+    log.info("finished %d job%s: %d prompt tokens (%d cached) in %.2f s (%.0f tok/s), %d generated in %.2f s "
+             "(%.0f tok/s), %.2f s in all, finish %s", len(results), "" if len(results) == 1 else "s",
+             u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["prompt_time"],
+             u["prompt_tokens_per_sec"], u["completion_tokens"], u["completion_time"],
+             u["completion_tokens_per_sec"], u["total_time"], reasons)
+
+
 async def _close(agen) -> None:
     with contextlib.suppress(RuntimeError):      # already running: its task was cancelled and is unwinding
         await agen.aclose()
@@ -206,6 +218,8 @@ class Choices:
             if result is not None:
                 self.results[i] = result
                 left -= 1
+                if not left:
+                    log_metrics(self.results)
             yield i, text, result, logprobs
 
     async def close(self) -> None:
