@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import os
 import socket
 import sys
@@ -63,24 +64,23 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged (tests and embedders swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
 def _log_to_stderr() -> None:
     """The server's own log lines (a line per finished request, model and LoRA changes) beside uvicorn's."""
-    import logging
-
-    class Stderr(logging.StreamHandler):
-        """Writes to whatever sys.stderr is when a line is logged (tests and embedders swap it)."""
-
-        @property
-        def stream(self):
-            return sys.stderr
-
-        @stream.setter
-        def stream(self, _):
-            pass
-
     logger = logging.getLogger("exl2")
-    if not any(type(h).__name__ == "Stderr" for h in logger.handlers):
-        handler = Stderr()
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -88,69 +88,37 @@ def dry_penalties(history: Sequence[int], breakers: torch.Tensor, multiplier: fl
     """(token ids int64 [n], penalties float32 [n]) to subtract from the next token's logits.
 
     For each earlier position j, the match length is how many of the text's last tokens (none a breaker, at most
-    max_ngram) also occur right before j; the token at j gets the longest match over its positions. Vectorized
-    over positions (one pass per n-gram length), so a 32k-token history costs milliseconds.
+    max_ngram) also occur right before j; the token at j gets the longest match over its positions. Ids outside
+    the breaker mask count as breakers and get no penalty. One row of `_batch_penalties`.
     """
     if multiplier == 0 or breakers.numel() == 0:
         return _empty()
-    if not isinstance(history, (list, tuple, torch.Tensor)):
-        history = list(history)  # e.g. a deque, which cannot be sliced
-    if dry_range > 0:
-        history = history[-dry_range:]
-    if len(history) < 2:
-        return _empty()
-    if isinstance(history, torch.Tensor):
-        h = history.detach().to("cpu", torch.long).flatten()
-    else:
-        # Several times faster than torch.tensor(list) for long Python lists.
-        h = torch.frombuffer(array("q", history), dtype=torch.int64)
-    L = h.numel()
-    vocab = breakers.numel()
-    valid = (h >= 0) & (h < vocab)
-    is_brk = torch.where(valid, breakers.to("cpu", torch.bool)[h.clamp(0, max(vocab - 1, 0))], True)
-
-    # Index m = j - 1 over positions j = 1..L-1; alive[m]: the last k tokens all matched before position j.
-    prev = h[:-1]
-    alive = torch.ones(L - 1, dtype=torch.bool)
-    length = torch.zeros(L - 1, dtype=torch.long)
-    for k in range(min(max_ngram, L - 1)):
-        if is_brk[L - 1 - k]:
-            break
-        # Compare h[j-1-k] (= prev[m-k]) with h[L-1-k]; positions with m < k have nothing that far back.
-        alive[:k] = False
-        alive[k:] &= prev[: L - 1 - k] == h[L - 1 - k]
-        if not alive.any():
-            break
-        length += alive
-
-    # Only positions that reach the threshold can set a token's maximum, and they are usually few.
-    pos = ((length >= allowed_length) & valid[1:]).nonzero().flatten()
-    if pos.numel() == 0:
-        return _empty()
-    ids, inverse = torch.unique(h[1:][pos], sorted=True, return_inverse=True)
-    best = torch.zeros(ids.numel(), dtype=torch.long)
-    best.scatter_reduce_(0, inverse, length[pos], reduce="amax", include_self=False)
-    exps = (best - allowed_length).to(torch.float64)
-    pens = (multiplier * torch.pow(torch.tensor(float(base), dtype=torch.float64), exps)).to(torch.float32)
+    _, ids, pens = _batch_penalties([(history, breakers, multiplier, base, allowed_length, dry_range)],
+                                    breakers.numel(), max_ngram)
     return ids, pens
 
 
-def _batch_penalties(rows: Sequence[tuple[int, Sequence[int], "SamplingSettings", torch.Tensor]], vocab: int,
-                     max_ngram: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, ids, penalties) of `dry_penalties` for several rows at once: the histories right-aligned in one
-    [B, L] tensor (padding -1, which matches nothing), so a batch costs one set of tensor operations."""
-    hists, brks, params = [], [], []
-    for _, history, s, breakers in rows:
+# one row of DRY's input: (history, breaker mask, multiplier, base, allowed length, range)
+_Row = tuple[Sequence[int], torch.Tensor, float, float, int, int]
+
+
+def _batch_penalties(rows: Sequence[_Row], vocab: int, max_ngram: int = 20
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row indices, token ids, penalties) of several rows' DRY penalties at once (ids below `vocab`, sorted
+    within a row): the histories right-aligned in one [B, L] tensor (padding -1, which matches nothing), then one
+    pass per n-gram length over all positions, so a batch costs one set of tensor operations and a 32k-token
+    history milliseconds."""
+    hists, brks = [], []
+    for history, breakers, _, _, _, dry_range in rows:
         if not isinstance(history, torch.Tensor):
             history = list(history)  # frombuffer: several times faster than torch.tensor for long lists
             history = torch.frombuffer(array("q", history), dtype=torch.int64) if history else torch.empty(0)
         h = history.detach().to("cpu", torch.long).flatten()
-        if s.dry_range > 0:
-            h = h[-s.dry_range:]
+        if dry_range > 0:
+            h = h[-dry_range:]
         ok = (h >= 0) & (h < breakers.numel())
         hists.append(h)
         brks.append(torch.where(ok, breakers.to("cpu", torch.bool)[h.clamp(0, max(breakers.numel() - 1, 0))], True))
-        params.append((s.dry_multiplier, s.dry_base, s.dry_allowed_length))
     L = max(h.numel() for h in hists)
     b = len(rows)
     h = torch.full((b, L), -1, dtype=torch.long)
@@ -165,15 +133,15 @@ def _batch_penalties(rows: Sequence[tuple[int, Sequence[int], "SamplingSettings"
     prev = h[:, :-1]                        # column m: the token before position j = m + 1
     alive = torch.ones(b, L - 1, dtype=torch.bool)
     length = torch.zeros(b, L - 1, dtype=torch.long)
-    going = ~brk[:, L - 1]
+    going = torch.ones(b, dtype=torch.bool)
     for k in range(min(max_ngram, L - 1)):
-        going &= ~brk[:, L - 1 - k]
-        alive[:, :k] = False
+        going &= ~brk[:, L - 1 - k]          # a breaker among the text's last tokens ends every match there
+        alive[:, :k] = False                 # positions with nothing k tokens back
         alive[:, k:] &= (prev[:, : L - 1 - k] == h[:, L - 1 - k: L - k]) & going[:, None]
         if not alive.any():
             break
         length += alive
-    allowed = torch.tensor([p[2] for p in params])
+    allowed = torch.tensor([r[4] for r in rows])
     cand = h[:, 1:]
     hit = (length >= allowed[:, None]) & (cand >= 0) & (cand < vocab)
     r, m = hit.nonzero(as_tuple=True)
@@ -183,8 +151,8 @@ def _batch_penalties(rows: Sequence[tuple[int, Sequence[int], "SamplingSettings"
     best = torch.zeros(keys.numel(), dtype=torch.long).scatter_reduce_(0, inverse, length[r, m], reduce="amax",
                                                                        include_self=False)
     kr = keys // vocab
-    mult = torch.tensor([p[0] for p in params], dtype=torch.float64)[kr]
-    base = torch.tensor([p[1] for p in params], dtype=torch.float64)[kr]
+    mult = torch.tensor([row[2] for row in rows], dtype=torch.float64)[kr]
+    base = torch.tensor([row[3] for row in rows], dtype=torch.float64)[kr]
     pens = mult * base.pow((best - allowed[kr]).to(torch.float64))
     return kr, keys % vocab, pens.to(torch.float32)
 
@@ -200,7 +168,8 @@ def apply_dry(logits: torch.Tensor,
     rows = [r for r in rows if r[2].dry_multiplier > 0 and r[3].numel()]
     if not rows:
         return logits
-    local, ids, pens = _batch_penalties(rows, logits.shape[1])
+    local, ids, pens = _batch_penalties([(h, brk, s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_range)
+                                         for _, h, s, brk in rows], logits.shape[1])
     if not ids.numel():
         return logits
     dev = logits.device

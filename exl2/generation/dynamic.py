@@ -19,7 +19,7 @@ from exl2.errors import ConfigError, ContextLengthError
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
 from exl2.generation.dry import TokenHistory, apply_dry, sequence_breakers
-from exl2.generation.sampler import SeenTokens, fresh_seed, recent_tokens, sample_rows
+from exl2.generation.sampler import SeenTokens, forbid, fresh_seed, only_allow, recent_tokens, sample_rows
 from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import DecoderModel
@@ -384,34 +384,18 @@ class DynamicGenerator:
         return picks, self._logprob_tensors(jobs, logits if raw is None else raw, picks)
 
     def _ban_stops(self, jobs: list[Job], logits: torch.Tensor, draws: list[int]) -> torch.Tensor:
-        """`logits` [B, V] with the end tokens row i's job may not sample at its draw draws[i] (`Job.banned`: EOS
-        and stop_token_ids before min_new_tokens, EOS under ignore_eos) set to -inf by one index_put on a copy;
-        `logits` itself when no row bans any."""
+        """`logits` [B, V] with the tokens row i's job may not sample at its draw draws[i] (`Job.banned`: EOS
+        and stop_token_ids before min_new_tokens, EOS under ignore_eos, tokens a banned string was taken back
+        from) set to -inf by one index_put on a copy; `logits` itself when no row bans any."""
         vocab = logits.shape[-1]
-        cells = [(i, t) for i, (job, d) in enumerate(zip(jobs, draws))
-                 for t in job.banned(d, self.tokenizer.eos_ids) if 0 <= t < vocab]
-        if not cells:
-            return logits
-        rows, cols = zip(*cells)
-        dev = logits.device
-        return logits.index_put((upload(rows, torch.long, dev), upload(cols, torch.long, dev)),
-                                logits.new_full((len(cells),), float("-inf")))
+        return forbid(logits, [(i, t) for i, (job, d) in enumerate(zip(jobs, draws))
+                               for t in job.banned(d, self.tokenizer.eos_ids) if 0 <= t < vocab])
 
     def _healed(self, jobs: list[Job], logits: torch.Tensor, draws: list[int]) -> torch.Tensor:
         """`logits` with every token but those a healing job's reply may begin with at -inf, in the rows of
         such jobs at their first draw; `logits` itself when there are none."""
-        rows = [(i, j.heal[1]) for i, (j, d) in enumerate(zip(jobs, draws)) if j.heal is not None and d == 0]
-        if not rows:
-            return logits
-        dev = logits.device
-        keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=dev)
-        local = [k for k, (_, ts) in enumerate(rows) for _ in ts]
-        cols = [t for _, ts in rows for t in ts]
-        keep[upload(local, torch.long, dev), upload(cols, torch.long, dev)] = True
-        index = upload([i for i, _ in rows], torch.long, dev)
-        out = logits.clone()
-        out[index] = out[index].masked_fill(~keep, float("-inf"))
-        return out
+        return only_allow(logits, [(i, j.heal[1]) for i, (j, d) in enumerate(zip(jobs, draws))
+                                   if j.heal is not None and d == 0])
 
     def _dry(self, jobs: list[Job], logits: torch.Tensor) -> torch.Tensor:
         """`logits` with DRY's penalties subtracted for the jobs that ask, from their text so far (prompt and reply:
@@ -431,10 +415,11 @@ class DynamicGenerator:
         """bool [vocab] on the model's device: the tokens XTC never drops (those whose text has a newline, and the
         special tokens), as exllamav2 keeps them; made once."""
         if self._xtc_mask is None or self._xtc_mask.shape[0] != vocab:
-            special = self.tokenizer.special_ids
-            texts = self.tokenizer.token_texts()
-            keep = [i in special or (i < len(texts) and "\n" in texts[i]) for i in range(vocab)]
-            self._xtc_mask = torch.tensor(keep, dtype=torch.bool, device=self.model.device)
+            newline = sequence_breakers(self.tokenizer, ("\n",))[:vocab]   # tokens whose text holds one
+            keep = torch.zeros(vocab, dtype=torch.bool)
+            keep[:newline.numel()] = newline
+            keep[[i for i in self.tokenizer.special_ids if 0 <= i < vocab]] = True
+            self._xtc_mask = keep.to(self.model.device)
         return self._xtc_mask
 
     @staticmethod

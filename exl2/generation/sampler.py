@@ -163,6 +163,33 @@ def apply_logit_bias(logits: torch.Tensor, settings: Sequence[SamplingSettings])
     return x
 
 
+def forbid(logits: torch.Tensor, cells: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """`logits` with the (row, token) cells at -inf, by one index_put on a copy; `logits` itself when there are
+    none."""
+    if not cells:
+        return logits
+    rows, cols = zip(*cells)
+    dev = logits.device
+    return logits.index_put((upload(rows, torch.long, dev), upload(cols, torch.long, dev)),
+                            logits.new_full((len(cells),), NEG_INF))
+
+
+def only_allow(logits: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
+    """`logits` with every token of row i but the listed ones at -inf, for each (i, tokens); a copy, or `logits`
+    itself when there are none."""
+    if not rows:
+        return logits
+    dev = logits.device
+    keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=dev)
+    local = [k for k, (_, ts) in enumerate(rows) for _ in ts]
+    cols = [t for _, ts in rows for t in ts]
+    keep[upload(local, torch.long, dev), upload(cols, torch.long, dev)] = True
+    index = upload([i for i, _ in rows], torch.long, dev)
+    out = logits.clone()
+    out[index] = out[index].masked_fill(~keep, NEG_INF)
+    return out
+
+
 def apply_token_lists(logits: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.Tensor:
     """float32 logits with each row's `banned_tokens` at -inf and, where a row has `allowed_tokens`, every other
     token too (ids past the vocabulary ignored; an allowed list with none inside it restricts nothing); the
@@ -173,20 +200,7 @@ def apply_token_lists(logits: torch.Tensor, settings: Sequence[SamplingSettings]
     allowed = [(i, ts) for i, ts in allowed if ts]
     if not banned and not allowed:
         return logits
-    x = logits.float().clone()
-    dev = x.device
-    if allowed:
-        cols = [t for _, ts in allowed for t in ts]
-        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=dev)
-        local = [k for k, (_, ts) in enumerate(allowed) for _ in ts]
-        keep[upload(local, torch.long, dev), upload(cols, torch.long, dev)] = True
-        index = upload([i for i, _ in allowed], torch.long, dev)
-        x[index] = x[index].masked_fill(~keep, NEG_INF)
-    if banned:
-        r, c = zip(*banned)
-        x.index_put_((upload(r, torch.long, dev), upload(c, torch.long, dev)),
-                     torch.tensor(NEG_INF, device=dev).expand(len(banned)))
-    return x
+    return forbid(only_allow(logits.float(), allowed), banned)
 
 
 def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen: Optional[torch.Tensor] = None,
@@ -194,9 +208,9 @@ def filter_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seen
                 mus: Optional[Sequence[Optional[float]]] = None, xtc_keep: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(penalized, filtered) float32 [B, V]: row i through settings[i]'s chain (repetition penalty from `seen`
-    [B, V] bool or float32 strengths, frequency and presence penalties from `counts` [B, V] float32, the reply's token counts; then
-    `truncation.truncate`: temperature, top-k, top-p, min-p and the other filters, with XTC's `coins`, Mirostat's
-    `mus` and the tokens XTC keeps; greedy rows are left unfiltered)."""
+    [B, V] bool or float32 strengths, frequency and presence penalties from `counts` [B, V] float32, the reply's
+    token counts; then `truncation.truncate`: temperature, top-k, top-p, min-p and the other filters, with XTC's
+    `coins`, Mirostat's `mus` and the tokens XTC keeps; greedy rows are left unfiltered)."""
     x = logits.float()
     dev = x.device
     pen = [s.repetition_penalty for s in settings]

@@ -27,9 +27,9 @@ def _rows(flags: Sequence[bool], dev: torch.device) -> torch.Tensor:
     return upload(list(flags), torch.bool, dev)[:, None]
 
 
-def _entropy(y: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy (nats) [B, 1] of softmax(y); removed tokens contribute nothing."""
-    logp = torch.log_softmax(y, dim=-1)
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) [B, 1] of the distributions with log-probabilities `logp`; removed tokens (-inf)
+    contribute nothing."""
     return -(logp.exp() * logp).nan_to_num(0.0).sum(-1, keepdim=True)
 
 
@@ -44,7 +44,8 @@ def _temperatures(y: torch.Tensor, settings: Sequence[SamplingSettings], here: S
     params = upload([[s.min_temp, s.max_temp, s.temp_exponent] for s in settings], torch.float32, dev)
     lo, hi, exponent = params[:, :1], params[:, 1:2], params[:, 2:3]
     alive = torch.isfinite(y).sum(-1, keepdim=True).float()
-    spread = torch.where(alive > 1, _entropy(y) / alive.clamp(min=2).log(), 0.0).clamp(0.0, 1.0)
+    entropy = _entropy(torch.log_softmax(y, dim=-1))
+    spread = torch.where(alive > 1, entropy / alive.clamp(min=2).log(), 0.0).clamp(0.0, 1.0)
     t = (lo + (hi - lo) * spread.pow(exponent)).clamp(min=MIN_TEMPERATURE)
     return torch.where(_rows(dyn, dev), t, static)
 
@@ -124,7 +125,7 @@ def typical(y: torch.Tensor, masses: Sequence[float]) -> torch.Tensor:
         return y
     m = _column([1.0 if _off(v) else v for v in masses], y.device)
     logp = torch.log_softmax(y, dim=-1)
-    entropy = -(logp.exp() * logp).nan_to_num(0.0).sum(-1, keepdim=True)
+    entropy = _entropy(logp)
     shift = (-logp - entropy).abs()
     sorted_shift, order = shift.sort(dim=-1)
     cum = logp.exp().gather(-1, order).cumsum(dim=-1)

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import traceback
-from pathlib import Path, PureWindowsPath
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 from fastapi import APIRouter, Request, Response
@@ -26,6 +26,7 @@ from exl2.server.auth import permission
 from exl2.server.errors import APIError, unsupported
 from exl2.server.host import (ModelHost, ServerState, close_slot, free_memory, host, no_model, serve_state,
                               serving)
+from exl2.server.names import plain_name
 from exl2.server.overrides import Overrides, find_preset, preset_names
 
 log = logging.getLogger("exl2.server")
@@ -37,7 +38,8 @@ DEFAULT_FIELDS = ("device", "kv_cache_mode", "max_batch_size", "gpu_split", "ten
 # EngineConfig field -> the load request's name for it, for error messages
 _REQUEST_NAMES = {"kv_cache_mode": "cache_mode", "draft_model_dir": "draft_model.draft_model_name",
                   "num_draft_tokens": "draft_model.draft_num_tokens", "flash_attention_enabled": "no_flash_attention",
-                  "draft_rope_scale": "draft_model.draft_rope_scale", "draft_rope_alpha": "draft_model.draft_rope_alpha",
+                  "draft_rope_scale": "draft_model.draft_rope_scale",
+                  "draft_rope_alpha": "draft_model.draft_rope_alpha",
                   "model_dir": "model_name"}
 
 
@@ -128,19 +130,13 @@ class LoraLoadRequest(BaseModel):
     loras: list[LoraLoadInfo] = Field(min_length=1)
 
 
-def _plain_name(name: str) -> bool:
-    """Whether `name` is a directory name that stays inside the directory it is looked up in."""
-    return (bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0:")
-            and not PureWindowsPath(name).drive and not Path(name).is_absolute())
-
-
 def model_dir(root: Optional[Path], name: str, param: str) -> Path:
     """The directory of model `name` under `root`: a plain directory name, never a path; 400 for a name that is
     not one (or a directory without config.json), 404 for one that does not exist."""
     if root is None:
         raise APIError(400, "Loading models by name needs a model directory; start the server with "
                             "--model-dir-root DIR.", param=param, code="model_dir_root_unset")
-    if not _plain_name(name):
+    if not plain_name(name):
         raise APIError(400, f"'{name}' is not the name of a model directory; use a name GET /v1/model/list shows.",
                        param=param, code="invalid_model_name")
     path = root / name
@@ -346,7 +342,7 @@ def lora_path(root: Optional[Path], name: str, param: str) -> Path:
     if root is None:
         raise APIError(400, "Loading LoRAs by name needs a LoRA directory; start the server with --lora-dir DIR.",
                        param=param, code="lora_dir_unset")
-    if not _plain_name(name):
+    if not plain_name(name):
         raise APIError(400, f"'{name}' is not the name of a LoRA directory; use a name GET /v1/lora/list shows.",
                        param=param, code="invalid_lora_name")
     return root / name

@@ -26,7 +26,7 @@ from exl2.generation.constraints import Grammar
 from exl2.generation.generator import GenerationResult
 from exl2.generation.output import TokenLogprob
 from exl2.server import params
-from exl2.server.errors import APIError, from_engine
+from exl2.server.errors import APIError, first_problem, from_engine
 from exl2.server.host import host, serving
 from exl2.server.messages import template_messages, template_variables
 from exl2.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
@@ -338,10 +338,9 @@ def overridden(request: Request, body):
     try:
         return host(request).overrides.apply(body)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        field = str(err["loc"][0]) if err["loc"] else None
-        raise APIError(400, f"With the server's sampler overrides, '{field}' is invalid: "
-                            f"{err['msg'].removeprefix('Value error, ')}.", param=field) from None
+        field, msg = first_problem(e)
+        raise APIError(400, f"With the server's sampler overrides, '{field}' is invalid: {msg}.", param=field) \
+            from None
 
 
 @router.post("/v1/chat/completions")

@@ -6,6 +6,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exl2.errors import ConfigError, ContextLengthError, Exl2Error
@@ -54,6 +55,13 @@ def _param(loc: tuple) -> Optional[str]:
             break
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or None
+
+
+def first_problem(e: ValidationError) -> tuple[Optional[str], str]:
+    """(the top-level field, one clause) of a pydantic ValidationError's first error, for a one-sentence 400 or
+    configuration error about settings built from a request."""
+    err = e.errors(include_url=False)[0]
+    return (str(err["loc"][0]) if err["loc"] else None), err["msg"].removeprefix("Value error, ")
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:

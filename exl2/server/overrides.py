@@ -14,6 +14,8 @@ from typing import Any, Optional, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from exl2.errors import ConfigError
+from exl2.server.errors import first_problem
+from exl2.server.names import plain_name
 from exl2.server.schemas import SamplingFields
 
 Body = TypeVar("Body", bound=SamplingFields)
@@ -53,9 +55,8 @@ class Overrides:
                     else Override(override=value)
                 SamplingFields.model_validate({key: rule.override})
             except ValidationError as e:
-                err = e.errors(include_url=False)[0]
                 raise ConfigError(f"The {where} gives {key!r} a value the request schema refuses: "
-                                  f"{err['msg'].removeprefix('Value error, ')}.") from None
+                                  f"{first_problem(e)[1]}.") from None
             if rule.additive and not isinstance(rule.override, list):
                 raise ConfigError(f"The {where} makes {key!r} additive, which needs a list value.")
             rules[key] = rule
@@ -116,7 +117,7 @@ def find_preset(directory: Optional[Path], name: str) -> Path:
     """The file of preset `name` in `directory` (a plain name: it cannot reach outside); ConfigError if none."""
     if directory is None:
         raise ConfigError("Sampler override presets need a preset directory (--sampler-override-dir).")
-    if not name or name.startswith(".") or any(c in name for c in "/\\\0:"):
+    if not plain_name(name):
         raise ConfigError(f"{name!r} is not the name of a sampler override preset.")
     for suffix in PRESET_SUFFIXES:
         path = directory / f"{name}{suffix}"

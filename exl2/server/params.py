@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError
 from exl2.generation.constraints import Grammar, lark_grammar
-from exl2.server.errors import APIError, unsupported
+from exl2.server.errors import APIError, first_problem, unsupported
 from exl2.server.schemas import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat,
                                  SamplingFields)
 
@@ -214,9 +214,7 @@ def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, floa
             dry_sequence_breakers=dry_sequence_breakers(req.dry_sequence_breakers),
             mirostat_mode=req.mirostat_mode, mirostat_tau=req.mirostat_tau, mirostat_eta=req.mirostat_eta)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        field = str(err["loc"][0]) if err["loc"] else None
-        msg = err["msg"].removeprefix("Value error, ")
+        field, msg = first_problem(e)
         raise APIError(400, f"Invalid value for '{field}': {msg}." if field else f"Invalid sampling settings: {msg}.",
                        param=field) from None
 
