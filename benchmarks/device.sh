@@ -29,6 +29,8 @@
 # chunked q4 cache on CUDA and CPU, sampling.py, then the target bench at batches 1, 2, 4 and 16. s28: the GPU tests of
 # the extended samplers, banned strings and ranged penalties, then sampling.py with their cases. s29: the LoRA GPU
 # tests with those of s27/s28, sampling.py (the extended samplers now draw through the fused kernel), a short bench.
+# layout (session 23): benchmarks/layout_probe.py --stream, the batch-1 weight stream by layout against the real gemv;
+# gemvsweep: the real gemv over launch settings (--sweep).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -36,6 +38,10 @@ mkdir -p "$OUT"
 steps=${*:-s18}
 for s in $steps; do
   case $s in
+  layout) timeout ${LAYOUT_TIMEOUT:-300} python3 benchmarks/layout_probe.py --stream --json "$OUT/layout.json" > "$OUT/layout.txt" 2>&1
+         echo "layout rc=$?"; cat "$OUT/layout.txt" | tail -120 ;;
+  gemvsweep) timeout ${LAYOUT_TIMEOUT:-540} python3 benchmarks/layout_probe.py --sweep --json "$OUT/gemvsweep.json" \
+           > "$OUT/gemvsweep.txt" 2>&1; echo "gemvsweep rc=$?"; sort -t'|' -k2,2 -k4,4n "$OUT/gemvsweep.txt" | awk -F'|' '{c[$2]++} c[$2]<=8' ;;
   bench) timeout 200 python3 -m exl2.cli.main bench --breakdown > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
          tail -28 "$OUT/bench.txt" ;;
   nopdl) EXL2_PDL=0 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
