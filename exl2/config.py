@@ -68,6 +68,8 @@ class EngineConfig(BaseModel):
     rope_yarn: Optional[float] = None
     # LoRA adapters applied to the model (not the draft model) from the start; Engine.set_loras changes them
     loras: list[LoraSpec] = Field(default_factory=list)
+    # experts a mixture-of-experts model routes each token to (exllamav2's -ept); None = config.json's count
+    experts_per_token: Optional[int] = Field(None, ge=1)
 
     @field_validator("rope_scale", "rope_alpha", "rope_yarn", "draft_rope_scale", "draft_rope_alpha")
     @classmethod

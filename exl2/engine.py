@@ -29,7 +29,8 @@ class Engine:
         self.config = config
         self.model = load_model(config.model_dir, config.device, gpu_split=config.gpu_split,
                                 cache_tokens=config.cache_size or config.max_seq_len, cache_mode=config.kv_cache_mode,
-                                tensor_parallel=config.tensor_parallel, rope=engine_rope(config))
+                                tensor_parallel=config.tensor_parallel, rope=engine_rope(config),
+                                experts_per_token=config.experts_per_token)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
         asked = config.max_seq_len if "max_seq_len" in config.model_fields_set else None  # None: the default

@@ -1288,9 +1288,13 @@ def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, 
         assert r.status_code == 200, r.text
         assert built[-1].config.draft_rope_alpha == 2.5
         assert built[-1].config.draft_rope_scale is None
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha", "num_experts_per_token": 1})
+        assert r.status_code == 200, r.text
+        assert built[-1].config.experts_per_token == 1
 
         for body, param in (({"max_seq_len": 100}, "max_seq_len"), ({"cache_mode": "FP8"}, "cache_mode"),
                             ({"vision": True}, "vision"), ({"prompt_template": "chatml"}, "prompt_template"),
+                            ({"num_experts_per_token": 0}, "num_experts_per_token"),
                             ({"draft": {"draft_model_name": "beta", "draft_rope_alpha": -2.0}},
                              "draft_model.draft_rope_alpha"),
                             ({"max_seq_len": 2048, "cache_size": 1024}, None)):
@@ -1298,6 +1302,37 @@ def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, 
             assert r.status_code == 400, (body, r.text)
             assert param is None or r.json()["error"]["param"] == param, (body, r.json())
         assert (await complete(c)).json()["choices"][0]["text"] == "reply of alpha"
+
+    run(go())
+
+
+def test_load_past_the_native_context_gets_tabbyapis_automatic_rope_alpha(models_root, built):
+    """TabbyAPI's rope_alpha "auto" (also what a request without RoPE settings gets): a max_seq_len past the
+    model's context, or past override_base_seq_len, loads with the NTK alpha for the ratio; RoPE settings of the
+    request win; within the native context nothing changes."""
+    from tiny_models import ARCHS
+
+    from exl2.models.rope import ntk_alpha
+
+    cfg = ARCHS["llama"]()                                                                  # 256 positions
+    cfg.architectures = ["LlamaForCausalLM"]
+    (models_root / "alpha" / "config.json").write_text(cfg.to_json_string())
+    app = mgmt_app(models_root, LoadedFake(EngineConfig(model_dir="start", max_seq_len=512, device="cpu")))
+
+    async def go():
+        c = http(app)
+        for body, alpha in (({"max_seq_len": 1024}, ntk_alpha(4.0)),
+                            ({"max_seq_len": 1024, "rope_alpha": "auto"}, ntk_alpha(4.0)),
+                            ({"max_seq_len": 1024, "override_base_seq_len": 512}, ntk_alpha(2.0)),
+                            ({"max_seq_len": 1024, "rope_alpha": 1.5}, 1.5),
+                            ({"max_seq_len": 1024, "rope_scale": 4.0}, None),
+                            ({"max_seq_len": 512, "override_base_seq_len": 512}, None)):
+            r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha", **body})
+            assert r.status_code == 200, (body, r.text)
+            got = built[-1].config.rope_alpha
+            assert got == (None if alpha is None else pytest.approx(alpha, abs=1e-4)), (body, got)
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha", "override_base_seq_len": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "override_base_seq_len", r.text
 
     run(go())
 

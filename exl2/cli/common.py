@@ -23,8 +23,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-cm", "--cache-mode", "--cache_mode", dest="cache_mode", default="fp16",
                    choices=["fp16", "q8", "q6", "q4", "q3", "q2"],
                    help="KV cache storage: fp16 or quantized (q8, q6 = 8-bit keys/4-bit values, q4, q3, q2)")
+    add_experts_arg(p)
     add_rope_args(p)
     add_gpu_args(p)
+
+
+def add_experts_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-ept", "--experts_per_token", "--experts-per-token", dest="experts_per_token", type=int,
+                   default=None, help="experts a mixture-of-experts model routes each token to (default: the "
+                                      "model's own; fewer are faster and worse)")
 
 
 def add_rope_args(p: argparse.ArgumentParser) -> None:
@@ -127,7 +134,8 @@ def engine_settings(args) -> dict:
                     tensor_parallel=args.tensor_parallel,
                     ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
                     num_draft_tokens=args.num_draft_tokens, draft_rope_scale=args.draft_rope_scale,
-                    draft_rope_alpha=args.draft_rope_alpha, rope_scale=args.rope_scale, rope_alpha=args.rope_alpha, rope_yarn=args.rope_yarn)
+                    draft_rope_alpha=args.draft_rope_alpha, rope_scale=args.rope_scale, rope_alpha=args.rope_alpha,
+                    rope_yarn=args.rope_yarn, experts_per_token=args.experts_per_token)
     if args.max_seq_len is not None:  # left out, EngineConfig's default applies and counts as not asked for
         settings["max_seq_len"] = args.max_seq_len
     loras = lora_specs(args)
@@ -274,7 +282,8 @@ def load_generator(args):
     loras = lora_specs(args)
     model_dir = resolve_model_dir(args.model_dir)
     model = load_model(model_dir, args.device, gpu_split=split, cache_tokens=args.max_seq_len,
-                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope)
+                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope,
+                       experts_per_token=args.experts_per_token)
     if loras:   # before the generator exists: no graph or cached prefix was made without them
         set_loras(model, [LoraAdapter.from_dir(s.path, model, s.scaling) for s in loras])
     tok = Tokenizer.from_dir(model_dir)

@@ -6,7 +6,7 @@ from typing import Optional
 
 
 def register(sub) -> None:
-    from exl2.cli.common import add_gpu_args, add_rope_args
+    from exl2.cli.common import add_experts_arg, add_gpu_args, add_rope_args
     from exl2.quantize.evaluate import DEFAULT_CHUNK, DEFAULT_LENGTH, DEFAULT_ROWS
 
     p = sub.add_parser(
@@ -32,6 +32,7 @@ def register(sub) -> None:
                         "with fp16, --chunk runs the fp16 paged cache the same way, a control for the chunking)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
     add_rope_args(p)  # the model's and --ref's: both read the rows with the same positions
+    add_experts_arg(p)  # the model's only: --ref keeps its own routing (what fewer experts cost)
     add_gpu_args(p, "; --ref is placed the same way, planned on its own (with 'auto', over what the model left)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
@@ -78,7 +79,8 @@ def run(args) -> int:
         ui.warn(warning)
     dtype = torch.float32 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu" else None
     model = load_model(model_dir, args.device, dtype, gpu_split=split, cache_tokens=args.length,
-                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope)
+                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope,
+                       experts_per_token=args.experts_per_token)
     if cache_mode is not None:
         row_cache(model, cache_mode, 1)  # a model that cannot use the mode fails now, not after loading --ref
     ref = None

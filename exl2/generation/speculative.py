@@ -14,7 +14,7 @@ import torch
 
 from exl2.errors import ConfigError
 from exl2.models.decoder import DecoderModel
-from exl2.models.rope import RopeOverride
+from exl2.models.rope import RopeOverride, ntk_alpha
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.paged_cache import paged_cache_for
 
@@ -101,21 +101,15 @@ class ModelDraft:
 
 
 
-def ntk_alpha(ratio: float) -> float:
-    """The NTK-aware RoPE alpha that stretches a model's context by `ratio` > 1 (the quadratic fit exllamav2's
-    users and TabbyAPI use; never below 1, which the fit dips under just past ratio 1)."""
-    return max(1.0, -0.13436 + 0.80541 * ratio + 0.28833 * ratio * ratio)
-
-
 def draft_rope(draft_model_dir, length: int, rope: Optional[RopeOverride] = None) -> Optional[RopeOverride]:
     """The RoPE override a draft model runs with: `rope` when it sets one, else, where the draft model's native
     context is shorter than the `length` it must cover, an NTK alpha for the ratio (its guesses past its native
     context would otherwise be noise: speculation stays exact, only slower); else none."""
     if rope is not None and rope.active:
         return rope
-    from exl2.models.registry import read_config, spec_from_config
+    from exl2.runtime.loader import native_context
 
-    native = spec_from_config(read_config(draft_model_dir)).max_position
+    native = native_context(draft_model_dir)
     if length <= native:
         return None
     alpha = ntk_alpha(length / native)

@@ -13,6 +13,12 @@ from exl2.errors import ConfigError
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
+def ntk_alpha(ratio: float) -> float:
+    """The NTK-aware RoPE alpha that stretches a model's context by `ratio` > 1 (the quadratic fit exllamav2's
+    users and TabbyAPI use; never below 1, which the fit dips under just past ratio 1)."""
+    return max(1.0, -0.13436 + 0.80541 * ratio + 0.28833 * ratio * ratio)
+
+
 @dataclass(frozen=True)
 class RopeOverride:
     """The user's RoPE overrides (exllamav2's -rs/-ra/-ry) over config.json; None keeps the model's own.

@@ -1,6 +1,7 @@
 """Load a model directory (HF, EXL2, GPTQ) into a DecoderModel on a device, or split over several GPUs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -39,15 +40,17 @@ def pick_device(device: Optional[str] = None) -> torch.device:
 
 def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                gpu_split: Optional[GpuSplit] = None, cache_tokens: Optional[int] = None, cache_mode: str = "fp16",
-               tensor_parallel: bool = False, rope: Optional[RopeOverride] = None) -> DecoderModel:
+               tensor_parallel: bool = False, rope: Optional[RopeOverride] = None,
+               experts_per_token: Optional[int] = None) -> DecoderModel:
     """`gpu_split` (GB per GPU, or "auto"; runtime.placement) spreads the decoder layers over several GPUs, with
     room for the KV cache of `cache_tokens` tokens (default: the model's context, at most 4096) in `cache_mode`
     next to each layer. A plan that uses one GPU loads the model there as if no split had been asked for.
     `tensor_parallel` shards every layer over the GPUs instead (runtime.tp): those `gpu_split` lists with a
     budget above 0, or every visible GPU. `rope` (-rs/-ra/-ry) overrides config.json's RoPE; the spec's
-    `max_position` is then the context the override covers."""
+    `max_position` is then the context the override covers. `experts_per_token` overrides how many experts a
+    mixture-of-experts model routes each token to (exllamav2's -ept)."""
     cfg = read_config(model_dir)
-    spec = spec_from_config(cfg, rope)
+    spec = with_experts_per_token(spec_from_config(cfg, rope), experts_per_token)
     qc = cfg.get("quantization_config") or {}
     fmt = dict(checkpoint_format=qc.get("checkpoint_format", "gptq"),
                gptq_bits=int(qc.get("bits", 4)) if qc.get("quant_method") == "gptq" else 4)
@@ -62,6 +65,29 @@ def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optio
     model.config_dict = cfg
     model.model_dir = Path(model_dir)
     return model
+
+
+def native_context(model_dir: Path | str) -> int:
+    """The context a model's own config.json covers (its RoPE scaling included; no override)."""
+    return spec_from_config(read_config(model_dir)).max_position
+
+
+def with_experts_per_token(spec: ModelSpec, k: Optional[int]) -> ModelSpec:
+    """`spec` routing each token to `k` experts instead of config.json's count (None: unchanged). Fewer run faster
+    and answer worse; more, slower. One-sentence ConfigError for a model without experts or a count it cannot
+    route (DeepSeek-style group routing picks only from its top groups)."""
+    if k is None:
+        return spec
+    moe = spec.moe
+    if moe is None or not any(layer.moe for layer in spec.layers):
+        raise ConfigError("experts_per_token applies to mixture-of-experts models, and this model has no experts.")
+    limit = moe.num_experts
+    if moe.router == "sigmoid_grouped" and moe.n_group > 1:
+        limit = moe.topk_group * (moe.num_experts // moe.n_group)
+    if not 1 <= k <= limit:
+        raise ConfigError(f"experts_per_token must be between 1 and {limit} for this model (it routes to "
+                          f"{moe.top_k} by default), not {k}.")
+    return dataclasses.replace(spec, moe=dataclasses.replace(moe, top_k=k))
 
 
 def engine_rope(config: "EngineConfig") -> RopeOverride:

@@ -22,6 +22,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from exl2.config import EngineConfig, LoraSpec, ServerConfig
 from exl2.errors import ConfigError, Exl2Error
+from exl2.models.rope import ntk_alpha
+from exl2.runtime.loader import native_context
 from exl2.server.auth import permission
 from exl2.server.errors import APIError, unsupported
 from exl2.server.host import (ModelHost, ServerState, close_slot, free_memory, host, no_model, serve_state,
@@ -40,7 +42,7 @@ _REQUEST_NAMES = {"kv_cache_mode": "cache_mode", "draft_model_dir": "draft_model
                   "num_draft_tokens": "draft_model.draft_num_tokens", "flash_attention_enabled": "no_flash_attention",
                   "draft_rope_scale": "draft_model.draft_rope_scale",
                   "draft_rope_alpha": "draft_model.draft_rope_alpha",
-                  "model_dir": "model_name"}
+                  "model_dir": "model_name", "experts_per_token": "num_experts_per_token"}
 
 
 def build_engine(config: EngineConfig):
@@ -95,13 +97,14 @@ class ModelLoadRequest(BaseModel):
     rope_alpha: Optional[Union[float, Literal["auto"]]] = None
     rope_yarn: Optional[float] = None
     no_flash_attention: Optional[bool] = None
+    num_experts_per_token: Optional[int] = None
+    # the context rope_alpha "auto" stretches from (TabbyAPI's; default: the model's own)
+    override_base_seq_len: Optional[int] = Field(None, ge=1)
     draft_model: Optional[DraftLoadRequest] = Field(None, validation_alias=AliasChoices("draft_model", "draft"))
     # refused when set
     prompt_template: Optional[str] = None
     vision: Optional[bool] = None
     use_cfg: Optional[bool] = None
-    num_experts_per_token: Optional[int] = None
-    override_base_seq_len: Optional[int] = None
 
 
 class OverrideSwitchRequest(BaseModel):
@@ -168,15 +171,29 @@ def _refuse_unsupported(body: ModelLoadRequest) -> None:
         raise unsupported("vision", "Vision input")
     if body.use_cfg:
         raise unsupported("use_cfg", "Classifier-free guidance")
-    if body.num_experts_per_token is not None:
-        raise unsupported("num_experts_per_token", "Changing the experts per token")
-    if body.override_base_seq_len is not None:
-        raise unsupported("override_base_seq_len", "Overriding the base sequence length (use rope_scale or "
-                                                   "rope_alpha)")
     d = body.draft_model
     if d is not None:
         if d.draft_gpu_split:
             raise unsupported("draft_model.draft_gpu_split", "Placing the draft model apart from the model")
+
+
+def _auto_rope_alpha(settings: dict, body: ModelLoadRequest) -> None:
+    """TabbyAPI's automatic RoPE alpha: a max_seq_len past the model's context (or `override_base_seq_len`) with
+    no RoPE setting from the request or the server gets the NTK alpha for the ratio, instead of being capped."""
+    if body.rope_alpha not in (None, "auto") or any(settings.get(k) is not None
+                                                     for k in ("rope_scale", "rope_alpha", "rope_yarn")):
+        return
+    length = settings.get("max_seq_len")
+    base = body.override_base_seq_len
+    if base is None and length is not None:
+        try:
+            base = native_context(settings["model_dir"])
+        except Exception:  # noqa: BLE001 - an unreadable or unsupported model: its load reports that
+            return
+    if length is not None and base is not None and length > base:
+        settings["rope_alpha"] = round(ntk_alpha(length / base), 4)
+        log.info("max_seq_len %d is past the model's %d positions: RoPE alpha %.4f (rope_alpha 'auto').", length,
+                 base, settings["rope_alpha"])
 
 
 def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
@@ -190,7 +207,8 @@ def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
         if body.cache_size is None and (settings.get("cache_size") or body.max_seq_len) < body.max_seq_len:
             del settings["cache_size"]        # the server's default cache is too small for it: max_seq_len's
     for field, key in (("cache_size", "cache_size"), ("cache_mode", "kv_cache_mode"),
-                       ("max_batch_size", "max_batch_size"), ("tensor_parallel", "tensor_parallel")):
+                       ("max_batch_size", "max_batch_size"), ("tensor_parallel", "tensor_parallel"),
+                       ("num_experts_per_token", "experts_per_token")):
         if getattr(body, field) is not None:
             settings[key] = getattr(body, field)
     if body.gpu_split:
@@ -204,6 +222,7 @@ def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
             settings[field] = getattr(body, field)
     if body.rope_yarn is not None:
         settings["rope_yarn"] = body.rope_yarn
+    _auto_rope_alpha(settings, body)
     d = body.draft_model
     if d is not None and d.draft_model_name:
         settings["draft_model_dir"] = model_dir(root, d.draft_model_name, "draft_model.draft_model_name")
