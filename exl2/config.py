@@ -70,6 +70,9 @@ class EngineConfig(BaseModel):
     loras: list[LoraSpec] = Field(default_factory=list)
     # experts a mixture-of-experts model routes each token to (exllamav2's -ept); None = config.json's count
     experts_per_token: Optional[int] = Field(None, ge=1)
+    # the chat template: a bundled name (chatml, alpaca), a name tokenizer_config.json lists (tool_use, rag), or a
+    # .jinja file's path; None = the model's own (ChatML where it has none). generation.templates
+    prompt_template: Optional[str] = None
 
     @field_validator("rope_scale", "rope_alpha", "rope_yarn", "draft_rope_scale", "draft_rope_alpha")
     @classmethod
@@ -270,6 +273,8 @@ class ServerConfig(BaseModel):
     # a preset name in sampler_override_dir or a preset file's path
     sampler_override: Optional[str] = None
     sampler_override_dir: Optional[Path] = None
+    # the chat templates (`NAME.jinja`) /v1/template/list shows and prompt_template names load (TabbyAPI's templates/)
+    template_dir: Optional[Path] = None
     kobold: bool = False                     # also serve TabbyAPI's KoboldAI API under /api (server/kobold.py)
 
     @field_validator("api_keys", "admin_keys")
@@ -279,7 +284,7 @@ class ServerConfig(BaseModel):
             raise ValueError(f"{info.field_name} must not contain empty keys")
         return v
 
-    @field_validator("model_dir_root", "lora_dir", "sampler_override_dir")
+    @field_validator("model_dir_root", "lora_dir", "sampler_override_dir", "template_dir")
     @classmethod
     def _root(cls, v: Optional[Path]) -> Optional[Path]:
         if v is not None and not v.is_dir():

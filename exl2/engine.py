@@ -15,6 +15,7 @@ from exl2.generation.dynamic import DynamicGenerator
 from exl2.generation.generator import GenerationResult, Generator
 from exl2.generation.job import Event
 from exl2.generation.speculative import make_drafter
+from exl2.generation.templates import choose_template
 from exl2.generation.tokenizer import Tokenizer
 from exl2.generation.worker import BatchWorker
 from exl2.models.rope import RopeOverride
@@ -32,7 +33,7 @@ class Engine:
                                 tensor_parallel=config.tensor_parallel, rope=engine_rope(config),
                                 experts_per_token=config.experts_per_token)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
-        self.template = ChatTemplate.from_tokenizer(self.tokenizer)
+        self.template = choose_template(self.tokenizer, config.prompt_template)
         asked = config.max_seq_len if "max_seq_len" in config.model_fields_set else None  # None: the default
         max_seq_len = context_length(self.model.spec, asked)  # capped at what RoPE covers, with a warning
         draft = make_drafter(self.model, config.ngram_draft, config.draft_model_dir, max_seq_len,
@@ -82,6 +83,12 @@ class Engine:
         prompt cache is forgotten and CUDA graphs are captured again (DynamicGenerator.set_loras)."""
         adapters = [x if isinstance(x, LoraAdapter) else self.load_lora(x) for x in loras]
         self.worker.call(lambda: self.dynamic.set_loras(adapters))
+
+    def set_template(self, choice: Optional[str] = None, template_dir: Optional[Path] = None) -> ChatTemplate:
+        """Render chats from now on with the template `choice` names (`generation.templates.choose_template`;
+        None: the model's own). Prompts already rendered are not affected."""
+        self.template = choose_template(self.tokenizer, choice, template_dir)
+        return self.template
 
     def __getattr__(self, name: str):
         # only reached for attributes the instance lacks: those close() released, or a genuine typo

@@ -1291,9 +1291,12 @@ def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, 
         r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha", "num_experts_per_token": 1})
         assert r.status_code == 200, r.text
         assert built[-1].config.experts_per_token == 1
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha", "prompt_template": "chatml"})
+        assert r.status_code == 200, r.text
+        assert built[-1].config.prompt_template == "chatml"     # bundled: the engine resolves it
 
         for body, param in (({"max_seq_len": 100}, "max_seq_len"), ({"cache_mode": "FP8"}, "cache_mode"),
-                            ({"vision": True}, "vision"), ({"prompt_template": "chatml"}, "prompt_template"),
+                            ({"vision": True}, "vision"), ({"use_cfg": True}, "use_cfg"),
                             ({"num_experts_per_token": 0}, "num_experts_per_token"),
                             ({"draft": {"draft_model_name": "beta", "draft_rope_alpha": -2.0}},
                              "draft_model.draft_rope_alpha"),

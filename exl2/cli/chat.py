@@ -4,7 +4,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, Optional
 
-from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, load_generator,
+from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, add_template_arg,
+                             load_generator,
                              sampling_from_args)
 
 HELP = "Commands: /clear forgets the conversation, /exit quits (Ctrl-D too)."
@@ -16,6 +17,7 @@ def register(sub) -> None:
                                    "outgrows the context, its oldest turns are dropped (the system prompt stays). "
                                    + HELP)
     add_model_args(p)
+    add_template_arg(p)
     add_lora_args(p)
     add_draft_args(p)
     system = p.add_mutually_exclusive_group()
@@ -35,11 +37,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from exl2.generation.chat import ChatTemplate
+    from exl2.generation.templates import choose_template
 
     settings = sampling_from_args(args)
     model_dir, tok, gen = load_generator(args)
-    template = ChatTemplate.from_tokenizer(tok)
+    template = choose_template(tok, args.prompt_template)
     interactive = sys.stdin.isatty()
     system = _system_messages(args)
     budget = reply_budget(args.max_response_tokens, gen.max_seq_len)

@@ -28,6 +28,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_gpu_args(p)
 
 
+def add_template_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-template", "--prompt_template", dest="prompt_template", default=None,
+                   metavar="NAME|FILE", help="chat template instead of the model's own: a .jinja file, a bundled "
+                                             "name (chatml, alpaca) or one the model's tokenizer_config.json lists "
+                                             "(e.g. tool_use)")
+
+
 def add_experts_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ept", "--experts_per_token", "--experts-per-token", dest="experts_per_token", type=int,
                    default=None, help="experts a mixture-of-experts model routes each token to (default: the "
@@ -135,7 +142,8 @@ def engine_settings(args) -> dict:
                     ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
                     num_draft_tokens=args.num_draft_tokens, draft_rope_scale=args.draft_rope_scale,
                     draft_rope_alpha=args.draft_rope_alpha, rope_scale=args.rope_scale, rope_alpha=args.rope_alpha,
-                    rope_yarn=args.rope_yarn, experts_per_token=args.experts_per_token)
+                    rope_yarn=args.rope_yarn, experts_per_token=args.experts_per_token,
+                    prompt_template=getattr(args, "prompt_template", None))
     if args.max_seq_len is not None:  # left out, EngineConfig's default applies and counts as not asked for
         settings["max_seq_len"] = args.max_seq_len
     loras = lora_specs(args)

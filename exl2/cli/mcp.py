@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from exl2.cli.common import (add_draft_args, add_model_args, add_sampling_args, engine_settings, flag_error,
+from exl2.cli.common import (add_draft_args, add_model_args, add_sampling_args, add_template_arg, engine_settings,
+                             flag_error,
                              sampling_from_args)
 from exl2.errors import ConfigError, ContextLengthError
 
@@ -31,6 +32,7 @@ def register(sub) -> None:
                            description="Run an MCP server whose tools use the model: generate, chat (with progress "
                                        "notifications as tokens arrive), tokenize, detokenize, model_info.")
     add_model_args(s)
+    add_template_arg(s)
     add_draft_args(s)
     s.add_argument("--transport", choices=["stdio", "http"], default="stdio",
                    help="stdio (default; the client launches this command) or http (Streamable HTTP at /mcp)")
@@ -48,6 +50,7 @@ def register(sub) -> None:
                                   "environment), or a JSON file with {\"mcpServers\": {...}} as Claude Desktop uses. "
                                   "With several servers, tool names get the server's name as a prefix.")
     add_model_args(a)
+    add_template_arg(a)
     add_draft_args(a)
     a.add_argument("--server", dest="servers", action="append", required=True, metavar="SPEC",
                    help="MCP server: URL, command line or JSON config file (repeatable)")

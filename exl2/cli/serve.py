@@ -9,7 +9,7 @@ import socket
 import sys
 from types import SimpleNamespace
 
-from exl2.cli.common import add_draft_args, add_lora_args, add_model_args, engine_settings
+from exl2.cli.common import add_draft_args, add_lora_args, add_model_args, add_template_arg, engine_settings
 from exl2.errors import ConfigError
 
 KEY_ENV = "EXL2_API_KEY"
@@ -59,6 +59,10 @@ def register(sub) -> None:
                                           "in --sampler-override-dir, or a .yml/.json preset file")
     p.add_argument("--sampler-override-dir", "--sampler_override_dir", dest="sampler_override_dir", default=None,
                    metavar="DIR", help="the presets /v1/sampling/override/switch can put in force by name")
+    add_template_arg(p)
+    p.add_argument("--template-dir", "--template_dir", dest="template_dir", default=None, metavar="DIR",
+                   help="directory of chat templates (NAME.jinja) that --prompt-template, /v1/template/switch and "
+                        "model loads name (TabbyAPI's templates/)")
     p.add_argument("--kobold", action="store_true",
                    help="also serve the KoboldAI API under /api (KoboldAI Lite, SillyTavern's Kobold mode)")
     p.set_defaults(func=run)
@@ -132,6 +136,7 @@ def run(args) -> int:
             from None
     from exl2.config import EngineConfig, ServerConfig
     from exl2.engine import Engine
+    from exl2.generation.templates import template_file
     from exl2.server.admin import load_defaults_of
 
     keys = args.api_keys or _env_keys(KEY_ENV)
@@ -143,7 +148,8 @@ def run(args) -> int:
                                      model_name=args.model_name, max_tokens=args.max_tokens,
                                      reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins),
                                      kobold=args.kobold, sampler_override=args.sampler_override,
-                                     sampler_override_dir=args.sampler_override_dir)
+                                     sampler_override_dir=args.sampler_override_dir,
+                                     template_dir=args.template_dir)
     except ValueError as e:   # pydantic's ValidationError
         raise ConfigError(f"Invalid setting {_one_sentence(e)}.") from None
     from exl2.server.overrides import startup_overrides
@@ -154,7 +160,8 @@ def run(args) -> int:
         no_model = args.model_dir is None and server_config.model_dir_root is not None
         if no_model:
             per_model = [f for f, v in (("--draft_model_dir", args.draft_model_dir), ("--rope_scale", args.rope_scale),
-                                         ("--rope_alpha", args.rope_alpha), ("--rope_yarn", args.rope_yarn)) if v]
+                                         ("--rope_alpha", args.rope_alpha), ("--rope_yarn", args.rope_yarn),
+                                         ("--prompt-template", args.prompt_template)) if v]
             if per_model:
                 raise ConfigError(f"{per_model[0]} applies to the -m model, and none is given; set it in the "
                                   "POST /v1/model/load request instead.")
@@ -164,6 +171,7 @@ def run(args) -> int:
             # the flags still set what loaded models inherit; the root stands in for the model to check them
             args = argparse.Namespace(**{**vars(args), "model_dir": str(server_config.model_dir_root)})
         settings = engine_settings(args)
+        settings["prompt_template"] = template_file(server_config.template_dir, settings["prompt_template"])
         if args.cache_size is not None:
             settings["cache_size"] = args.cache_size
         try:

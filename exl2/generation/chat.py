@@ -74,6 +74,7 @@ class ChatTemplate:
                  eos_token: Optional[str] = None, special_tokens: Optional[dict[str, str]] = None):
         self.source = template if template else CHATML_TEMPLATE
         self.is_fallback = not template
+        self.name: Optional[str] = None      # a chosen template's name (`templates.choose_template`)
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         if bos_token is not None:
             self.special_tokens["bos_token"] = bos_token

@@ -205,6 +205,11 @@ class Tokenizer:
         self._eos_main = main if main is not None else (eos[0] if eos else None)
         self.eos_ids: set[int] = set(eos) | ({main} if main is not None else set())
         self.chat_template: Optional[str] = chat_template
+        listed = config.get("chat_template")
+        # tokenizer_config.json's named templates besides the default (Command-R's and Hermes' tool_use, rag)
+        self.named_templates: dict[str, str] = {
+            t["name"]: t["template"] for t in (listed if isinstance(listed, list) else [])
+            if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
         add_bos = config.get("add_bos_token")
         self._add_bos = bool(add_bos) if isinstance(add_bos, bool) else backend.adds_bos(self.bos_id)
         self._special_ids = backend.special_ids()
@@ -235,7 +240,12 @@ class Tokenizer:
                     gen_ids["eos"] = sorted(set(gen_ids.get("eos", [])) | set(ids))
                 elif ids:
                     gen_ids[name] = ids
-        template = _pick_template(config.get("chat_template"))
+        template = None
+        tabby = d / "tabby_template.jinja"    # TabbyAPI's per-model override comes first
+        if tabby.is_file():
+            template = tabby.read_text(encoding="utf-8")
+        if template is None:
+            template = _pick_template(config.get("chat_template"))
         jinja = d / "chat_template.jinja"
         if template is None and jinja.is_file():
             template = jinja.read_text(encoding="utf-8")

@@ -11,6 +11,7 @@ request, so a change waits for the requests running to end and holds new ones un
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import traceback
@@ -22,6 +23,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from exl2.config import EngineConfig, LoraSpec, ServerConfig
 from exl2.errors import ConfigError, Exl2Error
+from exl2.generation.templates import template_file, template_names
 from exl2.models.rope import ntk_alpha
 from exl2.runtime.loader import native_context
 from exl2.server.auth import permission
@@ -29,6 +31,7 @@ from exl2.server.errors import APIError, unsupported
 from exl2.server.host import (ModelHost, ServerState, close_slot, free_memory, host, no_model, serve_state,
                               serving)
 from exl2.server.names import plain_name
+from exl2.server.reasoning import template_thinks
 from exl2.server.overrides import Overrides, find_preset, preset_names
 
 log = logging.getLogger("exl2.server")
@@ -101,10 +104,18 @@ class ModelLoadRequest(BaseModel):
     # the context rope_alpha "auto" stretches from (TabbyAPI's; default: the model's own)
     override_base_seq_len: Optional[int] = Field(None, ge=1)
     draft_model: Optional[DraftLoadRequest] = Field(None, validation_alias=AliasChoices("draft_model", "draft"))
+    prompt_template: Optional[str] = None   # a name in --template-dir, bundled or the model's own list
     # refused when set
-    prompt_template: Optional[str] = None
     vision: Optional[bool] = None
     use_cfg: Optional[bool] = None
+
+
+class TemplateSwitchRequest(BaseModel):
+    """TabbyAPI's template switch: the template's name (older clients: `name`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt_template_name: str = Field(validation_alias=AliasChoices("prompt_template_name", "name"))
 
 
 class OverrideSwitchRequest(BaseModel):
@@ -165,8 +176,6 @@ def _cuda_gpus(device: Optional[str]) -> int:
 
 
 def _refuse_unsupported(body: ModelLoadRequest) -> None:
-    if body.prompt_template:
-        raise unsupported("prompt_template", "Choosing a prompt template (the model's own chat template is used)")
     if body.vision:
         raise unsupported("vision", "Vision input")
     if body.use_cfg:
@@ -215,6 +224,8 @@ def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
         settings["gpu_split"] = body.gpu_split
     elif body.gpu_split_auto and settings.get("gpu_split") is None and _cuda_gpus(settings.get("device")) > 1:
         settings["gpu_split"] = "auto"
+    if body.prompt_template:
+        settings["prompt_template"] = template_file(h.config.template_dir, body.prompt_template)
     if body.no_flash_attention is not None:
         settings["flash_attention_enabled"] = not body.no_flash_attention
     for field in ("rope_scale", "rope_alpha"):
@@ -428,6 +439,29 @@ def _unload_loras(engine) -> list[str]:
     return names
 
 
+def template_label(template) -> Optional[str]:
+    """How /v1/model and /v1/template/switch name a chat template."""
+    if getattr(template, "name", None):
+        return template.name
+    return "fallback (ChatML)" if getattr(template, "is_fallback", False) else "the model's own"
+
+
+def _switch_template(h: ModelHost, choice: Optional[str], param: str) -> dict:
+    """Render the served model's chats with `choice` (None: its own template) from now on; the reasoning parser
+    follows the new template unless the server fixed it."""
+    st = h.state
+    if st is None:
+        raise no_model()
+    try:
+        template = st.engine.set_template(template_file(h.config.template_dir, choice), h.config.template_dir)
+    except ConfigError as e:
+        raise APIError(400, str(e), param=param, code="template_not_found") from None
+    reasoning = h.config.reasoning_parser
+    h.restate(dataclasses.replace(st, reasoning=template_thinks(template) if reasoning is None else reasoning))
+    log.info("chat template: %s", template_label(template))
+    return {"prompt_template": template_label(template)}
+
+
 def router(auth, admin) -> APIRouter:
     """The routes; `auth` and `admin` are the API-key and admin-key dependencies."""
     r = APIRouter()
@@ -501,6 +535,26 @@ def router(auth, admin) -> APIRouter:
         """Requests get no overrides from now on."""
         host(request).overrides = Overrides({})
         return {"selected_preset": None, "overrides": {}}
+
+    @r.get("/v1/templates", dependencies=[auth])
+    @r.get("/v1/template/list", dependencies=[auth])
+    async def list_templates(request: Request):
+        """The chat template names /v1/template/switch and model loads accept: the template directory's, the
+        bundled ones and those the served model's tokenizer_config.json lists."""
+        h = host(request)
+        tokenizer = getattr(h.state.engine, "tokenizer", None) if h.state is not None else None
+        return {"object": "list", "data": template_names(h.config.template_dir, tokenizer)}
+
+    @r.post("/v1/template/switch", dependencies=[admin])
+    async def switch_template(body: TemplateSwitchRequest, request: Request):
+        """Render chats with this template from now on (requests already running keep their prompt)."""
+        return _switch_template(host(request), body.prompt_template_name, "prompt_template_name")
+
+    @r.post("/v1/template/unload", dependencies=[admin])
+    async def unload_template(request: Request):
+        """Back to the model's own chat template (TabbyAPI turns chat off instead; a model always has one here:
+        its own, or ChatML)."""
+        return _switch_template(host(request), None, "prompt_template_name")
 
     @r.get("/v1/auth/permission", dependencies=[auth])
     async def key_permission(request: Request):

@@ -45,8 +45,7 @@ def _models_router() -> APIRouter:
         return {**card(st), "parameters": {
             "max_seq_len": _context_length(st.engine), "cache_size": cfg.cache_size or cfg.max_seq_len,
             "cache_mode": cfg.kv_cache_mode, "max_batch_size": cfg.max_batch_size,
-            "prompt_template": "fallback (ChatML)" if getattr(st.engine.template, "is_fallback", False)
-            else "the model's own",
+            "prompt_template": admin.template_label(st.engine.template),
             "draft": str(cfg.draft_model_dir) if cfg.draft_model_dir else ("ngram" if cfg.ngram_draft else None),
             "rope_scale": cfg.rope_scale, "rope_alpha": cfg.rope_alpha, "rope_yarn": cfg.rope_yarn,
             "reasoning_parser": st.reasoning}}

@@ -90,6 +90,12 @@ class ModelHost:
     def state(self) -> Optional[ServerState]:
         return self.current.state if self.current is not None else None
 
+    def restate(self, state: ServerState) -> None:
+        """The served model's state changed in place (its chat template was switched)."""
+        if self.current is not None:
+            self.current.state = state
+        self._mirror()
+
     def _mirror(self) -> None:
         self.app.state.exl2 = self.state            # `app.state.exl2`: the served model's state, None when none
 
