@@ -178,6 +178,9 @@ class SamplingSettings(BaseModel):
     mirostat_mode: int = 0
     mirostat_tau: float = Field(1.5, gt=0.0)
     mirostat_eta: float = Field(0.1, gt=0.0)
+    # classifier-free guidance (exllamav2's cfg_scale): sample from s·log p(token | prompt) + (1 − s)·log p(token |
+    # negative prompt); 1 = off, > 1 steers away from the negative prompt (default: the BOS token alone)
+    cfg_scale: float = Field(1.0, ge=-100.0, le=100.0, allow_inf_nan=False)
 
     @field_validator("banned_tokens", "allowed_tokens")
     @classmethod

@@ -99,23 +99,25 @@ class Engine:
     def generate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None,
                  logprobs: Optional[int] = None, *, stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
-                 ignore_eos: bool = False) -> GenerationResult:
+                 ignore_eos: bool = False, negative_prompt: Optional[str] = None) -> GenerationResult:
         """`grammar` (`json_grammar`, `regex_grammar`) restricts the reply to a format; `logprobs` (k) puts each
         token's log-probability and its k likeliest alternatives in `result.logprobs`. `stop_token_ids` end the
         reply like EOS (not part of its text); before `min_new_tokens` tokens neither they, EOS nor a stop string
         end it (they are not sampled); `ignore_eos` never samples EOS, so the reply runs to `max_new_tokens` or a
-        stop."""
+        stop. With `settings.cfg_scale` ≠ 1 (classifier-free guidance) the reply steers away from
+        `negative_prompt` (None: the BOS token alone)."""
         return self.generator.generate(prompt, settings, max_new_tokens, stop_strings, grammar=grammar,
                                        logprobs=logprobs, stop_token_ids=stop_token_ids,
-                                       min_new_tokens=min_new_tokens, ignore_eos=ignore_eos)
+                                       min_new_tokens=min_new_tokens, ignore_eos=ignore_eos,
+                                       negative_prompt=negative_prompt)
 
     def stream(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None, *,
-               stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0, ignore_eos: bool = False
-               ) -> Iterator[str]:
+               stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0, ignore_eos: bool = False,
+               negative_prompt: Optional[str] = None) -> Iterator[str]:
         for text, _ in self.generator.stream(prompt, settings, max_new_tokens, stop_strings, grammar=grammar,
                                              stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
-                                             ignore_eos=ignore_eos):
+                                             ignore_eos=ignore_eos, negative_prompt=negative_prompt):
             if text:
                 yield text
 
@@ -145,43 +147,46 @@ class Engine:
     def generate_batch(self, prompts: Sequence[str], settings: Optional[SamplingSettings] = None,
                        max_new_tokens: int = 256, stop_strings: Sequence[str] = (), *,
                        stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
-                       ignore_eos: bool = False) -> list[GenerationResult]:
+                       ignore_eos: bool = False, negative_prompt: Optional[str] = None) -> list[GenerationResult]:
         """Several prompts decoded together; results in prompt order."""
         return self.worker.run_all([self.generator.job(p, settings, max_new_tokens, stop_strings,
                                                        stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
-                                                       ignore_eos=ignore_eos) for p in prompts])
+                                                       ignore_eos=ignore_eos, negative_prompt=negative_prompt)
+                                    for p in prompts])
 
     async def agenerate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                         stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None, *,
                         stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
-                        ignore_eos: bool = False) -> GenerationResult:
+                        ignore_eos: bool = False, negative_prompt: Optional[str] = None) -> GenerationResult:
         result = None
         async for _, r in self.aevents(prompt, settings, max_new_tokens, stop_strings, grammar=grammar,
                                        stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
-                                       ignore_eos=ignore_eos):
+                                       ignore_eos=ignore_eos, negative_prompt=negative_prompt):
             result = r or result
         return result
 
     async def astream(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                       stop_strings: Sequence[str] = (), *, stop_token_ids: Sequence[int] = (),
-                      min_new_tokens: int = 0, ignore_eos: bool = False) -> AsyncIterator[str]:
+                      min_new_tokens: int = 0, ignore_eos: bool = False,
+                      negative_prompt: Optional[str] = None) -> AsyncIterator[str]:
         async for text, _ in self.aevents(prompt, settings, max_new_tokens, stop_strings,
                                           stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
-                                          ignore_eos=ignore_eos):
+                                          ignore_eos=ignore_eos, negative_prompt=negative_prompt):
             if text:
                 yield text
 
     async def aevents(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None,
                       max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
                       grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, *,
-                      stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0, ignore_eos: bool = False
+                      stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0, ignore_eos: bool = False,
+                      negative_prompt: str | list[int] | None = None
                       ) -> AsyncIterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) as tokens arrive, then ("", result) with the token ids, finish reason and prompt
         length. Chat prompts from `chat_prompt` pass add_bos=False (the template writes its own BOS). Closing the
         iterator early cancels the request. The end controls are `generate`'s."""
         events = self.aevent_stream(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar, logprobs,
                                     stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
-                                    ignore_eos=ignore_eos)
+                                    ignore_eos=ignore_eos, negative_prompt=negative_prompt)
         try:
             async for event in events:
                 if event.text:
@@ -195,10 +200,11 @@ class Engine:
                             max_new_tokens: int = 256, stop_strings: Sequence[str] = (),
                             add_bos: Optional[bool] = None, grammar: Optional[Grammar] = None,
                             logprobs: Optional[int] = None, *, stop_token_ids: Sequence[int] = (),
-                            min_new_tokens: int = 0, ignore_eos: bool = False) -> AsyncIterator[Event]:
+                            min_new_tokens: int = 0, ignore_eos: bool = False,
+                            negative_prompt: str | list[int] | None = None) -> AsyncIterator[Event]:
         """`aevents` as the generator's Event objects (text, the new tokens' log-probabilities, the result)."""
         job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar,
-                                 logprobs, min_new_tokens, ignore_eos)
+                                 logprobs, min_new_tokens, ignore_eos, negative_prompt)
         events = self.worker.astream(job)
         try:
             async for event in events:

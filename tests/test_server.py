@@ -99,7 +99,8 @@ class FakeEngine:
         return None
 
     async def aevent_stream(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None,
-                            grammar=None, logprobs=None, *, stop_token_ids=(), min_new_tokens=0, ignore_eos=False):
+                            grammar=None, logprobs=None, *, stop_token_ids=(), min_new_tokens=0, ignore_eos=False,
+                            negative_prompt=None):
         self.opened += 1
         self.prompts.append(prompt)
         self.ends.append(dict(stop_token_ids=list(stop_token_ids), min_new_tokens=min_new_tokens,
@@ -1296,7 +1297,7 @@ def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, 
         assert built[-1].config.prompt_template == "chatml"     # bundled: the engine resolves it
 
         for body, param in (({"max_seq_len": 100}, "max_seq_len"), ({"cache_mode": "FP8"}, "cache_mode"),
-                            ({"vision": True}, "vision"), ({"use_cfg": True}, "use_cfg"),
+                            ({"vision": True}, "vision"),
                             ({"num_experts_per_token": 0}, "num_experts_per_token"),
                             ({"draft": {"draft_model_name": "beta", "draft_rope_alpha": -2.0}},
                              "draft_model.draft_rope_alpha"),

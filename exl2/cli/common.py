@@ -240,6 +240,17 @@ def sequence_breakers(value: str | None) -> tuple[str, ...] | None:
     return tuple(b for b in value.split(",") if b) or None
 
 
+def checked_update(settings: SamplingSettings, flag: str, **changes) -> SamplingSettings:
+    """`settings` with `changes` validated (model_copy does not): an invalid value is a one-sentence ConfigError
+    naming `flag`."""
+    from pydantic import ValidationError
+
+    try:
+        return SamplingSettings(**{**settings.model_dump(), **changes})
+    except ValidationError as e:
+        raise ConfigError(f"{flag}: {e.errors()[0]['msg'].removeprefix('Value error, ')}.") from None
+
+
 def sampling_from_args(args) -> SamplingSettings:
     """SamplingSettings from add_sampling_args' flags; an invalid value is a one-sentence ConfigError."""
     from pydantic import ValidationError

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, load_generator,
-                             sampling_from_args)
+from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, checked_update,
+                             load_generator, sampling_from_args)
 
 
 def register(sub) -> None:
@@ -21,15 +21,23 @@ def register(sub) -> None:
                    help="generate at least this many tokens: no end token or stop string ends the text sooner")
     p.add_argument("--ignore-eos", action="store_true",
                    help="never sample the end-of-sequence token: generate until -n tokens or a stop string")
+    p.add_argument("--cfg-scale", "--cfg_scale", dest="cfg_scale", type=float, default=1.0,
+                   help="classifier-free guidance: sample from s·log p(text | prompt) + (1 − s)·log p(text | negative "
+                        "prompt); above 1 steers away from --negative-prompt (default 1 = off)")
+    p.add_argument("--negative-prompt", "--negative_prompt", dest="negative_prompt", default=None,
+                   help="what --cfg-scale steers away from (default: the BOS token alone)")
     add_sampling_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     settings = sampling_from_args(args)
+    if args.cfg_scale != 1.0:
+        settings = checked_update(settings, cfg_scale=args.cfg_scale, flag="--cfg-scale")
     _, _, gen = load_generator(args)
     for text, _ in gen.stream(args.prompt, settings, args.max_new_tokens, args.stop,
-                              min_new_tokens=args.min_new_tokens, ignore_eos=args.ignore_eos):
+                              min_new_tokens=args.min_new_tokens, ignore_eos=args.ignore_eos,
+                              negative_prompt=args.negative_prompt):
         if text:
             sys.stdout.write(text)
             sys.stdout.flush()

@@ -15,6 +15,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from exl2.config import SamplingSettings
 from exl2.errors import ConfigError, ContextLengthError
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
@@ -97,9 +98,32 @@ class DynamicGenerator:
         if job.settings.token_healing and job.grammar is None:
             self._take_last_token(job)
         job.max_new_tokens = max(1, min(job.max_new_tokens, self.max_seq_len - len(job.ids)))
+        if job.cfg:
+            self._make_guide(job)
         job.times[0] = time.perf_counter()
         self.queue.append(job)
         return job
+
+    def _make_guide(self, job: Job) -> None:
+        """Classifier-free guidance: the job's second sequence, its negative prompt, which is fed the job's reply
+        tokens and whose logits `_guided` mixes into the job's. Both start together (`_start`)."""
+        if self.max_batch < 2:
+            raise ConfigError("Classifier-free guidance runs two sequences, and this generator decodes one at a time.")
+        bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else [0]
+        ids = job.negative_ids or bos
+        if len(ids) >= self.max_seq_len:
+            raise ContextLengthError(
+                f"The negative prompt is {len(ids)} tokens long but the context holds {self.max_seq_len} tokens.")
+        job.max_new_tokens = max(1, min(job.max_new_tokens, self.max_seq_len - len(ids)))
+        guide = Job(ids, SamplingSettings(temperature=0.0), job.max_new_tokens)
+        job.guide, guide.guided = guide, job
+        need = self._pages_needed(job) + self._pages_needed(guide)
+        if need > self.pool.num_pages:
+            job.guide = None
+            raise ContextLengthError(
+                f"Classifier-free guidance keeps the prompt and the negative prompt, each with the reply, in the "
+                f"cache: {need * self.page_size} tokens, and the cache holds {self.pool.num_pages * self.page_size}; "
+                "give a larger cache_size or ask for fewer tokens.")
 
     def _take_last_token(self, job: Job) -> None:
         """Token healing: take the prompt's last token off and let the reply begin only with a token whose text
@@ -164,20 +188,42 @@ class DynamicGenerator:
                 waiting.append(job)
 
     def _start(self, job: Job) -> bool:
-        shared, key = self.pool.match(job.ids, (len(job.ids) - 1) // self.page_size)
-        new = self._pages_needed(job) - len(shared)
-        if new > self.pool.room(shared):  # wait for running jobs to free pages
+        seqs = [job] + ([job.guide] if job.guide is not None else [])
+        if len(self.active) + len(seqs) > self.max_batch:
             return False
+        matches = [self.pool.match(j.ids, (len(j.ids) - 1) // self.page_size) for j in seqs]
+        new = [self._pages_needed(j) - len(shared) for j, (shared, _) in zip(seqs, matches)]
+        if sum(new) > self.pool.room(list({p for shared, _ in matches for p in shared})):
+            return False  # wait for running jobs to free pages
         self.queue.remove(job)
-        job.pages = self.pool.acquire(shared, new)
-        job.length = job.cached_tokens = len(shared) * self.page_size
-        job.key, job.published = key, len(shared)
-        job.tokens = list(job.ids)
-        job.reply = job.new_reply(self.tokenizer)
-        job.seed = job.settings.seed if job.settings.seed is not None else fresh_seed()
-        job.times[1] = time.perf_counter()
-        self.active.append(job)
+        for shared, _ in matches[1:]:  # the guide's cached pages are taken first, so that the job's cannot evict them
+            self.pool.acquire(shared, 0)
+        for i, (j, (shared, key), n) in enumerate(zip(seqs, matches, new)):
+            j.pages = self.pool.acquire(shared if i == 0 else [], n)
+            if i > 0:
+                j.pages = shared + j.pages
+            j.length = j.cached_tokens = len(shared) * self.page_size
+            j.key, j.published = key, len(shared)
+            j.tokens = list(j.ids)
+            j.reply = j.new_reply(self.tokenizer)
+            j.seed = j.settings.seed if j.settings.seed is not None else fresh_seed()
+            j.times[1] = time.perf_counter()
+            self.active.append(j)
+            self._prompt_done(j)
         return True
+
+    @staticmethod
+    def _prompt_done(job: Job) -> None:
+        """A guided pair's sequence whose prefill is complete gets its prompt's last token to feed (see
+        `Job.prompt_end`)."""
+        if job.paired and job.pending is None and job.length >= job.prompt_end:
+            job.pending = job.ids[-1]
+
+    @staticmethod
+    def _ready(job: Job) -> bool:
+        """Whether a job decodes this step: it has a token to feed, and so has the other sequence of its pair."""
+        other = job.guide or job.guided
+        return job.pending is not None and (other is None or other.pending is not None)
 
     def _table(self, jobs: list[Job]) -> torch.Tensor:
         rows = [j.pages + [self.scratch] * (self.pages_per_seq - len(j.pages)) for j in jobs]
@@ -193,6 +239,8 @@ class DynamicGenerator:
 
     def _finish(self, job: Job) -> None:
         job.done = True
+        if job.guide is not None and not job.guide.done:
+            self._finish(job.guide)
         self.active.remove(job)
         self.pool.release(job.pages)
         job.pages = []
@@ -224,12 +272,12 @@ class DynamicGenerator:
             if len(group) == 1:  # a prompt alone, from where it stands, as much of it as the budget allows
                 job = group[0]
                 start = job.length
-                width = min(budget, len(job.ids) - start)
+                width = min(budget, job.prompt_end - start)
                 rows, ends, last = [job.ids[start:start + width]], [start + width], True
             else:  # new prompts, sorted by length, right-padded to the longest: each row's own last position
-                start, width = 0, len(group[-1].ids)
-                rows = [j.ids + [j.ids[-1]] * (width - len(j.ids)) for j in group]
-                ends = [len(j.ids) for j in group]
+                start, width = 0, group[-1].prompt_end
+                rows = [j.ids[:j.prompt_end] + [j.ids[j.prompt_end - 1]] * (width - j.prompt_end) for j in group]
+                ends = [j.prompt_end for j in group]
                 last = True if ends[0] == width else torch.tensor([e - 1 for e in ends], dtype=torch.long,
                                                                   device=self.model.device)
             if width <= 0 or width * len(rows) > budget:
@@ -241,9 +289,14 @@ class DynamicGenerator:
             for job, end in zip(group, ends):
                 job.length = end
                 self._publish(job)
-            if all(j.length == len(j.ids) for j in group):
-                self._accept(group, logits, events)
-        running = [j for j in self.active if j.pending is not None]
+                self._prompt_done(job)
+            if all(j.length == j.prompt_end for j in group):
+                rows = [i for i, j in enumerate(group) if not j.paired]
+                if len(rows) == len(group):
+                    self._accept(group, logits, events)
+                elif rows:
+                    self._accept([group[i] for i in rows], logits[rows], events)
+        running = [j for j in self.active if self._ready(j)]
         if len(running) == 1 and self.draft is not None and not running[0].host_sampling and \
                 running[0].logprobs is None and self._speculate(running[0], events):
             return events
@@ -322,19 +375,19 @@ class DynamicGenerator:
         for job in self.active:
             if job.pending is not None:
                 continue
-            if job.length == 0 and len(job.ids) <= self.chunk:
+            if job.length == 0 and job.prompt_end <= self.chunk:
                 fresh.append(job)
             else:
                 groups.append([job])
         group: list[Job] = []
         real = 0
-        for job in sorted(fresh, key=lambda j: len(j.ids)):
-            size = len(job.ids) * (len(group) + 1)  # padded tokens with this job, the longest so far
-            if group and (size > self.chunk or size > PAD_SLACK * (real + len(job.ids)) + PAD_TOKENS):
+        for job in sorted(fresh, key=lambda j: j.prompt_end):
+            size = job.prompt_end * (len(group) + 1)  # padded tokens with this job, the longest so far
+            if group and (size > self.chunk or size > PAD_SLACK * (real + job.prompt_end) + PAD_TOKENS):
                 groups.append(group)
                 group, real = [], 0
             group.append(job)
-            real += len(job.ids)
+            real += job.prompt_end
         if group:
             groups.append(group)
         return groups
@@ -342,7 +395,7 @@ class DynamicGenerator:
     def _accept(self, jobs: list[Job], logits: torch.Tensor, events: list[Event]) -> None:
         """Sample one token for each job (row of `logits`) in one batched draw, stream its text, end the jobs that
         are done."""
-        logits = logits.float()
+        logits = self._guided(jobs, logits.float())
         failed = set()
         raw = None   # the model's own logits, for log-probabilities, when grammars mask them
         if any(j.grammar is not None for j in jobs):
@@ -359,10 +412,38 @@ class DynamicGenerator:
         tokens = picks.tolist()
         records = self._records(jobs, lp, tokens)
         for i, (job, token) in enumerate(zip(jobs, tokens)):
+            if job.guided is not None:
+                continue   # a guide takes its job's token (`_follow`)
             if i in failed:  # the grammar allows nothing more: end the reply where it is
                 self._emit(job, job.reply.close("stop"), events)
             else:
                 self._take(job, token, records[i], events)
+            if job.guide is not None and not job.done:
+                self._follow(job)
+
+    @staticmethod
+    def _guided(jobs: list[Job], logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [B, V] (float32) with each guided job's row replaced by classifier-free guidance's mix of its
+        own and its guide's log-probabilities: s·log p(x | prompt) + (1 − s)·log p(x | negative prompt), as
+        exllamav2 mixes them; `logits` itself when no job is guided."""
+        pairs = [(i, jobs.index(j.guide)) for i, j in enumerate(jobs) if j.guide is not None]
+        if not pairs:
+            return logits
+        rows, guides = (torch.tensor(x, device=logits.device) for x in zip(*pairs))
+        scale = torch.tensor([jobs[i].settings.cfg_scale for i, _ in pairs], device=logits.device)[:, None]
+        mixed = scale * torch.log_softmax(logits[rows], -1) + (1 - scale) * torch.log_softmax(logits[guides], -1)
+        out = logits.clone()
+        out[rows] = mixed
+        return out
+
+    @staticmethod
+    def _follow(job: Job) -> None:
+        """The guide of `job` takes the job's text: its negative prompt, then the job's reply tokens; the last one
+        is the token it feeds next (after a banned string's take-back too)."""
+        guide = job.guide
+        guide.tokens = guide.ids + job.tokens[len(job.ids):]
+        guide.pending = guide.tokens[-1]
+        guide.length = len(guide.tokens) - 1
 
     def _sample(self, jobs: list[Job], logits: torch.Tensor, draws: list[int], raw: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, Optional[tuple]]:
@@ -521,6 +602,8 @@ class DynamicGenerator:
         job.length = len(job.tokens) - 1
         if job.slot is not None:
             self.seen.reset(job.slot, job.tokens, len(job.ids))
+        if job.guide is not None:
+            self._follow(job)
 
     def _emit(self, job: Job, text: str, events: list[Event]) -> None:
         # log-probabilities go out only for tokens no banned string can take back

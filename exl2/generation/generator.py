@@ -33,31 +33,39 @@ class Generator:
     def job(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
             stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None, stop_token_ids: Sequence[int] = (),
             grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, min_new_tokens: int = 0,
-            ignore_eos: bool = False) -> Job:
+            ignore_eos: bool = False, negative_prompt: str | list[int] | None = None) -> Job:
         """A job for the dynamic generator; `grammar` (generation.constraints) restricts the reply's format;
         `logprobs` (k) puts each token's log-probability and the k likeliest alternatives in the result;
         `stop_token_ids` end the reply like EOS; before `min_new_tokens` tokens neither they, EOS nor a stop string
-        can end it; `ignore_eos` never samples EOS (see Job)."""
-        ids = self.tokenizer.encode(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
+        can end it; `ignore_eos` never samples EOS; `negative_prompt` is what classifier-free guidance
+        (settings.cfg_scale ≠ 1) steers away from (None: the BOS token alone; text gets the tokenizer's BOS rule,
+        whatever `add_bos` says for a chat prompt; see Job)."""
+        ids = self._ids(prompt, add_bos)
+        negative = None if negative_prompt is None else self._ids(negative_prompt, None)  # the tokenizer's BOS rule
         return Job(ids, settings, max_new_tokens, stop_strings, stop_token_ids, grammar, logprobs, min_new_tokens,
-                   ignore_eos)
+                   ignore_eos, negative)
+
+    def _ids(self, prompt: str | list[int], add_bos: Optional[bool]) -> list[int]:
+        return self.tokenizer.encode(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
 
     def events(self, job: Job) -> Iterator[Event]:
         if self.worker is not None:
             return self.worker.stream(job)
-        if self._dynamic is None:
+        rows = 2 if job.cfg else 1    # classifier-free guidance runs a second sequence beside the prompt
+        if self._dynamic is None or self._dynamic.max_batch < rows:
             self._dynamic = DynamicGenerator(self.model, self.tokenizer, self.max_seq_len, self.cache_mode,
-                                             max_batch=1, draft=self.draft, num_draft_tokens=self.num_draft_tokens)
+                                             cache_tokens=rows * self.max_seq_len, max_batch=rows, draft=self.draft,
+                                             num_draft_tokens=self.num_draft_tokens)
         return self._dynamic.stream(job)
 
     def stream(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
                stop_token_ids: Sequence[int] = (), grammar: Optional[Grammar] = None,
-               logprobs: Optional[int] = None, min_new_tokens: int = 0, ignore_eos: bool = False
-               ) -> Iterator[tuple[str, Optional[GenerationResult]]]:
+               logprobs: Optional[int] = None, min_new_tokens: int = 0, ignore_eos: bool = False,
+               negative_prompt: str | list[int] | None = None) -> Iterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) while generating and finally ("", result)."""
         job = self.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar, logprobs,
-                       min_new_tokens, ignore_eos)
+                       min_new_tokens, ignore_eos, negative_prompt)
         for event in self.events(job):
             if event.text:
                 yield event.text, None
@@ -68,9 +76,9 @@ class Generator:
                  max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
                  grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, *,
                  stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
-                 ignore_eos: bool = False) -> GenerationResult:
+                 ignore_eos: bool = False, negative_prompt: str | list[int] | None = None) -> GenerationResult:
         result = None
         for _, r in self.stream(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar,
-                                logprobs, min_new_tokens, ignore_eos):
+                                logprobs, min_new_tokens, ignore_eos, negative_prompt):
             result = r or result
         return result

@@ -20,7 +20,7 @@ class Job:
     def __init__(self, ids: Sequence[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                  grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, min_new_tokens: int = 0,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, negative_ids: Optional[Sequence[int]] = None):
         self.id = next(_ids)
         self.logprobs = logprobs         # None: off; k: each token's log-probability and the k likeliest tokens
         self.token_logprobs: list[TokenLogprob] = []
@@ -33,6 +33,11 @@ class Job:
         # vLLM's min_tokens: before this many reply tokens no end token is sampled and no stop string counts
         self.min_new_tokens = max(0, min_new_tokens)
         self.ignore_eos = ignore_eos     # the model's EOS tokens are never sampled (stop_token_ids still end it)
+        # classifier-free guidance (settings.cfg_scale ≠ 1): the negative prompt (None: the BOS token alone) runs
+        # as a second sequence, the job's `guide`, fed the same reply tokens; `guided` is the guide's job
+        self.negative_ids = None if negative_ids is None else list(negative_ids)
+        self.guide: Optional[Job] = None
+        self.guided: Optional[Job] = None
         self.cached_tokens = 0           # prompt tokens found in the cache, not computed again
         self.done = False
         self.cancelled = False
@@ -66,7 +71,23 @@ class Job:
         Mirostat's μ, a repetition penalty's window, banned strings), so its steps are never launched ahead of
         reading the last one, nor speculated."""
         s = self.settings
-        return self.grammar is not None or s.dry or s.mirostat or s.ranged_penalty or bool(self.banned_strings)
+        return self.grammar is not None or s.dry or s.mirostat or s.ranged_penalty or bool(self.banned_strings) \
+            or self.paired
+
+    @property
+    def cfg(self) -> bool:
+        return self.settings.cfg_scale != 1.0
+
+    @property
+    def paired(self) -> bool:
+        """One of a guided job's two sequences (classifier-free guidance)."""
+        return self.guide is not None or self.guided is not None
+
+    @property
+    def prompt_end(self) -> int:
+        """Prompt tokens a prefill computes: all, or for a guided pair all but the last, which a decode step feeds
+        so that both sequences' first logits come out of one forward."""
+        return len(self.ids) - (1 if self.paired else 0)
 
     @property
     def stable_tokens(self) -> int:

@@ -100,6 +100,7 @@ class ModelLoadRequest(BaseModel):
     rope_alpha: Optional[Union[float, Literal["auto"]]] = None
     rope_yarn: Optional[float] = None
     no_flash_attention: Optional[bool] = None
+    use_cfg: Optional[bool] = None     # TabbyAPI's: no effect here, guidance is always available (cfg_scale)
     num_experts_per_token: Optional[int] = None
     # the context rope_alpha "auto" stretches from (TabbyAPI's; default: the model's own)
     override_base_seq_len: Optional[int] = Field(None, ge=1)
@@ -107,7 +108,6 @@ class ModelLoadRequest(BaseModel):
     prompt_template: Optional[str] = None   # a name in --template-dir, bundled or the model's own list
     # refused when set
     vision: Optional[bool] = None
-    use_cfg: Optional[bool] = None
 
 
 class TemplateSwitchRequest(BaseModel):
@@ -178,8 +178,6 @@ def _cuda_gpus(device: Optional[str]) -> int:
 def _refuse_unsupported(body: ModelLoadRequest) -> None:
     if body.vision:
         raise unsupported("vision", "Vision input")
-    if body.use_cfg:
-        raise unsupported("use_cfg", "Classifier-free guidance")
     d = body.draft_model
     if d is not None:
         if d.draft_gpu_split:

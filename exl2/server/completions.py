@@ -54,13 +54,15 @@ class Job:
     stop_token_ids: list[int] = field(default_factory=list)
     min_new_tokens: int = 0
     ignore_eos: bool = False
+    negative_prompt: Optional[str] = None    # classifier-free guidance's (settings.cfg_scale)
 
     async def events(self, engine) -> AsyncIterator[Event]:
         """(new text, result or None, the new tokens' log-probability records: empty when none) from the
         engine."""
         stream = engine.aevent_stream(self.prompt, self.settings, self.max_new_tokens, self.stop_strings,
                                       self.add_bos, self.grammar, self.logprobs, stop_token_ids=self.stop_token_ids,
-                                      min_new_tokens=self.min_new_tokens, ignore_eos=self.ignore_eos)
+                                      min_new_tokens=self.min_new_tokens, ignore_eos=self.ignore_eos,
+                                      negative_prompt=self.negative_prompt)
         try:
             async for event in stream:
                 yield event.text, event.result, event.logprobs
@@ -81,7 +83,7 @@ def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, defau
     lists = dict(banned=params.token_list(req, "banned_tokens", vocab),
                  allowed=params.token_list(req, "allowed_tokens", vocab))
     ends = dict(stop_token_ids=params.stop_token_ids(req, vocab), min_new_tokens=params.min_new_tokens(req, max_new),
-                ignore_eos=params.ignore_eos(req))
+                ignore_eos=params.ignore_eos(req), negative_prompt=req.negative_prompt or None)
     return [Job(prompt, params.sampling(req, i, bias, **lists), max_new, stops, add_bos, param,
                 params.response_grammar(engine, req), params.logprobs(req), **ends)
             for prompt in prompts for i in range(req.n)]

@@ -212,7 +212,8 @@ def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, floa
             dry_multiplier=req.dry_multiplier, dry_base=_or_default(req.dry_base, "dry_base"),
             dry_allowed_length=_or_default(req.dry_allowed_length, "dry_allowed_length"), dry_range=req.dry_range,
             dry_sequence_breakers=dry_sequence_breakers(req.dry_sequence_breakers),
-            mirostat_mode=req.mirostat_mode, mirostat_tau=req.mirostat_tau, mirostat_eta=req.mirostat_eta)
+            mirostat_mode=req.mirostat_mode, mirostat_tau=req.mirostat_tau, mirostat_eta=req.mirostat_eta,
+            cfg_scale=req.cfg_scale)
     except ValidationError as e:
         field, msg = first_problem(e)
         raise APIError(400, f"Invalid value for '{field}': {msg}." if field else f"Invalid sampling settings: {msg}.",

@@ -122,6 +122,9 @@ class SamplingFields(_Body):
     mirostat_tau: float = Field(1.5, gt=0.0)
     mirostat_eta: float = Field(0.3, gt=0.0)
     skew: float = 0.0                                     # TabbyAPI's; only 0 is accepted (params)
+    # TabbyAPI's classifier-free guidance: ≠ 1 steers the reply away from negative_prompt (default: BOS alone)
+    cfg_scale: float = Field(1.0, ge=-100.0, le=100.0)
+    negative_prompt: Optional[str] = None
     stop: Optional[Union[str, list[Union[str, StrictInt]]]] = Field(None)   # TabbyAPI: integers are stop token ids
     stop_token_ids: Optional[list[int]] = None    # vLLM's: tokens that end the reply like EOS
     min_tokens: Optional[int] = None              # vLLM's and TabbyAPI's; 0 ≤ min_tokens ≤ max_tokens (params)
