@@ -30,7 +30,8 @@
 # the extended samplers, banned strings and ranged penalties, then sampling.py with their cases. s29: the LoRA GPU
 # tests with those of s27/s28, sampling.py (the extended samplers now draw through the fused kernel), a short bench.
 # layout (session 23): benchmarks/layout_probe.py --stream, the batch-1 weight stream by layout against the real gemv;
-# gemvsweep: the real gemv over launch settings (--sweep).
+# gemvsweep: the real gemv over launch settings (--sweep). s30: the classifier-free guidance GPU test, then
+# serving.py with --cfg (a guided job's cost) at batches 1 and 4.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -224,6 +225,10 @@ for s in $steps; do
   q4break) EXL2_PDL=0 timeout 130 python3 -m exl2.cli.main bench --modes q4 --contexts 2048 --breakdown \
            --breakdown-mode q4 > "$OUT/bench_q4_breakdown.txt" 2>&1; echo "bench q4 (PDL off) rc=$?"
          tail -22 "$OUT/bench_q4_breakdown.txt" ;;
+  s30) timeout -s INT -k 15 ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu tests/test_gpu_engine.py -k "guidance" -q \
+         -p no:cacheprovider -rfE > "$OUT/gpu_s30.txt" 2>&1; echo "CFG GPU test rc=$?"; tail -n 6 "$OUT/gpu_s30.txt"
+       timeout ${SERVING_TIMEOUT:-200} python3 benchmarks/serving.py --batches 1,4 --cfg --no-speculative \
+         > "$OUT/serving_cfg.txt" 2>&1; echo "serving rc=$?"; tail -n 14 "$OUT/serving_cfg.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

@@ -29,6 +29,8 @@ VARIANTS = [(name, settings, overlap) for name, settings in (("greedy", GREEDY),
 # a roleplay front end's usual mix (--extended): min-p with DRY and XTC, which run on the PyTorch path and keep
 # their jobs' steps from being launched ahead (DRY reads each token on the host)
 ROLEPLAY = SamplingSettings(temperature=1.0, min_p=0.05, dry_multiplier=0.8, xtc_probability=0.5)
+# classifier-free guidance (--cfg): every job decodes a second sequence (its negative prompt, the BOS token)
+GUIDED = SamplingSettings(temperature=0, cfg_scale=1.5)
 
 
 def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, seed: int = 0,
@@ -47,7 +49,7 @@ def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, se
     first = None
     while gen.has_work():
         gen.iterate()
-        if first is None and all(j.pending is not None or j.done for j in jobs):
+        if first is None and all(len(j.tokens) > len(j.ids) or j.done for j in jobs):  # each has sampled
             first = time.perf_counter()
     end = time.perf_counter()
     decoded = batch * (new - 1)
@@ -63,9 +65,12 @@ def main() -> int:
     p.add_argument("--spread", type=float, default=0.5, help="prompt lengths vary by this fraction (default 0.5)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers, for a quick check")
     p.add_argument("--extended", action="store_true", help="also min-p + DRY + XTC (a roleplay front end's mix)")
+    p.add_argument("--cfg", action="store_true", help="also greedy with classifier-free guidance (scale 1.5)")
     p.add_argument("--no-speculative", action="store_true", help="skip the speculative check-step table")
     args = p.parse_args()
-    variants = VARIANTS + ([("min-p 0.05, DRY 0.8, XTC 0.5", ROLEPLAY, True)] if args.extended else [])
+    variants = VARIANTS + ([("min-p 0.05, DRY 0.8, XTC 0.5", ROLEPLAY, True)] if args.extended else []) \
+        + ([("greedy, CFG 1.5 (two sequences a job)", GUIDED, False)] if args.cfg else [])
+    rows = 2 if args.cfg else 1
     if not torch.cuda.is_available():
         print("error: benchmarks/serving.py needs a CUDA GPU.", file=sys.stderr)
         return 2
@@ -74,8 +79,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tok = synthetic_tokenizer(d)
     longest = round(args.prompt * (1 + args.spread)) + args.new + 64
-    gen = DynamicGenerator(model, tok, longest, args.cache_mode, cache_tokens=max(batches) * (longest + 256),
-                           max_batch=max(batches))
+    gen = DynamicGenerator(model, tok, longest, args.cache_mode, cache_tokens=rows * max(batches) * (longest + 256),
+                           max_batch=rows * max(batches))
     # Warm-up at the measured shapes (compiles the prefill's kernels, captures the decode graphs); other prompts
     # than the measured ones, so nothing comes from the prompt cache.
     for b in batches:  # every variant once, at the measured prompt shapes

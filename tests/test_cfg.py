@@ -38,8 +38,8 @@ def cfg_reference(model, ids: list[int], negative: list[int], scale: float, n: i
     reply: list[int] = []
     with torch.inference_mode():
         for _ in range(n):
-            pos = model(torch.tensor([ids + reply]))[0, -1].float()
-            neg = model(torch.tensor([negative + reply]))[0, -1].float()
+            pos = model(torch.tensor([ids + reply], device=model.device))[0, -1].float()
+            neg = model(torch.tensor([negative + reply], device=model.device))[0, -1].float()
             mixed = scale * torch.log_softmax(pos, -1) + (1 - scale) * torch.log_softmax(neg, -1)
             reply.append(int(mixed.argmax()))
     return reply

@@ -99,3 +99,31 @@ def test_engine_close_returns_its_gpu_memory():
     after = torch.cuda.memory_allocated() - before
     assert after <= 8 * 2**20, f"{after / 2**20:.1f} MiB still allocated after close"
     assert torch.cuda.memory_reserved() - before <= 64 * 2**20
+
+
+def test_classifier_free_guidance_through_the_decode_graphs():
+    """A guided job (cfg_scale 2, a negative prompt) beside a plain one on CUDA, through the batched decode graphs,
+    against the same CUDA model recomputing both sequences from scratch each step (`test_cfg.cfg_reference`).
+    Greedy tokens must agree (fp16 graph decode against fp16 full recompute: identical arithmetic per position up
+    to the attention's split order, so only a near-tie could flip one)."""
+    from test_cfg import cfg_reference
+
+    from exl2.generation.dynamic import DynamicGenerator, Job
+    from exl2.generation.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(MODEL)
+    model = load_model(MODEL, "cuda")
+    ids, negative = tok.encode("The weather today is"), tok.encode("Write something sad and gloomy:")
+    plain_ids = tok.encode("Paris is the capital of")
+    want = cfg_reference(model, ids, negative, 2.0, 10)
+    gen = DynamicGenerator(model, tok, 256, max_batch=4, page_size=16)
+    assert gen.graphs is not None
+    guided = SamplingSettings(temperature=0, cfg_scale=2.0)
+    out = gen.generate([Job(ids, guided, 10, negative_ids=negative),
+                        Job(plain_ids, SamplingSettings(temperature=0), 10)])
+    assert out[0].token_ids == want
+    with torch.inference_mode():
+        seq = list(plain_ids)
+        for _ in range(10):
+            seq.append(int(model(torch.tensor([seq], device="cuda"))[0, -1].argmax()))
+    assert out[1].token_ids == seq[len(plain_ids):]
