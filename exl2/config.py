@@ -70,6 +70,9 @@ class EngineConfig(BaseModel):
     loras: list[LoraSpec] = Field(default_factory=list)
     # experts a mixture-of-experts model routes each token to (exllamav2's -ept); None = config.json's count
     experts_per_token: Optional[int] = Field(None, ge=1)
+    # how Engine.embed pools hidden states into a vector: "last" (decoder embedding models), "mean" or "cls";
+    # None = the model's sentence-transformers 1_Pooling/config.json, else "last"
+    embedding_pooling: Optional[Literal["last", "mean", "cls"]] = None
     # the chat template: a bundled name (chatml, alpaca), a name tokenizer_config.json lists (tool_use, rag), or a
     # .jinja file's path; None = the model's own (ChatML where it has none). generation.templates
     prompt_template: Optional[str] = None

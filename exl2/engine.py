@@ -12,6 +12,7 @@ from exl2.errors import Exl2Error
 from exl2.generation.chat import ChatTemplate, tool_call_format
 from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, tool_call_grammar
 from exl2.generation.dynamic import DynamicGenerator
+from exl2.generation.embeddings import EmbeddingResult, Pooling, embed
 from exl2.generation.generator import GenerationResult, Generator
 from exl2.generation.job import Event
 from exl2.generation.speculative import make_drafter
@@ -34,6 +35,7 @@ class Engine:
                                 experts_per_token=config.experts_per_token)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = choose_template(self.tokenizer, config.prompt_template)
+        self.pooling = Pooling.from_dir(config.model_dir, config.embedding_pooling)
         asked = config.max_seq_len if "max_seq_len" in config.model_fields_set else None  # None: the default
         max_seq_len = context_length(self.model.spec, asked)  # capped at what RoPE covers, with a warning
         draft = make_drafter(self.model, config.ngram_draft, config.draft_model_dir, max_seq_len,
@@ -120,6 +122,14 @@ class Engine:
                                              ignore_eos=ignore_eos, negative_prompt=negative_prompt):
             if text:
                 yield text
+
+    def embed(self, inputs: Sequence[str | Sequence[int]], dimensions: Optional[int] = None) -> EmbeddingResult:
+        """Embedding vectors of texts (tokenized as the model's tokenizer post-processes a document) or token id
+        lists: the final hidden states pooled as `self.pooling` says (`generation.embeddings`), the first
+        `dimensions` components where given. Runs between the generator's steps, so requests may be generating."""
+        ids = [self.tokenizer.encode_document(x) if isinstance(x, str) else [int(t) for t in x] for x in inputs]
+        vectors = self.worker.call(lambda: embed(self.model, ids, self.pooling, dimensions, self.dynamic.max_seq_len))
+        return EmbeddingResult(vectors, [len(x) for x in ids])
 
     def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None,
                     add_generation_prompt: bool = True, **variables: Any) -> str:

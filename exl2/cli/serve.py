@@ -60,6 +60,10 @@ def register(sub) -> None:
     p.add_argument("--sampler-override-dir", "--sampler_override_dir", dest="sampler_override_dir", default=None,
                    metavar="DIR", help="the presets /v1/sampling/override/switch can put in force by name")
     add_template_arg(p)
+    p.add_argument("--embedding-pooling", "--embedding_pooling", dest="embedding_pooling", default=None,
+                   choices=["last", "mean", "cls"],
+                   help="how /v1/embeddings pools the final hidden states (default: the model's sentence-transformers "
+                        "1_Pooling config, else the last token)")
     p.add_argument("--template-dir", "--template_dir", dest="template_dir", default=None, metavar="DIR",
                    help="directory of chat templates (NAME.jinja) that --prompt-template, /v1/template/switch and "
                         "model loads name (TabbyAPI's templates/)")
@@ -172,6 +176,8 @@ def run(args) -> int:
             args = argparse.Namespace(**{**vars(args), "model_dir": str(server_config.model_dir_root)})
         settings = engine_settings(args)
         settings["prompt_template"] = template_file(server_config.template_dir, settings["prompt_template"])
+        if args.embedding_pooling is not None:
+            settings["embedding_pooling"] = args.embedding_pooling
         if args.cache_size is not None:
             settings["cache_size"] = args.cache_size
         try:

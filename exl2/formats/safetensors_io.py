@@ -67,6 +67,22 @@ class TensorSource:
                 self._where.setdefault(key, path)
         self._stored: dict[str, str] = {}  # name shown → name in the file, where a text decoder was unwrapped
         self._unwrap_text_decoder()
+        self.base_model = False   # saved without the causal-LM wrapper (see _prefix_base_model)
+        self._prefix_base_model()
+
+    def _prefix_base_model(self) -> None:
+        """A base model saved without its causal-LM wrapper (AutoModel's `embed_tokens.weight`, `layers.…`, as
+        embedding models such as Qwen3-Embedding ship) shows under the wrapper's `model.` names."""
+        if "model.embed_tokens.weight" in self._where or "embed_tokens.weight" not in self._where:
+            return
+        where = {}
+        for key, path in self._where.items():
+            name = key if key.startswith("lm_head.") else "model." + key
+            where[name] = path
+            if name != key:
+                self._stored[name] = self._stored.get(key, key)
+        self._where = where
+        self.base_model = True
 
     def _unwrap_text_decoder(self) -> None:
         renamed = {}

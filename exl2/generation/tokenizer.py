@@ -93,6 +93,10 @@ class _HFBackend:
             tok = self._plain
         return tok.encode(text, add_special_tokens=False).ids
 
+    def encode_processed(self, text: str) -> list[int]:
+        """`text` with the post-processor's special tokens (special-token text parsed as those tokens)."""
+        return self.tok.encode(text, add_special_tokens=True).ids
+
     def adds_bos(self, bos_id: Optional[int]) -> bool:
         """Whether the post-processor prepends BOS (the model's rule when tokenizer_config is silent)."""
         if bos_id is None:
@@ -292,6 +296,13 @@ class Tokenizer:
         if want_bos and self.bos_id is not None and not (ids and ids[0] == self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
+
+    def encode_document(self, text: str) -> list[int]:
+        """Token ids of `text` with every special token the tokenizer's post-processor adds (BOS, and for
+        embedding models such as Qwen3-Embedding the end token their last-token pooling reads), as Hugging Face's
+        tokenizer(text) gives them: how embedding models were trained to see a text."""
+        post = getattr(self._b, "encode_processed", None)
+        return post(text) if post is not None else self.encode(text)
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self._b.decode([int(i) for i in ids], skip_special)

@@ -12,7 +12,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch import nn
 
-from exl2.errors import ConfigError
+from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, make_norm, softcap, temperature_scale
 from exl2.kernels.attention import scatter_columns
 from exl2.kernels.rotary import apply_rotary
@@ -44,6 +44,7 @@ def on_device(device: Optional[torch.device]):
 
 class WeightProvider(Protocol):
     def has(self, name: str) -> bool: ...
+    def embedding_only(self) -> bool: ...
     def tensor(self, name: str) -> torch.Tensor: ...
     def linear(self, prefix: str, in_features: int, out_features: int, bias: bool) -> nn.Module: ...
     def linears_split(self, prefix: str, in_features: int, sizes: list[int], bias: bool) -> list[nn.Module]: ...
@@ -371,6 +372,8 @@ class DecoderModel(nn.Module):
             self.lm_head = w.linear("lm_head", spec.hidden_size, spec.vocab_size, False)
         elif spec.tie_embeddings:
             self.lm_head = w.linear("model.embed_tokens", spec.hidden_size, spec.vocab_size, False)
+        elif w.embedding_only():
+            self.lm_head = None   # an embedding model (a base model's weights, no head): hidden states only
         else:
             self.lm_head = w.linear("lm_head", spec.hidden_size, spec.vocab_size, False)
 
@@ -464,6 +467,9 @@ class DecoderModel(nn.Module):
         return self.logits(self.norm(x))
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise ModelLoadError("This model has no output head (an embedding model): it computes embeddings, "
+                                 "not text.")
         return final_logits(self.spec, self.lm_head(normed))
 
     @staticmethod
@@ -476,11 +482,13 @@ class DecoderModel(nn.Module):
         return (steps + start).expand(b, t)
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
-                last_only: bool | torch.Tensor = False, fresh: bool | None = None) -> torch.Tensor:
+                last_only: bool | torch.Tensor = False, fresh: bool | None = None,
+                hidden: bool = False) -> torch.Tensor:
         """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared).
         `last_only`: only the last position's logits [B, 1, V]; a [B] tensor: the logits at those positions of each
         row (right-padded rows of different lengths).
-        `fresh`: whether every row starts at 0, when a tensor `start` hides it (saves the cache a GPU read)."""
+        `fresh`: whether every row starts at 0, when a tensor `start` hides it (saves the cache a GPU read).
+        `hidden`: the final norm's output [B, T, H] (the model's dtype) instead of logits (embeddings)."""
         q_pos = self.positions(ids, start)
         note = getattr(cache, "note_positions", None)
         fresh = (start == 0) if isinstance(start, int) else fresh
@@ -489,14 +497,15 @@ class DecoderModel(nn.Module):
         tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
         x, delta = self.embed(ids).contiguous(), None
         if self.is_split:
-            return self._forward_split(x, q_pos, tables, cache, fresh, last_only)
+            return self._forward_split(x, q_pos, tables, cache, fresh, last_only, hidden)
         for i, layer in enumerate(self.layers):
             x, delta = layer.fused_step(x, delta, q_pos, self.layer_rope(tables, i), cache)
         normed = self.norm.add_norm(delta, x) if delta is not None else self.norm(x)
-        return self.logits(last_rows(normed, last_only))
+        rows = last_rows(normed, last_only)
+        return rows if hidden else self.logits(rows)
 
     def _forward_split(self, x: torch.Tensor, q_pos: torch.Tensor, tables: dict, cache, fresh: Optional[bool],
-                       last_only: bool | torch.Tensor) -> torch.Tensor:
+                       last_only: bool | torch.Tensor, hidden: bool = False) -> torch.Tensor:
         """`forward` over several devices: each run of layers with its device current, the residual stream and the
         pending MLP output (`fused_step`'s pair) moved where the run starts, positions and RoPE tables copied once
         per device and forward (the cache is told of each copy); the head's logits back on the embedding's device.
@@ -517,8 +526,9 @@ class DecoderModel(nn.Module):
         with on_device(dev):
             x = x.to(dev)
             normed = self.norm.add_norm(_summed(delta, x).to(dev), x) if delta is not None else self.norm(x)
-            logits = self.logits(last_rows(normed, last_only))
-        return logits.to(self.device)
+            rows = last_rows(normed, last_only)
+            out = rows if hidden else self.logits(rows)
+        return out.to(self.device)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         s = self.spec

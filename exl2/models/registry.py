@@ -73,6 +73,8 @@ def spec_from_config(cfg: dict[str, Any], rope: Optional[RopeOverride] = None) -
             raise ConfigError(f"Mistral3ForConditionalGeneration with a {text_type!r} text model is not supported; "
                               "supported: Mistral Small 3.1 / 3.2 style (text model_type 'mistral').")
     arch = _TEXT_DECODER_OF.get(arch, arch)
+    if arch and arch.endswith("Model") and arch[:-5] + "ForCausalLM" in _FAMILIES:
+        arch = arch[:-5] + "ForCausalLM"     # a base model (embedding models: Qwen3Model, MistralModel): same layers
     if "text_config" in cfg and arch in _TEXT_DECODER_OF.values() and "hidden_size" not in cfg:
         outer = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
         cfg = {**outer, **{k: v for k, v in cfg["text_config"].items() if v is not None or k not in outer},

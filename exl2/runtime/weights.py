@@ -26,6 +26,10 @@ class WeightLoader:
     def has(self, name: str) -> bool:
         return name in self.src
 
+    def embedding_only(self) -> bool:
+        """Whether the files are a base model without an output head (an embedding model, e.g. Qwen3-Embedding)."""
+        return getattr(self.src, "base_model", False) and not self.src.with_prefix("lm_head.")
+
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.src:
             raise ModelLoadError(f"The model files lack the tensor {name!r}.")

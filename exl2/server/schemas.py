@@ -172,6 +172,13 @@ class EncodeRequest(_Body):
     encode_special_tokens: bool = True
 
 
+class EmbeddingRequest(_Body):
+    """OpenAI's `/v1/embeddings`: a text, texts, token ids or lists of token ids."""
+    input: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+
+
 class DecodeRequest(_Body):
     """`/v1/token/decode` (TabbyAPI's)."""
     tokens: list[int]

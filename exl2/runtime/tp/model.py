@@ -75,8 +75,9 @@ class TensorParallelModel(DecoderModel):
         return cache.shards
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
-                last_only: bool | torch.Tensor = False, fresh: bool | None = None) -> torch.Tensor:
-        """As DecoderModel.forward; ids on the first device, logits there."""
+                last_only: bool | torch.Tensor = False, fresh: bool | None = None,
+                hidden: bool = False) -> torch.Tensor:
+        """As DecoderModel.forward; ids on the first device, logits (or hidden states) there."""
         q_pos = self.positions(ids, start)
         fresh = (start == 0) if isinstance(start, int) else fresh
         tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
@@ -93,8 +94,8 @@ class TensorParallelModel(DecoderModel):
             ropes = [self.layer_rope(t, i) for t in local]
             xs = layer(xs, positions, ropes, caches, self.collectives, self.devices)
         with on_device(self.devices[0]):
-            normed = self.norm(xs[0])
-            return self.logits(last_rows(normed, last_only))
+            rows = last_rows(self.norm(xs[0]), last_only)
+            return rows if hidden else self.logits(rows)
 
 
 def build_tensor_parallel(src, spec: ModelSpec, devices: Sequence[torch.device | str], dtype: torch.dtype,
