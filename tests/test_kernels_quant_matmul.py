@@ -236,7 +236,7 @@ def test_gluon_kernel_eligibility_and_group_alignment():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [5, 16])
+@pytest.mark.parametrize("m", [1, 5, 16])
 def test_gluon_mma_matches_twin_gpu(m):
     """The Gluon tensor-core kernel: 4-bit EXL2 (with bias) and GPTQ (zeros, act order), a K whose steps divide
     neither the iteration nor the split, a width that fills no tile, a matrix of every width (8/6/5/4/3/2-bit

@@ -409,11 +409,18 @@ if HAVE_GLUON:
         return acc, grp_n
 
     @gluon.jit
+    def _class_bound(x, first_word, n_steps, BITS: gl.constexpr, BS: gl.constexpr):
+        """The first step of a class (counted from its start) whose first word lies at or past word x of the
+        matrix, rounded up to a whole iteration of BS steps (so POST's iterations stay inside groups)."""
+        return gl.minimum(n_steps, gl.cdiv(gl.maximum(x - first_word, 0), BITS * BS) * BS)
+
+    @gluon.jit
     def _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
-                   pid_k, SPLIT, first_step, n_steps, first_word, BITS: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                   w_lo, w_hi, first_step, n_steps, first_word, BITS: gl.constexpr, HAS_ZEROS: gl.constexpr,
                    BS: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, POST: gl.constexpr,
                    PDL: gl.constexpr = False):
-        """acc += this program's share of x · W over one width class: BS steps of 32 rows per iteration, words,
+        """acc += this program's share of x · W over one width class (its steps whose first word lies in the
+        program's word range [w_lo, w_hi), see `_mma_tile`): BS steps of 32 rows per iteration, words,
         scales and input brought to shared memory by cp.async STAGES - 1 iterations ahead. POST (every
         iteration's steps share one group, no zeros): the codes enter the mma as exact (code - zero point) and
         each iteration's product is scaled in fp32 (4·V multiplies a thread instead of one per weight pair).
@@ -423,9 +430,8 @@ if HAVE_GLUON:
         T8: gl.constexpr = _tile_layout(V)
         CX: gl.constexpr = _copy_input(BS)
 
-        nb = gl.cdiv(n_steps, BS)  # splits at iteration boundaries, so POST's iterations stay inside groups
-        s_lo = first_step + (nb * pid_k) // SPLIT * BS
-        s_hi = gl.minimum(first_step + (nb * (pid_k + 1)) // SPLIT * BS, first_step + n_steps)
+        s_lo = first_step + _class_bound(w_lo, first_word, n_steps, BITS, BS)
+        s_hi = first_step + _class_bound(w_hi, first_word, n_steps, BITS, BS)
         word0 = first_word + (s_lo - first_step) * BITS
         wb, wp = _word_bufs(qw_ptr, word0, col0, N, BITS, BS, V, STAGES)
         xm = gl.arange(0, 16, layout=gl.SliceLayout(1, CX))
@@ -479,12 +485,18 @@ if HAVE_GLUON:
 
         acc = gl.zeros([16, BN], gl.float32, MMA)
         steps = (n8, n6, n5, n4, n3, n2)
+        # The K split cuts the matrix's words (all classes, stored one after another) into equal runs, so a
+        # program of a mixed-width matrix mostly walks one class: each class it touches costs a pipeline fill
+        # and drain, where a share of every class cost one per class.
+        words = n8 * 8 + n6 * 6 + n5 * 5 + n4 * 4 + n3 * 3 + n2 * 2
+        w_lo = (words * pid_k) // SPLIT
+        w_hi = (words * (pid_k + 1)) // SPLIT
         s0 = 0
         w0 = 0
         for c in gl.static_range(6):
             if MASK >> c & 1:
                 acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
-                                 pid_k, SPLIT, s0, steps[c], w0, _width(c), HAS_ZEROS, BS, V, STAGES, POST,
+                                 w_lo, w_hi, s0, steps[c], w0, _width(c), HAS_ZEROS, BS, V, STAGES, POST,
                                  PDL and (MASK & ((1 << c) - 1)) == 0)
             s0 += steps[c]
             w0 += steps[c] * _width(c)
