@@ -4,33 +4,23 @@ of the batch and samples from s·log_softmax(prompt's logits) + (1 − s)·log_s
 The reference is a plain loop on the golden 4.0 bpw model on CPU that recomputes both sequences with no cache every
 step and mixes their log-probabilities the same way; batching, chunked prefill, cached prefixes and a plain job
 beside the pair must not change a token."""
-from pathlib import Path
-
 import pytest
 import torch
 
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError, ContextLengthError
 from exl2.generation.dynamic import DynamicGenerator, Job
-from exl2.generation.tokenizer import Tokenizer
-from exl2.runtime.loader import load_model
 
-MODEL = Path(__file__).parent / "fixtures" / "golden" / "b4.0_hb6"
+import test_dynamic
+
+MODEL = test_dynamic.MODEL
+model, tok = test_dynamic.model, test_dynamic.tok   # the golden model and its tokenizer (module fixtures)
+
 STEPS = 10
 
 
 def greedy(scale: float = 1.0) -> SamplingSettings:
     return SamplingSettings(temperature=0, cfg_scale=scale)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(MODEL, "cpu")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_dir(MODEL)
 
 
 def cfg_reference(model, ids: list[int], negative: list[int], scale: float, n: int) -> list[int]:
