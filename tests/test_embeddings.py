@@ -150,3 +150,31 @@ def test_engine_and_server_embeddings():
         asyncio.run(go())
     finally:
         engine.close()
+
+
+def test_embed_command(capsys, tmp_path):
+    """`exl2 embed`: JSON lines with the engine's vectors, --similarity's cosines, one-sentence errors."""
+    from pathlib import Path
+
+    from exl2.cli import main
+    from exl2.config import EngineConfig
+    from exl2.engine import Engine
+
+    model_dir = str(Path(__file__).parent / "fixtures" / "golden" / "b4.0_hb6")
+    texts = ["alpha beta", "gamma"]
+    lines = tmp_path / "texts.txt"
+    lines.write_text("alpha beta\n\ngamma\n")
+    assert main.main(["embed", "-m", model_dir, "--device", "cpu", "--file", str(lines), "--dimensions", "8"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    engine = Engine(EngineConfig(model_dir=model_dir, device="cpu"))
+    try:
+        want = engine.embed(texts, 8)
+    finally:
+        engine.close()
+    assert [r["text"] for r in rows] == texts and [r["tokens"] for r in rows] == want.tokens
+    assert torch.allclose(torch.tensor([r["embedding"] for r in rows]), want.vectors, atol=1e-6)
+    assert main.main(["embed", "-m", model_dir, "--device", "cpu", "-p", "alpha beta", "-p", "alpha beta",
+                      "--similarity"]) == 0
+    assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()] == ["1.0000", "1.0000"]
+    assert main.main(["embed", "-m", model_dir, "--device", "cpu"]) == 2
+    assert "Give at least one text" in capsys.readouterr().err

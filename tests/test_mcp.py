@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from fastmcp import Client, FastMCP
 from fastmcp.client.transports import StdioTransport
 from fastmcp.exceptions import ToolError
@@ -95,6 +96,14 @@ def test_tokenize_detokenize_and_model_info(engine, server):
     assert info["context_length"] == 512 and info["cache_mode"] == "fp16" and info["weight_format"] == "fp16"
 
 
+def test_embed_tool(engine, server):
+    texts = ["first text", "a second one"]
+    out = asyncio.run(_call(server, "embed", {"texts": texts, "dimensions": 16})).structured_content
+    want = engine.embed(texts, 16)
+    assert out["tokens"] == want.tokens
+    assert torch.allclose(torch.tensor(out["embeddings"]), want.vectors, atol=1e-6)
+
+
 @pytest.mark.parametrize("name,args,match", [
     ("generate", {"prompt": "word " * 600}, r"^The prompt is \d+ tokens long but the context holds 512 tokens\.$"),
     ("generate", {"prompt": "x", "temperature": -1}, r"^Invalid temperature: input should be"),
@@ -102,6 +111,9 @@ def test_tokenize_detokenize_and_model_info(engine, server):
     ("chat", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, r"^Invalid top_p: "),
     ("chat", {"messages": [{"role": "system", "content": "a"}], "system": "b"}, r"^Give the system prompt"),
     ("detokenize", {"ids": [5, 10**6]}, r"^Token id 1000000 is outside the vocabulary"),
+    ("embed", {"texts": ["word " * 600]}, r"^Input 0 is \d+ tokens long but the context holds 512 tokens\.$"),
+    ("embed", {"texts": ["x"], "dimensions": 100000}, r"^dimensions must be between 1 and"),
+    ("embed", {"texts": []}, r"^Invalid texts: "),
 ])
 def test_user_errors_are_one_sentence_tool_errors(server, name, args, match):
     with pytest.raises(ToolError, match=match) as e:
@@ -250,5 +262,5 @@ def test_cli_serve_over_stdio(engine):
             return names, (await client.call_tool("tokenize", {"text": "Hello world"})).structured_content
 
     names, tokens = asyncio.run(drive())
-    assert names == {"generate", "chat", "tokenize", "detokenize", "model_info"}
+    assert names == {"generate", "chat", "tokenize", "detokenize", "embed", "model_info"}
     assert tokens["ids"] == engine.tokenizer.encode("Hello world")

@@ -132,20 +132,25 @@ def lora_specs(args) -> list[LoraSpec]:
     return specs
 
 
-def engine_settings(args) -> dict:
-    """The EngineConfig fields the shared model and draft flags set."""
+def model_settings(args) -> dict:
+    """The EngineConfig fields add_model_args' flags set."""
     from exl2.runtime.placement import parse_gpu_split
 
     settings = dict(model_dir=resolve_model_dir(args.model_dir),
                     kv_cache_mode=args.cache_mode, device=args.device, gpu_split=parse_gpu_split(args.gpu_split),
-                    tensor_parallel=args.tensor_parallel,
-                    ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
-                    num_draft_tokens=args.num_draft_tokens, draft_rope_scale=args.draft_rope_scale,
-                    draft_rope_alpha=args.draft_rope_alpha, rope_scale=args.rope_scale, rope_alpha=args.rope_alpha,
-                    rope_yarn=args.rope_yarn, experts_per_token=args.experts_per_token,
-                    prompt_template=getattr(args, "prompt_template", None))
+                    tensor_parallel=args.tensor_parallel, rope_scale=args.rope_scale, rope_alpha=args.rope_alpha,
+                    rope_yarn=args.rope_yarn, experts_per_token=args.experts_per_token)
     if args.max_seq_len is not None:  # left out, EngineConfig's default applies and counts as not asked for
         settings["max_seq_len"] = args.max_seq_len
+    return settings
+
+
+def engine_settings(args) -> dict:
+    """The EngineConfig fields the shared model, draft, LoRA and template flags set."""
+    settings = model_settings(args)
+    settings.update(ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
+                    num_draft_tokens=args.num_draft_tokens, draft_rope_scale=args.draft_rope_scale,
+                    draft_rope_alpha=args.draft_rope_alpha, prompt_template=getattr(args, "prompt_template", None))
     loras = lora_specs(args)
     if loras:
         settings["loras"] = loras

@@ -7,7 +7,7 @@ import sys
 
 from exl2.errors import Exl2Error
 
-COMMANDS = ("generate", "chat", "info", "import_gguf", "bench", "convert", "eval", "serve", "mcp")
+COMMANDS = ("generate", "chat", "embed", "info", "import_gguf", "bench", "convert", "eval", "serve", "mcp")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ carrying one sentence, never as tracebacks.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import Annotated, Any, Literal, Optional
@@ -133,7 +134,8 @@ def build_server(engine, name: Optional[str] = None) -> FastMCP:
     """A FastMCP server whose tools run on `engine` (concurrent calls go to the engine as they come)."""
     mcp = FastMCP(name or f"exl2 ({engine.model_name})",
                   instructions=f"Local language model {engine.model_name} served by exl2: plain completion "
-                               "(generate), chat through the model's template (chat), and its tokenizer.",
+                               "(generate), chat through the model's template (chat), embedding vectors (embed), "
+                               "and its tokenizer.",
                   middleware=[ArgumentErrors()])
 
     @mcp.tool(annotations=_READ_ONLY)
@@ -180,6 +182,18 @@ def build_server(engine, name: Optional[str] = None) -> FastMCP:
         if bad:
             raise ToolError(f"Token id {bad[0]} is outside the vocabulary (0 to {vocab - 1}).")
         return engine.tokenizer.decode(ids)
+
+    @mcp.tool(annotations=_READ_ONLY)
+    async def embed(texts: Annotated[list[str], Field(description="texts to embed", min_length=1, max_length=256)],
+                    dimensions: Annotated[Optional[int], Field(description="keep the first N components", ge=1)]
+                    = None) -> dict:
+        """Embedding vectors of texts (the model's final hidden states pooled, normalised as its
+        sentence-transformers files say), for similarity search; meant for embedding models."""
+        try:
+            result = await asyncio.to_thread(engine.embed, texts, dimensions)
+        except Exl2Error as e:
+            raise ToolError(str(e)) from None
+        return {"embeddings": result.vectors.tolist(), "tokens": result.tokens}
 
     @mcp.tool(annotations=_READ_ONLY)
     def model_info() -> dict:
