@@ -12,7 +12,7 @@ from exl2.errors import Exl2Error
 from exl2.generation.chat import ChatTemplate, tool_call_format
 from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, tool_call_grammar
 from exl2.generation.dynamic import DynamicGenerator
-from exl2.generation.embeddings import EmbeddingResult, Pooling, embed
+from exl2.generation.embeddings import EmbeddingResult, Pooling, batches, check_inputs, embed
 from exl2.generation.generator import GenerationResult, Generator
 from exl2.generation.job import Event
 from exl2.generation.speculative import make_drafter
@@ -128,7 +128,16 @@ class Engine:
         lists: the final hidden states pooled as `self.pooling` says (`generation.embeddings`), the first
         `dimensions` components where given. Runs between the generator's steps, so requests may be generating."""
         ids = [self.tokenizer.encode_document(x) if isinstance(x, str) else [int(t) for t in x] for x in inputs]
-        vectors = self.worker.call(lambda: embed(self.model, ids, self.pooling, dimensions, self.dynamic.max_seq_len))
+        check_inputs(ids, self.model.spec.hidden_size, dimensions, self.dynamic.max_seq_len)
+        if not ids:
+            return EmbeddingResult(torch.empty(0, dimensions or self.model.spec.hidden_size), [])
+        parts = []
+        for group in batches([len(x) for x in ids]):   # one forward per call: decode steps run in between
+            rows = [ids[i] for i in group]
+            parts.append((group, self.worker.call(lambda rows=rows: embed(self.model, rows, self.pooling, dimensions))))
+        vectors = torch.empty(len(ids), parts[0][1].shape[1])
+        for group, part in parts:
+            vectors[group] = part
         return EmbeddingResult(vectors, [len(x) for x in ids])
 
     def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None,

@@ -178,3 +178,21 @@ def test_embed_command(capsys, tmp_path):
     assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()] == ["1.0000", "1.0000"]
     assert main.main(["embed", "-m", model_dir, "--device", "cpu"]) == 2
     assert "Give at least one text" in capsys.readouterr().err
+
+
+def test_engine_reports_the_inputs_own_index():
+    from pathlib import Path
+
+    from exl2.config import EngineConfig
+    from exl2.engine import Engine
+
+    engine = Engine(EngineConfig(model_dir=Path(__file__).parent / "fixtures" / "golden" / "b4.0_hb6", device="cpu",
+                                 max_seq_len=512))
+    try:
+        with pytest.raises(ConfigError, match="Input 2 is empty"):
+            engine.embed(["long text " * 20, "short", []])
+        with pytest.raises(ContextLengthError, match="Input 1 is 600 tokens long"):
+            engine.embed([[1, 2], [5] * 600])
+        assert engine.embed([]).vectors.shape == (0, engine.model.spec.hidden_size)
+    finally:
+        engine.close()

@@ -63,7 +63,19 @@ def embed(model, inputs: Sequence[Sequence[int]], pooling: Pooling, dimensions: 
     """[N, H] float32 vectors of the token id lists `inputs` (on the CPU). `dimensions` keeps the first that many
     components (Matryoshka-trained models), normalised again where the pooling normalises. An empty input, one
     longer than `max_len`, or a `dimensions` outside 1..H is a one-sentence error."""
-    hidden_size = model.spec.hidden_size
+    check_inputs(inputs, model.spec.hidden_size, dimensions, max_len)
+    out = torch.empty(len(inputs), model.spec.hidden_size, dtype=torch.float32)
+    for batch in batches([len(x) for x in inputs], batch_tokens):
+        out[batch] = _pooled(model, [inputs[i] for i in batch], pooling.mode).float().cpu()
+    if dimensions is not None:
+        out = out[:, :dimensions].contiguous()
+    return torch.nn.functional.normalize(out, dim=-1) if pooling.normalize else out
+
+
+def check_inputs(inputs: Sequence[Sequence[int]], hidden_size: int, dimensions: Optional[int] = None,
+                 max_len: Optional[int] = None) -> None:
+    """One-sentence errors for what `embed` cannot do: `dimensions` outside 1..hidden_size, an empty input, an
+    input longer than `max_len`."""
     if dimensions is not None and not 1 <= dimensions <= hidden_size:
         raise ConfigError(f"dimensions must be between 1 and {hidden_size} for this model, not {dimensions}.")
     for i, ids in enumerate(inputs):
@@ -71,19 +83,19 @@ def embed(model, inputs: Sequence[Sequence[int]], pooling: Pooling, dimensions: 
             raise ConfigError(f"Input {i} is empty; there is nothing to embed.")
         if max_len is not None and len(ids) > max_len:
             raise ContextLengthError(f"Input {i} is {len(ids)} tokens long but the context holds {max_len} tokens.")
-    out = torch.empty(len(inputs), hidden_size, dtype=torch.float32)
-    order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))     # similar lengths pad little
-    start = 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and len(inputs[order[end]]) * (end + 1 - start) <= batch_tokens:
-            end += 1
-        rows = [inputs[i] for i in order[start:end]]
-        out[order[start:end]] = _pooled(model, rows, pooling.mode).float().cpu()
-        start = end
-    if dimensions is not None:
-        out = out[:, :dimensions].contiguous()
-    return torch.nn.functional.normalize(out, dim=-1) if pooling.normalize else out
+
+
+def batches(lengths: Sequence[int], batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
+    """Indices of inputs of these lengths grouped into forwards: shortest first (similar lengths pad little),
+    each group's padded size within `batch_tokens` (a longer input alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] * (len(groups[-1]) + 1) <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _pooled(model, rows: list[Sequence[int]], mode: PoolingMode) -> torch.Tensor:
