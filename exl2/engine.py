@@ -141,10 +141,13 @@ class Engine:
         return EmbeddingResult(vectors, [len(x) for x in ids])
 
     def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None,
-                    add_generation_prompt: bool = True, **variables: Any) -> str:
-        """The chat template's rendering of `messages` (and `tools`), by default ending where the reply starts;
-        `variables` are extra template inputs (e.g. Qwen3's `enable_thinking`)."""
-        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    **variables: Any) -> str:
+        """The chat template's rendering of `messages` (and `tools`), by default ending where the reply starts,
+        with `continue_final_message` inside the last message (`ChatTemplate.render`); `variables` are extra
+        template inputs (e.g. Qwen3's `enable_thinking`)."""
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, **variables)
 
     def chat(self, messages: list[dict], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 512,
              grammar: Optional[Grammar] = None) -> GenerationResult:

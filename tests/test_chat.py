@@ -476,3 +476,25 @@ def test_calls_as_the_template_writes_them_read_back(fmt):
         {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]}
     written = ChatTemplate(WRITES_CALLS[fmt]).render([message], add_generation_prompt=False)
     assert parse_tool_calls(written, tools) == calls
+
+
+@pytest.mark.parametrize("template", [SMOLLM2, QWEN_LIKE, LLAMA_LIKE, CHATML_TEMPLATE],
+                         ids=["smollm2", "qwen", "llama", "chatml"])
+@pytest.mark.parametrize("final", ["The answer is", "The answer is ", "  Well, "])
+def test_continue_final_message_matches_transformers(hf_tok, template, final):
+    msgs = [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": final}]
+    ours = ChatTemplate(template, bos_token="<s>", eos_token="</s>").render(msgs, add_generation_prompt=False,
+                                                                           continue_final_message=True)
+    ref = hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, chat_template=template,
+                                     continue_final_message=True)
+    assert ours == ref and ours.rstrip().endswith(final.strip())
+
+
+def test_continue_final_message_needs_the_text_as_given():
+    rewrite = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(ConfigError, match="cannot be continued"):
+        ChatTemplate(rewrite).render([{"role": "assistant", "content": "abc"}], add_generation_prompt=False,
+                                     continue_final_message=True)
+    with pytest.raises(ConfigError, match="cannot be continued"):
+        ChatTemplate(None).render([{"role": "assistant", "content": ""}], add_generation_prompt=False,
+                                  continue_final_message=True)

@@ -270,6 +270,39 @@ def test_chat_greedy_matches_engine(app, engine):
     assert default.choices[0].message.content == reference(engine, prompt, 16, add_bos=False).text
 
 
+def test_continue_final_message(app, engine):
+    """continue_final_message: the prompt ends inside the assistant's last message (as transformers cuts it) and the
+    reply is the engine's continuation of it; with add_generation_prompt true, or a last message not the
+    assistant's, it is a 400."""
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite is"}]
+    prompt = engine.chat_prompt(messages, add_generation_prompt=False, continue_final_message=True)
+    assert prompt.endswith("My favourite is")
+    ref = reference(engine, prompt, 8, add_bos=False)
+
+    async def go():
+        return await aclient(app).chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                                          max_tokens=8, extra_body={"continue_final_message": True})
+
+    r = run(go())
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(prompt, add_bos=False))
+
+
+def test_continue_final_message_errors(app):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as h:
+            a = await h.post("/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json={
+                "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                "continue_final_message": True, "add_generation_prompt": True, "max_tokens": 2})
+            b = await h.post("/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json={
+                "messages": [{"role": "user", "content": "x"}], "continue_final_message": True, "max_tokens": 2})
+            return a, b
+
+    a, b = run(go())   # continue_final_message with add_generation_prompt true; a last message not the assistant's
+    assert a.status_code == 400 and a.json()["error"]["param"] == "add_generation_prompt", a.text
+    assert b.status_code == 400 and b.json()["error"]["param"] == "messages", b.text
+
+
 def test_penalties_and_logit_bias_reach_the_sampler(url, engine):
     """frequency_penalty / presence_penalty / logit_bias: the reply is the engine's own with the same settings, and
     a +100 bias on one token makes the greedy reply that token throughout."""
@@ -843,6 +876,12 @@ def test_reasoning_non_streamed(thinker_url, thinker):
     r = c.chat.completions.create(model="x", messages=hi, extra_body=no_think)
     assert r.choices[0].message.content == "It is 3." and r.choices[0].message.reasoning_content is None
     assert thinker.prompts[-1].endswith("<think>\n\n</think>\n\n")
+
+    r = c.chat.completions.create(model="x", messages=hi, extra_body={"enable_thinking": False})   # top-level
+    assert r.choices[0].message.content == "It is 3." and thinker.prompts[-1].endswith("<think>\n\n</think>\n\n")
+    r = c.chat.completions.create(model="x", messages=hi, extra_body={
+        "enable_thinking": False, "chat_template_kwargs": {"enable_thinking": True}})    # the explicit one wins
+    assert not thinker.prompts[-1].endswith("</think>\n\n")
 
     thinker.reply = "<think>Easy.</think>\n3"
     r = c.chat.completions.create(model="x", messages=hi, extra_body={"template_vars": {"enable_thinking": False}})

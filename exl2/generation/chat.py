@@ -67,6 +67,19 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _cut_after_final(text: str, messages: list[dict]) -> str:
+    """`text` cut right after the last message's content, where the template wrote it (its outer whitespace kept
+    where the template kept it), as transformers' continue_final_message does."""
+    final = (messages[-1].get("content") if messages else None) or ""
+    core = final.strip()
+    if not core or core not in text:
+        raise ConfigError("The final message cannot be continued: it is empty, or the chat template does not "
+                          "write its text as given.")
+    at = text.rindex(core)
+    kept = final.lstrip()
+    return text[:at + len(kept)] if text[at:at + len(kept)] == kept else text[:at + len(core)]
+
+
 class ChatTemplate:
     """A compiled chat template; `render` turns messages (and tools) into the prompt text the model was trained on."""
 
@@ -98,10 +111,13 @@ class ChatTemplate:
                           *self.special_tokens, *self._compiled.environment.globals})
 
     def render(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
-               **extra: Any) -> str:
+               continue_final_message: bool = False, **extra: Any) -> str:
+        """The prompt text; `continue_final_message` (Hugging Face's and vLLM's) ends it inside the last message,
+        right after its text, so that the reply continues that message (a template that rewrites the text
+        beyond its outer whitespace cannot be continued: ConfigError)."""
         kwargs = {**self.special_tokens, **extra}
         try:
-            return self._compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            text = self._compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                          **kwargs)
         except jinja2.exceptions.SecurityError as e:
             raise ConfigError(f"The chat template tried an unsafe operation ({e}).") from None
@@ -109,6 +125,7 @@ class ChatTemplate:
             raise ConfigError(f"The chat template failed to render: {e}.") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             raise ConfigError(f"The chat template failed to render these messages ({type(e).__name__}: {e}).") from None
+        return _cut_after_final(text, messages) if continue_final_message else text
 
 
 # ---- tool calls -----------------------------------------------------------------------------------------------

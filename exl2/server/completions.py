@@ -356,9 +356,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice) or job.grammar
     messages = template_messages(body.messages)
     variables = template_variables(body, st.engine.template)
+    opening = body.add_generation_prompt
+    if body.continue_final_message:
+        if opening and "add_generation_prompt" in body.model_fields_set:
+            raise APIError(400, "continue_final_message continues the last message, so add_generation_prompt "
+                                "cannot be true with it.", param="add_generation_prompt")
+        if messages[-1]["role"] != "assistant":
+            raise APIError(400, "continue_final_message needs the last message to be the assistant's.",
+                           param="messages")
+        opening = False
     try:
-        prompt = st.engine.chat_prompt(messages, tools, add_generation_prompt=body.add_generation_prompt,
-                                       **variables)
+        prompt = st.engine.chat_prompt(messages, tools, add_generation_prompt=opening,
+                                       continue_final_message=body.continue_final_message, **variables)
     except Exl2Error as e:
         raise engine_error(e, "messages") from e
     prefix = body.response_prefix or ""

@@ -84,7 +84,8 @@ def template_variables(req: ChatCompletionRequest, template: ChatTemplate) -> di
     wins where both set a name). Names the server sets itself (messages, tools, bos_token, ...) are a 400, so a
     request cannot silently replace the conversation or a template function."""
     reserved = template.reserved_variables
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {k: getattr(req, k) for k in ("enable_thinking", "reasoning_effort")
+                           if getattr(req, k) is not None}
     for param in ("template_vars", "chat_template_kwargs"):
         given = getattr(req, param) or {}
         clash = next((k for k in given if k in reserved), None)

@@ -154,6 +154,12 @@ class ChatCompletionRequest(SamplingFields):
     template_vars: Optional[dict[str, JsonValue]] = None
     add_generation_prompt: bool = True       # TabbyAPI's: False renders no opening of the assistant's reply
     response_prefix: Optional[str] = None    # TabbyAPI's: the reply continues this text, which starts its content
+    # vLLM's and TabbyAPI's: the reply continues the final (assistant) message instead of starting a new one
+    continue_final_message: bool = False
+    # TabbyAPI's and OpenAI's top-level switches, passed to the chat template as variables of these names (Qwen3's
+    # enable_thinking, gpt-oss's reasoning_effort); template_vars / chat_template_kwargs win where they set them too
+    enable_thinking: Optional[bool] = None
+    reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None
 
 
 class CompletionRequest(SamplingFields):
