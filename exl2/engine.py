@@ -9,6 +9,7 @@ import torch
 
 from exl2.config import EngineConfig, LoraSpec, SamplingSettings
 from exl2.errors import Exl2Error
+from exl2.generation.budget import ReasoningBudget
 from exl2.generation.chat import ChatTemplate, tool_call_format
 from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, tool_call_grammar
 from exl2.generation.dynamic import DynamicGenerator
@@ -223,10 +224,12 @@ class Engine:
                             add_bos: Optional[bool] = None, grammar: Optional[Grammar] = None,
                             logprobs: Optional[int] = None, *, stop_token_ids: Sequence[int] = (),
                             min_new_tokens: int = 0, ignore_eos: bool = False,
-                            negative_prompt: str | list[int] | None = None) -> AsyncIterator[Event]:
-        """`aevents` as the generator's Event objects (text, the new tokens' log-probabilities, the result)."""
+                            negative_prompt: str | list[int] | None = None,
+                            budget: Optional[ReasoningBudget] = None) -> AsyncIterator[Event]:
+        """`aevents` as the generator's Event objects (text, the new tokens' log-probabilities, the result);
+        `budget` (`generation.budget`) closes a think block after so many tokens."""
         job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar,
-                                 logprobs, min_new_tokens, ignore_eos, negative_prompt)
+                                 logprobs, min_new_tokens, ignore_eos, negative_prompt, budget)
         events = self.worker.astream(job)
         try:
             async for event in events:

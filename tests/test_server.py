@@ -82,6 +82,7 @@ class FakeEngine:
         self.rendered: list[tuple[list, object]] = []
         self.prompts: list = []             # what each engine stream was asked to continue
         self.ends: list[dict] = []          # each stream's stop_token_ids / min_new_tokens / ignore_eos
+        self.budgets: list = []             # each stream's reasoning budget (None: none)
         self.template = ChatTemplate()      # ChatML, as for a model without a template of its own
         self.forced: list[str] = []         # the tool_choice grammars asked for
         self.closed = threading.Event()
@@ -100,11 +101,12 @@ class FakeEngine:
 
     async def aevent_stream(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None,
                             grammar=None, logprobs=None, *, stop_token_ids=(), min_new_tokens=0, ignore_eos=False,
-                            negative_prompt=None):
+                            negative_prompt=None, budget=None):
         self.opened += 1
         self.prompts.append(prompt)
         self.ends.append(dict(stop_token_ids=list(stop_token_ids), min_new_tokens=min_new_tokens,
                               ignore_eos=ignore_eos))
+        self.budgets.append(budget)
         try:
             if self.reply is None:
                 while True:
@@ -876,6 +878,14 @@ def test_reasoning_non_streamed(thinker_url, thinker):
     r = c.chat.completions.create(model="x", messages=hi, extra_body=no_think)
     assert r.choices[0].message.content == "It is 3." and r.choices[0].message.reasoning_content is None
     assert thinker.prompts[-1].endswith("<think>\n\n</think>\n\n")
+
+    c.chat.completions.create(model="x", messages=hi, n=2, extra_body={"thinking_budget": 5,
+                                                                  "reasoning_budget_message": "Enough."})
+    a, b = thinker.budgets[-2:]
+    assert a is not b and (a.tokens, a.inside, a.start) == (5, True, 0)    # the template opened the block
+    assert a.end_ids == thinker.tokenizer.encode("Enough.\n</think>\n\n", add_bos=False)
+    c.chat.completions.create(model="x", messages=hi)
+    assert thinker.budgets[-1] is None
 
     r = c.chat.completions.create(model="x", messages=hi, extra_body={"enable_thinking": False})   # top-level
     assert r.choices[0].message.content == "It is 3." and thinker.prompts[-1].endswith("<think>\n\n</think>\n\n")

@@ -411,6 +411,9 @@ class DynamicGenerator:
         picks, lp = self._sample(jobs, logits, [self._drawn(j) for j in jobs], raw)
         tokens = picks.tolist()
         records = self._records(jobs, lp, tokens)
+        for i, job in enumerate(jobs):
+            if job.forced:   # a reasoning budget closes the think block: its tokens, not the sampled one
+                tokens[i], records[i] = job.forced.pop(0), None
         for i, (job, token) in enumerate(zip(jobs, tokens)):
             if job.guided is not None:
                 continue   # a guide takes its job's token (`_follow`)
@@ -530,6 +533,8 @@ class DynamicGenerator:
         text = self._push(job, token)
         if record is not None and len(job.reply.ids) > kept:
             job.token_logprobs.append(record)
+        if job.budget is not None and not job.forced and job.reply.finish_reason is None:
+            job.forced = job.budget.step(text, len(job.reply.ids)) or []
         self._emit(job, text, events)
 
     @staticmethod

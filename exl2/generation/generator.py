@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 from exl2.config import SamplingSettings
+from exl2.generation.budget import ReasoningBudget
 from exl2.generation.constraints import Grammar
 from exl2.generation.dynamic import DynamicGenerator, Event, Job
 from exl2.generation.output import GenerationResult, StopMatcher
@@ -33,17 +34,19 @@ class Generator:
     def job(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
             stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None, stop_token_ids: Sequence[int] = (),
             grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, min_new_tokens: int = 0,
-            ignore_eos: bool = False, negative_prompt: str | list[int] | None = None) -> Job:
+            ignore_eos: bool = False, negative_prompt: str | list[int] | None = None,
+            budget: Optional[ReasoningBudget] = None) -> Job:
         """A job for the dynamic generator; `grammar` (generation.constraints) restricts the reply's format;
         `logprobs` (k) puts each token's log-probability and the k likeliest alternatives in the result;
         `stop_token_ids` end the reply like EOS; before `min_new_tokens` tokens neither they, EOS nor a stop string
         can end it; `ignore_eos` never samples EOS; `negative_prompt` is what classifier-free guidance
         (settings.cfg_scale ≠ 1) steers away from (None: the BOS token alone; text gets the tokenizer's BOS rule,
-        whatever `add_bos` says for a chat prompt; see Job)."""
+        whatever `add_bos` says for a chat prompt); `budget` closes a think block after so many tokens (see
+        Job)."""
         ids = self._ids(prompt, add_bos)
         negative = None if negative_prompt is None else self._ids(negative_prompt, None)  # the tokenizer's BOS rule
         return Job(ids, settings, max_new_tokens, stop_strings, stop_token_ids, grammar, logprobs, min_new_tokens,
-                   ignore_eos, negative)
+                   ignore_eos, negative, budget)
 
     def _ids(self, prompt: str | list[int], add_bos: Optional[bool]) -> list[int]:
         return self.tokenizer.encode(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)

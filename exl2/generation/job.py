@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Optional, Sequence
 
 from exl2.config import SamplingSettings
+from exl2.generation.budget import ReasoningBudget
 from exl2.generation.constraints import Grammar
 from exl2.generation.output import GenerationResult, Reply, TokenLogprob
 from exl2.generation.tokenizer import Tokenizer
@@ -20,7 +21,8 @@ class Job:
     def __init__(self, ids: Sequence[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                  grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, min_new_tokens: int = 0,
-                 ignore_eos: bool = False, negative_ids: Optional[Sequence[int]] = None):
+                 ignore_eos: bool = False, negative_ids: Optional[Sequence[int]] = None,
+                 budget: Optional[ReasoningBudget] = None):
         self.id = next(_ids)
         self.logprobs = logprobs         # None: off; k: each token's log-probability and the k likeliest tokens
         self.token_logprobs: list[TokenLogprob] = []
@@ -38,6 +40,8 @@ class Job:
         self.negative_ids = None if negative_ids is None else list(negative_ids)
         self.guide: Optional[Job] = None
         self.guided: Optional[Job] = None
+        self.budget = budget             # a reasoning budget: the think block is closed after so many tokens
+        self.forced: list[int] = []      # tokens to feed next instead of sampling (the budget's end of the block)
         self.cached_tokens = 0           # prompt tokens found in the cache, not computed again
         self.done = False
         self.cancelled = False
@@ -69,10 +73,11 @@ class Job:
     def host_sampling(self) -> bool:
         """Whether sampling its next token needs the tokens before it on the host (a grammar, DRY's history,
         Mirostat's μ, a repetition penalty's window, banned strings), so its steps are never launched ahead of
-        reading the last one, nor speculated."""
+        reading the last one, nor speculated. So do guided pairs and jobs with a reasoning budget (whose fed
+        tokens may not be the sampled ones)."""
         s = self.settings
         return self.grammar is not None or s.dry or s.mirostat or s.ranged_penalty or bool(self.banned_strings) \
-            or self.paired
+            or self.paired or self.budget is not None
 
     @property
     def cfg(self) -> bool:

@@ -21,6 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from exl2.config import SamplingSettings
 from exl2.errors import Exl2Error
+from exl2.generation.budget import ReasoningBudget, budget_end
 from exl2.generation.chat import parse_tool_calls
 from exl2.generation.constraints import Grammar
 from exl2.generation.generator import GenerationResult
@@ -55,6 +56,7 @@ class Job:
     min_new_tokens: int = 0
     ignore_eos: bool = False
     negative_prompt: Optional[str] = None    # classifier-free guidance's (settings.cfg_scale)
+    budget: Optional[ReasoningBudget] = None  # chat: close the think block after so many tokens
 
     async def events(self, engine) -> AsyncIterator[Event]:
         """(new text, result or None, the new tokens' log-probability records: empty when none) from the
@@ -62,7 +64,7 @@ class Job:
         stream = engine.aevent_stream(self.prompt, self.settings, self.max_new_tokens, self.stop_strings,
                                       self.add_bos, self.grammar, self.logprobs, stop_token_ids=self.stop_token_ids,
                                       min_new_tokens=self.min_new_tokens, ignore_eos=self.ignore_eos,
-                                      negative_prompt=self.negative_prompt)
+                                      negative_prompt=self.negative_prompt, budget=self.budget)
         try:
             async for event in stream:
                 yield event.text, event.result, event.logprobs
@@ -373,6 +375,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     prefix = body.response_prefix or ""
     for job in jobs:
         job.prompt = prompt + prefix
+        if body.reasoning_budget_tokens is not None:   # one each: a budget follows its own reply
+            job.budget = ReasoningBudget(body.reasoning_budget_tokens,
+                                         budget_end(st.engine.tokenizer, body.reasoning_budget_message or ""),
+                                         inside=opens_thinking(prompt + prefix))
     # A grammar (structured output, a forced tool_choice) holds from the reply's first token, so such a reply cannot
     # think first, even where the prompt opens a think block: it is all content.
     constrained = any(job.grammar is not None for job in jobs)

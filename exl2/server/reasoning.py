@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from exl2.generation.budget import CLOSE, OPEN
 from exl2.generation.chat import ChatTemplate
 
-OPEN, CLOSE = "<think>", "</think>"
+__all__ = ["CLOSE", "OPEN", "ReasoningSplitter", "opens_thinking", "split_reasoning", "template_thinks"]
 _START, _THINK, _AFTER, _CONTENT = range(4)
 
 

@@ -160,6 +160,11 @@ class ChatCompletionRequest(SamplingFields):
     # enable_thinking, gpt-oss's reasoning_effort); template_vars / chat_template_kwargs win where they set them too
     enable_thinking: Optional[bool] = None
     reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None
+    # TabbyAPI's reasoning budget: after this many tokens inside <think> the block is closed for the model (with
+    # reasoning_budget_message first), so it answers from what it has thought
+    reasoning_budget_tokens: Optional[int] = Field(None, ge=0, validation_alias=AliasChoices(
+        "reasoning_budget_tokens", "reasoning_budget", "thinking_budget", "thinking_token_budget"))
+    reasoning_budget_message: Optional[str] = None
 
 
 class CompletionRequest(SamplingFields):

@@ -1,0 +1,52 @@
+"""Reasoning budgets (TabbyAPI's reasoning_budget_tokens): after so many tokens inside a think block the generator
+feeds the block's end instead of sampling. The reference is an uncached greedy loop on the golden model that
+inserts the same tokens at the same place."""
+import pytest
+import torch
+
+from exl2.config import SamplingSettings
+from exl2.generation.budget import CLOSE, OPEN, ReasoningBudget, budget_end
+from exl2.generation.dynamic import DynamicGenerator, Job
+
+import test_dynamic
+
+model, tok = test_dynamic.model, test_dynamic.tok   # the golden model and its tokenizer (module fixtures)
+GREEDY = SamplingSettings(temperature=0)
+
+
+def test_the_budget_counts_inside_the_block():
+    inside = ReasoningBudget(3, [7, 8], inside=True)
+    assert [inside.step("a", n) for n in (1, 2)] == [None, None]
+    assert inside.step("b", 3) == [7, 8] and inside.done and inside.step("c", 4) is None
+    opened = ReasoningBudget(2, [9])
+    assert opened.step("Let me <th", 1) is None and opened.start is None
+    assert opened.step("ink>hmm", 2) is None and opened.start == 2
+    assert opened.step(" ok", 3) is None and opened.step(" so", 4) == [9]
+    early = ReasoningBudget(5, [9], inside=True)
+    assert early.step("done" + CLOSE[:3], 1) is None and early.step(CLOSE[3:] + " answer", 2) is None and early.done
+    assert OPEN == "<think>"
+
+
+def _reference(model, ids, before, forced, after):
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(before):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        seq += forced
+        for _ in range(after):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_generator_feeds_the_end_of_the_block(model, tok, overlap):
+    ids = tok.encode("Let us think about the weather.")
+    end = budget_end(tok, "Time is up.")
+    assert tok.decode(end).endswith("\n" + CLOSE + "\n\n")
+    want = _reference(model, ids, 4, end, 5)
+    gen = DynamicGenerator(model, tok, 256, max_batch=4, page_size=16, overlap=overlap)
+    job = Job(ids, GREEDY, 4 + len(end) + 5, budget=ReasoningBudget(4, end, inside=True))
+    plain = Job(tok.encode("Paris is"), GREEDY, 12)
+    got, other = gen.generate([job, plain])
+    assert got.token_ids == want
+    assert other.token_ids == _reference(model, plain.ids, 12, [], 0)
