@@ -50,3 +50,19 @@ def test_the_generator_feeds_the_end_of_the_block(model, tok, overlap):
     got, other = gen.generate([job, plain])
     assert got.token_ids == want
     assert other.token_ids == _reference(model, plain.ids, 12, [], 0)
+
+
+def test_forced_tokens_count_as_seen_for_penalties(model, tok):
+    """With a repetition penalty the seen-token row must hold the fed end of the block, not the sampled token it
+    replaced: the job's row equals one built from its text."""
+    ids = tok.encode("Let us think about the weather.")
+    end = budget_end(tok)
+    gen = DynamicGenerator(model, tok, 256, max_batch=4, page_size=16)
+    settings = SamplingSettings(temperature=0, repetition_penalty=1.3)
+    job = Job(ids, settings, 3 + len(end) + 2, budget=ReasoningBudget(3, end, inside=True))
+    gen.enqueue(job)
+    while not job.done:
+        gen.iterate()
+        if job.slot is not None and not job.done:
+            row = gen.seen.mask[job.slot].nonzero().flatten().tolist()
+            assert row == sorted(set(job.tokens)), len(job.tokens)

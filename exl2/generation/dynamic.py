@@ -411,9 +411,9 @@ class DynamicGenerator:
         picks, lp = self._sample(jobs, logits, [self._drawn(j) for j in jobs], raw)
         tokens = picks.tolist()
         records = self._records(jobs, lp, tokens)
-        for i, job in enumerate(jobs):
-            if job.forced:   # a reasoning budget closes the think block: its tokens, not the sampled one
-                tokens[i], records[i] = job.forced.pop(0), None
+        forced = [i for i, job in enumerate(jobs) if job.forced]
+        for i in forced:   # a reasoning budget closes the think block: its tokens, not the sampled one
+            tokens[i], records[i] = jobs[i].forced.pop(0), None
         for i, (job, token) in enumerate(zip(jobs, tokens)):
             if job.guided is not None:
                 continue   # a guide takes its job's token (`_follow`)
@@ -423,6 +423,9 @@ class DynamicGenerator:
                 self._take(job, token, records[i], events)
             if job.guide is not None and not job.done:
                 self._follow(job)
+        for i in forced:   # the seen-token row holds the sampled token: rebuild it from the text fed
+            if jobs[i].slot is not None:
+                self.seen.reset(jobs[i].slot, jobs[i].tokens, len(jobs[i].ids))
 
     @staticmethod
     def _guided(jobs: list[Job], logits: torch.Tensor) -> torch.Tensor:
