@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_validator)
@@ -269,6 +269,13 @@ class ServerConfig(BaseModel):
     max_tokens: int = Field(1024, ge=1)      # completion length when a request names none
     # Chat replies' `<think>` blocks as `reasoning_content` (Qwen3, DeepSeek-R1); None: on when the template has one
     reasoning_parser: Optional[bool] = None
+    # whether a chat reply starts inside a think block (TabbyAPI's start_in_reasoning): "auto" reads it from the
+    # rendered prompt (it ends with an open <think>), "always" / "never" for templates that open it elsewhere
+    start_in_reasoning: Literal["auto", "always", "never"] = "auto"
+    # chat-template variables for every chat request (TabbyAPI's template_vars_default / template_vars_force): a
+    # request's template_vars / chat_template_kwargs replace the defaults, never the forced ones
+    template_vars_default: dict[str, Any] = Field(default_factory=dict)
+    template_vars_force: dict[str, Any] = Field(default_factory=dict)
     cors_origins: tuple[str, ...] = ()       # browser origins allowed to call the API ('*': any); empty: no CORS
     # Model management (POST /v1/model/load, /v1/model/unload): keys that may load and unload models (they pass
     # the api_keys check too). None configured: allowed to everyone if api_keys is empty too, else to no one.
@@ -288,6 +295,16 @@ class ServerConfig(BaseModel):
     def _keys(cls, v, info: ValidationInfo):
         if any(not k.strip() for k in v):
             raise ValueError(f"{info.field_name} must not contain empty keys")
+        return v
+
+    @field_validator("template_vars_default", "template_vars_force")
+    @classmethod
+    def _template_vars(cls, v: dict, info: ValidationInfo) -> dict:
+        bad = next((k for k in v if not k.isidentifier() or k in ("messages", "tools", "add_generation_prompt")),
+                   None)
+        if bad is not None:
+            raise ValueError(f"{info.field_name} cannot set {bad!r}: the server passes messages, tools and "
+                             "add_generation_prompt itself, and names must be identifiers")
         return v
 
     @field_validator("model_dir_root", "lora_dir", "sampler_override_dir", "template_dir")

@@ -998,6 +998,33 @@ def test_chat_template_kwargs_reach_the_template(thinker_url, thinker, app, engi
     assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.prompt_tokens
 
 
+def test_server_template_variables_and_start_in_reasoning(thinker):
+    """The server's default template variables (a request's own replace them) and forced ones (nothing replaces
+    them); start_in_reasoning "never" reads a reply as content although the prompt opens <think>, "always" as
+    reasoning."""
+    hi = [{"role": "user", "content": "1+2?"}]
+
+    def ask(config, extra):
+        app = create_app(thinker, ServerConfig(api_keys=(KEY,), **config))
+        return run(aclient(app).chat.completions.create(model="x", messages=hi, extra_body=extra))
+
+    thinker.reply = "It is 3."
+    for config, extra, closed in [
+            (dict(template_vars_default={"enable_thinking": False}), {}, True),
+            (dict(template_vars_default={"enable_thinking": False}), {"enable_thinking": True}, False),
+            (dict(template_vars_force={"enable_thinking": False}),
+             {"chat_template_kwargs": {"enable_thinking": True}}, True)]:
+        ask(config, extra)
+        assert thinker.prompts[-1].endswith("<think>\n\n</think>\n\n") == closed, (config, extra)
+    thinker.reply = "Easy. It is 3."
+    for mode, reasoning, content in (("never", None, "Easy. It is 3."), ("always", "Easy. It is 3.", None)):
+        msg = ask(dict(start_in_reasoning=mode),
+                  {"chat_template_kwargs": {"enable_thinking": mode == "never"}}).choices[0].message
+        assert (getattr(msg, "reasoning_content", None), msg.content) == (reasoning, content), mode
+    with pytest.raises(ValueError, match="cannot set 'messages'"):
+        ServerConfig(template_vars_force={"messages": []})
+
+
 def test_chat_template_kwargs_rejected(thinker_url):
     """Not an object, or a name the server sets itself: a 400 with one sentence naming the field."""
     def post(**body):

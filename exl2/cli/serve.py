@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import socket
@@ -64,6 +65,15 @@ def register(sub) -> None:
                    choices=["last", "mean", "cls"],
                    help="how /v1/embeddings pools the final hidden states (default: the model's sentence-transformers "
                         "1_Pooling config, else the last token)")
+    p.add_argument("--template-var", "--template_var", dest="template_vars", action="append", default=[],
+                   metavar="NAME=VALUE", help="a chat-template variable every chat request gets unless it sets its "
+                                              "own (VALUE as JSON, else text; e.g. enable_thinking=false; repeatable)")
+    p.add_argument("--force-template-var", "--force_template_var", dest="force_template_vars", action="append",
+                   default=[], metavar="NAME=VALUE", help="... that no request can change (repeatable)")
+    p.add_argument("--start-in-reasoning", "--start_in_reasoning", dest="start_in_reasoning", default="auto",
+                   choices=["auto", "always", "never"],
+                   help="whether chat replies start inside a think block (default auto: where the rendered prompt "
+                        "ends with <think>)")
     p.add_argument("--template-dir", "--template_dir", dest="template_dir", default=None, metavar="DIR",
                    help="directory of chat templates (NAME.jinja) that --prompt-template, /v1/template/switch and "
                         "model loads name (TabbyAPI's templates/)")
@@ -130,6 +140,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _name_values(items: list[str], flag: str) -> dict:
+    """NAME=VALUE flags as a dict, VALUE read as JSON where it is JSON (true, 3, "x", [..]) and as text otherwise."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"{flag} takes NAME=VALUE, not {item!r}.")
+        try:
+            out[name.strip()] = json.loads(value)
+        except ValueError:
+            out[name.strip()] = value
+    return out
+
+
 def run(args) -> int:
     try:
         import uvicorn
@@ -153,7 +177,10 @@ def run(args) -> int:
                                      reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins),
                                      kobold=args.kobold, sampler_override=args.sampler_override,
                                      sampler_override_dir=args.sampler_override_dir,
-                                     template_dir=args.template_dir)
+                                     template_dir=args.template_dir, start_in_reasoning=args.start_in_reasoning,
+                                     template_vars_default=_name_values(args.template_vars, "--template-var"),
+                                     template_vars_force=_name_values(args.force_template_vars,
+                                                                      "--force-template-var"))
     except ValueError as e:   # pydantic's ValidationError
         raise ConfigError(f"Invalid setting {_one_sentence(e)}.") from None
     from exl2.server.overrides import startup_overrides

@@ -357,7 +357,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     for job in jobs:  # a grammar holds parse state: one per choice
         job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice) or job.grammar
     messages = template_messages(body.messages)
-    variables = template_variables(body, st.engine.template)
+    variables = template_variables(body, st.engine.template, st.config.template_vars_default,
+                                   st.config.template_vars_force)
     opening = body.add_generation_prompt
     if body.continue_final_message:
         if opening and "add_generation_prompt" in body.model_fields_set:
@@ -373,16 +374,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     except Exl2Error as e:
         raise engine_error(e, "messages") from e
     prefix = body.response_prefix or ""
+    mode = st.config.start_in_reasoning
+    starts_thinking = opens_thinking(prompt) if mode == "auto" else mode == "always"
     for job in jobs:
         job.prompt = prompt + prefix
         if body.reasoning_budget_tokens is not None:   # one each: a budget follows its own reply
             job.budget = ReasoningBudget(body.reasoning_budget_tokens,
                                          budget_end(st.engine.tokenizer, body.reasoning_budget_message or ""),
-                                         inside=opens_thinking(prompt + prefix))
+                                         inside=starts_thinking)
     # A grammar (structured output, a forced tool_choice) holds from the reply's first token, so such a reply cannot
     # think first, even where the prompt opens a think block: it is all content.
     constrained = any(job.grammar is not None for job in jobs)
-    thinking = (opens_thinking(prompt) and not constrained) if st.reasoning else None
+    thinking = (starts_thinking and not constrained) if st.reasoning else None
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": st.name}
 
     if not body.stream:

@@ -79,13 +79,15 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def template_variables(req: ChatCompletionRequest, template: ChatTemplate) -> dict[str, Any]:
-    """The request's extra template variables: TabbyAPI's `template_vars` and vLLM's `chat_template_kwargs` (which
-    wins where both set a name). Names the server sets itself (messages, tools, bos_token, ...) are a 400, so a
-    request cannot silently replace the conversation or a template function."""
+def template_variables(req: ChatCompletionRequest, template: ChatTemplate, defaults: Optional[dict] = None,
+                       forced: Optional[dict] = None) -> dict[str, Any]:
+    """The request's extra template variables: the server's `defaults`, then the top-level enable_thinking /
+    reasoning_effort, TabbyAPI's `template_vars` and vLLM's `chat_template_kwargs` (which wins where both set a
+    name), then the server's `forced` ones over all. Names the server sets itself (messages, tools, bos_token, ...)
+    are a 400, so a request cannot silently replace the conversation or a template function."""
     reserved = template.reserved_variables
-    out: dict[str, Any] = {k: getattr(req, k) for k in ("enable_thinking", "reasoning_effort")
-                           if getattr(req, k) is not None}
+    out: dict[str, Any] = dict(defaults or {})
+    out.update({k: getattr(req, k) for k in ("enable_thinking", "reasoning_effort") if getattr(req, k) is not None})
     for param in ("template_vars", "chat_template_kwargs"):
         given = getattr(req, param) or {}
         clash = next((k for k in given if k in reserved), None)
@@ -93,4 +95,5 @@ def template_variables(req: ChatCompletionRequest, template: ChatTemplate) -> di
             raise APIError(400, f"{param} cannot set '{clash}', which the server passes to the chat template itself.",
                            param=f"{param}.{clash}")
         out.update(given)
+    out.update(forced or {})
     return out
