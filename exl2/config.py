@@ -55,6 +55,9 @@ class EngineConfig(BaseModel):
     ngram_draft: bool = False
     draft_model_dir: Optional[Path] = None
     num_draft_tokens: int = Field(4, ge=1, le=16)
+    # drafting pauses for a while where its guesses are rarely kept (a check then costs more than it saves);
+    # False drafts every step (TabbyAPI's dynamic_draft is the same idea)
+    adaptive_draft: bool = Field(True, validation_alias=AliasChoices("adaptive_draft", "dynamic_draft"))
     # the draft model's RoPE overrides (TabbyAPI's draft_rope_scale / draft_rope_alpha); unset, a draft model whose
     # native context is shorter than max_seq_len gets an NTK alpha for the difference (speculative.draft_rope)
     draft_rope_scale: Optional[float] = None

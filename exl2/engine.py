@@ -45,7 +45,8 @@ class Engine:
         self.dynamic = DynamicGenerator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode,
                                         cache_tokens=config.cache_size, max_batch=config.max_batch_size,
                                         draft=draft, num_draft_tokens=config.num_draft_tokens,
-                                        flash_attention=config.flash_attention_enabled)
+                                        flash_attention=config.flash_attention_enabled,
+                                        adaptive_draft=config.adaptive_draft)
         if config.loras:
             self.dynamic.set_loras([self.load_lora(spec) for spec in config.loras])
         self.worker = BatchWorker(self.dynamic)

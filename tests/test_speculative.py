@@ -149,3 +149,32 @@ def test_a_draft_model_with_a_shorter_context_gets_an_ntk_alpha(tmp_path):
     assert engine.dynamic.draft.model.spec.max_position == 4096     # 2,048 native × 2
     with pytest.raises(Exception, match="draft_rope_alpha"):
         EngineConfig(model_dir=GOLDEN / "b6.0_hb6", draft_rope_alpha=-1.0)
+
+
+class _Wrong:
+    """A drafter whose guesses are never right: token 0 every time (the golden model never predicts it here)."""
+
+    def propose(self, job_id, tokens, k):
+        return [0] * k
+
+    def forget(self, job_id):
+        pass
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_drafting_pauses_where_guesses_are_never_kept(model, tok, adaptive):
+    """Adaptive drafting checks a useless drafter's guesses a few times, then decodes plainly (pausing SPEC_PAUSE
+    steps between tries); without it every step is a check. The output is the plain greedy one either way."""
+    from exl2.generation.dynamic import SPEC_PAUSE
+
+    ids = tok.encode(PROMPTS[0] * 2)
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16, draft=_Wrong(), num_draft_tokens=2,
+                           adaptive_draft=adaptive)
+    job = Job(ids, GREEDY, 40)
+    assert gen.generate([job])[0].token_ids == greedy_reference(model, ids, 40)
+    checks = job.drafted // 2
+    assert job.accepted == 0
+    if adaptive:
+        assert checks <= 1 + 40 // (SPEC_PAUSE + 1) + 1
+    else:
+        assert checks >= 30

@@ -31,6 +31,10 @@ from exl2.runtime.paged_cache import paged_cache_for
 from exl2.runtime.upload import upload
 
 MAX_SKIPS = 4  # how often younger jobs may start before a waiting one (exllamav2's max_skips)
+# A check of 1 + k tokens costs ~1.35-1.55 plain steps (H100/H200, k = 2-8; benchmarks/RESULTS.md, sessions 18-21),
+# so drafting loses where fewer than ~0.5 guesses a check are kept: with `adaptive_draft`, a job whose recent checks
+# kept fewer than SPEC_MIN_KEPT on average decodes plainly for SPEC_PAUSE steps, then tries drafts again.
+SPEC_MIN_KEPT, SPEC_PAUSE = 0.5, 16
 # New prompts prefill together while the padded forward has at most PAD_SLACK x their tokens + PAD_TOKENS.
 PAD_SLACK, PAD_TOKENS = 1.5, 64
 
@@ -56,9 +60,9 @@ class DynamicGenerator:
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: int, cache_mode: str = "fp16",
                  cache_tokens: Optional[int] = None, max_batch: int = 16, page_size: int = 256, chunk: int = 2048,
                  use_graphs: bool = True, draft: Optional[Drafter] = None, num_draft_tokens: int = 4,
-                 overlap: Optional[bool] = None, flash_attention: bool = True):
+                 overlap: Optional[bool] = None, flash_attention: bool = True, adaptive_draft: bool = True):
         self.model, self.tokenizer = model, tokenizer
-        self.draft, self.num_draft_tokens = draft, num_draft_tokens
+        self.draft, self.num_draft_tokens, self.adaptive_draft = draft, num_draft_tokens, adaptive_draft
         self.max_seq_len, self.max_batch, self.chunk, self.page_size = max_seq_len, max_batch, chunk, page_size
         self.pages_per_seq = -(-max_seq_len // page_size)
         num_pages = max(-(-(cache_tokens or 0) // page_size), self.pages_per_seq)
@@ -643,6 +647,9 @@ class DynamicGenerator:
         plain decoding would draw there (same stream position, same seen tokens), so the output is plain
         decoding's, token for token.
         False when there is nothing to guess (plain decoding then)."""
+        if self.adaptive_draft and job.spec_pause > 0:
+            job.spec_pause -= 1
+            return False
         room = job.max_new_tokens - len(job.reply.ids) - 1  # every fed guess needs a reserved cache slot
         k = min(self.num_draft_tokens, room)
         drafts = self.draft.propose(job.id, job.tokens, k)[:k] if k > 0 else []
@@ -685,6 +692,10 @@ class DynamicGenerator:
             self.seen.add([job.slot] * (kept + 1), picks[:kept + 1])
         job.drafted += len(drafts)
         job.accepted += kept
+        if self.adaptive_draft:
+            job.spec_kept = kept if job.spec_kept is None else 0.7 * job.spec_kept + 0.3 * kept
+            if job.spec_kept < SPEC_MIN_KEPT:   # not paying: plain steps for a while, then a fresh start
+                job.spec_pause, job.spec_kept = SPEC_PAUSE, None
         job.length += 1 + kept  # the last token and the kept guesses now hold valid cache entries
         self._publish(job)
         self._emit(job, text, events)

@@ -61,6 +61,8 @@ class Job:
         self.key: Optional[bytes] = None     # prefix key of the last full page published
         self.published = 0
         self.drafted = self.accepted = 0     # speculative decoding: guesses checked, guesses kept
+        self.spec_kept: Optional[float] = None   # guesses kept a check, averaged over recent checks
+        self.spec_pause = 0                      # plain steps left before drafting again (adaptive_draft)
         self.skipped = 0                     # times younger jobs were admitted past it (see DynamicGenerator)
         self.times = [0.0, 0.0, 0.0, 0.0]   # enqueued, admitted, first token, finished (time.perf_counter)
 
