@@ -196,3 +196,16 @@ def test_engine_reports_the_inputs_own_index():
         assert engine.embed([]).vectors.shape == (0, engine.model.spec.hidden_size)
     finally:
         engine.close()
+
+
+def test_a_headless_model_refuses_generation_jobs_one_by_one(base):
+    from exl2.generation.dynamic import DynamicGenerator, Job
+    from exl2.generation.tokenizer import Tokenizer
+    from pathlib import Path
+
+    d, _ = base
+    tok = Tokenizer.from_dir(Path(__file__).parent / "fixtures" / "golden" / "src")
+    gen = DynamicGenerator(load_model(d, "cpu"), tok, 256, max_batch=2, page_size=16)
+    with pytest.raises(ModelLoadError, match="no output head"):
+        gen.enqueue(Job([1, 2, 3], max_new_tokens=2))
+    assert not gen.has_work()

@@ -16,7 +16,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from exl2.config import SamplingSettings
-from exl2.errors import ConfigError, ContextLengthError
+from exl2.errors import ConfigError, ContextLengthError, ModelLoadError
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
 from exl2.generation.dry import TokenHistory, apply_dry, sequence_breakers
@@ -94,6 +94,9 @@ class DynamicGenerator:
 
     def enqueue(self, job: Job) -> Job:
         """Queue a job; raises ContextLengthError when its prompt does not fit the context."""
+        if getattr(self.model, "lm_head", True) is None:
+            raise ModelLoadError("This model has no output head (an embedding model): it computes embeddings, "
+                                 "not text.")
         if not job.ids:
             job.ids = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else [0]
         if len(job.ids) >= self.max_seq_len:
