@@ -284,6 +284,9 @@ class ServerConfig(BaseModel):
     # the api_keys check too). None configured: allowed to everyone if api_keys is empty too, else to no one.
     admin_keys: tuple[str, ...] = ()
     model_dir_root: Optional[Path] = None    # the models /v1/model/list shows and /v1/model/load loads by name
+    # TabbyAPI's inline loading: a completion or chat request whose `model` names another model of model_dir_root
+    # loads it (with the load defaults) before it is answered; /v1/models then lists every model of the root
+    inline_model_loading: bool = False
     lora_dir: Optional[Path] = None          # the LoRA adapters /v1/lora/list shows and /v1/lora/load loads by name
     # TabbyAPI's sampler overrides: request-field defaults and forced values for every request (server.overrides);
     # a preset name in sampler_override_dir or a preset file's path
@@ -299,6 +302,12 @@ class ServerConfig(BaseModel):
         if any(not k.strip() for k in v):
             raise ValueError(f"{info.field_name} must not contain empty keys")
         return v
+
+    @model_validator(mode="after")
+    def _inline_loading(self):
+        if self.inline_model_loading and self.model_dir_root is None:
+            raise ValueError("inline_model_loading loads models by name from model_dir_root, which is not set")
+        return self
 
     @field_validator("template_vars_default", "template_vars_force")
     @classmethod

@@ -1417,6 +1417,45 @@ def test_load_past_the_native_context_gets_tabbyapis_automatic_rope_alpha(models
     run(go())
 
 
+def test_inline_model_loading(models_root, built):
+    """A request naming another model of the root loads it first (with the load defaults) and is answered by it;
+    names that are no model of the root (a client's default, a path) are answered by the loaded model; a model
+    that fails to load is a 400; /v1/models lists every model; off by default."""
+    start = LoadedFake(EngineConfig(model_dir="start", max_seq_len=512, device="cpu"))
+    app = mgmt_app(models_root, start, inline_model_loading=True)
+
+    async def go():
+        c = http(app)
+
+        async def complete_as(model):
+            return await c.post("/v1/completions", headers=as_admin(KEY), json={"prompt": "hi", "model": model})
+
+        ids = [m["id"] for m in (await c.get("/v1/models", headers=as_admin(KEY))).json()["data"]]
+        assert ids == ["start", "alpha", "beta", "broken"]
+        r = await complete_as("beta")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "reply of beta", r.text
+        assert config_dir(built[-1].config) == models_root / "beta" and built[-1].config.max_seq_len == 512
+        n = len(built)
+        for other in ("gpt-4o", "../alpha", "notes", "beta"):
+            r = await complete_as(other)
+            assert r.json()["choices"][0]["text"] == "reply of beta" and len(built) == n, other
+        r = await c.post("/v1/chat/completions", headers=as_admin(KEY), json={
+            "model": "alpha", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "reply of alpha", r.text
+        r = await complete_as("broken")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_load_failed", r.text
+        assert (await complete_as("x")).json()["choices"][0]["text"] == "reply of alpha"
+
+        plain = http(mgmt_app(models_root, LoadedFake(EngineConfig(model_dir="start", max_seq_len=512))))
+        r = await plain.post("/v1/completions", headers=as_admin(KEY), json={"prompt": "hi", "model": "beta"})
+        assert r.json()["choices"][0]["text"] == "reply of start"
+        assert [m["id"] for m in (await plain.get("/v1/models", headers=as_admin(KEY))).json()["data"]] == ["start"]
+
+    run(go())
+    with pytest.raises(ValueError, match="inline_model_loading"):
+        ServerConfig(inline_model_loading=True)
+
+
 def test_requests_wait_for_a_load_and_running_ones_finish_on_the_old_engine(models_root, built):
     """While a load runs, the old model streams on; a request arriving then waits and is served by the new
     model; the old engine is closed only after its last request ended."""

@@ -36,6 +36,9 @@ def register(sub) -> None:
     p.add_argument("--model-dir-root", "--model_dir_root", dest="model_dir_root", default=None, metavar="DIR",
                    help="directory whose model directories /v1/model/list shows and POST /v1/model/load loads by "
                         "name; with it and no -m the server starts with no model loaded")
+    p.add_argument("--inline-model-loading", "--inline_model_loading", dest="inline_model_loading",
+                   action="store_true", help="a completion or chat request whose model names another model of "
+                                              "--model-dir-root loads it first (TabbyAPI's inline loading)")
     p.add_argument("--lora-dir", "--lora_dir", dest="lora_dir", default=None, metavar="DIR",
                    help="directory whose LoRA adapter directories /v1/lora/list shows and POST /v1/lora/load "
                         "applies by name")
@@ -172,7 +175,7 @@ def run(args) -> int:
     try:
         server_config = ServerConfig(host=args.host, port=args.port, api_keys=tuple(keys),
                                      admin_keys=tuple(admin_keys), model_dir_root=args.model_dir_root,
-                                     lora_dir=args.lora_dir,
+                                     lora_dir=args.lora_dir, inline_model_loading=args.inline_model_loading,
                                      model_name=args.model_name, max_tokens=args.max_tokens,
                                      reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins),
                                      kobold=args.kobold, sampler_override=args.sampler_override,

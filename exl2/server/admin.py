@@ -460,6 +460,34 @@ def _switch_template(h: ModelHost, choice: Optional[str], param: str) -> dict:
     return {"prompt_template": template_label(template)}
 
 
+async def inline_load(request: Request) -> None:
+    """A dependency of the completion routes (TabbyAPI's inline loading, `ServerConfig.inline_model_loading`):
+    a request whose `model` names another model directory of the root loads that model, with the load
+    defaults, before the request is pinned to an engine. Other names (a client's default such as "gpt-4o") are
+    answered by the loaded model, as without inline loading. Loads triggered this way run one at a time."""
+    h = host(request)
+    if not h.config.inline_model_loading:
+        return
+    try:
+        name = (await request.json()).get("model")
+    except Exception:  # noqa: BLE001 - not a JSON object: the endpoint reports that
+        return
+    root = h.config.model_dir_root
+    if not isinstance(name, str) or not plain_name(name) or not (root / name / "config.json").is_file():
+        return
+    async with h.inline_lock:
+        while h.pending():
+            await asyncio.wait(h.pending())
+        if h.state is not None and h.state.name == name:
+            return
+        config = engine_config(h, ModelLoadRequest(name=name))
+        h.loading = name
+        log.info("loading %s for a request that names it", name)
+        h.load_task = asyncio.ensure_future(_load(h, config, name))
+        h.load_task.add_done_callback(_retrieve)
+        await asyncio.shield(h.load_task)
+
+
 def router(auth, admin) -> APIRouter:
     """The routes; `auth` and `admin` are the API-key and admin-key dependencies."""
     r = APIRouter()

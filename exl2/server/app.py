@@ -34,8 +34,13 @@ def _models_router() -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models(request: Request):
-        st = host(request).state
-        return {"object": "list", "data": [card(st)] if st is not None else []}
+        """The loaded model; with inline loading every model of the root (a request naming one loads it)."""
+        h = host(request)
+        st = h.state
+        data = [card(st)] if st is not None else []
+        if h.config.inline_model_loading:
+            data += [c for c in admin.model_cards(h.config) if st is None or c["id"] != st.name]
+        return {"object": "list", "data": data}
 
     @router.get("/v1/model")
     async def current_model(request: Request):
@@ -86,7 +91,7 @@ def create_app(engine, config: ServerConfig, load_defaults: Optional[dict] = Non
     engine_routes = [auth, Depends(acquire)]       # after the key check: wait out a load, pin the engine
     app.include_router(_models_router(), dependencies=[auth])
     app.include_router(admin.router(auth, Depends(admin_key_check(config))))
-    app.include_router(completions.router, dependencies=engine_routes)
+    app.include_router(completions.router, dependencies=[auth, Depends(admin.inline_load), Depends(acquire)])
     app.include_router(tokens.router, dependencies=engine_routes)
     app.include_router(embeddings.router, dependencies=engine_routes)
     if config.kobold:

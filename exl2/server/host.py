@@ -84,6 +84,7 @@ class ModelHost:
         self.load_task: Optional[asyncio.Task] = None
         self.lora_task: Optional[asyncio.Task] = None   # a LoRA change, waiting for requests to end or applying
         self.overrides = startup_overrides(config)     # the sampler override preset in force
+        self.inline_lock = asyncio.Lock()              # one inline model load at a time (admin.inline_load)
         self._mirror()
 
     @property
