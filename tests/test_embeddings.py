@@ -209,3 +209,12 @@ def test_a_headless_model_refuses_generation_jobs_one_by_one(base):
     with pytest.raises(ModelLoadError, match="no output head"):
         gen.enqueue(Job([1, 2, 3], max_new_tokens=2))
     assert not gen.has_work()
+
+
+def test_info_names_an_embedding_model(base, capsys):
+    from exl2.cli import main
+
+    d, _ = base
+    assert main.main(["info", str(d)]) == 0
+    out = " ".join(capsys.readouterr().out.split())     # rich wraps the table to the terminal's width
+    assert "embedding model: last-token pooling, normalised" in out

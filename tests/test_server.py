@@ -192,6 +192,8 @@ def test_models_health_and_unknown_model(app):
         assert card["id"] == "tiny" and card["parameters"]["max_seq_len"] == 512
         assert card["parameters"]["cache_mode"] == "fp16" and card["parameters"]["draft"] is None
         assert card["parameters"]["rope_scale"] is None and card["parameters"]["rope_alpha"] is None
+        assert card["parameters"]["num_experts_per_token"] is None                   # a dense model
+        assert card["parameters"]["embedding_pooling"] == "last"
         assert (await c._client.get("http://test/v1/model")).status_code == 401
 
     run(go())

@@ -17,6 +17,7 @@ def run(args) -> int:
 
     from exl2.cli.common import resolve_model_dir
     from exl2.formats.safetensors_io import TensorSource
+    from exl2.generation.embeddings import Pooling
     from exl2.models.registry import read_config, spec_from_config
 
     model_dir = resolve_model_dir(args.model_dir)
@@ -42,6 +43,10 @@ def run(args) -> int:
     t.add_row("rope", f"{spec.rope.rope_type} (theta {spec.rope.theta:g})")
     t.add_row("weight format", fmt + (f", target {qc['bits']} bpw, head {qc.get('head_bits')} bits"
                                       if qc.get("quant_method") == "exl2" else ""))
+    if src.base_model and not src.with_prefix("lm_head."):
+        pooling = Pooling.from_dir(model_dir)
+        t.add_row("output", f"none (an embedding model: {pooling.mode}-token pooling"
+                            f"{', normalised' if pooling.normalize else ''})")
     console.print(t)
     if exl2_layers:
         _exl2_table(console, src, exl2_layers, args.layers)

@@ -25,6 +25,12 @@ def _context_length(engine) -> int:
     return min(engine.config.max_seq_len, spec_max) if spec_max else engine.config.max_seq_len
 
 
+def _experts(engine) -> Optional[int]:
+    """The experts a mixture-of-experts model routes each token to (None: a dense model)."""
+    moe = getattr(getattr(getattr(engine, "model", None), "spec", None), "moe", None)
+    return moe.top_k if moe is not None else None
+
+
 def _models_router() -> APIRouter:
     router = APIRouter()
 
@@ -53,7 +59,8 @@ def _models_router() -> APIRouter:
             "prompt_template": admin.template_label(st.engine.template),
             "draft": str(cfg.draft_model_dir) if cfg.draft_model_dir else ("ngram" if cfg.ngram_draft else None),
             "rope_scale": cfg.rope_scale, "rope_alpha": cfg.rope_alpha, "rope_yarn": cfg.rope_yarn,
-            "reasoning_parser": st.reasoning}}
+            "num_experts_per_token": _experts(st.engine), "reasoning_parser": st.reasoning,
+            "embedding_pooling": getattr(getattr(st.engine, "pooling", None), "mode", None)}}
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
