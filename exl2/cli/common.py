@@ -245,19 +245,9 @@ def sequence_breakers(value: str | None) -> tuple[str, ...] | None:
     return tuple(b for b in value.split(",") if b) or None
 
 
-def checked_update(settings: SamplingSettings, flag: str, **changes) -> SamplingSettings:
-    """`settings` with `changes` validated (model_copy does not): an invalid value is a one-sentence ConfigError
-    naming `flag`."""
-    from pydantic import ValidationError
-
-    try:
-        return SamplingSettings(**{**settings.model_dump(), **changes})
-    except ValidationError as e:
-        raise ConfigError(f"{flag}: {e.errors()[0]['msg'].removeprefix('Value error, ')}.") from None
-
-
-def sampling_from_args(args) -> SamplingSettings:
-    """SamplingSettings from add_sampling_args' flags; an invalid value is a one-sentence ConfigError."""
+def sampling_from_args(args, **extra) -> SamplingSettings:
+    """SamplingSettings from add_sampling_args' flags and `extra` fields a command's own flags set (generate's
+    cfg_scale); an invalid value is a one-sentence ConfigError."""
     from pydantic import ValidationError
 
     try:
@@ -275,7 +265,8 @@ def sampling_from_args(args) -> SamplingSettings:
                                 dry_range=args.dry_range,
                                 dry_sequence_breakers=sequence_breakers(args.dry_sequence_breakers),
                                 mirostat_mode=args.mirostat_mode, mirostat_tau=args.mirostat_tau,
-                                mirostat_eta=args.mirostat_eta, **dynamic_temperature(args.dynamic_temperature))
+                                mirostat_eta=args.mirostat_eta, **dynamic_temperature(args.dynamic_temperature),
+                                **extra)
     except ValidationError as e:
         err = flag_error(e)
         field = e.errors(include_url=False)[0]["loc"][0]

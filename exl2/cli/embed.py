@@ -42,7 +42,9 @@ def _texts(args) -> list[str]:
 
 
 def run(args) -> int:
-    from exl2.cli.common import model_settings
+    from pydantic import ValidationError
+
+    from exl2.cli.common import flag_error, model_settings
     from exl2.config import EngineConfig
     from exl2.engine import Engine
 
@@ -52,8 +54,8 @@ def run(args) -> int:
         settings["embedding_pooling"] = args.pooling
     try:
         config = EngineConfig(**settings, max_batch_size=1)
-    except ValueError as e:
-        raise ConfigError(f"Invalid setting: {e.errors()[0]['msg']}.") from None
+    except ValidationError as e:
+        raise flag_error(e) from None
     engine = Engine(config)
     try:
         result = engine.embed(texts, args.dimensions)
@@ -62,7 +64,7 @@ def run(args) -> int:
     vectors = result.vectors
     if args.similarity:
         sims = (vectors @ vectors[0]) / (vectors.norm(dim=1) * vectors[0].norm()).clamp_min(1e-12)
-        for i, (text, sim) in enumerate(zip(texts, sims.tolist())):
+        for text, sim in zip(texts, sims.tolist()):
             print(f"{sim:.4f}\t{text}")
         return 0
     for i, (text, n, v) in enumerate(zip(texts, result.tokens, vectors.tolist())):

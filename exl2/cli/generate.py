@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, checked_update,
-                             load_generator, sampling_from_args)
+from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, load_generator,
+                             sampling_from_args)
 
 
 def register(sub) -> None:
@@ -31,9 +31,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    settings = sampling_from_args(args)
-    if args.cfg_scale != 1.0:
-        settings = checked_update(settings, cfg_scale=args.cfg_scale, flag="--cfg-scale")
+    settings = sampling_from_args(args, cfg_scale=args.cfg_scale)
     _, _, gen = load_generator(args)
     for text, _ in gen.stream(args.prompt, settings, args.max_new_tokens, args.stop,
                               min_new_tokens=args.min_new_tokens, ignore_eos=args.ignore_eos,

@@ -43,7 +43,7 @@ def run(args) -> int:
     t.add_row("rope", f"{spec.rope.rope_type} (theta {spec.rope.theta:g})")
     t.add_row("weight format", fmt + (f", target {qc['bits']} bpw, head {qc.get('head_bits')} bits"
                                       if qc.get("quant_method") == "exl2" else ""))
-    if src.base_model and not src.with_prefix("lm_head."):
+    if src.embedding_only():
         pooling = Pooling.from_dir(model_dir)
         t.add_row("output", f"none (an embedding model: {pooling.mode}-token pooling"
                             f"{', normalised' if pooling.normalize else ''})")

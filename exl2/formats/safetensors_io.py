@@ -101,6 +101,10 @@ class TensorSource:
                 self._stored[name] = key
         self._where = where
 
+    def embedding_only(self) -> bool:
+        """Whether these are a base model's weights without an output head (an embedding model)."""
+        return self.base_model and not self.with_prefix("lm_head.")
+
     def __contains__(self, name: str) -> bool:
         return name in self._where
 

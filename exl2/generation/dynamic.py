@@ -23,7 +23,7 @@ from exl2.generation.dry import TokenHistory, apply_dry, sequence_breakers
 from exl2.generation.sampler import SeenTokens, forbid, fresh_seed, only_allow, recent_tokens, sample_rows
 from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
-from exl2.models.decoder import DecoderModel
+from exl2.models.decoder import NO_HEAD, DecoderModel
 from exl2.runtime import lora
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.page_pool import PagePool, page_key
@@ -95,10 +95,9 @@ class DynamicGenerator:
     def enqueue(self, job: Job) -> Job:
         """Queue a job; raises ContextLengthError when its prompt does not fit the context."""
         if getattr(self.model, "lm_head", True) is None:
-            raise ModelLoadError("This model has no output head (an embedding model): it computes embeddings, "
-                                 "not text.")
+            raise ModelLoadError(NO_HEAD)
         if not job.ids:
-            job.ids = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else [0]
+            job.ids = self._bos_only()
         if len(job.ids) >= self.max_seq_len:
             raise ContextLengthError(
                 f"The prompt is {len(job.ids)} tokens long but the context holds {self.max_seq_len} tokens.")
@@ -116,21 +115,23 @@ class DynamicGenerator:
         tokens and whose logits `_guided` mixes into the job's. Both start together (`_start`)."""
         if self.max_batch < 2:
             raise ConfigError("Classifier-free guidance runs two sequences, and this generator decodes one at a time.")
-        bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else [0]
-        ids = job.negative_ids or bos
+        ids = job.negative_ids or self._bos_only()
         if len(ids) >= self.max_seq_len:
             raise ContextLengthError(
                 f"The negative prompt is {len(ids)} tokens long but the context holds {self.max_seq_len} tokens.")
         job.max_new_tokens = max(1, min(job.max_new_tokens, self.max_seq_len - len(ids)))
         guide = Job(ids, SamplingSettings(temperature=0.0), job.max_new_tokens)
-        job.guide, guide.guided = guide, job
         need = self._pages_needed(job) + self._pages_needed(guide)
         if need > self.pool.num_pages:
-            job.guide = None
             raise ContextLengthError(
                 f"Classifier-free guidance keeps the prompt and the negative prompt, each with the reply, in the "
                 f"cache: {need * self.page_size} tokens, and the cache holds {self.pool.num_pages * self.page_size}; "
                 "give a larger cache_size or ask for fewer tokens.")
+        job.guide, guide.guided = guide, job
+
+    def _bos_only(self) -> list[int]:
+        """The prompt of a job given none (and the default negative prompt): the BOS token alone."""
+        return [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else [0]
 
     def _take_last_token(self, job: Job) -> None:
         """Token healing: take the prompt's last token off and let the reply begin only with a token whose text

@@ -33,9 +33,9 @@ class Pooling:
         """The model's sentence-transformers pooling (default: last token, normalised, what decoder embedding
         models use); `mode` overrides it."""
         d = Path(model_dir)
-        found, normalize = None, True
         pooling = _read_json(d / "1_Pooling" / "config.json")
         found = next((m for key, m in _MODES.items() if pooling.get(key)), None)
+        normalize = True
         modules = _read_json(d / "modules.json")
         if isinstance(modules, list) and modules:
             normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules if isinstance(m, dict))

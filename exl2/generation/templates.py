@@ -11,6 +11,7 @@ from typing import Optional
 
 from exl2.errors import ConfigError
 from exl2.generation.chat import CHATML_TEMPLATE, ChatTemplate
+from exl2.names import plain_name
 
 # Alpaca's instruction format; system text goes first, as a preamble.
 ALPACA_TEMPLATE = (
@@ -41,14 +42,9 @@ def template_names(template_dir: Optional[Path] = None, tokenizer=None) -> list[
 def template_file(template_dir: Optional[Path], choice: Optional[str]) -> Optional[str]:
     """`choice` with a name found in `template_dir` replaced by that file's path (what an EngineConfig, which
     knows no template directory, can load); anything else unchanged."""
-    if choice and template_dir is not None and _is_name(choice) and (template_dir / f"{choice}.jinja").is_file():
+    if choice and template_dir is not None and plain_name(choice) and (template_dir / f"{choice}.jinja").is_file():
         return str(template_dir / f"{choice}.jinja")
     return choice
-
-
-def _is_name(choice: str) -> bool:
-    return bool(choice) and not any(c in choice for c in "/\\") and choice not in (".", "..") \
-        and not choice.startswith(".") and ":" not in choice
 
 
 def choose_template(tokenizer, choice: Optional[str] = None, template_dir: Optional[Path] = None) -> ChatTemplate:
@@ -64,7 +60,7 @@ def choose_template(tokenizer, choice: Optional[str] = None, template_dir: Optio
 
 def _source(tokenizer, choice: str, template_dir: Optional[Path]) -> tuple[str, str]:
     """(template text, its name) of `choice`."""
-    if not _is_name(choice) or choice.endswith(".jinja"):
+    if not plain_name(choice) or choice.endswith(".jinja"):
         path = Path(choice).expanduser()
         if not path.is_file():
             raise ConfigError(f"The prompt template file {choice} does not exist.")

@@ -22,6 +22,8 @@ from exl2.kernels.quant_matmul import uses_permuted_input
 from exl2.kernels.split_sum import SplitSum
 from exl2.runtime.linear import Linear, permuted_indices, project, share_inputs
 
+NO_HEAD = "This model has no output head (an embedding model): it computes embeddings, not text."
+
 
 def last_rows(normed: torch.Tensor, last_only: bool | torch.Tensor) -> torch.Tensor:
     """The positions whose logits a forward returns: all, the last ([B, 1, H]), or per row ([B] indices)."""
@@ -468,8 +470,7 @@ class DecoderModel(nn.Module):
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            raise ModelLoadError("This model has no output head (an embedding model): it computes embeddings, "
-                                 "not text.")
+            raise ModelLoadError(NO_HEAD)
         return final_logits(self.spec, self.lm_head(normed))
 
     @staticmethod

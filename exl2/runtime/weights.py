@@ -28,7 +28,8 @@ class WeightLoader:
 
     def embedding_only(self) -> bool:
         """Whether the files are a base model without an output head (an embedding model, e.g. Qwen3-Embedding)."""
-        return getattr(self.src, "base_model", False) and not self.src.with_prefix("lm_head.")
+        only = getattr(self.src, "embedding_only", None)   # TensorSource's; a DictSource never is
+        return bool(only and only())
 
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.src:

@@ -28,10 +28,9 @@ from exl2.models.rope import ntk_alpha
 from exl2.runtime.loader import native_context
 from exl2.server.auth import permission
 from exl2.server.errors import APIError, unsupported
-from exl2.server.host import (ModelHost, ServerState, close_slot, free_memory, host, no_model, serve_state,
-                              serving)
-from exl2.server.names import plain_name
-from exl2.server.reasoning import template_thinks
+from exl2.names import plain_name
+from exl2.server.host import (ModelHost, ServerState, close_slot, free_memory, host, no_model, reasoning_on,
+                              serve_state, serving)
 from exl2.server.overrides import Overrides, find_preset, preset_names
 
 log = logging.getLogger("exl2.server")
@@ -301,6 +300,15 @@ async def _build_and_swap(h: ModelHost, config: EngineConfig, name: str) -> Serv
     return state
 
 
+async def _start_load(h: ModelHost, config: EngineConfig, name: str) -> None:
+    """Load `config` as the load in progress (requests arriving meanwhile wait for it) and wait until it serves;
+    a client that goes away does not stop it."""
+    h.loading = name
+    h.load_task = asyncio.ensure_future(_load(h, config, name))
+    h.load_task.add_done_callback(_retrieve)
+    await asyncio.shield(h.load_task)
+
+
 def _retrieve(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()        # a load whose client went away: its error was logged already
@@ -454,8 +462,7 @@ def _switch_template(h: ModelHost, choice: Optional[str], param: str) -> dict:
         template = st.engine.set_template(template_file(h.config.template_dir, choice), h.config.template_dir)
     except ConfigError as e:
         raise APIError(400, str(e), param=param, code="template_not_found") from None
-    reasoning = h.config.reasoning_parser
-    h.restate(dataclasses.replace(st, reasoning=template_thinks(template) if reasoning is None else reasoning))
+    h.restate(dataclasses.replace(st, reasoning=reasoning_on(h.config, template)))
     log.info("chat template: %s", template_label(template))
     return {"prompt_template": template_label(template)}
 
@@ -480,12 +487,8 @@ async def inline_load(request: Request) -> None:
             await asyncio.wait(h.pending())
         if h.state is not None and h.state.name == name:
             return
-        config = engine_config(h, ModelLoadRequest(name=name))
-        h.loading = name
         log.info("loading %s for a request that names it", name)
-        h.load_task = asyncio.ensure_future(_load(h, config, name))
-        h.load_task.add_done_callback(_retrieve)
-        await asyncio.shield(h.load_task)
+        await _start_load(h, engine_config(h, ModelLoadRequest(name=name)), name)
 
 
 def router(auth, admin) -> APIRouter:
@@ -596,10 +599,7 @@ def router(auth, admin) -> APIRouter:
         draft = config.draft_model_dir is not None
         if h.state is not None and getattr(h.state.engine, "config", None) == config:
             return _finished(draft)             # already served with these settings, as TabbyAPI does
-        h.loading = body.name
-        h.load_task = asyncio.ensure_future(_load(h, config, body.name))
-        h.load_task.add_done_callback(_retrieve)
-        await asyncio.shield(h.load_task)       # a client that goes away does not stop the load
+        await _start_load(h, config, body.name)
         return _finished(draft)
 
     @r.post("/v1/model/unload", dependencies=[admin])

@@ -39,10 +39,14 @@ class ServerState:
 def serve_state(engine, config: ServerConfig, name: Optional[str] = None) -> ServerState:
     """How `engine` is served: its id (`name`, default the model directory's name) and whether the reasoning
     parser is on (ServerConfig.reasoning_parser; None: when the chat template knows `<think>`)."""
-    reasoning = config.reasoning_parser
-    if reasoning is None:
-        reasoning = template_thinks(engine.template)
-    return ServerState(engine, config, name or engine.model_name, int(time.time()), reasoning)
+    return ServerState(engine, config, name or engine.model_name, int(time.time()),
+                       reasoning_on(config, engine.template))
+
+
+def reasoning_on(config: ServerConfig, template) -> bool:
+    """Whether the reasoning parser runs for chats rendered with `template`: ServerConfig.reasoning_parser, or
+    where that is None, whether the template knows `<think>`."""
+    return template_thinks(template) if config.reasoning_parser is None else config.reasoning_parser
 
 
 class Slot:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from exl2.errors import ConfigError
 from exl2.server.errors import first_problem
-from exl2.server.names import plain_name
+from exl2.names import plain_name
 from exl2.server.schemas import SamplingFields
 
 Body = TypeVar("Body", bound=SamplingFields)

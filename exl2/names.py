@@ -1,4 +1,4 @@
-"""Names a request gives for a directory entry under a root the server owns (models, LoRAs, sampler presets)."""
+"""Names given for a directory entry under a root (the server's models, LoRAs, sampler presets; chat templates)."""
 from __future__ import annotations
 
 from pathlib import Path, PureWindowsPath
