@@ -186,21 +186,22 @@ def test_fast_4bit_gemv_is_used_and_matches_twin():
     from exl2.kernels.matmul_launch import MatmulConfig
     from exl2.kernels.qweight import matmul_torch
 
-    assert fast4_available(torch.device("cuda")) == 3  # the 4-bit and the 6-bit packed decoders
+    assert fast4_available(torch.device("cuda")) == 63  # the packed decoders of every width
     w, g = _random_4bit(4096, 14336, 1)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.float16, generator=g)
     _assert_near(gemv(x, w, MatmulConfig(bs=8, bn=128, split=4), fast4=True), matmul_torch(x, w).float())
 
 
+@pytest.mark.parametrize("bits", [8, 6, 5, 3, 2])
 @pytest.mark.parametrize("bn,split", [(128, 1), (64, 3)])
-def test_fast_6bit_gemv_matches_portable_and_twin(bn, split):
-    """The packed-fp16 6-bit decoder (a head-shaped layer, ragged K splits) against the portable decoder and the
-    twin."""
+def test_packed_gemv_widths_match_portable_and_twin(bits, bn, split):
+    """The packed-fp16 decoders of the other widths (a wide layer, ragged K splits) against the portable decoder
+    and the twin."""
     from exl2.kernels.gemv import gemv
     from exl2.kernels.matmul_launch import MatmulConfig
     from exl2.kernels.qweight import matmul_torch
 
-    w, g = _random_4bit(4096, 8192, 7, bits=6)
+    w, g = _random_4bit(4096, 8192, 7, bits=bits)
     x = torch.randn(2, 4096, device="cuda", dtype=torch.float16, generator=g)
     cfg = MatmulConfig(bs=8, bn=bn, split=split, num_stages=3)
     ref = matmul_torch(x, w).float()

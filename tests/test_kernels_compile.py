@@ -11,7 +11,8 @@ import sys
 import pytest
 
 ATTENTION = [(128, 16), (192, 16), (96, 16), (128, 4)]
-GEMV = [(64, "HAS4"), (16, "HAS4"), (128, "HAS6")]
+# (columns a program, the one width class): every packed decoder (FAST4 = all of them)
+GEMV = [(64, "HAS4"), (16, "HAS4"), (128, "HAS6"), (128, "HAS8"), (64, "HAS5"), (64, "HAS3"), (64, "HAS2")]
 # (width mask (bit i: qweight.WIDTHS[i]), steps an iteration, V, scale after the mma, zeros): the 4-bit body, GPTQ,
 # the 8/6-bit head, a mixed 5/4/3 body, every width in one matrix
 MMA = [(8, 4, 2, True, False), (8, 1, 1, False, True), (8, 8, 4, False, False), (8, 2, 4, True, False),
@@ -65,10 +66,23 @@ def _compile_all() -> dict:
     gptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
     for bn, width in GEMV:
         consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=False, HAS3=False, HAS2=False, HAS_ZEROS=False,
-                      HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=3, STAGES=3, PDL=True,
+                      HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=63, STAGES=3, PDL=True,
                       PREFETCH=64, PART_ONLY=False)
         consts[width] = True
-        out[f"gemv-{bn}-{width}"] = verdict(lambda: ptx(gemv_k._gemv_kernel, gptrs, consts, 4, 3))
+        packed = "lop3.b32" if width == "HAS4" else "prmt.b32"  # only the packed decoders' asm has these
+
+        def gemv_ptx():
+            text = ptx(gemv_k._gemv_kernel, gptrs, consts, 4, 3)
+            if packed not in text:
+                raise AssertionError("the packed decoder is not in the kernel")
+            return text
+        out[f"gemv-{bn}-{width}"] = verdict(gemv_ptx)
+    grp = {n: "*fp16" for n in ["x_ptr"] + [f"{a}{i}" for a in ("out", "bias", "sc", "zr") for i in range(3)]}
+    grp.update({"x32_ptr": "*i32", "meta_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32"})
+    grp.update({f"{a}{i}": "*i32" for a in ("qw", "sg") for i in range(3)})
+    consts = dict(G=3, MASK=63, HAS_ZEROS=False, B0=False, B1=False, B2=False, BS=8, BN=64, RED=4, FAST4=63,
+                  STAGES=3, PDL=True, PREFETCH=64)
+    out["gemv-group-all-widths"] = verdict(lambda: ptx(gemv_k._gemv_group_kernel, grp, consts, 4, 3))
     from exl2.kernels import mma_dot
     mptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
@@ -121,7 +135,7 @@ def _compile_all() -> dict:
     out["norm-gather-parts"] = constants_first(lambda: ptx(norm._norm_gather_kernel, dict(nptrs, x_ptr="*fp32"), dict(
         HAS_RES=True, HAS_W=True, GEMMA=False, BLOCK=4096, GBLOCK=1024, PDL=True, NPART=4), 16, 1))
     consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=True, HAS3=False, HAS2=False, HAS_ZEROS=False,
-                  HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=64, RED=4, FAST4=3, STAGES=3, PDL=True,
+                  HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=64, RED=4, FAST4=63, STAGES=3, PDL=True,
                   PREFETCH=64, PART_ONLY=True)
     gemv_ptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     gemv_ptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
@@ -199,6 +213,11 @@ def test_decode_attention_prefetches_before_its_wait(compiled, dk, bits):
 @pytest.mark.parametrize("bn,width", GEMV)
 def test_gemv_prefetches_its_weights_before_its_wait(compiled, bn, width):
     assert compiled[f"gemv-{bn}-{width}"] == "ok"
+
+
+def test_grouped_gemv_compiles_every_packed_decoder(compiled):
+    """q/k/v of a mixed-width model: one launch whose runtime class branches hold all six decoders."""
+    assert compiled["gemv-group-all-widths"] == "ok"
 
 
 @pytest.mark.parametrize("mask,bs,v,post,zeros", MMA)

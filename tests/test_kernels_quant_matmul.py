@@ -301,10 +301,11 @@ def test_gluon_mma_group_matches_twin_gpu(m):
 
 
 # ---------------------------------------------------------------------------------------------- permuted input
-def test_input_order_pairs_rows_of_4bit_words_and_6bit_steps():
-    """x_index puts rows (u, u+4) of each 4-bit word and rows (r, r+16) of each 6-bit step side by side, and
-    leaves other widths in stored order."""
+def test_input_order_pairs_rows_for_the_packed_decoders():
+    """x_index puts rows (u, u+4) of each 4-bit word and rows (r, r+16) of each 6/5/3/2-bit step side by side,
+    and leaves 8-bit classes in stored order."""
     w = Exl2Weight.from_tensors(rand_exl2(MIXED, 32), "L")
+    assert {c.bits for c in w.classes} == {8, 6, 5, 4, 3, 2}
     for c in w.classes:
         lo, hi = c.first_step * 32, (c.first_step + c.n_steps) * 32
         ri, xi = w.row_index[lo:hi].view(-1, 32), w.x_index[lo:hi].view(-1, 32)
@@ -312,11 +313,11 @@ def test_input_order_pairs_rows_of_4bit_words_and_6bit_steps():
             for p in range(32):
                 j, i, h = p // 8, (p % 8) // 2, p % 2
                 assert torch.equal(xi[:, p], ri[:, 8 * j + i + 4 * h])
-        elif c.bits == 6:
+        elif c.bits == 8:
+            assert torch.equal(xi, ri)
+        else:
             for p in range(32):
                 assert torch.equal(xi[:, p], ri[:, p // 2 + 16 * (p % 2)])
-        else:
-            assert torch.equal(xi, ri)
 
 
 @needs_triton
@@ -433,15 +434,20 @@ def test_permuted_matmul_from_the_permuted_input_alone():
 
 
 def test_rows_past_gemv_max_take_the_tensor_core_kernel(monkeypatch):
-    """Where the Gluon kernel runs, 2-4 rows of a 4-bit matrix leave the gemv (EXL2_GEMV_MAX_M, 1); 1 stays, and
-    a matrix with a 3-bit class leaves it at any row count (EXL2_MMA_GEMV)."""
+    """Where the Gluon kernel runs, 2-4 rows of a matrix leave the gemv (EXL2_GEMV_MAX_M, 1); 1 stays where the
+    gemv has a packed decoder for every class, and a matrix with a class whose decoder failed the device's check
+    (3-bit here) leaves it at any row count (EXL2_MMA_GEMV)."""
     from exl2.kernels import mma_dot
 
     monkeypatch.setattr(qm, "MMA4", True)
     monkeypatch.setattr(mma_dot, "supports", lambda w, m: 0 < m <= 16)
+    monkeypatch.setattr(qm, "fast4_available", lambda device: 63)
     four = Exl2Weight.from_tensors(rand_exl2([(4, 128)], 64, bias=False), "L")
     mixed = Exl2Weight.from_tensors(rand_exl2([(4, 64), (3, 64)], 64, bias=False), "L")
     assert [qm.gemv_via_mma(four, m, torch.float16) for m in (1, 2, 3, 4)] == [False, True, True, True]
+    assert [qm.gemv_via_mma(mixed, m, torch.float16) for m in (1, 2, 3, 4)] == [False, True, True, True]
+    monkeypatch.setattr(qm, "fast4_available", lambda device: 63 & ~gemv_k.PACKED_FLAG[3])
+    assert not qm.gemv_via_mma(four, 1, torch.float16)
     assert all(qm.gemv_via_mma(mixed, m, torch.float16) for m in (1, 2, 3, 4))
     assert not qm.gemv_via_mma(four, 3, torch.bfloat16)  # the Gluon kernel takes fp16 only
     monkeypatch.setattr(qm, "GEMV_MAX_M", 4)

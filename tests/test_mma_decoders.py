@@ -2,9 +2,9 @@
 kernel's fragment decoders (`mma_dot._BODIES`): for every width, every register j of a step and lane q of a quad, the fp16 pair the
 decoder builds must be the dequantized weights at input positions 8j + 2q and 8j + 2q + 1 (the `mma.m16n8k16` B
 fragment's rows), bit for bit, where the stored row of each position comes from the class's input order
-(`qweight.x_index`) and the codes from `qweight.encode_steps`. The gemv's step decoders (`quant_matmul`
-`_words4_asm`, `_ptx_words6`): a step's dot product with its 32 permuted inputs, within the error of its fp16
-sums. The GPU runs the same asm text."""
+(`qweight.x_index`) and the codes from `qweight.encode_steps`. The gemv's step decoders (`gemv`
+`_words4_asm`, `_ptx_step`): a step's dot product with its 32 permuted inputs, within the error of its fp16
+sums, and exactly each row's code with one-hot inputs. The GPU runs the same asm text."""
 import re
 
 import numpy as np
@@ -108,18 +108,20 @@ def _operands(bits: int, words: list[int], j: int, q: int) -> list[int]:
         ops = [words[jhi], words[jhi + 2], words[4], words[5], (4 + k) << 8 | k, 4 * qlo, (4 + j) << 12 | j << 4,
                4 + 2 * q]
     elif bits == 5:
-        ops = [words[j], words[4], q << 8 | q, 8 * j + 2 * q]
+        k = 2 * jlo + qhi
+        ops = [words[jhi], words[jhi + 2], words[4], (4 + k) << 8 | k, 4 * qlo, (2 + jhi) << 12 | jhi << 4,
+               4 + 4 * jlo + q]
     elif bits == 3:
-        ops = [words[jhi], words[2], 16 * jlo + 4 * q, 8 * j + 2 * q]
+        ops = [words[0], words[1], words[2], (4 + j) << 8 | j, 2 * q, (2 + jhi) << 12 | jhi << 4, 6 + 4 * jlo + q]
     else:
-        ops = [words[jhi], 16 * jlo + 4 * q]
+        ops = [words[0], words[1], (4 + j) << 8 | j, 2 * q]
     return [x for o in ops for x in (o, o)]
 
 
 @pytest.mark.parametrize("bits", [8, 6, 5, 4, 3, 2])
 def test_fragment_decoders_give_the_fragment_rows_bit_exact(bits):
     g = torch.Generator().manual_seed(bits)
-    order = {4: qweight.PAIR_ORDER, 6: qweight.PAIR_ORDER6}.get(bits, tuple(range(32)))
+    order = qweight.ORDERS.get(bits, tuple(range(32)))
     zero = 1 << (bits - 1)
     for trial in range(4):
         codes = torch.randint(0, 1 << bits, (32, 1), generator=g, dtype=torch.uint8)
@@ -165,22 +167,39 @@ def test_decoder_text_uses_only_interpreted_instructions():
 
 
 @pytest.mark.parametrize("acc16", [False, True])
-@pytest.mark.parametrize("bits", [4, 6])
+@pytest.mark.parametrize("bits", [8, 6, 5, 4, 3, 2])
 def test_gemv_step_decoders_give_the_step_dot_product(bits, acc16):
     """Each packed gemv decoder returns sum_p (code of row order[p] - zero) * x[p] over one step's 32 permuted
-    inputs x (pair i = positions 2i, 2i+1); fp16 sums of 8 (per word) or 16 (per step, EXL2_GEMV_ACC16) products
-    per lane bound the error."""
-    order, zero = (qweight.PAIR_ORDER, 8) if bits == 4 else (qweight.PAIR_ORDER6, 32)
-    text = gemv_k._words4_asm(acc16) if bits == 4 else gemv_k._ptx_words6(acc16)
+    inputs x (pair i = positions 2i, 2i+1), times `STEP_SCALE`; fp16 sums of 8 (per word) or 16 (per step,
+    EXL2_GEMV_ACC16) products per lane bound the error."""
+    order, zero = qweight.ORDERS.get(bits, tuple(range(32))), 1 << (bits - 1)
+    text = gemv_k._words4_asm(acc16) if bits == 4 else gemv_k._ptx_step(bits, acc16)
     rng = np.random.default_rng(bits + 2 * acc16)
     for trial in range(6):
         codes = torch.from_numpy(rng.integers(0, 1 << bits, (32, 1), dtype=np.uint8))
         if trial == 0:
             codes[:] = (1 << bits) - 1
+        elif trial == 1:
+            codes[:] = 0  # the most negative weights
         words = [int(w) & 0xFFFFFFFF for w in qweight.encode_steps(codes, bits)[:, 0]]
         x = rng.standard_normal(32).astype(np.float16) * np.float16(4)
         pairs = [_pack(x[2 * i: 2 * i + 2]) for i in range(16)]
         terms = np.array([(int(codes[order[p], 0]) - zero) * float(x[p]) for p in range(32)])
-        got = run_ptx(text, words + pairs)
+        got = run_ptx(text, words + pairs) * gemv_k.STEP_SCALE.get(bits, 1.0)
         assert abs(got - terms.sum()) <= 4e-3 * np.abs(terms).sum() + 1e-3, (trial, got, terms.sum())
 
+
+def test_gemv_step_decoders_see_every_row_once():
+    """With one input at a time set to 1 (the rest 0), the step sum is exactly that row's code - zero: each
+    decoder reads each of the 32 positions from its own row (an error in the pair order or a field would hide in
+    a random dot product's tolerance)."""
+    for bits in (8, 6, 5, 3, 2):
+        order, zero = qweight.ORDERS.get(bits, tuple(range(32))), 1 << (bits - 1)
+        codes = torch.from_numpy(np.random.default_rng(bits).integers(0, 1 << bits, (32, 1), dtype=np.uint8))
+        words = [int(w) & 0xFFFFFFFF for w in qweight.encode_steps(codes, bits)[:, 0]]
+        for p in range(32):
+            x = np.zeros(32, dtype=np.float16)
+            x[p] = 1
+            pairs = [_pack(x[2 * i: 2 * i + 2]) for i in range(16)]
+            got = run_ptx(gemv_k._ptx_step(bits, True), words + pairs) * gemv_k.STEP_SCALE.get(bits, 1.0)
+            assert got == int(codes[order[p], 0]) - zero, (bits, p)

@@ -52,14 +52,16 @@ def _dot_u(acc, deq, xt, u: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
 def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl.constexpr, BSC: tl.constexpr,
            BITS: tl.constexpr = 0):
     """Input tile [BM, BSC·LB, PER] of BSC steps from s0, indexed (step·LB + low word, row-in-word): one contiguous
-    run of PER positions per word, except for 6-bit classes (`PAIR_ORDER6`), whose word j, row u sits at position
-    16·(j % 2) + 2u + j // 2."""
+    run of PER positions per word for 8-bit (stored order) and 4-bit classes; in the 6/5/3/2-bit classes'
+    `PAIR_ORDER16`, word j, row u sits at position 16·(j % 2) + 2u + j // 2 (LB = 4) or 2u + j (LB = 2)."""
     offs = s0 * 32 + tl.arange(0, BSC * 32)
     ptrs = x_ptr + offs_m[:, None] * stride_xm + offs[None, :]
     t = tl.load(ptrs, mask=mask_m[:, None] & (offs < s_hi * 32)[None, :], other=0.0).to(tl.float16)
     BM: tl.constexpr = offs_m.shape[0]
-    if BITS == 6:
+    if BITS == 6 or BITS == 5:
         t = tl.permute(tl.reshape(t, [BM, BSC, 2, PER, 2]), (0, 1, 4, 2, 3))  # (m, s, j // 2, j % 2, u)
+    elif BITS == 3 or BITS == 2:
+        t = tl.permute(tl.reshape(t, [BM, BSC, PER, 2]), (0, 1, 3, 2))  # (m, s, j, u)
     return tl.reshape(t, [BM, BSC * LB, PER])
 
 

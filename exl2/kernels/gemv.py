@@ -1,13 +1,14 @@
 """The CUDA-core gemv for 1–4 rows of `x · W + bias`, W a `QuantWeight` (EXL2 or GPTQ): one permuted input row a
 program (`permute.gather_input`), each program owning BN output columns and a 1/SPLIT share of the steps of every
 width class, so each split reads the same mix of widths. The loop is a plain `tl.range` that Triton
-software-pipelines `num_stages` tiles deep through shared memory (cp.async). EXL2 4- and 6-bit classes decode two
-codes per instruction in packed fp16 (inline PTX, behind a one-time self-check, `fast4_available`); the others
-shift, mask and use the 2^23 exponent trick in fp32. `GemvGroup` runs the gemvs of 2–3 weights sharing an input
+software-pipelines `num_stages` tiles deep through shared memory (cp.async). EXL2 classes of every width decode two
+codes per instruction in packed fp16 (inline PTX, behind a one-time self-check per width, `fast4_available`); GPTQ
+(zero tensors) and any width whose check failed shift, mask and use the 2^23 exponent trick in fp32. `GemvGroup` runs the gemvs of 2–3 weights sharing an input
 (q/k/v, gate/up) as one launch.
 """
 from __future__ import annotations
 
+import struct
 from typing import Sequence
 
 import torch
@@ -45,10 +46,10 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     row = jj[:, None] * PER + uu[None, :]  # [LB, PER]
     if BITS == 4:
         pos = jj[:, None] * 8 + (uu % 4)[None, :] * 2 + (uu // 4)[None, :]
-    elif BITS == 6:
-        pos = (jj % 2)[:, None] * 16 + 2 * uu[None, :] + (jj // 2)[:, None]
-    else:
+    elif BITS == 8:
         pos = row
+    else:  # PAIR_ORDER16
+        pos = 2 * (row % 16) + row // 16
     lo_sh = (uu * LB)[None, None, :, None]
     hi_sh = (HB * (row % HPER))[None, :, :, None]
     s_lo = first_step + (n_steps * pid_k) // SPLIT
@@ -205,55 +206,168 @@ def _ptx_words6(acc16: bool = False) -> str:
     return "\n".join(lines + _ptx_close(acc16, "acc", "acc2"))
 
 
-_WORDS6_ASM = tl.constexpr(_ptx_words6(GEMV_ACC16))
-_WORDS6_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 22))
+def _f16x2(v: float) -> str:
+    """A packed-fp16 constant: v in both halves."""
+    h = int.from_bytes(struct.pack("<e", v), "little")
+    return f"{h << 16 | h:#010x}"
+
+
+# The other widths decode one input pair in a few instructions, the code 4^f or 16^f too large where its field sits
+# higher in its byte (as the 4-bit decoder's odd codes), which the fma that removes 1024 + the zero point also
+# scales back:
+# * 8-bit (stored order): pair i is bytes 2(i % 2) and 2(i % 2) + 1 of word i / 2, one byte permute under 0x64
+#   bytes; the fma leaves (code - 128) / 128, so the fp16 products stay as small as the input (`STEP_SCALE`).
+# * 5-bit (`PAIR_ORDER16`): pair i is rows i and i + 16, the same nibble of low words i / 8 and i / 8 + 2 (one byte
+#   permute per two pairs), and bits i and i + 16 of the high word (one shift to bit 4 or 8 of each lane).
+# * 3- and 2-bit (`PAIR_ORDER16`): rows i and i + 16 are the same 2-bit field of low words 0 and 1 (one byte
+#   permute per four pairs); 3-bit: their top bits are bits i and i + 16 of the high word.
+STEP_ZERO = {8: 128, 6: 32, 5: 16, 4: 8, 3: 4, 2: 2}
+STEP_SCALE = {8: 128.0}  # what a step decoder's result is multiplied by (1 for the others)
+
+
+def _ptx_pair(bits: int, i: int) -> list[str]:
+    """PTX leaving input pair i's two codes minus the zero point (8-bit: divided by 128) as fp16 in t."""
+    if bits == 8:
+        return [f"prmt.b32 t, ${1 + i // 2}, k, {0x4140 + 0x0202 * (i % 2):#x};", "fma.rn.f16x2 t, t, m0, d0;"]
+    lines = []
+    if bits == 5:
+        lw, (b, f) = i // 8, divmod(i % 8, 2)
+        if f == 0:
+            lines.append(f"prmt.b32 p, ${1 + lw}, ${3 + lw}, {(4 + b) << 8 | b:#x};")
+        lo_mask, hi_bit, high = 0x000F000F << 4 * f, 4 + 4 * f, "$5"
+    else:
+        b, f = divmod(i, 4)
+        if f == 0:
+            lines.append(f"prmt.b32 p, $1, $2, {(4 + b) << 8 | b:#x};")
+        lo_mask, hi_bit, high = 0x00030003 << 2 * f, 2 + 2 * f, "$3" if bits == 3 else None
+    lines.append(f"lop3.b32 t, p, {lo_mask:#010x}, 0x64006400, 0xEA;")
+    if high is not None:  # bits i and i + 16 of the high word to bit hi_bit of each lane
+        shift = hi_bit - i
+        if shift > 0:
+            lines.append(f"shl.b32 c, {high}, {shift};")
+        elif shift < 0:
+            lines.append(f"shr.u32 c, {high}, {-shift};")
+        lines.append(f"lop3.b32 t, {high if shift == 0 else 'c'}, {0x00010001 << hi_bit:#010x}, t, 0xEA;")
+    lines.append("sub.f16x2 t, t, z;" if f == 0 else f"fma.rn.f16x2 t, t, m{f}, d{f};")
+    return lines
+
+
+def _ptx_step(bits: int, acc16: bool) -> str:
+    """The gemv step decoder of an 8/6/5/3/2-bit class: $1..$bits the step's words, the next 16 operands its input
+    pairs in order, $0 the fp32 sum of the 32 products (to be multiplied by `STEP_SCALE`)."""
+    if bits == 6:
+        return _ptx_words6(acc16)
+    zero = STEP_ZERO[bits]
+    lines = ["{", ".reg .b32 p, t, c, k, z, s0, s1, m0, d0, m1, d1, m2, d2, m3, d3;", ".reg .b16 lo, hi;",
+             ".reg .f32 flo, fhi, r;", "mov.f32 r, 0f00000000;"]
+    if bits == 8:
+        lines += ["mov.b32 k, 0x64646464;", f"mov.b32 m0, {_f16x2(1 / 128)};", f"mov.b32 d0, {_f16x2(-9.0)};"]
+    else:
+        lines.append(f"mov.b32 z, {_f16x2(1024 + zero)};")
+        for f in range(1, 2 if bits == 5 else 4):
+            scale = 16.0 ** f if bits == 5 else 4.0 ** f
+            lines += [f"mov.b32 m{f}, {_f16x2(1 / scale)};", f"mov.b32 d{f}, {_f16x2(-(1024 / scale + zero))};"]
+    run = 8 if acc16 else 4  # input pairs of one fp16 chain before the conversion to fp32
+    for i in range(16):
+        lines += _ptx_pair(bits, i)
+        acc = "s1" if acc16 and i >= 8 else "s0"
+        lines.append(f"mul.rn.f16x2 {acc}, t, ${bits + 1 + i};" if i % run == 0
+                     else f"fma.rn.f16x2 {acc}, t, ${bits + 1 + i}, {acc};")
+        if not acc16 and i % run == run - 1:
+            lines += _ptx_add_f32("s0", False)
+    return "\n".join(lines + _ptx_close(acc16, "s0", "s1"))
+
+
+_STEP8_ASM = tl.constexpr(_ptx_step(8, GEMV_ACC16))
+_STEP6_ASM = tl.constexpr(_ptx_step(6, GEMV_ACC16))
+_STEP5_ASM = tl.constexpr(_ptx_step(5, GEMV_ACC16))
+_STEP3_ASM = tl.constexpr(_ptx_step(3, GEMV_ACC16))
+_STEP2_ASM = tl.constexpr(_ptx_step(2, GEMV_ACC16))
 
 
 @triton.jit
-def _gemv_class6_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                      offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
-    """`_gemv_class4_pipe` for a 6-bit class without zero tensors (EXL2): a step's six words and 16 input pairs
-    per asm call."""
+def _pairs16(x32_ptr, offs_s, mask_s):
+    """A step's 16 input pairs (int32), each [BS, 1], in order."""
+    BS: tl.constexpr = offs_s.shape[0]
+    xw = tl.load(x32_ptr + offs_s[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_s[:, None], other=0)
+    d0, d1 = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # pair p = 8a + 4b + 2c + d
+    c0d0, c1d0 = tl.split(d0)
+    c0d1, c1d1 = tl.split(d1)
+    x0, x4, x8, x12 = _by_word(c0d0)
+    x1, x5, x9, x13 = _by_word(c0d1)
+    x2, x6, x10, x14 = _by_word(c1d0)
+    x3, x7, x11, x15 = _by_word(c1d1)
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@triton.jit
+def _step_asm(ASM: tl.constexpr, words, x32_ptr, offs_s, mask_s):
+    """One packed step decoder (`_ptx_step`) over a [BS, BN] tile: `words` the step's words, then its 16 input
+    pairs."""
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _pairs16(x32_ptr, offs_s, mask_s)
+    return tl.inline_asm_elementwise(
+        ASM, "=f" + ",r" * (len(words) + 16),
+        words + (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _gemv_class_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                     offs_n, mask_n, BITS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+    """`_gemv_class4_pipe` for an 8/6/5/3/2-bit class without zero tensors (EXL2): a step's words and 16 input
+    pairs per asm call."""
     s_lo = first_step + (n_steps * pid_k) // SPLIT
     s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
     acc = tl.zeros([BS, BN], dtype=tl.float32)
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         offs_s = s0 + tl.arange(0, BS)
         mask_s = offs_s < s_hi
-        w_ptrs, m2 = step_rows(qw_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n, 6)
+        w_ptrs, m2 = step_rows(qw_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n, BITS)
         w0, w1 = tl.load(w_ptrs, mask=m2, other=0), tl.load(w_ptrs + N, mask=m2, other=0)
-        w2, w3 = tl.load(w_ptrs + 2 * N, mask=m2, other=0), tl.load(w_ptrs + 3 * N, mask=m2, other=0)
-        h0, h1 = tl.load(w_ptrs + 4 * N, mask=m2, other=0), tl.load(w_ptrs + 5 * N, mask=m2, other=0)
-        sc = step_scales(sc_ptr, sg_ptr, N, offs_s, mask_s, offs_n, m2)
-        xw = tl.load(x32_ptr + offs_s[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_s[:, None], other=0)
-        d0, d1 = tl.split(tl.reshape(xw, [BS, 2, 2, 2, 2]))  # pair p = 8a + 4b + 2c + d
-        c0d0, c1d0 = tl.split(d0)
-        c0d1, c1d1 = tl.split(d1)
-        x0, x4, x8, x12 = _by_word(c0d0)
-        x1, x5, x9, x13 = _by_word(c0d1)
-        x2, x6, x10, x14 = _by_word(c1d0)
-        x3, x7, x11, x15 = _by_word(c1d1)
-        part = tl.inline_asm_elementwise(
-            _WORDS6_ASM, _WORDS6_CONSTRAINTS,
-            [w0, w1, w2, w3, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
-            dtype=tl.float32, is_pure=True, pack=1)
-        acc += part * sc.to(tl.float32)
+        sc = step_scales(sc_ptr, sg_ptr, N, offs_s, mask_s, offs_n, m2).to(tl.float32)
+        if BITS == 2:
+            part = _step_asm(_STEP2_ASM, (w0, w1), x32_ptr, offs_s, mask_s)
+        else:
+            w2 = tl.load(w_ptrs + 2 * N, mask=m2, other=0)
+            if BITS == 3:
+                part = _step_asm(_STEP3_ASM, (w0, w1, w2), x32_ptr, offs_s, mask_s)
+            else:
+                w3, w4 = tl.load(w_ptrs + 3 * N, mask=m2, other=0), tl.load(w_ptrs + 4 * N, mask=m2, other=0)
+                if BITS == 5:
+                    part = _step_asm(_STEP5_ASM, (w0, w1, w2, w3, w4), x32_ptr, offs_s, mask_s)
+                else:
+                    w5 = tl.load(w_ptrs + 5 * N, mask=m2, other=0)
+                    if BITS == 6:
+                        part = _step_asm(_STEP6_ASM, (w0, w1, w2, w3, w4, w5), x32_ptr, offs_s, mask_s)
+                    else:
+                        tl.static_assert(BITS == 8)
+                        w6, w7 = tl.load(w_ptrs + 6 * N, mask=m2, other=0), tl.load(w_ptrs + 7 * N, mask=m2, other=0)
+                        part = _step_asm(_STEP8_ASM, (w0, w1, w2, w3, w4, w5, w6, w7), x32_ptr, offs_s,
+                                         mask_s) * 128.0  # STEP_SCALE
+        acc += part * sc
     return tl.sum(acc, axis=0)
+
+
+# FAST4 mask bit of each width's packed decoder.
+PACKED_FLAG = {4: 1, 6: 2, 5: 4, 3: 8, 2: 16, 8: 32}
 
 
 @triton.jit
 def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, offs_n,
                 mask_n, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                 FAST4: tl.constexpr, STAGES: tl.constexpr):
-    """One width class's partial sums: the packed-fp16 decoder for EXL2 4-bit, the portable one otherwise (field
-    widths as in `qweight.split_bits`). x32r is the permuted input row read as int32 pairs."""
+    """One width class's partial sums: the packed-fp16 decoders for EXL2 (where FAST4 has the width's
+    `PACKED_FLAG`), the portable one otherwise (field widths as in `qweight.split_bits`). x32r is the permuted
+    input row read as int32 pairs."""
     LB: tl.constexpr = 2 if BITS <= 3 else (8 if BITS == 8 else 4)
+    FLAG: tl.constexpr = 1 if BITS == 4 else (2 if BITS == 6 else (4 if BITS == 5 else (8 if BITS == 3 else (
+        16 if BITS == 2 else 32))))  # PACKED_FLAG
     if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
         return _gemv_class4_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                                  offs_n, mask_n, BS, BN, STAGES)
-    elif BITS == 6 and (FAST4 & 2) != 0 and not HAS_ZEROS:
-        return _gemv_class6_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
-                                 offs_n, mask_n, BS, BN, STAGES)
+    elif (FAST4 & FLAG) != 0 and not HAS_ZEROS:
+        return _gemv_class_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+                                offs_n, mask_n, BITS, BS, BN, STAGES)
     else:
         return _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
                            offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN, min(STAGES, 2))
@@ -543,7 +657,7 @@ def _packed_check(device: torch.device, bits: int, flag: int) -> bool:
 
 def fast4_available(device: torch.device) -> int:
     """The packed decoders (inline PTX) that compile and agree with the twin on this device, as the kernels'
-    FAST4 mask (1: 4-bit, 2: 6-bit; checked once each, on a small random layer); the others use the portable
+    FAST4 mask (`PACKED_FLAG`; checked once each, on a small random layer); the others use the portable
     decoder."""
     if device.type != "cuda" or triton.__class__.__name__ == "_Stub":
         return 0
@@ -551,7 +665,7 @@ def fast4_available(device: torch.device) -> int:
     if ok is None:
         _FAST4[device] = 0  # in case the check itself recurses or fails
         ok = 0
-        for bits, flag in ((4, 1), (6, 2)):
+        for bits, flag in PACKED_FLAG.items():
             try:
                 ok |= flag if _packed_check(device, bits, flag) else 0
             except Exception:  # noqa: BLE001 - any compile/launch failure means "use the portable path"

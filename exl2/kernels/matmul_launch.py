@@ -98,9 +98,9 @@ def auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: i
 
 
 def pairs_view(xp: torch.Tensor, fast4: bool | int) -> tuple[int, torch.Tensor]:
-    """Which packed decoders run on xp, as the kernels' FAST4 mask (1: 4-bit, 2: 6-bit; True: both; they need fp16
-    input with an even row stride), and the int32 view of xp they read."""
-    mask = (3 if fast4 is True else int(fast4 or 0)) if xp.dtype == torch.float16 and xp.stride(0) % 2 == 0 else 0
+    """Which packed decoders run on xp, as the kernels' FAST4 mask (`gemv.PACKED_FLAG`; True: all of them; they
+    need fp16 input with an even row stride), and the int32 view of xp they read."""
+    mask = (63 if fast4 is True else int(fast4 or 0)) if xp.dtype == torch.float16 and xp.stride(0) % 2 == 0 else 0
     return mask, (xp.view(torch.int32) if mask else xp)
 
 

@@ -8,7 +8,7 @@ the kernel 5-7x off the bandwidth bound). Here each thread loads exactly the wor
 B fragment holds. In the fragment a thread owns, per column and per 16 rows of K, the rows 2q, 2q + 1, 2q + 8,
 2q + 9 (q = lane % 4): with the permuted input's positions as K, register j of a 32-row step holds positions
 8j + 2q and 8j + 2q + 1. Which stored rows those are depends on the class's input order (`qweight.x_index`:
-`PAIR_ORDER` for 4-bit, `PAIR_ORDER6` for 6-bit, stored order otherwise), and each width has a decoder that
+`PAIR_ORDER` for 4-bit, stored order for 8-bit, `PAIR_ORDER16` otherwise), and each width has a decoder that
 builds that register from the words holding them with a few shifts, byte permutes and `lop3`s, plus the 0x6400
 exponent trick and one packed subtract (and multiply by the scale): bit-exact with the reference dequantizer.
 `convert_layout(assert_trivial=True)` proves at compile time that the decoded tile is the fragment. Only the
@@ -54,24 +54,23 @@ _BODIES = {
     # stored order: rows 8j + 2q + h are bytes 2(q % 2) + h of word 2j + q / 2; one byte permute puts them under
     # 0x64 bytes. ($1 word, $3 the selector)
     8: ("mov.b32 u, 0x64646464;\n    prmt.b32 t, $1, u, $3;", 2),
-    # PAIR_ORDER6: p holds row r + 16h, r = 4j + q: its low nibble in low word j / 2 + 2h, byte 2(j % 2) + q / 2,
+    # PAIR_ORDER16: p holds row r + 16h, r = 4j + q: its low nibble in low word j / 2 + 2h, byte 2(j % 2) + q / 2,
     # nibble q % 2; its top 2 bits in high word h, byte j, bits 2q. ($1, $3 low words h = 0, 1; $5, $7 high words;
     # $9 low-byte selector, $11 = 4(q % 2); $13 high-byte selector (to bytes 1, 3), $15 = 4 + 2q)
     6: ("prmt.b32 t, $1, $3, $9;\n    shr.u32 t, t, $11;\n    prmt.b32 y, $5, $7, $13;\n    shr.u32 y, y, $15;\n"
         "    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n    lop3.b32 t, y, 0x00300030, t, 0xEA;", 8),
-    # stored order: rows 8j + 2q + h: low nibbles are byte q of low word j; top bits are bits 8j + 2q + h of the
-    # high word. ($1 low word, $3 high word, $5 selector (byte q to bytes 0 and 2), $7 = 8j + 2q)
-    5: ("prmt.b32 t, $1, $1, $5;\n    shr.u32 y, t, 4;\n    lop3.b32 t, t, y, 0x0000FFFF, 0xE4;\n"
-        "    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n    shr.u32 u, $3, $7;\n    and.b32 u, u, 3;\n"
-        "    mul.lo.u32 u, u, 0x00080010;\n    lop3.b32 t, u, 0x00100010, t, 0xEA;", 4),
-    # stored order: rows 8j + 2q + h: low 2 bits at bit 16(j % 2) + 4q + 2h of low word j / 2; top bit at bit
-    # 8j + 2q + h of the high word. ($1 low word, $3 high word, $5 = 16(j % 2) + 4q, $7 = 8j + 2q)
-    3: ("shr.u32 t, $1, $5;\n    and.b32 t, t, 0xF;\n    mul.lo.u32 t, t, 0x4001;\n    shr.u32 u, $3, $7;\n"
-        "    and.b32 u, u, 3;\n    mul.lo.u32 u, u, 0x00020004;\n    lop3.b32 t, t, 0x00030003, 0x64006400, 0xEA;\n"
-        "    lop3.b32 t, u, 0x00040004, t, 0xEA;", 4),
-    # stored order, as the 3-bit low words. ($1 low word, $3 = 16(j % 2) + 4q)
-    2: ("shr.u32 t, $1, $3;\n    and.b32 t, t, 0xF;\n    mul.lo.u32 t, t, 0x4001;\n"
-        "    lop3.b32 t, t, 0x00030003, 0x64006400, 0xEA;", 2),
+    # PAIR_ORDER16: the low nibbles as for 6 bits; the top bit of row r + 16h is bit r + 16h of the high word, in
+    # byte 2h + j / 2. ($1, $3 low words h = 0, 1; $5 high word; $7 low-byte selector, $9 = 4(q % 2); $11 high-byte
+    # selector (to bytes 1, 3), $13 = 4 + 4(j % 2) + q)
+    5: ("prmt.b32 t, $1, $3, $7;\n    shr.u32 t, t, $9;\n    prmt.b32 y, $5, $5, $11;\n    shr.u32 y, y, $13;\n"
+        "    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n    lop3.b32 t, y, 0x00100010, t, 0xEA;", 7),
+    # PAIR_ORDER16: the low 2 bits of row r + 16h are bits 2r of low word h (byte j, bits 2q); the top bit as for 5
+    # bits. ($1, $3 low words; $5 high word; $7 low-byte selector, $9 = 2q; $11 high-byte selector, $13 = 6 +
+    # 4(j % 2) + q)
+    3: ("prmt.b32 t, $1, $3, $7;\n    shr.u32 t, t, $9;\n    prmt.b32 y, $5, $5, $11;\n    shr.u32 y, y, $13;\n"
+        "    lop3.b32 t, t, 0x00030003, 0x64006400, 0xEA;\n    lop3.b32 t, y, 0x00040004, t, 0xEA;", 7),
+    # PAIR_ORDER16, as the 3-bit low words. ($1, $3 the words; $5 the byte selector, $7 = 2q)
+    2: ("prmt.b32 t, $1, $3, $5;\n    shr.u32 t, t, $7;\n    lop3.b32 t, t, 0x00030003, 0x64006400, 0xEA;", 4),
 }
 
 
@@ -256,7 +255,8 @@ if HAVE_GLUON:
     def _word_bufs(qw_ptr, word0, col0, N, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
                    STAGES: gl.constexpr):
         """The class's shared-memory word rings and the pointers that fill them, one ring per run of words the
-        decoder views as one tensor: low words (6-bit: words 0-1 and 2-3), then each high word."""
+        decoder views as one tensor: 8/4-bit: all words; 6/5-bit: low words 0-1 and 2-3, then each high word;
+        3/2-bit: each word."""
         BN: gl.constexpr = 32 * V
         R3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -273,21 +273,27 @@ if HAVE_GLUON:
                   _word_ptrs(qw_ptr, word0, 4, col0, N, 0, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 5, col0, N, 0, BITS, BS, V))
         elif BITS == 5:
-            wb = (_ring(gl.int32, [4, BS, BN], R3, STAGES),
+            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES),
+                  _ring(gl.int32, [2, BS, BN], R3, STAGES),
                   _ring(gl.int32, [BS, BN], R2, STAGES))
-            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 4, BITS, BS, V),
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),
+                  _word_ptrs(qw_ptr, word0, 2, col0, N, 2, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 4, col0, N, 0, BITS, BS, V))
         elif BITS == 4:
             wb = (_ring(gl.int32, [4, BS, BN], R3, STAGES),)
             wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 4, BITS, BS, V),)
         elif BITS == 3:
-            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES),
+            wb = (_ring(gl.int32, [BS, BN], R2, STAGES),
+                  _ring(gl.int32, [BS, BN], R2, STAGES),
                   _ring(gl.int32, [BS, BN], R2, STAGES))
-            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 0, BITS, BS, V),
+                  _word_ptrs(qw_ptr, word0, 1, col0, N, 0, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 2, col0, N, 0, BITS, BS, V))
         else:
-            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES),)
-            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),)
+            wb = (_ring(gl.int32, [BS, BN], R2, STAGES),
+                  _ring(gl.int32, [BS, BN], R2, STAGES))
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 0, BITS, BS, V),
+                  _word_ptrs(qw_ptr, word0, 1, col0, N, 0, BITS, BS, V))
         return wb, wp
 
     @gluon.jit
@@ -346,26 +352,34 @@ if HAVE_GLUON:
             else:
                 d = _asm2(_D6R, (lo0, lo1, hi0, hi1, sel_lo, 4 * qlo, sel_hi, 4 + 2 * q), full)
         elif BITS == 5:
-            lo = _words(wb[0].index(stage).reshape([2, 2, BS, 32, V]).permute([2, 0, 1, 3, 4]), S | 6, V)
-            hi = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
+            lo0 = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            lo1 = _words(wb[1].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            hi = _words(wb[2].index(stage).reshape([BS, 32, V]), S, V)
+            k = 2 * jlo + qhi
+            sel_lo = ((4 + k) << 8) | k
+            sel_hi = ((2 + jhi) << 12) | (jhi << 4)
             if SCALED:
-                d = _asm2(_D5, (lo, hi, (q << 8) | q, 8 * j + 2 * q, sc), full)
+                d = _asm2(_D5, (lo0, lo1, hi, sel_lo, 4 * qlo, sel_hi, 4 + 4 * jlo + q, sc), full)
             else:
-                d = _asm2(_D5R, (lo, hi, (q << 8) | q, 8 * j + 2 * q), full)
+                d = _asm2(_D5R, (lo0, lo1, hi, sel_lo, 4 * qlo, sel_hi, 4 + 4 * jlo + q), full)
         elif BITS == 3:
-            lo = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
-            hi = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
+            w0 = _words(wb[0].index(stage).reshape([BS, 32, V]), S, V)
+            w1 = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
+            hi = _words(wb[2].index(stage).reshape([BS, 32, V]), S, V)
+            sel_lo = ((4 + j) << 8) | j
+            sel_hi = ((2 + jhi) << 12) | (jhi << 4)
             if SCALED:
-                d = _asm2(_D3, (lo, hi, 16 * jlo + 4 * q, 8 * j + 2 * q, sc), full)
+                d = _asm2(_D3, (w0, w1, hi, sel_lo, 2 * q, sel_hi, 6 + 4 * jlo + q, sc), full)
             else:
-                d = _asm2(_D3R, (lo, hi, 16 * jlo + 4 * q, 8 * j + 2 * q), full)
+                d = _asm2(_D3R, (w0, w1, hi, sel_lo, 2 * q, sel_hi, 6 + 4 * jlo + q), full)
         else:
             gl.static_assert(BITS == 2)
-            lo = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            w0 = _words(wb[0].index(stage).reshape([BS, 32, V]), S, V)
+            w1 = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
             if SCALED:
-                d = _asm2(_D2, (lo, 16 * jlo + 4 * q, sc), full)
+                d = _asm2(_D2, (w0, w1, ((4 + j) << 8) | j, 2 * q, sc), full)
             else:
-                d = _asm2(_D2R, (lo, 16 * jlo + 4 * q), full)
+                d = _asm2(_D2R, (w0, w1, ((4 + j) << 8) | j, 2 * q), full)
         return d
 
     @gluon.jit

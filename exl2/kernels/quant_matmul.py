@@ -4,8 +4,8 @@
 * **gemv** (M ≤ 4, `gemv.py`): CUDA-core kernel, one input row a program; q/k/v and gate/up as one launch each
   (`GemvGroup`).
 * **Gluon tensor-core kernel** (M ≤ 16, `mma_dot.py`): weights decoded straight into mma fragments; also takes
-  the gemv's rows past `GEMV_MAX_M` (1), and all of them for matrices with 8/5/3/2-bit classes, which the gemv
-  decodes slowly (`gemv_via_mma`).
+  the gemv's rows past `GEMV_MAX_M` (1), and all of them for matrices with a class the gemv has no packed
+  decoder for on this device (`gemv_via_mma`).
 * **dot** (M ≤ 64, `dot.py`): the Triton tensor-core kernel, where the Gluon kernel does not run.
 * **dequant** (larger M, `dequant.py`): fp16 weight from a Triton kernel, then cuBLAS.
 
@@ -22,7 +22,7 @@ from exl2.kernels import mma_dot
 from exl2.kernels.backend import env_choice, sm_count, triton, use_triton
 from exl2.kernels.dequant import dequant_matmul
 from exl2.kernels.dot import permuted_dot
-from exl2.kernels.gemv import GEMV_STAGES, GemvGroup, gemv, permuted_gemv
+from exl2.kernels.gemv import GEMV_STAGES, PACKED_FLAG, GemvGroup, fast4_available, gemv, permuted_gemv
 from exl2.kernels.matmul_launch import MatmulConfig, auto_split
 from exl2.kernels.permute import buffer_offsets, gather_input, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
@@ -57,21 +57,24 @@ MMA4_BS = env_choice("EXL2_MMA4_BS", 4, (1, 2, 4, 8))
 MMA4_V = env_choice("EXL2_MMA4_V", 2, (1, 2, 4))
 MMA4_PER_SM = env_choice("EXL2_MMA4_PER_SM", 4, range(1, 9))
 MMA4_STAGES = env_choice("EXL2_MMA4_STAGES", 4, range(2, 9))
-# 1-4 rows (besides those past GEMV_MAX_M): 1, matrices with 8/5/3/2-bit classes take the Gluon kernel
-# (`gemv_via_mma`); 2, every matrix; 0, none.
+# 1-4 rows (besides those past GEMV_MAX_M): 1, matrices with a class lacking a packed gemv decoder take the Gluon
+# kernel (`gemv_via_mma`); 2, every matrix; 0, none.
 MMA_GEMV = env_choice("EXL2_MMA_GEMV", 1, range(0, 3))
 
 
 def gemv_via_mma(w: QuantWeight, m: int, dtype: torch.dtype) -> bool:
     """Whether m ≤ 4 rows take the Gluon tensor-core kernel instead of the gemv: more than `GEMV_MAX_M` rows, or
-    matrices with a class the gemv decodes with its portable loop (8, 5, 3, 2 bits; MMA_GEMV = 1), or always (2).
-    The tensor-core kernel's cost hardly depends on the row count, and the portable loop ran a 5/4/3-bit body at a
-    fifth of the 4-bit speed (benchmarks/RESULTS.md, session 8)."""
+    EXL2 matrices with a class the gemv would decode with its portable loop (its packed decoder failed the
+    device's self-check; MMA_GEMV = 1), or always (2). The tensor-core kernel's cost hardly depends on the row count, and the
+    portable loop ran a 5/4/3-bit body at a fifth of the 4-bit speed (benchmarks/RESULTS.md, session 8)."""
     if not (MMA4 and dtype == torch.float16 and mma_dot.supports(w, m)):
         return False
     if m > GEMV_MAX_M:
         return True
-    return MMA_GEMV == 2 or (MMA_GEMV == 1 and any(c.bits not in (4, 6) for c in w.classes))
+    if MMA_GEMV == 1:
+        packed = fast4_available(w.device)
+        return w.zeros is None and any(not packed & PACKED_FLAG[c.bits] for c in w.classes)
+    return MMA_GEMV == 2
 
 
 def choose_config(m: int, w: QuantWeight, dtype: torch.dtype = torch.float16) -> tuple[str, MatmulConfig | None]:

@@ -19,9 +19,9 @@ For 2-, 4- and 8-bit classes this is exactly the on-disk EXL2/GPTQ packing. Tens
   row of the natural-order weight) of each stored row, −1 for padding rows. The kernels gather x through it, so
   act-order needs no separate permutation pass.
 * `x_index` int32 `[S·32]`: the same map in the order the small-batch kernels read their permuted input
-  (`gather_input`): stored order, except that inside each 8-row block of a 4-bit class the rows come as
-  (0, 4, 1, 5, 2, 6, 3, 7), and inside each step of a 6-bit class as (0, 16, 1, 17, …, 15, 31), so one 32-bit
-  load yields the input pair that one packed-fp16 instruction needs (`PAIR_ORDER`, `PAIR_ORDER6`).
+  (`gather_input`): inside each 8-row block of a 4-bit class the rows come as (0, 4, 1, 5, 2, 6, 3, 7), inside
+  each step of a 6/5/3/2-bit class as (0, 16, 1, 17, …, 15, 31), 8-bit classes keep the stored order, so one
+  32-bit load yields the input pair that one packed-fp16 instruction needs (`PAIR_ORDER`, `PAIR_ORDER16`).
 
 Dequantization of stored row `k'`, column `n`: `fp16((code − zero) · scale)`, one fp16 rounding, exactly as
 exllamav2's reconstruct kernel (spec §1.6).
@@ -116,18 +116,19 @@ class QuantWeight:
 PAIR_ORDER = tuple(8 * (p // 8) + (p % 8) // 2 + 4 * (p % 2) for p in range(32))
 
 
-# Position p of a step of a 6-bit class holds stored row p // 2 + 16 (p % 2): rows r and r + 16 sit at the same
-# bits of low words j and j + 2 and of high words 0 and 1, so one byte permute puts both under one fp16 pair.
-PAIR_ORDER6 = tuple(p // 2 + 16 * (p % 2) for p in range(32))
+# Position p of a step of a 6-, 5-, 3- or 2-bit class holds stored row p // 2 + 16 (p % 2): rows r and r + 16 sit
+# at the same bits of two low words (j and j + 2, or 0 and 1) and of the high words (6-bit: words 0 and 1, bits 2r;
+# 5/3-bit: bits r and r + 16 of the one high word), so one byte permute puts both under one fp16 pair.
+PAIR_ORDER16 = tuple(p // 2 + 16 * (p % 2) for p in range(32))
+ORDERS = {4: PAIR_ORDER, 6: PAIR_ORDER16, 5: PAIR_ORDER16, 3: PAIR_ORDER16, 2: PAIR_ORDER16}
 
 
 def input_order(row_index: torch.Tensor, classes: tuple[WidthClass, ...]) -> torch.Tensor:
     """`x_index` from `row_index` (see the module docstring)."""
     out = row_index.clone()
-    orders = {4: PAIR_ORDER, 6: PAIR_ORDER6}
     for c in classes:
-        if c.bits in orders:
-            order = torch.tensor(orders[c.bits], device=row_index.device)
+        if c.bits in ORDERS:
+            order = torch.tensor(ORDERS[c.bits], device=row_index.device)
             lo, hi = c.first_step * 32, (c.first_step + c.n_steps) * 32
             out[lo:hi] = row_index[lo:hi].view(-1, 32)[:, order].reshape(-1)
     return out
