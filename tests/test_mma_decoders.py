@@ -1,10 +1,10 @@
 """The packed decoders' PTX, run on the CPU by a small interpreter of the instructions they use. The Gluon
-kernel's fragment decoders (`mma_dot._BODIES`): for every width, every register j of a step and lane q of a quad, the fp16 pair the
-decoder builds must be the dequantized weights at input positions 8j + 2q and 8j + 2q + 1 (the `mma.m16n8k16` B
-fragment's rows), bit for bit, where the stored row of each position comes from the class's input order
-(`qweight.x_index`) and the codes from `qweight.encode_steps`. The gemv's step decoders (`gemv`
-`_words4_asm`, `_ptx_step`): a step's dot product with its 32 permuted inputs, within the error of its fp16
-sums, and exactly each row's code with one-hot inputs. The GPU runs the same asm text."""
+kernel's fragment decoders (`mma_dot._BODIES`): for every width, every register j of a step and lane q of a quad,
+the fp16 pair the decoder builds must be the dequantized weights at input positions 8j + 2q and 8j + 2q + 1 (the
+`mma.m16n8k16` B fragment's rows), bit for bit, where the stored row of each position comes from the class's input
+order (`qweight.x_index`) and the codes from `qweight.encode_steps`. The gemv's step decoders (`gemv._words4_asm`,
+`gemv._ptx_step`): a step's dot product with its 32 permuted inputs, within the error of its fp16 sums, and
+exactly each row's code with one-hot inputs. The GPU runs the same asm text."""
 import re
 
 import numpy as np

@@ -1,10 +1,10 @@
 """The CUDA-core gemv for 1–4 rows of `x · W + bias`, W a `QuantWeight` (EXL2 or GPTQ): one permuted input row a
 program (`permute.gather_input`), each program owning BN output columns and a 1/SPLIT share of the steps of every
 width class, so each split reads the same mix of widths. The loop is a plain `tl.range` that Triton
-software-pipelines `num_stages` tiles deep through shared memory (cp.async). EXL2 classes of every width decode two
-codes per instruction in packed fp16 (inline PTX, behind a one-time self-check per width, `fast4_available`); GPTQ
-(zero tensors) and any width whose check failed shift, mask and use the 2^23 exponent trick in fp32. `GemvGroup` runs the gemvs of 2–3 weights sharing an input
-(q/k/v, gate/up) as one launch.
+software-pipelines `num_stages` tiles deep through shared memory (cp.async). EXL2 classes of every width decode
+two codes per instruction in packed fp16 (inline PTX, behind a one-time self-check per width, `fast4_available`);
+GPTQ (zero tensors) and any width whose check failed shift, mask and use the 2^23 exponent trick in fp32.
+`GemvGroup` runs the gemvs of 2–3 weights sharing an input (q/k/v, gate/up) as one launch.
 """
 from __future__ import annotations
 

@@ -65,8 +65,9 @@ MMA_GEMV = env_choice("EXL2_MMA_GEMV", 1, range(0, 3))
 def gemv_via_mma(w: QuantWeight, m: int, dtype: torch.dtype) -> bool:
     """Whether m ≤ 4 rows take the Gluon tensor-core kernel instead of the gemv: more than `GEMV_MAX_M` rows, or
     EXL2 matrices with a class the gemv would decode with its portable loop (its packed decoder failed the
-    device's self-check; MMA_GEMV = 1), or always (2). The tensor-core kernel's cost hardly depends on the row count, and the
-    portable loop ran a 5/4/3-bit body at a fifth of the 4-bit speed (benchmarks/RESULTS.md, session 8)."""
+    device's self-check; MMA_GEMV = 1), or always (2). The tensor-core kernel's cost hardly depends on the row
+    count, and the portable loop ran a 5/4/3-bit body at a fifth of the 4-bit speed (benchmarks/RESULTS.md,
+    session 8)."""
     if not (MMA4 and dtype == torch.float16 and mma_dot.supports(w, m)):
         return False
     if m > GEMV_MAX_M:
