@@ -131,8 +131,9 @@ def _check_close(y, ref):
 
 
 @needs_triton
-@pytest.mark.parametrize("m,split", [(1, 1), (1, 3), (2, 2)])
+@pytest.mark.parametrize("m,split", [(1, 1), (1, 3), (2, 2), (1, 7)])
 def test_gemv_matches_twin(m, split):
+    """Every width in one matrix; K splits cut its words into runs that start and end inside classes."""
     t = rand_exl2(MIXED, 96, seed=1, device=DEV)
     w = Exl2Weight.from_tensors(t, "L", device=DEV)
     x = torch.randn(m, w.k, dtype=torch.float16, device=DEV)

@@ -1,10 +1,9 @@
 """The CUDA-core gemv for 1–4 rows of `x · W + bias`, W a `QuantWeight` (EXL2 or GPTQ): one permuted input row a
-program (`permute.gather_input`), each program owning BN output columns and a 1/SPLIT share of the steps of every
-width class, so each split reads the same mix of widths. The loop is a plain `tl.range` that Triton
-software-pipelines `num_stages` tiles deep through shared memory (cp.async). EXL2 classes of every width decode
-two codes per instruction in packed fp16 (inline PTX, behind a one-time self-check per width, `fast4_available`);
-GPTQ (zero tensors) and any width whose check failed shift, mask and use the 2^23 exponent trick in fp32.
-`GemvGroup` runs the gemvs of 2–3 weights sharing an input (q/k/v, gate/up) as one launch.
+program (`permute.gather_input`), each program owning BN output columns and a 1/SPLIT share of the matrix's word
+rows (`_word_share`). The loop is a plain `tl.range` that Triton software-pipelines `num_stages` tiles deep through
+shared memory (cp.async). EXL2 classes of every width decode two codes per instruction in packed fp16 (inline PTX,
+behind a one-time self-check per width, `fast4_available`); GPTQ (zero tensors) and any width whose check failed
+shift, mask and use the 2^23 exponent trick in fp32. `GemvGroup` runs the gemvs of 2–3 weights sharing an input (q/k/v, gate/up) as one launch.
 """
 from __future__ import annotations
 
@@ -30,10 +29,31 @@ GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
 
 
 @triton.jit
-def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+def _share(first_step, n_steps, first_word, w_lo, w_hi, BITS: tl.constexpr):
+    """The steps [s_lo, s_hi) of one width class whose first word lies in this program's words [w_lo, w_hi)
+    (`_word_share`)."""
+    s_lo = first_step + tl.minimum(n_steps, tl.cdiv(tl.maximum(w_lo - first_word, 0), BITS))
+    s_hi = first_step + tl.minimum(n_steps, tl.cdiv(tl.maximum(w_hi - first_word, 0), BITS))
+    return s_lo, s_hi
+
+
+@triton.jit
+def _word_share(fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k,
+                SPLIT):
+    """Where K is split, program pid_k takes the word rows [w_lo, w_hi) of the matrix, an equal share of all of
+    them, and of each class the steps starting there: a program mostly walks one width class in one long loop
+    instead of a short loop in every class (a split mixed-width matrix had a few steps a class, under one
+    pipelined iteration)."""
+    words = tl.maximum(tl.maximum(tl.maximum(fw8 + 8 * ns8, fw6 + 6 * ns6), tl.maximum(fw5 + 5 * ns5, fw4 + 4 * ns4)),
+                       tl.maximum(fw3 + 3 * ns3, fw2 + 2 * ns2))
+    return (words * pid_k) // SPLIT, (words * (pid_k + 1)) // SPLIT
+
+
+@triton.jit
+def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
                 offs_n, mask_n, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
                 BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr = 2):
-    """Partial x·W over this program's share of one width class's steps, for BN columns ([BN] fp32).
+    """Partial x·W over this program's steps of one width class (`_share`), for BN columns ([BN] fp32).
 
     x is the permuted input (`gather_input`). Tiles are [steps, low word j, row-in-word u, columns]; stored row
     of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`; Triton pipelines the loop STAGES
@@ -52,8 +72,7 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
         pos = 2 * (row % 16) + row // 16
     lo_sh = (uu * LB)[None, None, :, None]
     hi_sh = (HB * (row % HPER))[None, :, :, None]
-    s_lo = first_step + (n_steps * pid_k) // SPLIT
-    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, BITS)
     acc = tl.zeros([BS, LB, BN], dtype=tl.float32)
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         w, h, sc, z = load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
@@ -147,13 +166,13 @@ def step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_
 
 
 @triton.jit
-def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
                       offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+    BITS: tl.constexpr = 4
     """`_gemv_class` for a 4-bit class without zero tensors (EXL2), with packed fp16x2 arithmetic: x32 is the
     permuted fp16 input read as int32 pairs; a step's four words per asm call, each scale loaded once; Triton
     pipelines the loop STAGES deep."""
-    s_lo = first_step + (n_steps * pid_k) // SPLIT
-    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, BITS)
     acc = tl.zeros([BS, BN], dtype=tl.float32)
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         offs_s = s0 + tl.arange(0, BS)
@@ -173,7 +192,7 @@ def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
     return tl.sum(acc, axis=0)
 
 
-# 6-bit classes: the permuted input pairs rows r and r + 16 (`PAIR_ORDER6`), which sit at the same bits of low
+# 6-bit classes: the permuted input pairs rows r and r + 16 (`PAIR_ORDER16`), which sit at the same bits of low
 # words j and j + 2 and of high words 0 and 1. One prmt per byte of a low-word pair puts both rows' nibbles in the
 # two fp16 lanes (the odd row of the byte comes out 16x, as in the 4-bit decoder), one prmt per byte of the high
 # words does the same for the top two bits, a shift and a lop3 merge them under the exponent of 1024, and one
@@ -312,12 +331,11 @@ def _step_asm(ASM: tl.constexpr, words, x32_ptr, offs_s, mask_s):
 
 
 @triton.jit
-def _gemv_class_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+def _gemv_class_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
                      offs_n, mask_n, BITS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
     """`_gemv_class4_pipe` for an 8/6/5/3/2-bit class without zero tensors (EXL2): a step's words and 16 input
     pairs per asm call."""
-    s_lo = first_step + (n_steps * pid_k) // SPLIT
-    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, BITS)
     acc = tl.zeros([BS, BN], dtype=tl.float32)
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         offs_s = s0 + tl.arange(0, BS)
@@ -353,7 +371,7 @@ PACKED_FLAG = {4: 1, 6: 2, 5: 4, 3: 8, 2: 16, 8: 32}
 
 
 @triton.jit
-def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, offs_n,
+def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi, offs_n,
                 mask_n, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                 FAST4: tl.constexpr, STAGES: tl.constexpr):
     """One width class's partial sums: the packed-fp16 decoders for EXL2 (where FAST4 has the width's
@@ -363,22 +381,21 @@ def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps
     FLAG: tl.constexpr = 1 if BITS == 4 else (2 if BITS == 6 else (4 if BITS == 5 else (8 if BITS == 3 else (
         16 if BITS == 2 else 32))))  # PACKED_FLAG
     if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
-        return _gemv_class4_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+        return _gemv_class4_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
                                  offs_n, mask_n, BS, BN, STAGES)
     elif (FAST4 & FLAG) != 0 and not HAS_ZEROS:
-        return _gemv_class_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+        return _gemv_class_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
                                 offs_n, mask_n, BITS, BS, BN, STAGES)
     else:
-        return _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT,
+        return _gemv_class(xr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
                            offs_n, mask_n, BITS, LB, BITS - LB, HAS_ZEROS, BS, BN, min(STAGES, 2))
 
 
 @triton.jit
-def _prefetch_class(qw_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, col0, BITS: tl.constexpr,
+def _prefetch_class(qw_ptr, N, first_step, n_steps, first_word, w_lo, w_hi, col0, BITS: tl.constexpr,
                     BN: tl.constexpr, ROWS: tl.constexpr):
     """L2 prefetch of the first ROWS word rows of this program's share of one width class (its BN columns)."""
-    s_lo = first_step + (n_steps * pid_k) // SPLIT
-    s_hi = first_step + (n_steps * (pid_k + 1)) // SPLIT
+    s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, BITS)
     w_lo = first_word + (s_lo - first_step) * BITS
     w_hi = first_word + (s_hi - first_step) * BITS
     rows = w_lo + tl.arange(0, ROWS)
@@ -393,18 +410,20 @@ def _prefetch_class(qw_ptr, N, first_step, n_steps, first_word, pid_k, SPLIT, co
 def _prefetch_widths(qw_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3,
                      fs2, ns2, fw2, pid_k, SPLIT, col0, MASK: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr):
     """`_prefetch_class` for each width class in MASK (classes of no steps prefetch nothing)."""
+    w_lo, w_hi = _word_share(fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3,
+                             fs2, ns2, fw2, pid_k, SPLIT)
     if (MASK & 32) != 0:
-        _prefetch_class(qw_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, col0, 8, BN, ROWS)
+        _prefetch_class(qw_ptr, N, fs8, ns8, fw8, w_lo, w_hi, col0, 8, BN, ROWS)
     if (MASK & 16) != 0:
-        _prefetch_class(qw_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, col0, 6, BN, ROWS)
+        _prefetch_class(qw_ptr, N, fs6, ns6, fw6, w_lo, w_hi, col0, 6, BN, ROWS)
     if (MASK & 8) != 0:
-        _prefetch_class(qw_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, col0, 5, BN, ROWS)
+        _prefetch_class(qw_ptr, N, fs5, ns5, fw5, w_lo, w_hi, col0, 5, BN, ROWS)
     if (MASK & 4) != 0:
-        _prefetch_class(qw_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, col0, 4, BN, ROWS)
+        _prefetch_class(qw_ptr, N, fs4, ns4, fw4, w_lo, w_hi, col0, 4, BN, ROWS)
     if (MASK & 2) != 0:
-        _prefetch_class(qw_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, col0, 3, BN, ROWS)
+        _prefetch_class(qw_ptr, N, fs3, ns3, fw3, w_lo, w_hi, col0, 3, BN, ROWS)
     if (MASK & 1) != 0:
-        _prefetch_class(qw_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, col0, 2, BN, ROWS)
+        _prefetch_class(qw_ptr, N, fs2, ns2, fw2, w_lo, w_hi, col0, 2, BN, ROWS)
 
 
 @triton.jit
@@ -414,6 +433,8 @@ def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6
                  BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr):
     """Sum of `_gemv_width` over the width classes in MASK (`width_mask`); with SKIP_EMPTY a class of 0 steps is
     also skipped at run time (kernels whose class table is runtime data)."""
+    w_lo, w_hi = _word_share(fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3,
+                             fs2, ns2, fw2, pid_k, SPLIT)
     HAS8: tl.constexpr = (MASK & 32) != 0
     HAS6: tl.constexpr = (MASK & 16) != 0
     HAS5: tl.constexpr = (MASK & 8) != 0
@@ -422,22 +443,22 @@ def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6
     HAS2: tl.constexpr = (MASK & 1) != 0
     res = tl.zeros([BN], dtype=tl.float32)
     if HAS8 and (not SKIP_EMPTY or ns8 > 0):
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, pid_k, SPLIT, offs_n, mask_n,
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, w_lo, w_hi, offs_n, mask_n,
                            8, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS6 and (not SKIP_EMPTY or ns6 > 0):
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, pid_k, SPLIT, offs_n, mask_n,
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, w_lo, w_hi, offs_n, mask_n,
                            6, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS5 and (not SKIP_EMPTY or ns5 > 0):
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, pid_k, SPLIT, offs_n, mask_n,
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, w_lo, w_hi, offs_n, mask_n,
                            5, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS4 and (not SKIP_EMPTY or ns4 > 0):
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, pid_k, SPLIT, offs_n, mask_n,
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, w_lo, w_hi, offs_n, mask_n,
                            4, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS3 and (not SKIP_EMPTY or ns3 > 0):
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, pid_k, SPLIT, offs_n, mask_n,
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, w_lo, w_hi, offs_n, mask_n,
                            3, HAS_ZEROS, BS, BN, FAST4, STAGES)
     if HAS2 and (not SKIP_EMPTY or ns2 > 0):
-        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
+        res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, w_lo, w_hi, offs_n, mask_n,
                            2, HAS_ZEROS, BS, BN, FAST4, STAGES)
     return res
 
