@@ -32,8 +32,8 @@
 # layout (session 23): benchmarks/layout_probe.py --stream, the batch-1 weight stream by layout against the real gemv;
 # gemvsweep: the real gemv over launch settings (--sweep). s30: the classifier-free guidance GPU test, then
 # serving.py with --cfg (a guided job's cost) at batches 1 and 4. s31 (session 24): the packed gemv decoders of
-# every width and the PAIR_ORDER16 Gluon decoders: their GPU tests; s31b: the mixed-width bench against the tree in
-# .base, and the 4-bit bench.
+# every width and the PAIR_ORDER16 Gluon decoders: their GPU tests; s31b: the mixed-width bench on the trees in .base
+# and this one; s31c: the same with the 4-bit body.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -236,10 +236,10 @@ for s in $steps; do
          -p no:cacheprovider -rfE > "$OUT/gpu_s31.txt" 2>&1; echo "packed-decoder GPU tests rc=$?"; tail -n 8 "$OUT/gpu_s31.txt"
        timeout 120 python3 -m pytest tests/test_shared_input.py tests/test_mma_decoders.py -q -p no:cacheprovider -rfE \
          > "$OUT/gpu_s31_shared.txt" 2>&1; echo "shared-input (cuda) + decoder tests rc=$?"; tail -n 2 "$OUT/gpu_s31_shared.txt" ;;
-  s31b) AB_SPECS=";" BASE_SPEC=1 TAG=_mixed BENCH_TIMEOUT=110 \
-         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab
-       AB_SPECS=";" TAG=_plain BENCH_TIMEOUT=100 BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64 --batch 2,16" \
-         bash "$0" envab ;;
+  s31b) AB_SPECS=";" BASE_SPEC=1 TAG=_mixed BENCH_TIMEOUT=${BENCH_TIMEOUT:-100} \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
+  s31c) AB_SPECS=";" BASE_SPEC=1 TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-100} \
+         BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
