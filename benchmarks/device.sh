@@ -33,7 +33,8 @@
 # gemvsweep: the real gemv over launch settings (--sweep). s30: the classifier-free guidance GPU test, then
 # serving.py with --cfg (a guided job's cost) at batches 1 and 4. s31 (session 24): the packed gemv decoders of
 # every width and the PAIR_ORDER16 Gluon decoders: their GPU tests; s31b: the mixed-width bench on the trees in .base
-# and this one; s31c: the same with the 4-bit body.
+# and this one; s31c: the same with the 4-bit body. s32: the packed gemv tests, then the mixed-width bench with the
+# top bits decoded in fp16 (the default) and the integer way, PDL off, prefetch off; the 4-bit bench.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -240,6 +241,12 @@ for s in $steps; do
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
   s31c) AB_SPECS=";" BASE_SPEC=1 TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-100} \
          BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
+  s32) timeout -s INT -k 15 ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu tests/test_gpu_e2e.py -k "packed or fast_4bit_gemv" \
+         -q -n 8 -p no:cacheprovider -rfE > "$OUT/gpu_s32.txt" 2>&1; echo "packed gemv GPU tests rc=$?"; tail -n 3 "$OUT/gpu_s32.txt"
+       AB_SPECS=";EXL2_GEMV_HIGH_FP16=0;EXL2_PDL=0;EXL2_PREFETCH=0" TAG=_mixed BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
+       AB_SPECS=";" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" \
+         bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
