@@ -35,6 +35,7 @@
 # every width and the PAIR_ORDER16 Gluon decoders: their GPU tests; s31b: the mixed-width bench on the trees in .base
 # and this one; s31c: the same with the 4-bit body. s32: the packed gemv tests, then the mixed-width bench with the
 # top bits decoded in fp16 (the default) and the integer way, PDL off, prefetch off; the 4-bit bench.
+# s33: no gemv prefetch for mixed widths; the mixed bench with the top bits both ways, twice; the 4-bit bench.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -244,6 +245,10 @@ for s in $steps; do
   s32) timeout -s INT -k 15 ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu tests/test_gpu_e2e.py -k "packed or fast_4bit_gemv" \
          -q -n 8 -p no:cacheprovider -rfE > "$OUT/gpu_s32.txt" 2>&1; echo "packed gemv GPU tests rc=$?"; tail -n 3 "$OUT/gpu_s32.txt"
        AB_SPECS=";EXL2_GEMV_HIGH_FP16=0;EXL2_PDL=0;EXL2_PREFETCH=0" TAG=_mixed BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
+       AB_SPECS=";" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" \
+         bash "$0" envab ;;
+  s33) AB_SPECS=";EXL2_GEMV_HIGH_FP16=0;;EXL2_GEMV_HIGH_FP16=0" TAG=_mixed BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
        AB_SPECS=";" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" \
          bash "$0" envab ;;

@@ -598,8 +598,15 @@ def permuted_gemv(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bo
                   part_only: bool = False) -> torch.Tensor | SplitSum:
     """`gemv` on the permuted input xp; `part_only`: where K is split, the partial sums as a `SplitSum`."""
     fast4 = fast4_available(xp.device) if fast4 is None else fast4
-    return launch(_gemv_kernel, xp, w, cfg, fast4, part_only=part_only, prefetch=PREFETCH_ROWS,
+    return launch(_gemv_kernel, xp, w, cfg, fast4, part_only=part_only, prefetch=prefetch_rows([w]),
                   STAGES=cfg.num_stages)
+
+
+def prefetch_rows(ws: Sequence[QuantWeight]) -> int:
+    """Word rows a gemv prefetches into L2 before its PDL wait: `PREFETCH_ROWS` for weights of one width, none
+    for mixed widths, where it cost 11 % at batch 1 (H100, a 5/4/3-bit body, 281 tok/s with it, 315 without;
+    benchmarks/RESULTS.md, session 24)."""
+    return PREFETCH_ROWS if all(len(w.classes) == 1 for w in ws) else 0
 
 
 class GemvGroup:
@@ -674,7 +681,7 @@ class GemvGroup:
             G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4,
             STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages,
-            **pdl_args(xp.device, m, prefetch=PREFETCH_ROWS))
+            **pdl_args(xp.device, m, prefetch=prefetch_rows(self.ws)))
         return outs
 
 
