@@ -35,7 +35,8 @@
 # every width and the PAIR_ORDER16 Gluon decoders: their GPU tests; s31b: the mixed-width bench on the trees in .base
 # and this one; s31c: the same with the 4-bit body. s32: the packed gemv tests, then the mixed-width bench with the
 # top bits decoded in fp16 (the default) and the integer way, PDL off, prefetch off; the 4-bit bench.
-# s33: no gemv prefetch for mixed widths; the mixed bench with the top bits both ways, twice; the 4-bit bench.
+# (EXL2_GEMV_HIGH_FP16, the fp16 top-bit decoding, was removed after s32.) s33: the mixed bench with the gemv's
+# prefetch off for mixed widths (the new default) against every prefetch off, twice; the 4-bit bench.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -248,7 +249,7 @@ for s in $steps; do
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
        AB_SPECS=";" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" \
          bash "$0" envab ;;
-  s33) AB_SPECS=";EXL2_GEMV_HIGH_FP16=0;;EXL2_GEMV_HIGH_FP16=0" TAG=_mixed BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} \
+  s33) AB_SPECS=";EXL2_PREFETCH=0;;EXL2_PREFETCH=0" TAG=_mixed BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
        AB_SPECS=";" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" \
          bash "$0" envab ;;

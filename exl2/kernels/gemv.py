@@ -237,20 +237,14 @@ def _f16x2(v: float) -> str:
 # * 8-bit (stored order): pair i is bytes 2(i % 2) and 2(i % 2) + 1 of word i / 2, one byte permute under 0x64
 #   bytes; the fma leaves (code - 128) / 128, so the fp16 products stay as small as the input (`STEP_SCALE`).
 # * 5-bit (`PAIR_ORDER16`): pair i is rows i and i + 16, the same nibble of low words i / 8 and i / 8 + 2 (one byte
-#   permute per two pairs), and bits i and i + 16 of the high word.
+#   permute per two pairs), and bits i and i + 16 of the high word (one shift to bit 4 or 8 of each lane).
 # * 3- and 2-bit (`PAIR_ORDER16`): rows i and i + 16 are the same 2-bit field of low words 0 and 1 (one byte
 #   permute per four pairs); 3-bit: their top bits are bits i and i + 16 of the high word.
-# The top bits of 5/3-bit codes sit at bit k = i % 4 of the high word shifted by i - k (three shifts a step): one
-# lop3 puts them under the exponent of 1024 (1024 + 2^k·bit), and one fp16 fma scales that to the code's top
-# value minus the offsets, which the low field's fix-up adds. Integer instructions (half-rate pipe) go from 3.5 to
-# 2.6 a pair for 5-bit, 3.25 to 2.4 for 3-bit, for one more fp16 one (EXL2_GEMV_HIGH_FP16=0: shift each pair's top
-# bits into place and merge them with a second lop3, the integer way).
-GEMV_HIGH_FP16 = env_choice("EXL2_GEMV_HIGH_FP16", 1, range(0, 2)) == 1
 STEP_ZERO = {8: 128, 6: 32, 5: 16, 4: 8, 3: 4, 2: 2}
 STEP_SCALE = {8: 128.0}  # what a step decoder's result is multiplied by (1 for the others)
 
 
-def _ptx_pair(bits: int, i: int, high_fp16: bool) -> list[str]:
+def _ptx_pair(bits: int, i: int) -> list[str]:
     """PTX leaving input pair i's two codes minus the zero point (8-bit: divided by 128) as fp16 in t."""
     if bits == 8:
         return [f"prmt.b32 t, ${1 + i // 2}, k, {0x4140 + 0x0202 * (i % 2):#x};", "fma.rn.f16x2 t, t, m0, d0;"]
@@ -266,11 +260,6 @@ def _ptx_pair(bits: int, i: int, high_fp16: bool) -> list[str]:
             lines.append(f"prmt.b32 p, $1, $2, {(4 + b) << 8 | b:#x};")
         lo_mask, hi_bit, high = 0x00030003 << 2 * f, 2 + 2 * f, "$3" if bits == 3 else None
     lines.append(f"lop3.b32 t, p, {lo_mask:#010x}, 0x64006400, 0xEA;")
-    if high is not None and high_fp16:
-        k = i % 4
-        lines += [f"lop3.b32 e, g{i // 4}, {0x00010001 << k:#010x}, 0x64006400, 0xEA;", f"fma.rn.f16x2 e, e, hc{k}, hd{k};",
-                  "add.rn.f16x2 t, t, e;" if f == 0 else f"fma.rn.f16x2 t, t, m{f}, e;"]
-        return lines
     if high is not None:  # bits i and i + 16 of the high word to bit hi_bit of each lane
         shift = hi_bit - i
         if shift > 0:
@@ -282,34 +271,24 @@ def _ptx_pair(bits: int, i: int, high_fp16: bool) -> list[str]:
     return lines
 
 
-def _ptx_step(bits: int, acc16: bool, high_fp16: bool = GEMV_HIGH_FP16) -> str:
+def _ptx_step(bits: int, acc16: bool) -> str:
     """The gemv step decoder of an 8/6/5/3/2-bit class: $1..$bits the step's words, the next 16 operands its input
     pairs in order, $0 the fp32 sum of the 32 products (to be multiplied by `STEP_SCALE`)."""
     if bits == 6:
         return _ptx_words6(acc16)
     zero = STEP_ZERO[bits]
-    lines = ["{", ".reg .b32 p, t, c, e, k, z, s0, s1, m0, d0, m1, d1, m2, d2, m3, d3, g0, g1, g2, g3;",
-             ".reg .b32 hc0, hc1, hc2, hc3, hd0, hd1, hd2, hd3;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;",
-             "mov.f32 r, 0f00000000;"]
+    lines = ["{", ".reg .b32 p, t, c, k, z, s0, s1, m0, d0, m1, d1, m2, d2, m3, d3;", ".reg .b16 lo, hi;",
+             ".reg .f32 flo, fhi, r;", "mov.f32 r, 0f00000000;"]
     if bits == 8:
         lines += ["mov.b32 k, 0x64646464;", f"mov.b32 m0, {_f16x2(1 / 128)};", f"mov.b32 d0, {_f16x2(-9.0)};"]
     else:
         lines.append(f"mov.b32 z, {_f16x2(1024 + zero)};")
-        per_field = 16.0 if bits == 5 else 4.0  # how much larger a field one place higher in its byte comes out
         for f in range(1, 2 if bits == 5 else 4):
-            scale = per_field ** f
+            scale = 16.0 ** f if bits == 5 else 4.0 ** f
             lines += [f"mov.b32 m{f}, {_f16x2(1 / scale)};", f"mov.b32 d{f}, {_f16x2(-(1024 / scale + zero))};"]
-        if bits != 2 and high_fp16:
-            high, top = ("$5", 16.0) if bits == 5 else ("$3", 4.0)
-            lines += [f"mov.b32 g0, {high};"] + [f"shr.u32 g{q}, {high}, {4 * q};" for q in (1, 2, 3)]
-            for k in range(4):
-                f = k % 2 if bits == 5 else k  # the field place of the pairs whose top bit is at bit k
-                hc = top / 2 ** k
-                lines += [f"mov.b32 hc{k}, {_f16x2(hc)};",
-                          f"mov.b32 hd{k}, {_f16x2(-(1024 * hc + zero + 1024 / per_field ** f))};"]
     run = 8 if acc16 else 4  # input pairs of one fp16 chain before the conversion to fp32
     for i in range(16):
-        lines += _ptx_pair(bits, i, high_fp16)
+        lines += _ptx_pair(bits, i)
         acc = "s1" if acc16 and i >= 8 else "s0"
         lines.append(f"mul.rn.f16x2 {acc}, t, ${bits + 1 + i};" if i % run == 0
                      else f"fma.rn.f16x2 {acc}, t, ${bits + 1 + i}, {acc};")
@@ -604,8 +583,8 @@ def permuted_gemv(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bo
 
 def prefetch_rows(ws: Sequence[QuantWeight]) -> int:
     """Word rows a gemv prefetches into L2 before its PDL wait: `PREFETCH_ROWS` for weights of one width, none
-    for mixed widths, where it cost 11 % at batch 1 (H100, a 5/4/3-bit body, 281 tok/s with it, 315 without;
-    benchmarks/RESULTS.md, session 24)."""
+    for mixed widths, where prefetching cost 11 % at batch 1 (H100, a 5/4/3-bit body: 281 tok/s with it, 315
+    without; benchmarks/RESULTS.md, session 24)."""
     return PREFETCH_ROWS if all(len(w.classes) == 1 for w in ws) else 0
 
 
