@@ -36,7 +36,8 @@
 # and this one; s31c: the same with the 4-bit body. s32: the packed gemv tests, then the mixed-width bench with the
 # top bits decoded in fp16 (the default) and the integer way, PDL off, prefetch off; the 4-bit bench.
 # (EXL2_GEMV_HIGH_FP16, the fp16 top-bit decoding, was removed after s32.) s33: the mixed bench with the gemv's
-# prefetch off for mixed widths (the new default) against every prefetch off, twice; the 4-bit bench.
+# prefetch off for mixed widths (the default), every prefetch off, the predicated prefetch on every weight
+# (EXL2_GEMV_PREFETCH_MASKED=1), twice; the 4-bit bench with and without the predicated prefetch, twice.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -249,10 +250,10 @@ for s in $steps; do
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
        AB_SPECS=";" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" \
          bash "$0" envab ;;
-  s33) AB_SPECS=";EXL2_PREFETCH=0;;EXL2_PREFETCH=0" TAG=_mixed BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} \
-         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
-       AB_SPECS=";" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" \
-         bash "$0" envab ;;
+  s33) AB_SPECS=";EXL2_PREFETCH=0;EXL2_GEMV_PREFETCH_MASKED=1;;EXL2_PREFETCH=0;EXL2_GEMV_PREFETCH_MASKED=1" TAG=_mixed \
+         BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
+       AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1;;EXL2_GEMV_PREFETCH_MASKED=1" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} \
+         BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

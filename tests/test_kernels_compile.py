@@ -83,6 +83,17 @@ def _compile_all() -> dict:
     consts = dict(G=3, MASK=63, HAS_ZEROS=False, B0=False, B1=False, B2=False, BS=8, BN=64, RED=4, FAST4=63,
                   STAGES=3, PDL=True, PREFETCH=64)
     out["gemv-group-all-widths"] = verdict(lambda: ptx(gemv_k._gemv_group_kernel, grp, consts, 4, 3))
+
+    def masked_ptx():  # as with EXL2_GEMV_PREFETCH_MASKED=1
+        default, gemv_k._PREFETCH_MASKED = gemv_k._PREFETCH_MASKED, triton.language.constexpr(True)
+        try:
+            text = ptx(gemv_k._gemv_group_kernel, grp, dict(consts, MASK=12), 4, 3)
+        finally:
+            gemv_k._PREFETCH_MASKED = default
+        if "@p prefetch.global.L2" not in text:
+            raise AssertionError("the prefetch is not predicated")
+        return text
+    out["gemv-group-masked-prefetch"] = verdict(masked_ptx)
     from exl2.kernels import mma_dot
     mptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
@@ -218,6 +229,11 @@ def test_gemv_prefetches_its_weights_before_its_wait(compiled, bn, width):
 def test_grouped_gemv_compiles_every_packed_decoder(compiled):
     """q/k/v of a mixed-width model: one launch whose runtime class branches hold all six decoders."""
     assert compiled["gemv-group-all-widths"] == "ok"
+
+
+def test_gemv_masked_prefetch_is_predicated(compiled):
+    """EXL2_GEMV_PREFETCH_MASKED: each lane's prefetch is issued under its own predicate, before the wait."""
+    assert compiled["gemv-group-masked-prefetch"] == "ok"
 
 
 @pytest.mark.parametrize("mask,bs,v,post,zeros", MMA)

@@ -171,6 +171,14 @@ def pdl_args(device: torch.device, rows: int, prefetch: int | bool | None = None
 
 
 @triton.jit
+def prefetch_l2_where(ptrs, mask):
+    """`prefetch_l2` of the lanes where `mask` holds; the others ask for nothing (`prefetch_l2` of a clamped
+    address would still send a request)."""
+    tl.inline_asm_elementwise("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the cache lines at `ptrs` (any shape; a hint with no result, so it costs no registers)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,

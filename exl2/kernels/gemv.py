@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync, prefetch_l2,
-                                  tl, triton)
+                                  prefetch_l2_where, tl, triton)
 from exl2.kernels.matmul_launch import (MatmulConfig, auto_split, class_args, launch, pairs_view, store_tile,
                                         width_mask)
 from exl2.kernels.packed_tiles import PTX_UNPACK4_CONSTANTS, load_class, ptx_unpack4, step_rows, step_scales
@@ -21,6 +21,12 @@ from exl2.kernels.permute import buffer_offsets, gather_input, input_layout, per
 from exl2.kernels.qweight import QuantWeight, matmul_torch
 from exl2.kernels.split_sum import SplitSum
 
+# EXL2_GEMV_PREFETCH_MASKED=1 (not yet measured; off): the L2 prefetch before the PDL wait asks only for the lines
+# of the program's own rows, where the plain one sends its masked-off lanes (absent classes, rows past the share)
+# to the weight's first line, six times as many requests for a mixed-width program as for a 4-bit one; mixed-width
+# weights then prefetch too (`prefetch_rows`).
+PREFETCH_MASKED = env_choice("EXL2_GEMV_PREFETCH_MASKED", 0, range(0, 2)) == 1
+_PREFETCH_MASKED = tl.constexpr(PREFETCH_MASKED)
 # Software-pipelining depth of the gemv loop (EXL2_GEMV_STAGES).
 GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM):
@@ -403,7 +409,10 @@ def _prefetch_class(qw_ptr, N, first_step, n_steps, first_word, w_lo, w_hi, col0
     cols = col0 + tl.arange(0, LINES) * 32  # one address per 128-byte line
     ok = (rows < w_hi)[:, None] & (cols < N)[None, :]
     off = tl.where(ok, rows[:, None].to(tl.int64) * N + cols[None, :], 0)
-    prefetch_l2(qw_ptr + off)
+    if _PREFETCH_MASKED:
+        prefetch_l2_where(qw_ptr + off, ok)
+    else:
+        prefetch_l2(qw_ptr + off)
 
 
 @triton.jit
@@ -584,8 +593,8 @@ def permuted_gemv(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bo
 def prefetch_rows(ws: Sequence[QuantWeight]) -> int:
     """Word rows a gemv prefetches into L2 before its PDL wait: `PREFETCH_ROWS` for weights of one width, none
     for mixed widths, where prefetching cost 11 % at batch 1 (H100, a 5/4/3-bit body: 281 tok/s with it, 315
-    without; benchmarks/RESULTS.md, session 24)."""
-    return PREFETCH_ROWS if all(len(w.classes) == 1 for w in ws) else 0
+    without; benchmarks/RESULTS.md, session 24), unless the prefetch is predicated (`PREFETCH_MASKED`)."""
+    return PREFETCH_ROWS if PREFETCH_MASKED or all(len(w.classes) == 1 for w in ws) else 0
 
 
 class GemvGroup:
