@@ -3,7 +3,8 @@ program (`permute.gather_input`), each program owning BN output columns and a 1/
 rows (`_word_share`). The loop is a plain `tl.range` that Triton software-pipelines `num_stages` tiles deep through
 shared memory (cp.async). EXL2 classes of every width decode two codes per instruction in packed fp16 (inline PTX,
 behind a one-time self-check per width, `fast4_available`); GPTQ (zero tensors) and any width whose check failed
-shift, mask and use the 2^23 exponent trick in fp32. `GemvGroup` runs the gemvs of 2–3 weights sharing an input (q/k/v, gate/up) as one launch.
+shift, mask and use the 2^23 exponent trick in fp32. `GemvGroup` runs the gemvs of 2–3 weights sharing an input
+(q/k/v, gate/up) as one launch.
 """
 from __future__ import annotations
 
