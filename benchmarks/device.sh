@@ -37,7 +37,8 @@
 # top bits decoded in fp16 (the default) and the integer way, PDL off, prefetch off; the 4-bit bench.
 # (EXL2_GEMV_HIGH_FP16, the fp16 top-bit decoding, was removed after s32.) s33: the mixed bench with the gemv's
 # prefetch off for mixed widths (the default), every prefetch off, the predicated prefetch on every weight
-# (EXL2_GEMV_PREFETCH_MASKED=1), twice; the 4-bit bench with and without the predicated prefetch, twice.
+# (EXL2_GEMV_PREFETCH_MASKED=1), twice, and once gate/up split 2 ways (EXL2_GEMV_GROUP_PER_SM=8: shorter
+# programs of fewer classes); the 4-bit bench with and without the predicated prefetch, twice.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -250,7 +251,8 @@ for s in $steps; do
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
        AB_SPECS=";" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" \
          bash "$0" envab ;;
-  s33) AB_SPECS=";EXL2_PREFETCH=0;EXL2_GEMV_PREFETCH_MASKED=1;;EXL2_PREFETCH=0;EXL2_GEMV_PREFETCH_MASKED=1" TAG=_mixed \
+  s33) AB_SPECS=";EXL2_PREFETCH=0;EXL2_GEMV_PREFETCH_MASKED=1;EXL2_GEMV_GROUP_PER_SM=8;;EXL2_PREFETCH=0;EXL2_GEMV_PREFETCH_MASKED=1" \
+         TAG=_mixed \
          BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
        AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1;;EXL2_GEMV_PREFETCH_MASKED=1" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} \
          BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" bash "$0" envab ;;
