@@ -15,8 +15,8 @@ import torch
 
 from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync, prefetch_l2,
                                   prefetch_l2_where, tl, triton)
-from exl2.kernels.matmul_launch import (MatmulConfig, auto_split, class_args, launch, pairs_view, store_tile,
-                                        width_mask)
+from exl2.kernels.matmul_launch import (PACKED_FLAG, MatmulConfig, auto_split, class_args, launch, pairs_view,
+                                        store_tile, width_mask)
 from exl2.kernels.packed_tiles import PTX_UNPACK4_CONSTANTS, load_class, ptx_unpack4, step_rows, step_scales
 from exl2.kernels.permute import buffer_offsets, gather_input, input_layout, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
@@ -175,11 +175,10 @@ def step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_
 @triton.jit
 def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
                       offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
-    BITS: tl.constexpr = 4
     """`_gemv_class` for a 4-bit class without zero tensors (EXL2), with packed fp16x2 arithmetic: x32 is the
     permuted fp16 input read as int32 pairs; a step's four words per asm call, each scale loaded once; Triton
     pipelines the loop STAGES deep."""
-    s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, BITS)
+    s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, 4)
     acc = tl.zeros([BS, BN], dtype=tl.float32)
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         offs_s = s0 + tl.arange(0, BS)
@@ -247,7 +246,6 @@ def _f16x2(v: float) -> str:
 #   permute per two pairs), and bits i and i + 16 of the high word (one shift to bit 4 or 8 of each lane).
 # * 3- and 2-bit (`PAIR_ORDER16`): rows i and i + 16 are the same 2-bit field of low words 0 and 1 (one byte
 #   permute per four pairs); 3-bit: their top bits are bits i and i + 16 of the high word.
-STEP_ZERO = {8: 128, 6: 32, 5: 16, 4: 8, 3: 4, 2: 2}
 STEP_SCALE = {8: 128.0}  # what a step decoder's result is multiplied by (1 for the others)
 
 
@@ -283,7 +281,7 @@ def _ptx_step(bits: int, acc16: bool) -> str:
     pairs in order, $0 the fp32 sum of the 32 products (to be multiplied by `STEP_SCALE`)."""
     if bits == 6:
         return _ptx_words6(acc16)
-    zero = STEP_ZERO[bits]
+    zero = 1 << (bits - 1)
     lines = ["{", ".reg .b32 p, t, c, k, z, s0, s1, m0, d0, m1, d1, m2, d2, m3, d3;", ".reg .b16 lo, hi;",
              ".reg .f32 flo, fhi, r;", "mov.f32 r, 0f00000000;"]
     if bits == 8:
@@ -373,10 +371,6 @@ def _gemv_class_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, fi
     return tl.sum(acc, axis=0)
 
 
-# FAST4 mask bit of each width's packed decoder.
-PACKED_FLAG = {4: 1, 6: 2, 5: 4, 3: 8, 2: 16, 8: 32}
-
-
 @triton.jit
 def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi, offs_n,
                 mask_n, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
@@ -403,12 +397,10 @@ def _prefetch_class(qw_ptr, N, first_step, n_steps, first_word, w_lo, w_hi, col0
                     BN: tl.constexpr, ROWS: tl.constexpr):
     """L2 prefetch of the first ROWS word rows of this program's share of one width class (its BN columns)."""
     s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, BITS)
-    w_lo = first_word + (s_lo - first_step) * BITS
-    w_hi = first_word + (s_hi - first_step) * BITS
-    rows = w_lo + tl.arange(0, ROWS)
+    rows = first_word + (s_lo - first_step) * BITS + tl.arange(0, ROWS)
     LINES: tl.constexpr = BN // 32 if BN >= 32 else 1
     cols = col0 + tl.arange(0, LINES) * 32  # one address per 128-byte line
-    ok = (rows < w_hi)[:, None] & (cols < N)[None, :]
+    ok = (rows < first_word + (s_hi - first_step) * BITS)[:, None] & (cols < N)[None, :]
     off = tl.where(ok, rows[:, None].to(tl.int64) * N + cols[None, :], 0)
     if _PREFETCH_MASKED:
         prefetch_l2_where(qw_ptr + off, ok)

@@ -97,10 +97,16 @@ def auto_split(w: QuantWeight, programs: int, device: torch.device, min_steps: i
     return split
 
 
+# The kernels' FAST4 mask: the bit of each width whose packed decoder (inline PTX) they may use.
+PACKED_FLAG = {4: 1, 6: 2, 5: 4, 3: 8, 2: 16, 8: 32}
+
+
 def pairs_view(xp: torch.Tensor, fast4: bool | int) -> tuple[int, torch.Tensor]:
-    """Which packed decoders run on xp, as the kernels' FAST4 mask (`gemv.PACKED_FLAG`; True: all of them; they
-    need fp16 input with an even row stride), and the int32 view of xp they read."""
-    mask = (63 if fast4 is True else int(fast4 or 0)) if xp.dtype == torch.float16 and xp.stride(0) % 2 == 0 else 0
+    """Which packed decoders run on xp, as the kernels' FAST4 mask (`PACKED_FLAG`; True: all of them; they need
+    fp16 input with an even row stride), and the int32 view of xp they read."""
+    mask = sum(PACKED_FLAG.values()) if fast4 is True else int(fast4 or 0)
+    if xp.dtype != torch.float16 or xp.stride(0) % 2:
+        mask = 0
     return mask, (xp.view(torch.int32) if mask else xp)
 
 

@@ -22,8 +22,8 @@ from exl2.kernels import mma_dot
 from exl2.kernels.backend import env_choice, sm_count, triton, use_triton
 from exl2.kernels.dequant import dequant_matmul
 from exl2.kernels.dot import permuted_dot
-from exl2.kernels.gemv import GEMV_STAGES, PACKED_FLAG, GemvGroup, fast4_available, gemv, permuted_gemv
-from exl2.kernels.matmul_launch import MatmulConfig, auto_split
+from exl2.kernels.gemv import GEMV_STAGES, GemvGroup, fast4_available, gemv, permuted_gemv
+from exl2.kernels.matmul_launch import PACKED_FLAG, MatmulConfig, auto_split
 from exl2.kernels.permute import buffer_offsets, gather_input, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
 from exl2.kernels.split_sum import SplitSum
