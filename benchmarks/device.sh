@@ -39,6 +39,7 @@
 # prefetch off for mixed widths (the default), every prefetch off, the predicated prefetch on every weight
 # (EXL2_GEMV_PREFETCH_MASKED=1), twice, and once gate/up split 2 ways (EXL2_GEMV_GROUP_PER_SM=8: shorter
 # programs of fewer classes); the 4-bit bench with and without the predicated prefetch, twice.
+# s34: the gemv alone on all-5/4/3-bit and mixed weights (`layout_probe.py --widths`), then s33 once.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -255,6 +256,12 @@ for s in $steps; do
          TAG=_mixed \
          BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
        AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1;;EXL2_GEMV_PREFETCH_MASKED=1" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} \
+         BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" bash "$0" envab ;;
+  s34) timeout ${WIDTHS_TIMEOUT:-200} python3 benchmarks/layout_probe.py --widths --shapes gateup,down,qkv,o \
+         --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt"
+       AB_SPECS=";EXL2_PREFETCH=0;EXL2_GEMV_PREFETCH_MASKED=1;EXL2_GEMV_GROUP_PER_SM=8" TAG=_mixed \
+         BENCH_TIMEOUT=${BENCH_TIMEOUT:-80} BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab
+       AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1" TAG=_plain BENCH_TIMEOUT=${BENCH_TIMEOUT:-80} \
          BENCH_ARGS="--modes fp16 --contexts 128 --prefill 64" bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"

@@ -11,7 +11,9 @@ weight to keep it out of L2 (the decode step's situation). Prints GB/s and the s
     python3 benchmarks/layout_probe.py [--shapes o,down,qkv,gateup] [--stream] [--sweep] [--json FILE]
 
 --sweep times the real gemv over launch settings instead (steps an iteration, pipeline depth, warps, column tile,
-K split), to check its defaults against the same L2-cold, back-to-back measurement.
+K split), to check its defaults against the same L2-cold, back-to-back measurement. --widths times it on all-5,
+all-4, all-3-bit weights and the bench's 5/4/3-bit mix (`exl2 bench --mixed`), GB/s of each one's own bytes: if the
+mix runs slower than its classes do alone, the cost is in mixing them, not in decoding any one width.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from exl2.formats.exl2 import group_layout  # noqa: E402
 from exl2.kernels import permute, qweight  # noqa: E402
 from exl2.kernels import quant_matmul as qm  # noqa: E402
 from exl2.kernels.backend import sm_count  # noqa: E402
@@ -193,11 +196,52 @@ def _sweep(name: str, ws: list, xps: list, copies: int, row) -> None:
                         row(tag, us)
 
 
+WIDTH_OPTIONS = {"5-bit": ([5], [1.0], [128]), "4-bit": ([4], [1.0], [128]), "3-bit": ([3], [1.0], [128]),
+                 "mixed 5/4/3": ([5, 4, 3], [0.1, 0.7, 0.2], [128, 128, 128])}
+
+
+def widths_probe(name: str, copy_gbs: float) -> list[dict]:
+    """The real gemv (grouped for q/k/v and gate/up, split sums otherwise) over each of `WIDTH_OPTIONS`."""
+    k, n, _, _ = SHAPES[name]
+    parts = {"qkv": [4096, 1024, 1024], "gateup": [14336, 14336]}.get(name, [n])
+    rows = []
+    for label, (bits, prop, gs) in WIDTH_OPTIONS.items():
+        groups = group_layout(k, bits, prop, gs)
+        scales = [(torch.rand(len(groups), width, device="cuda") * 0.01 + 0.001).half() for width in parts]
+
+        def copy(sc=scales, groups=groups):
+            """One set of the shape's matrices (sharing an act-order permutation, as exllamav2 writes them)."""
+            perm = torch.randperm(k, device="cuda")
+            return [qweight.build(torch.cat([torch.randint(0, 1 << b, (r, s.shape[1]), dtype=torch.uint8,
+                                                           device="cuda") for b, r in groups]), groups, s, None, perm)
+                    for s in sc]
+
+        ws = [copy()]
+        nbytes = sum(m.qweight.numel() * 4 + m.scales.numel() * 2 for m in ws[0])
+        copies = max(2, L2_SPAN // nbytes)
+        ws += [copy() for _ in range(copies - 1)]
+        x = torch.randn(1, k, dtype=torch.float16, device="cuda")
+        if len(parts) > 1:
+            grouped = [GemvGroup(m) for m in ws]
+            xps = [permute.gather_input(x, m, whole=True) for m in ws]
+            us = _graph_time(lambda i: grouped[i](xps[i]), copies)
+        else:
+            xps = [permute.gather_input(x, m)[0] for m in ws]
+            us = _graph_time(lambda i: qm.permuted_matmul(xps[i], ws[i][0], True), copies)
+        gbs = nbytes / us / 1e3
+        rows.append({"shape": name, "variant": label, "us": round(us, 2), "MB": round(nbytes / 1e6, 1),
+                     "GB/s": round(gbs), "pct_copy": round(100 * gbs / copy_gbs, 1)})
+        print(f"| {name} | {label} ({nbytes / 1e6:.1f} MB) | {us:.2f} | {gbs:,.0f} | {100 * gbs / copy_gbs:.1f} % |",
+              flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="o,down,qkv,gateup")
     p.add_argument("--stream", action="store_true", help="the pure-load kernels by layout")
     p.add_argument("--sweep", action="store_true", help="the real gemv over launch settings")
+    p.add_argument("--widths", action="store_true", help="the real gemv on 5/4/3-bit and mixed weights")
     p.add_argument("--json")
     a = p.parse_args()
     copy_gbs = _copy_bandwidth()
@@ -205,7 +249,7 @@ def main() -> None:
     print("| shape | variant | µs | GB/s | % of copy |\n| --- | --- | --- | --- | --- |")
     rows = []
     for name in a.shapes.split(","):
-        rows += probe(name, copy_gbs, a.stream, a.sweep)
+        rows += widths_probe(name, copy_gbs) if a.widths else probe(name, copy_gbs, a.stream, a.sweep)
     if a.json:
         Path(a.json).write_text(json.dumps({"copy_GBs": copy_gbs, "rows": rows}, indent=1))
 
