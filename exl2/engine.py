@@ -33,7 +33,7 @@ class Engine:
         self.model = load_model(config.model_dir, config.device, gpu_split=config.gpu_split,
                                 cache_tokens=config.cache_size or config.max_seq_len, cache_mode=config.kv_cache_mode,
                                 tensor_parallel=config.tensor_parallel, rope=engine_rope(config),
-                                experts_per_token=config.experts_per_token)
+                                experts_per_token=config.experts_per_token, prefill_fp8=config.prefill_fp8)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = choose_template(self.tokenizer, config.prompt_template)
         self.pooling = Pooling.from_dir(config.model_dir, config.embedding_pooling)

@@ -18,6 +18,8 @@ def register(sub) -> None:
     p.add_argument("--layers", type=int, default=None, help="synthetic model: number of layers (default 32)")
     p.add_argument("--mixed", action="store_true",
                    help="synthetic model: 5/4/3-bit groups in every matrix, like a real 4.0 bpw file")
+    p.add_argument("--prefill-fp8", "--prefill_fp8", dest="prefill_fp8", action="store_true",
+                   help="prompt matmuls in FP8 (EngineConfig.prefill_fp8); the decode lines are unchanged by it")
     p.add_argument("--breakdown", action="store_true", help="also print per-kernel times of one decode step")
     p.add_argument("--breakdown-prefill", dest="breakdown_prefill", action="store_true",
                    help="also print per-kernel times of one prefill of --prefill tokens")
@@ -76,10 +78,17 @@ def run(args) -> int:
                                  WeightLoader(source, dev, torch.float16)).eval()
     else:
         model, source = synthetic_model(dev, args.layers, args.mixed)
+    if args.prefill_fp8:
+        from exl2.runtime.loader import use_prefill_fp8
+
+        if not use_prefill_fp8(model):
+            raise ConfigError("--prefill-fp8 needs a GPU with e4m3 tensor cores (sm_89 or newer) and a quantized "
+                              "model.")
     wbytes = weight_bytes(source)
     kind = "5/4/3-bit mixed" if args.mixed else "4-bit"
     print(f"model: {args.model_dir or f'synthetic Llama-3-8B-shaped EXL2 ({kind} body), 6-bit head'}; "
-          f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}", flush=True)
+          f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}"
+          f"{'; FP8 prompt matmuls' if args.prefill_fp8 else ''}", flush=True)
     def progress(r) -> None:  # each row as soon as it is measured (stderr), so a cut-short run still reports
         print(f"  {r.name}: {r.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
 

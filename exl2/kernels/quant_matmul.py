@@ -7,7 +7,8 @@
   the gemv's rows past `GEMV_MAX_M` (1), and all of them for matrices with a class the gemv has no packed
   decoder for on this device (`gemv_via_mma`).
 * **dot** (M ≤ 64, `dot.py`): the Triton tensor-core kernel, where the Gluon kernel does not run.
-* **dequant** (larger M, `dequant.py`): fp16 weight from a Triton kernel, then cuBLAS.
+* **dequant** (larger M, `dequant.py`): fp16 weight from a Triton kernel, then cuBLAS; or, for weights opted
+  in to it, e4m3 weight and input and a scaled FP8 GEMM (`fp8_prefill.py`).
 
 The small-M paths read the input already permuted into the weight's stored row order (`permute.gather_input`, or
 written by the kernel producing the input: `rms_norm_gather`, `glu(index=...)`, consumed by `permuted_matmul`).
@@ -20,8 +21,9 @@ import torch
 
 from exl2.kernels import mma_dot
 from exl2.kernels.backend import env_choice, sm_count, triton, use_triton
-from exl2.kernels.dequant import dequant_matmul
+from exl2.kernels.dequant import dequant_matmul_group
 from exl2.kernels.dot import permuted_dot
+from exl2.kernels.fp8_prefill import fp8_applies, fp8_matmul_group
 from exl2.kernels.gemv import GEMV_STAGES, GemvGroup, fast4_available, gemv, permuted_gemv
 from exl2.kernels.matmul_launch import PACKED_FLAG, MatmulConfig, auto_split
 from exl2.kernels.permute import buffer_offsets, gather_input, permuted_for
@@ -159,8 +161,18 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, xp: torch.Tensor | None = None
     elif path == "dot":
         y = _dot_or_mma(permuted_for(x2, w, xp), w, cfg)
     else:
-        y = dequant_matmul(x2, w)
+        y = prompt_matmul(x2, [w])[0]
     return y.view(*x.shape[:-1], w.n)
+
+
+def prompt_matmul(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
+    """The large-M path for weights sharing x `[M, K]`: one e4m3 GEMM where they opted in (`prefill_fp8`) and the
+    device has it (one a weight where their layouts differ), else dequantize + one cuBLAS GEMM."""
+    if fp8_applies(x, ws):
+        return fp8_matmul_group(x, ws)
+    if len(ws) > 1 and all(fp8_applies(x, [w]) for w in ws):
+        return [fp8_matmul_group(x, [w])[0] for w in ws]
+    return dequant_matmul_group(x, ws)
 
 
 def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None = None

@@ -69,6 +69,8 @@ class QuantWeight:
     bias: torch.Tensor | None = None
     out_features: int | None = None
     x_index: torch.Tensor | None = None
+    # prompt-sized matmuls through e4m3 (`fp8_prefill`, EngineConfig.prefill_fp8)
+    prefill_fp8: bool = field(default=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl2.kernels import quant_matmul as qm
-from exl2.kernels.dequant import dequant_matmul_group
 from exl2.kernels.permute import gather_input, input_layout, share_input_orders, split_permuted, take_columns
-from exl2.kernels.quant_matmul import (grouped_matmul, permuted_matmul, quant_matmul, uses_dequant,
+from exl2.kernels.quant_matmul import (grouped_matmul, permuted_matmul, prompt_matmul, quant_matmul, uses_dequant,
                                        uses_permuted_input)
 from exl2.kernels.split_sum import SplitSum
 
@@ -125,6 +124,20 @@ def share_inputs(model: nn.Module, enabled: Optional[bool] = None) -> int:
     return aliased
 
 
+def quant_kernels(model: nn.Module) -> list:
+    """The kernels' weights (QuantWeight) of every quantized linear of the model."""
+    return [mod.kernel for mod in model.modules() if isinstance(mod, Linear) and mod.kernel is not None]
+
+
+def set_prefill_fp8(model: nn.Module, enabled: bool = True) -> int:
+    """Send the prompt-sized matmuls of every quantized linear through e4m3 (`fp8_prefill`; decoding keeps the
+    exact kernels) or back. Returns how many weights it set."""
+    weights = quant_kernels(model)
+    for w in weights:
+        w.prefill_fp8 = enabled
+    return len(weights)
+
+
 def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """Apply several linears to the same input (q/k/v, gate/up). On the large-batch GPU path quantized ones
     share one GEMM (`dequant_matmul_group`). On the small-batch path they read x permuted into their own row
@@ -133,7 +146,7 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Te
     quant = [m for m in linears if isinstance(m, Linear) and m.kernel is not None]
     rows = x.numel() // max(1, x.shape[-1])
     if xp is None and 1 < len(quant) == len(linears) and uses_dequant(rows, x):  # large batches: one GEMM
-        outs = dequant_matmul_group(x.reshape(rows, x.shape[-1]), [m.kernel for m in quant])
+        outs = prompt_matmul(x.reshape(rows, x.shape[-1]), [m.kernel for m in quant])
         return with_loras(x, linears, [m.trim(y.view(*x.shape[:-1], y.shape[-1])) for m, y in zip(linears, outs)])
     if xp is None and (len(quant) < 2 or not uses_permuted_input(rows, x)):
         return [m(x) for m in linears]

@@ -41,14 +41,15 @@ def pick_device(device: Optional[str] = None) -> torch.device:
 def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                gpu_split: Optional[GpuSplit] = None, cache_tokens: Optional[int] = None, cache_mode: str = "fp16",
                tensor_parallel: bool = False, rope: Optional[RopeOverride] = None,
-               experts_per_token: Optional[int] = None) -> DecoderModel:
+               experts_per_token: Optional[int] = None, prefill_fp8: bool = False) -> DecoderModel:
     """`gpu_split` (GB per GPU, or "auto"; runtime.placement) spreads the decoder layers over several GPUs, with
     room for the KV cache of `cache_tokens` tokens (default: the model's context, at most 4096) in `cache_mode`
     next to each layer. A plan that uses one GPU loads the model there as if no split had been asked for.
     `tensor_parallel` shards every layer over the GPUs instead (runtime.tp): those `gpu_split` lists with a
     budget above 0, or every visible GPU. `rope` (-rs/-ra/-ry) overrides config.json's RoPE; the spec's
     `max_position` is then the context the override covers. `experts_per_token` overrides how many experts a
-    mixture-of-experts model routes each token to (exllamav2's -ept)."""
+    mixture-of-experts model routes each token to (exllamav2's -ept). `prefill_fp8` sends prompt-sized matmuls
+    of quantized weights through e4m3 (`kernels.fp8_prefill`: faster prompts, slightly different numbers)."""
     cfg = read_config(model_dir)
     spec = with_experts_per_token(spec_from_config(cfg, rope), experts_per_token)
     qc = cfg.get("quantization_config") or {}
@@ -64,7 +65,29 @@ def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optio
         model = _load_split(src, spec, device, dtype or torch.float16, gpu_split, cache_tokens, cache_mode, fmt)
     model.config_dict = cfg
     model.model_dir = Path(model_dir)
+    if prefill_fp8:
+        use_prefill_fp8(model)
     return model
+
+
+def use_prefill_fp8(model: torch.nn.Module) -> bool:
+    """Opt the model's quantized weights in to FP8 prompt matmuls (`set_prefill_fp8`); False, with a one-line
+    warning, where that changes nothing: no quantized weights, or devices without e4m3 tensor cores (the CPU, GPUs
+    before sm_89)."""
+    from exl2.kernels.fp8_prefill import fp8_available
+    from exl2.runtime.linear import quant_kernels, set_prefill_fp8
+
+    weights = quant_kernels(model)  # none on the CPU, which decodes at load
+    devices = {w.device for w in weights} or {t.device for t in model.parameters()}
+    if not devices or not all(fp8_available(d) for d in devices):
+        log.warning("prefill_fp8 needs CUDA GPUs with e4m3 tensor cores (sm_89 or newer), so prompts run without it "
+                    "on this device.")
+    elif not set_prefill_fp8(model, True):
+        log.warning("prefill_fp8 applies to quantized (EXL2/GPTQ) weights and this model has none, so its prompts "
+                    "run in fp16.")
+    else:
+        return True
+    return False
 
 
 def native_context(model_dir: Path | str) -> int:
