@@ -40,7 +40,8 @@
 # (EXL2_GEMV_PREFETCH_MASKED=1), twice, and once gate/up split 2 ways (EXL2_GEMV_GROUP_PER_SM=8: shorter
 # programs of fewer classes); the 4-bit bench with and without the predicated prefetch, twice.
 # s34: the gemv alone on all-5/4/3-bit and mixed weights (`layout_probe.py --widths`), then s33 once. s35: the
-# FP8 prompt-matmul GPU tests, then the bench with and without --prefill-fp8.
+# FP8 prompt-matmul GPU tests, then the bench with and without --prefill-fp8. s36: s35, the widths probe, and the
+# mixed bench with and without the masked prefetch, to fit one call.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -269,6 +270,11 @@ for s in $steps; do
        for fp8 in "" --prefill-fp8; do timeout ${BENCH_TIMEOUT:-120} python3 -m exl2.cli.main bench --modes fp16 \
          --contexts 128 --batch 16 $fp8 > "$OUT/bench_prefill$fp8.txt" 2>&1; echo "bench $fp8 rc=$?"
          grep -E "^\| (decode|prefill)" "$OUT/bench_prefill$fp8.txt"; done ;;
+  s36) TEST_TIMEOUT=${TEST_TIMEOUT:-170} BENCH_TIMEOUT=${BENCH_TIMEOUT:-100} bash "$0" s35
+       timeout ${WIDTHS_TIMEOUT:-120} python3 benchmarks/layout_probe.py --widths --shapes gateup,down,qkv,o \
+         --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt"
+       AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1" TAG=_mixed BENCH_TIMEOUT=60 \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

@@ -38,7 +38,7 @@ T = TypeVar("T")
 
 # The EngineConfig fields that `exl2 serve`'s flags set for every model, so loads through the API inherit them.
 DEFAULT_FIELDS = ("device", "kv_cache_mode", "max_batch_size", "gpu_split", "tensor_parallel", "ngram_draft",
-                  "num_draft_tokens", "flash_attention_enabled")
+                  "num_draft_tokens", "flash_attention_enabled", "prefill_fp8")
 # EngineConfig field -> the load request's name for it, for error messages
 _REQUEST_NAMES = {"kv_cache_mode": "cache_mode", "draft_model_dir": "draft_model.draft_model_name",
                   "num_draft_tokens": "draft_model.draft_num_tokens", "flash_attention_enabled": "no_flash_attention",
@@ -101,6 +101,7 @@ class ModelLoadRequest(BaseModel):
     no_flash_attention: Optional[bool] = None
     use_cfg: Optional[bool] = None     # TabbyAPI's: no effect here, guidance is always available (cfg_scale)
     num_experts_per_token: Optional[int] = None
+    prefill_fp8: Optional[bool] = None   # this engine's: prompt matmuls in FP8 (EngineConfig.prefill_fp8)
     # the context rope_alpha "auto" stretches from (TabbyAPI's; default: the model's own)
     override_base_seq_len: Optional[int] = Field(None, ge=1)
     draft_model: Optional[DraftLoadRequest] = Field(None, validation_alias=AliasChoices("draft_model", "draft"))
@@ -214,7 +215,7 @@ def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
             del settings["cache_size"]        # the server's default cache is too small for it: max_seq_len's
     for field, key in (("cache_size", "cache_size"), ("cache_mode", "kv_cache_mode"),
                        ("max_batch_size", "max_batch_size"), ("tensor_parallel", "tensor_parallel"),
-                       ("num_experts_per_token", "experts_per_token")):
+                       ("num_experts_per_token", "experts_per_token"), ("prefill_fp8", "prefill_fp8")):
         if getattr(body, field) is not None:
             settings[key] = getattr(body, field)
     if body.gpu_split:
