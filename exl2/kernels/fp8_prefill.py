@@ -141,7 +141,10 @@ def fp8_weight(ws: Sequence[QuantWeight], bs: int = 4, bn: int = 128) -> tuple[t
         _weight_kernel[grid](out, out.stride(0), c.first_step, c.n_steps, c.first_word, *args, tiles[0], tiles[1],
                              BITS=c.bits, LB=lb, HB=hb, HAS_ZEROS=ws[0].zeros is not None, BS=bs, BN=bn,
                              num_warps=4)
-    return out, torch.cat(scales)
+    key = ("fp8_scales",) + tuple(map(id, ws))
+    if key not in ws[0]._cache:
+        ws[0]._cache[key] = torch.cat(scales)
+    return out, ws[0]._cache[key]
 
 
 def fp8_input(x: torch.Tensor, w: QuantWeight, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,12 +190,21 @@ def fp8_available(device: torch.device | str) -> bool:
 def fp8_applies(x: torch.Tensor, ws: Sequence[QuantWeight]) -> bool:
     """Whether the weights take the FP8 path for this input: all opted in (`prefill_fp8`), one class layout and
     one stored input order, outputs a multiple of 16 wide, a device that has it."""
-    w0 = ws[0]
     return (x.is_cuda and all(w.prefill_fp8 for w in ws) and len(ws) <= 3 and all(w.n % 16 == 0 for w in ws)
-            and len({w.zeros is None for w in ws}) == 1
-            and all(w.classes == w0.classes and (w.row_index is w0.row_index or torch.equal(w.row_index, w0.row_index))
-                    for w in ws[1:])
-            and fp8_available(x.device))
+            and len({w.zeros is None for w in ws}) == 1 and _one_layout(ws) and fp8_available(x.device))
+
+
+def _one_layout(ws: Sequence[QuantWeight]) -> bool:
+    """Whether the weights share their class layout and stored input order, so one e4m3 input serves them all.
+    Cached: comparing the orders reads a result back from the GPU, which must not happen every prompt."""
+    key = ("fp8_layout",) + tuple(map(id, ws))
+    same = ws[0]._cache.get(key)
+    if same is None:
+        w0 = ws[0]
+        same = ws[0]._cache[key] = all(
+            w.classes == w0.classes and (w.row_index is w0.row_index or torch.equal(w.row_index, w0.row_index))
+            for w in ws[1:])
+    return same
 
 
 def fp8_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
