@@ -43,7 +43,8 @@
 # FP8 prompt-matmul GPU tests, then the bench with and without --prefill-fp8. s36: s35, the widths probe, and the
 # mixed bench with and without the masked prefetch, to fit one call. s37: s35, then the mixed bench with the
 # 64-column gemvs' registers capped at 64 and 72 (EXL2_GEMV_MAXNREG) against the compiler's choice. s38: the FP8
-# GPU tests, the prefill breakdown with and without FP8, the mixed bench capped at 64 and not, alternating.
+# GPU tests, the prefill breakdown with and without FP8, the mixed bench capped at 64 and not, alternating
+# (EXL2_GEMV_MAXNREG was removed after it lost). s39: the FP8 prefill breakdown, its GPU tests, the plain prefill.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -287,6 +288,13 @@ for s in $steps; do
          grep -E "^\| prefill" "$OUT/bench_prefill$fp8.txt"; grep -A14 "per-kernel time of one prefill" "$OUT/bench_prefill$fp8.txt"; done
        AB_SPECS="EXL2_GEMV_MAXNREG=64;;EXL2_GEMV_MAXNREG=64;" TAG=_mixed BENCH_TIMEOUT=75 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab ;;
+  s39) timeout 90 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 --prefill-fp8 --breakdown-prefill \
+         > "$OUT/bench_prefill--prefill-fp8.txt" 2>&1; echo "bench --prefill-fp8 rc=$?"
+       grep -E "^\| prefill" "$OUT/bench_prefill--prefill-fp8.txt"; grep -A9 "per-kernel time of one prefill" "$OUT/bench_prefill--prefill-fp8.txt"
+       timeout -s INT -k 10 70 python3 -m pytest -m gpu tests/test_fp8_prefill.py -q -s -p no:cacheprovider -rfE \
+         > "$OUT/gpu_fp8.txt" 2>&1; echo "fp8 GPU tests rc=$?"; grep -E "passed|failed|fp8 prefill against" "$OUT/gpu_fp8.txt"
+       timeout 60 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 > "$OUT/bench_prefill.txt" 2>&1
+       echo "bench rc=$?"; grep -E "^\| prefill" "$OUT/bench_prefill.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

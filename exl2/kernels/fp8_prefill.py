@@ -102,27 +102,20 @@ def _weight_kernel(out_ptr, stride_o, first_step, n_steps, first_word,
 
 
 @triton.jit
-def _input_kernel(x_ptr, stride_x, ri_ptr, out_ptr, scale_ptr, KS, BLOCK: tl.constexpr):
-    """One row of x gathered into stored order (`row_index`, −1 reads zero) as e4m3 times 448 / its amax, and
-    that row's scale (amax / 448)."""
+def _input_kernel(x_ptr, stride_x, ri_ptr, out_ptr, scale_ptr, K, KS, BK: tl.constexpr):
+    """One row of x as e4m3 times 448 / its amax, gathered into stored order (`row_index`, −1 reads zero), and
+    the row's scale (amax / 448). The row is read once, in order; the permutation is a gather from on-chip memory
+    (`tl.gather`): gathering from global memory took 106 µs a call for 2,047 rows of 4,096 on the H100, 28 % of
+    an FP8 prefill."""
     row = tl.program_id(0)
-    xr = x_ptr + row.to(tl.int64) * stride_x
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, KS, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        ri = tl.load(ri_ptr + offs, mask=offs < KS, other=-1)
-        v = tl.load(xr + ri, mask=ri >= 0, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    top = tl.maximum(tl.max(amax, axis=0), 1e-12)
-    inv = tl.math.div_rn(448.0, top)
+    offs = tl.arange(0, BK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < K, other=0.0).to(tl.float16)
+    top = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), axis=0), 1e-12)
     tl.store(scale_ptr + row, tl.math.div_rn(top, 448.0))
-    orow = out_ptr + row.to(tl.int64) * KS
-    for k0 in range(0, KS, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        ri = tl.load(ri_ptr + offs, mask=offs < KS, other=-1)
-        v = tl.load(xr + ri, mask=ri >= 0, other=0.0).to(tl.float32)
-        q = tl.clamp(v * inv, -448.0, 448.0)
-        tl.store(orow + offs, _e4m3(q), mask=offs < KS)
+    ri = tl.load(ri_ptr + offs, mask=offs < KS, other=-1)
+    v = tl.gather(x, tl.maximum(ri, 0), 0).to(tl.float32)
+    q = tl.clamp(tl.where(ri >= 0, v, 0.0) * tl.math.div_rn(448.0, top), -448.0, 448.0)
+    tl.store(out_ptr + row.to(tl.int64) * KS + offs, _e4m3(q), mask=offs < KS)
 
 
 def fp8_weight(ws: Sequence[QuantWeight], bs: int = 4, bn: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,14 +140,15 @@ def fp8_weight(ws: Sequence[QuantWeight], bs: int = 4, bn: int = 128) -> tuple[t
     return out, ws[0]._cache[key]
 
 
-def fp8_input(x: torch.Tensor, w: QuantWeight, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 `[M, S·32]` of x `[M, K]` in w's stored row order, fp32 `[M]` row scales)."""
-    m = x.shape[0]
-    ks = w.row_index.numel()
+def fp8_input(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 `[M, S·32]` of x `[M, K]` (fp16) in w's stored row order, fp32 `[M]` row scales)."""
+    m, ks = x.shape[0], w.row_index.numel()
     out = torch.empty((m, ks), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        _input_kernel[(m,)](x, x.stride(0), w.row_index, out, scale, ks, BLOCK=block, num_warps=4)
+        bk = triton.next_power_of_2(max(w.k, ks))
+        _input_kernel[(m,)](x, x.stride(0), w.row_index, out, scale, w.k, ks, BK=bk,
+                            num_warps=min(16, max(4, bk // 1024)))
     return out, scale
 
 

@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from exl2.kernels.backend import (INTERPRET, PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync,
-                                  prefetch_l2, prefetch_l2_where, tl, triton)
+from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync, prefetch_l2,
+                                  prefetch_l2_where, tl, triton)
 from exl2.kernels.matmul_launch import (PACKED_FLAG, MatmulConfig, auto_split, class_args, launch, pairs_view,
                                         store_tile, width_mask)
 from exl2.kernels.packed_tiles import PTX_UNPACK4_CONSTANTS, load_class, ptx_unpack4, step_rows, step_scales
@@ -33,16 +33,6 @@ GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM):
 # 4 splits q/k/v 4 ways instead of 2 (9.1 -> 8.2 us on the H200) and leaves gate/up unsplit (session 11).
 GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
-# Register cap of the 64-column gemvs (EXL2_GEMV_MAXNREG, 0: the compiler's choice). A kernel holding several
-# width classes' loops gets more registers than any one of them (ptxas for sm_90: grouped 4-bit 64, 5/4/3-bit 96),
-# so fewer programs fit an SM (5 against 8) for a load stream that lives on programs in flight; capped at 64 it
-# compiles without spills. The 128-column head kernels spill under a cap and keep theirs.
-GEMV_MAXNREG = env_choice("EXL2_GEMV_MAXNREG", 0, (0, 64, 72, 80, 96))
-
-
-def reg_cap(bn: int) -> dict:
-    """The `maxnreg` launch option of a gemv with `bn`-column tiles (`GEMV_MAXNREG`), or none."""
-    return {"maxnreg": GEMV_MAXNREG} if GEMV_MAXNREG and bn <= 64 and not INTERPRET else {}
 
 
 @triton.jit
@@ -590,7 +580,7 @@ def permuted_gemv(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bo
     """`gemv` on the permuted input xp; `part_only`: where K is split, the partial sums as a `SplitSum`."""
     fast4 = fast4_available(xp.device) if fast4 is None else fast4
     return launch(_gemv_kernel, xp, w, cfg, fast4, part_only=part_only, prefetch=prefetch_rows([w]),
-                  STAGES=cfg.num_stages, **reg_cap(cfg.bn))
+                  STAGES=cfg.num_stages)
 
 
 def prefetch_rows(ws: Sequence[QuantWeight]) -> int:
@@ -671,7 +661,7 @@ class GemvGroup:
             xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
             G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4,
-            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages, **reg_cap(self.BN),
+            STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages,
             **pdl_args(xp.device, m, prefetch=prefetch_rows(self.ws)))
         return outs
 
