@@ -184,6 +184,21 @@ def _compile_all() -> dict:
             out[f"rope-write-{kb}-{vb}-{had}"] = "ok" if "griddepcontrol.wait" in text else "no PDL wait"
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[f"rope-write-{kb}-{vb}-{had}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    from exl2.kernels import fp8_prefill as f8
+    fptrs = {"out_ptr": "*fp8e4nv", "x_ptr": "*fp16", "ri_ptr": "*i32", "scale_ptr": "*fp32"}
+    for i in range(3):
+        fptrs.update({f"qw{i}": "*i32", f"sc{i}": "*fp16", f"zr{i}": "*fp16", f"sg{i}": "*i32", f"inv{i}": "*fp32"})
+    for key, make, want in (
+            ("fp8-weight", lambda: ptx(f8._weight_kernel, fptrs, dict(BITS=5, LB=4, HB=1, HAS_ZEROS=False, BS=4,
+                                                                      BN=128), 4, 1, div=("stride_o",)),
+             "st.global.v4"),
+            ("fp8-input", lambda: ptx(f8._input_kernel, fptrs, dict(BK=16384), 16, 1, div=("stride_x", "KS")),
+             "st.global.v")):
+        try:  # the e4m3 operands are written in whole vectors along K, not a byte at a time
+            text = make()
+            out[key] = "ok" if want in text and "cvt.rn.satfinite.e4m3x2" in text else f"no {want} / e4m3 cvt"
+        except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
+            out[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     from exl2.kernels import cutoff, sampling
     sptrs = {"x_ptr": "*fp32", "y_ptr": "*fp32", "seen_ptr": "*u8", "cnt_ptr": "*fp32", "par_ptr": "*fp32", "pmax_ptr": "*fp32", "hist_ptr": "*fp32",
              "sti_ptr": "*i32", "stf_ptr": "*fp32", "khist_ptr": "*fp32", "ksti_ptr": "*i32", "kstf_ptr": "*fp32",
@@ -229,6 +244,13 @@ def test_gemv_prefetches_its_weights_before_its_wait(compiled, bn, width):
 def test_grouped_gemv_compiles_every_packed_decoder(compiled):
     """q/k/v of a mixed-width model: one launch whose runtime class branches hold all six decoders."""
     assert compiled["gemv-group-all-widths"] == "ok"
+
+
+@pytest.mark.parametrize("kernel", ["fp8-weight", "fp8-input"])
+def test_fp8_operand_kernels_store_whole_vectors(compiled, kernel):
+    """The FP8 prompt operands (`fp8_prefill`): the transposed weight and the gathered 14,336-wide input row
+    compile for sm_90 with vector stores along K and the hardware e4m3 conversion."""
+    assert compiled[kernel] == "ok"
 
 
 def test_gemv_masked_prefetch_is_predicated(compiled):
