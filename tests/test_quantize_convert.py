@@ -179,7 +179,7 @@ def test_quantized_cache_costs_quality(src_model):
     assert whole.perplexity == pytest.approx(res["q2"].ref_perplexity, rel=1e-5)
 
 
-def test_cli_eval_cache_mode(tmp_path, capsys):
+def test_cli_eval_cache_mode(tmp_path, capsys, caplog):
     """`exl2 eval -cm q4 --json` reports the mode and chunk; bad settings are one-line errors, a model whose head
     dim is not a multiple of 64 before --ref (here missing) is loaded."""
     from tiny_models import build_tiny
@@ -191,6 +191,9 @@ def test_cli_eval_cache_mode(tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)
     assert (plain["cache_mode"], res["cache_mode"], res["chunk"], res["tokens"]) == ("fp16", "q4", 16, 126)
     assert "chunk" not in plain and res["perplexity"] != plain["perplexity"]
+    assert main(base + ["-m", str(SRC), "--prefill-fp8"]) == 0  # no FP8 on the CPU: the exact result, said so
+    fp8 = capsys.readouterr()
+    assert json.loads(fp8.out) == plain and "prefill_fp8 needs CUDA GPUs" in caplog.text
     tiny = build_tiny("llama", tmp_path / "tiny")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(SRC / f, tiny)

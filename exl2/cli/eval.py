@@ -34,6 +34,9 @@ def register(sub) -> None:
     add_rope_args(p)  # the model's and --ref's: both read the rows with the same positions
     add_experts_arg(p)  # the model's only: --ref keeps its own routing (what fewer experts cost)
     add_gpu_args(p, "; --ref is placed the same way, planned on its own (with 'auto', over what the model left)")
+    p.add_argument("--prefill-fp8", "--prefill_fp8", dest="prefill_fp8", action="store_true",
+                   help="the model's matmuls in FP8 where it would use them for prompts (GPUs from sm_89); --ref "
+                        "stays exact, so --ref on the same model measures what FP8 prompts cost")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
 
@@ -63,6 +66,7 @@ def run(args) -> int:
     from exl2.generation.tokenizer import Tokenizer
     from exl2.quantize.evaluate import eval_rows, evaluate, row_cache
     from exl2.quantize.progress import Reporter
+    from exl2.runtime.linear import quant_kernels
     from exl2.runtime.loader import load_model
     from exl2.runtime.placement import parse_gpu_split
 
@@ -80,7 +84,7 @@ def run(args) -> int:
     dtype = torch.float32 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu" else None
     model = load_model(model_dir, args.device, dtype, gpu_split=split, cache_tokens=args.length,
                        cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope,
-                       experts_per_token=args.experts_per_token)
+                       experts_per_token=args.experts_per_token, prefill_fp8=args.prefill_fp8)
     if cache_mode is not None:
         row_cache(model, cache_mode, 1)  # a model that cannot use the mode fails now, not after loading --ref
     ref = None
@@ -92,9 +96,12 @@ def run(args) -> int:
                               f"{model.spec.vocab_size}; they must share a tokenizer.")
     with ui.stage("evaluation", ids.shape[0]) as tick:
         res = evaluate(model, ids, ref, lambda: tick(1), cache_mode, chunk)
+    fp8 = bool(args.prefill_fp8) and any(getattr(w, "prefill_fp8", False) for w in quant_kernels(model))
     if args.json:
-        print(json.dumps(res.as_dict()))
+        print(json.dumps(res.as_dict() | ({"prefill_fp8": True} if fp8 else {})))
         return 0
+    if fp8:
+        print("matmuls         FP8 (e4m3) where rows > 64")
     print(f"tokens          {res.tokens}")
     print(f"cache mode      {res.cache_mode}" + (f", chunks of {res.chunk} tokens" if res.chunk else ", uncached"))
     print(f"perplexity      {res.perplexity:.4f}")

@@ -140,7 +140,7 @@ def set_prefill_fp8(model: nn.Module, enabled: bool = True) -> int:
 
 def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """Apply several linears to the same input (q/k/v, gate/up). On the large-batch GPU path quantized ones
-    share one GEMM (`dequant_matmul_group`). On the small-batch path they read x permuted into their own row
+    share one GEMM (`prompt_matmul`). On the small-batch path they read x permuted into their own row
     order: `xp` holds those copies side by side, one per distinct order (`input_layout`), when the producer of x
     wrote them (see `permuted_indices`); otherwise one gather launch prepares them."""
     quant = [m for m in linears if isinstance(m, Linear) and m.kernel is not None]
