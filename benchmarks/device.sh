@@ -45,6 +45,8 @@
 # 64-column gemvs' registers capped at 64 and 72 (EXL2_GEMV_MAXNREG) against the compiler's choice. s38: the FP8
 # GPU tests, the prefill breakdown with and without FP8, the mixed bench capped at 64 and not, alternating
 # (EXL2_GEMV_MAXNREG was removed after it lost). s39: the FP8 prefill breakdown, its GPU tests, the plain prefill.
+# s40 (next, ~9 min): the target table (batches 2, 4, 16), FP8 prefill with and without fast accumulation, the
+# mixed bench with and without the masked prefetch (twice), the widths probe.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -295,6 +297,15 @@ for s in $steps; do
          > "$OUT/gpu_fp8.txt" 2>&1; echo "fp8 GPU tests rc=$?"; grep -E "passed|failed|fp8 prefill against" "$OUT/gpu_fp8.txt"
        timeout 60 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 > "$OUT/bench_prefill.txt" 2>&1
        echo "bench rc=$?"; grep -E "^\| prefill" "$OUT/bench_prefill.txt" ;;
+  s40) timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
+       grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
+       for acc in 0 1; do EXL2_FP8_FAST_ACCUM=$acc timeout 80 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 \
+         --batch 2 --prefill-fp8 > "$OUT/bench_fp8_acc$acc.txt" 2>&1; echo "bench --prefill-fp8 fast-accum $acc rc=$?"
+         grep -E "^\| prefill" "$OUT/bench_fp8_acc$acc.txt"; done
+       AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1;;EXL2_GEMV_PREFETCH_MASKED=1" TAG=_mixed BENCH_TIMEOUT=70 \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab
+       timeout ${WIDTHS_TIMEOUT:-120} python3 benchmarks/layout_probe.py --widths --shapes gateup,down,qkv,o \
+         --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
