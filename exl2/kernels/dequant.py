@@ -48,16 +48,26 @@ def _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, fir
 
 
 @triton.jit
-def _dequant_tile(pid_n, out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, stride_o, first_step, n_steps,
-                  first_word, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                  BS: tl.constexpr, BN: tl.constexpr):
-    """BS steps (program_id(0)) × BN columns (tile pid_n) of one class, stored at their natural rows of out."""
+def class_tile(pid_n, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, first_word, BITS: tl.constexpr,
+               LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
+    """`_decode_tile` of BS steps (program_id(0)) × BN columns (tile pid_n) of one class, with its step and column
+    offsets and masks."""
     offs_s = first_step + tl.program_id(0) * BS + tl.arange(0, BS)
     mask_s = offs_s < first_step + n_steps
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     deq = _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, first_word, offs_n, mask_n, N,
                        BITS, LB, HB, HAS_ZEROS, BS, BN)
+    return deq, offs_s, mask_s, offs_n, mask_n
+
+
+@triton.jit
+def _dequant_tile(pid_n, out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, ri_ptr, N, stride_o, first_step, n_steps,
+                  first_word, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                  BS: tl.constexpr, BN: tl.constexpr):
+    """`class_tile`, stored at its natural rows of out."""
+    deq, offs_s, mask_s, offs_n, mask_n = class_tile(pid_n, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
+                                                     first_word, BITS, LB, HB, HAS_ZEROS, BS, BN)
     ridx = tl.load(ri_ptr + offs_s[:, None] * 32 + tl.arange(0, 32)[None, :], mask=mask_s[:, None], other=-1)
     ptrs = out_ptr + ridx[:, :, None].to(tl.int64) * stride_o + offs_n[None, None, :]
     tl.store(ptrs, deq, mask=(ridx[:, :, None] >= 0) & mask_n[None, None, :])

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import env_choice, tl, triton
-from exl2.kernels.dequant import _decode_tile
+from exl2.kernels.dequant import class_tile
 from exl2.kernels.qweight import QuantWeight, decode_steps, split_bits
 
 E4M3_MAX = 448.0
@@ -67,14 +67,10 @@ def _e4m3(v):
 def _weight_tile(pid_n, out_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, inv_ptr, N, stride_o, first_step, n_steps,
                  first_word, BITS: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, HAS_ZEROS: tl.constexpr,
                  BS: tl.constexpr, BN: tl.constexpr):
-    """BS steps × BN columns of one class into out `[N, S·32]` (stored row order, transposed): e4m3 of the fp16
-    weight times the column's inverse scale."""
-    offs_s = first_step + tl.program_id(0) * BS + tl.arange(0, BS)
-    mask_s = offs_s < first_step + n_steps
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_n = offs_n < N
-    deq = _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, first_word, offs_n, mask_n, N,
-                       BITS, LB, HB, HAS_ZEROS, BS, BN)
+    """`class_tile` into out `[N, S·32]` (stored row order, transposed): e4m3 of the fp16 weight times the
+    column's inverse scale."""
+    deq, offs_s, mask_s, offs_n, mask_n = class_tile(pid_n, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps,
+                                                     first_word, BITS, LB, HB, HAS_ZEROS, BS, BN)
     inv = tl.load(inv_ptr + offs_n, mask=mask_n, other=0.0)
     v = tl.clamp(deq.to(tl.float32) * inv[None, None, :], -448.0, 448.0)
     rows = offs_s[:, None] * 32 + tl.arange(0, 32)[None, :]
