@@ -1,8 +1,8 @@
 """Opt-in FP8 prompt matmuls (`EngineConfig.prefill_fp8`): the large-M path in e4m3 instead of fp16.
 
 A 2,047-token prefill is bound by its fp16 GEMMs' sustained throughput (benchmarks/RESULTS.md, session 14); e4m3
-tensor cores do twice the work per cycle. Per call, the weight is decoded into e4m3 with one scale a column (a
-bound on the column's magnitude from its group scales, so no pass over the weight is needed to find it), in its
+tensor cores do twice the work per cycle. Per call, the weight is decoded into e4m3 with one power-of-two scale a
+column (from a bound on the column's magnitude by its group scales: no pass over the weight finds it), in its
 stored row order and transposed (`[N, S·32]`, the column-major operand cuBLASLt takes); the input is gathered into
 the same stored order (`row_index`, padding rows read zero) with one scale a row; `torch._scaled_mm` multiplies
 with both scale vectors. The numerics change (e4m3 keeps 3 mantissa bits of each weight and input): a mode users
@@ -25,9 +25,18 @@ E4M3_MAX = 448.0
 FAST_ACCUM = env_choice("EXL2_FP8_FAST_ACCUM", 0, range(0, 2)) == 1
 
 
+def pow2_scale(top: torch.Tensor) -> torch.Tensor:
+    """The least power of two s with top ≤ 448·s (fp32, top > 0): scales by powers of two make the scaling
+    exact (on any device, in any order), and e4m3 is as fine in every binade, so the top binade's unused part
+    costs no precision. Twin of `_pow2_scale`."""
+    mant, exp = torch.frexp(top)  # top = mant · 2^exp, mant in [0.5, 1)
+    k = exp - 1 - 8 + (2 * mant > 1.75).to(exp.dtype)  # 448 = 1.75 · 2^8
+    return torch.ldexp(torch.ones_like(top), k)
+
+
 def column_scales(w: QuantWeight) -> torch.Tensor:
-    """fp32 `[N]`: each column's dequantization scale, a bound on |W[:, n]| over 448 (every group's scale times
-    the largest |code − zero| its width allows). Cached on the weight."""
+    """fp32 `[N]`: each column's dequantization scale (`pow2_scale` of a bound on |W[:, n]|: every group's scale
+    times the largest |code − zero| its width allows). Cached on the weight."""
     cs = w._cache.get("fp8_scale")
     if cs is None:
         bound = torch.zeros(w.n, dtype=torch.float32, device=w.device)
@@ -41,7 +50,7 @@ def column_scales(w: QuantWeight) -> torch.Tensor:
                 dev = sc * torch.maximum(z.abs(), (float((1 << c.bits) - 1) - z).abs())
             bound = torch.maximum(bound, dev.amax(0))
         bound = bound * (1 + 2 ** -10)  # the fp16 product may round up past the exact one
-        cs = w._cache["fp8_scale"] = torch.where(bound > 0, bound, 1.0) / E4M3_MAX
+        cs = w._cache["fp8_scale"] = pow2_scale(torch.where(bound > 0, bound, 1.0))
     return cs
 
 
@@ -61,6 +70,14 @@ def _e4m3(v):
     normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)  # 3 mantissa bits
     sub = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # subnormals: multiples of 2^-9
     return tl.where(tl.abs(v) < 0.015625, sub, normal).to(tl.float8e4nv)
+
+
+@triton.jit
+def _pow2_scale(top):
+    """`pow2_scale` of a positive fp32 scalar, from its bits: (s, 1 / s)."""
+    b = top.to(tl.int32, bitcast=True)
+    k = ((b >> 23) & 0xFF) - 127 - 8 + ((b & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return ((k + 127) << 23).to(tl.float32, bitcast=True), ((127 - k) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -99,18 +116,20 @@ def _weight_kernel(out_ptr, stride_o, first_step, n_steps, first_word,
 
 @triton.jit
 def _input_kernel(x_ptr, stride_x, ri_ptr, out_ptr, scale_ptr, K, KS, BK: tl.constexpr):
-    """One row of x as e4m3 times 448 / its amax, gathered into stored order (`row_index`, −1 reads zero), and
-    the row's scale (amax / 448). The row is read once, in order; the permutation is a gather from on-chip memory
+    """One row of x as e4m3 over its scale (`pow2_scale` of its amax), gathered into stored order (`row_index`,
+    −1 reads zero), and that scale. The row is read once, in order; the permutation is a gather from on-chip memory
     (`tl.gather`): gathering from global memory took 106 µs a call for 2,047 rows of 4,096 on the H100, 28 % of
     an FP8 prefill."""
     row = tl.program_id(0)
     offs = tl.arange(0, BK)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < K, other=0.0).to(tl.float16)
-    top = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), axis=0), 1e-12)
-    tl.store(scale_ptr + row, tl.math.div_rn(top, 448.0))
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < K, other=0.0)
+    if x_ptr.dtype.element_ty != tl.float16:  # bf16 (past fp16's range) and fp32 are gathered as fp32
+        x = x.to(tl.float32)
+    scale, inv = _pow2_scale(tl.maximum(tl.max(tl.abs(x.to(tl.float32)), axis=0), 1e-12))
+    tl.store(scale_ptr + row, scale)
     ri = tl.load(ri_ptr + offs, mask=offs < KS, other=-1)
     v = tl.gather(x, tl.maximum(ri, 0), 0).to(tl.float32)
-    q = tl.clamp(tl.where(ri >= 0, v, 0.0) * tl.math.div_rn(448.0, top), -448.0, 448.0)
+    q = tl.clamp(tl.where(ri >= 0, v, 0.0) * inv, -448.0, 448.0)
     tl.store(out_ptr + row.to(tl.int64) * KS + offs, _e4m3(q), mask=offs < KS)
 
 
@@ -137,7 +156,7 @@ def fp8_weight(ws: Sequence[QuantWeight], bs: int = 4, bn: int = 128) -> tuple[t
 
 
 def fp8_input(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 `[M, S·32]` of x `[M, K]` (fp16) in w's stored row order, fp32 `[M]` row scales)."""
+    """(e4m3 `[M, S·32]` of x `[M, K]` (fp16, bf16 or fp32) in w's stored row order, fp32 `[M]` row scales)."""
     m, ks = x.shape[0], w.row_index.numel()
     out = torch.empty((m, ks), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -238,9 +257,8 @@ def fp8_twin(x: torch.Tensor, ws: Sequence[QuantWeight]) -> tuple[list[torch.Ten
     what `fp8_input` and `fp8_weight` must write)."""
     ri = ws[0].row_index.long()
     xg = torch.where(ri >= 0, x.index_select(1, ri.clamp(min=0)).float(), 0.0)
-    top = xg.abs().amax(1).clamp(min=1e-12)
-    xq = (xg * (E4M3_MAX / top)[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    xs = top / E4M3_MAX
+    xs = pow2_scale(xg.abs().amax(1).clamp(min=1e-12))
+    xq = (xg * (1.0 / xs)[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     wq = torch.cat([(stored_weight(w).float() * _inverse_scales(w)[None, :]).clamp(-E4M3_MAX, E4M3_MAX)
                     .to(torch.float8_e4m3fn).t() for w in ws])
     cs = torch.cat([column_scales(w) for w in ws])
