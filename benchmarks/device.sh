@@ -45,7 +45,8 @@
 # 64-column gemvs' registers capped at 64 and 72 (EXL2_GEMV_MAXNREG) against the compiler's choice. s38: the FP8
 # GPU tests, the prefill breakdown with and without FP8, the mixed bench capped at 64 and not, alternating
 # (EXL2_GEMV_MAXNREG was removed after it lost). s39: the FP8 prefill breakdown, its GPU tests, the plain prefill.
-# s40 (next, ~9 min): the target table (batches 2, 4, 16), FP8 prefill with and without fast accumulation, the
+# s40 (next, ~10 min): the target table (batches 2, 4, 16), the FP8 GPU tests, FP8 prefill with and without fast
+# accumulation, the
 # mixed bench with and without the masked prefetch (twice), the widths probe.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
@@ -299,6 +300,8 @@ for s in $steps; do
        echo "bench rc=$?"; grep -E "^\| prefill" "$OUT/bench_prefill.txt" ;;
   s40) timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
        grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
+       timeout -s INT -k 10 90 python3 -m pytest -m gpu tests/test_fp8_prefill.py -q -s -p no:cacheprovider -rfE \
+         > "$OUT/gpu_fp8.txt" 2>&1; echo "fp8 GPU tests rc=$?"; grep -E "passed|failed|fp8 prefill against" "$OUT/gpu_fp8.txt"
        for acc in 0 1; do EXL2_FP8_FAST_ACCUM=$acc timeout 80 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 \
          --batch 2 --prefill-fp8 > "$OUT/bench_fp8_acc$acc.txt" 2>&1; echo "bench --prefill-fp8 fast-accum $acc rc=$?"
          grep -E "^\| prefill" "$OUT/bench_fp8_acc$acc.txt"; done
