@@ -46,8 +46,7 @@
 # GPU tests, the prefill breakdown with and without FP8, the mixed bench capped at 64 and not, alternating
 # (EXL2_GEMV_MAXNREG was removed after it lost). s39: the FP8 prefill breakdown, its GPU tests, the plain prefill.
 # s40 (next, ~10 min): the target table (batches 2, 4, 16), the FP8 GPU tests, FP8 prefill with and without fast
-# accumulation, the
-# mixed bench with and without the masked prefetch (twice), the widths probe.
+# accumulation, the mixed bench with and without the masked prefetch (twice), the widths probe.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
