@@ -153,3 +153,19 @@ def test_golden_prefill_in_fp8_stays_near_the_exact_one():
           f"the logits' range, greedy agreement {(a.argmax(-1) == b.argmax(-1)).float().mean().item():.1%}")
     assert 0 < diff.max().item() <= 0.1 * span and diff.mean().item() <= 0.02 * span
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.75
+
+
+@on_gpu
+def test_bench_measures_both_prefills_and_leaves_the_model_as_it_was():
+    """`exl2 bench --prefill-fp8`: a second prefill row with FP8 matmuls; the model's opt-in is restored."""
+    from exl2.runtime.benchmark import run_benchmark
+    from exl2.runtime.linear import quant_kernels
+
+    if not fp8_available("cuda"):
+        pytest.skip("this GPU has no e4m3 tensor cores")
+    model = load_model(GOLDEN / "b4.0_hb6", "cuda")
+    rows = run_benchmark(model, 1, ("fp16",), (128,), 256, (2,), iters=2, log=lambda r: None, fp8_prefill=True)
+    names = [r.name for r in rows]
+    assert names[:2] == ["prefill 256 tokens (fp16 cache)", "prefill 256 tokens, FP8 matmuls (fp16 cache)"]
+    assert all(r.tokens_per_s > 0 for r in rows)
+    assert not any(w.prefill_fp8 for w in quant_kernels(model))

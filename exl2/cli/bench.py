@@ -19,7 +19,8 @@ def register(sub) -> None:
     p.add_argument("--mixed", action="store_true",
                    help="synthetic model: 5/4/3-bit groups in every matrix, like a real 4.0 bpw file")
     p.add_argument("--prefill-fp8", "--prefill_fp8", dest="prefill_fp8", action="store_true",
-                   help="prompt matmuls in FP8 (EngineConfig.prefill_fp8); the decode lines are unchanged by it")
+                   help="also the prefill with its matmuls in FP8 (EngineConfig.prefill_fp8), a second line; "
+                        "--breakdown-prefill then profiles that one")
     p.add_argument("--breakdown", action="store_true", help="also print per-kernel times of one decode step")
     p.add_argument("--breakdown-prefill", dest="breakdown_prefill", action="store_true",
                    help="also print per-kernel times of one prefill of --prefill tokens")
@@ -79,20 +80,21 @@ def run(args) -> int:
     else:
         model, source = synthetic_model(dev, args.layers, args.mixed)
     if args.prefill_fp8:
-        from exl2.runtime.loader import use_prefill_fp8
+        from exl2.kernels.fp8_prefill import fp8_available
+        from exl2.runtime.linear import quant_kernels
 
-        if not use_prefill_fp8(model):
+        if not (fp8_available(dev) and quant_kernels(model)):
             raise ConfigError("--prefill-fp8 needs a GPU with e4m3 tensor cores (sm_89 or newer) and a quantized "
                               "model.")
     wbytes = weight_bytes(source)
     kind = "5/4/3-bit mixed" if args.mixed else "4-bit"
     print(f"model: {args.model_dir or f'synthetic Llama-3-8B-shaped EXL2 ({kind} body), 6-bit head'}; "
-          f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}"
-          f"{'; FP8 prompt matmuls' if args.prefill_fp8 else ''}", flush=True)
+          f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}", flush=True)
     def progress(r) -> None:  # each row as soon as it is measured (stderr), so a cut-short run still reports
         print(f"  {r.name}: {r.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
 
-    rows = run_benchmark(model, wbytes, tuple(modes), tuple(contexts), args.prefill, tuple(batches), log=progress)
+    rows = run_benchmark(model, wbytes, tuple(modes), tuple(contexts), args.prefill, tuple(batches), log=progress,
+                         fp8_prefill=args.prefill_fp8)
     print(format_table(rows))
     if args.breakdown:
         ctx = 2048 if args.breakdown_batch == 1 else 128
@@ -102,7 +104,12 @@ def run(args) -> int:
                                                        mode=args.breakdown_mode):
             print(f"  {name:<60} {calls:>5} {us:>10.1f} µs {share:>6.1%}")
     if args.breakdown_prefill:
-        print(f"\nper-kernel time of one prefill of {args.prefill} tokens (fp16 cache):")
+        if args.prefill_fp8:
+            from exl2.runtime.linear import set_prefill_fp8
+
+            set_prefill_fp8(model, True)
+        print(f"\nper-kernel time of one prefill of {args.prefill} tokens (fp16 cache"
+              f"{', FP8 matmuls' if args.prefill_fp8 else ''}):")
         for name, calls, us, share in prefill_breakdown(model, length=args.prefill):
             print(f"  {name:<60} {calls:>5} {us:>10.1f} µs {share:>6.1%}")
     return 0

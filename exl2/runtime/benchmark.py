@@ -9,6 +9,7 @@ import torch
 
 from exl2.models.decoder import DecoderModel
 from exl2.runtime.graphs import DecodeGraphs
+from exl2.runtime.linear import quant_kernels
 from exl2.runtime.paged_cache import PagedKVCache
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (DESIGN.md)
@@ -49,9 +50,10 @@ def _time(fn: Callable[[], object], iters: int) -> float:
 
 def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contexts=(128, 2048),
                   prefill_len: int = 2047, batches: Sequence[int] = (16,), page_size: int = 256,
-                  iters: int = 50, log=print) -> list[Row]:
+                  iters: int = 50, log=print, fp8_prefill: bool = False) -> list[Row]:
     """Rows of the benchmark table; `wbytes` is the weight bytes read per decode step (see weight_bytes).
-    `batches`: the batch sizes decoded at the first context besides batch 1."""
+    `batches`: the batch sizes decoded at the first context besides batch 1. `fp8_prefill`: a second prefill row
+    with the prompt matmuls in FP8 (`set_prefill_fp8`; the model is left as it was)."""
     dev = model.device
     max_ctx = max(max(contexts), prefill_len) + 64
     pages_per_seq = -(-max_ctx // page_size)
@@ -72,10 +74,18 @@ def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contex
             def prefill():
                 with torch.inference_mode():
                     model(ids, cache, 0, last_only=True)
-            prefill()
-            dt = _time(prefill, 3)
-            rows.append(Row(f"prefill {prefill_len} tokens ({mode} cache)", prefill_len / dt))
-            log(rows[-1])
+            kernels = quant_kernels(model)
+            before = [w.prefill_fp8 for w in kernels]
+            for fp8 in (False, True) if fp8_prefill else (False,):
+                for w in kernels:
+                    w.prefill_fp8 = fp8
+                prefill()
+                dt = _time(prefill, 3)
+                rows.append(Row(f"prefill {prefill_len} tokens{', FP8 matmuls' if fp8 else ''} ({mode} cache)",
+                                prefill_len / dt))
+                log(rows[-1])
+            for w, was in zip(kernels, before):
+                w.prefill_fp8 = was
         for ctx in contexts:
             ids = torch.randint(0, vocab, (1, 1), device=dev)
             pos = torch.full((1,), ctx, device=dev)
