@@ -60,7 +60,8 @@ def _models_router() -> APIRouter:
             "draft": str(cfg.draft_model_dir) if cfg.draft_model_dir else ("ngram" if cfg.ngram_draft else None),
             "rope_scale": cfg.rope_scale, "rope_alpha": cfg.rope_alpha, "rope_yarn": cfg.rope_yarn,
             "num_experts_per_token": _experts(st.engine), "reasoning_parser": st.reasoning,
-            "embedding_pooling": getattr(getattr(st.engine, "pooling", None), "mode", None)}}
+            "embedding_pooling": getattr(getattr(st.engine, "pooling", None), "mode", None),
+            "prefill_fp8": cfg.prefill_fp8}}
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
