@@ -84,8 +84,8 @@ def run(args) -> int:
         from exl2.runtime.linear import quant_kernels
 
         if not (fp8_available(dev) and quant_kernels(model)):
-            raise ConfigError("--prefill-fp8 needs a GPU with e4m3 tensor cores (sm_89 or newer) and a quantized "
-                              "model.")
+            raise ConfigError("--prefill-fp8 needs a quantized model and a GPU whose PyTorch runs row-scaled e4m3 "
+                              "GEMMs (sm_89 or newer).")
     wbytes = weight_bytes(source)
     kind = "5/4/3-bit mixed" if args.mixed else "4-bit"
     print(f"model: {args.model_dir or f'synthetic Llama-3-8B-shaped EXL2 ({kind} body), 6-bit head'}; "

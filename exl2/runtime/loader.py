@@ -80,8 +80,8 @@ def use_prefill_fp8(model: torch.nn.Module) -> bool:
     weights = quant_kernels(model)  # none on the CPU, which decodes at load
     devices = {w.device for w in weights} or {t.device for t in model.parameters()}
     if not devices or not all(fp8_available(d) for d in devices):
-        log.warning("prefill_fp8 needs CUDA GPUs with e4m3 tensor cores (sm_89 or newer), so prompts run without it "
-                    "on this device.")
+        log.warning("prefill_fp8 needs CUDA GPUs whose PyTorch runs row-scaled e4m3 GEMMs (sm_89 or newer; "
+                    "checked with a test GEMM), so prompts run without it on this device.")
     elif not set_prefill_fp8(model, True):
         log.warning("prefill_fp8 applies to quantized (EXL2/GPTQ) weights and this model has none, so its prompts "
                     "run in fp16.")
