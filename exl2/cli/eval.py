@@ -96,7 +96,7 @@ def run(args) -> int:
                               f"{model.spec.vocab_size}; they must share a tokenizer.")
     with ui.stage("evaluation", ids.shape[0]) as tick:
         res = evaluate(model, ids, ref, lambda: tick(1), cache_mode, chunk)
-    fp8 = bool(args.prefill_fp8) and any(getattr(w, "prefill_fp8", False) for w in quant_kernels(model))
+    fp8 = args.prefill_fp8 and any(w.prefill_fp8 for w in quant_kernels(model))
     if args.json:
         print(json.dumps(res.as_dict() | ({"prefill_fp8": True} if fp8 else {})))
         return 0

@@ -160,10 +160,17 @@ def dequant_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[tor
         for w, o in zip(ws, offs):
             dequantize_triton(w, out=wd[:, o:o + w.n])
     y = torch.matmul(x.to(torch.float16), wd) if x.is_cuda else (x.float() @ wd.float())
-    outs = []
-    for w, o in zip(ws, offs):
+    return split_outputs(y, ws, x.dtype)
+
+
+def split_outputs(y: torch.Tensor, ws: Sequence[QuantWeight], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The column views of one GEMM's output y `[M, ΣN]`, one a weight, each with its bias added (in y's type),
+    in `dtype`."""
+    outs, o = [], 0
+    for w in ws:
         yi = y[:, o:o + w.n]
         if w.bias is not None:
             yi += w.bias.to(y.dtype)
-        outs.append(yi.to(x.dtype))
+        outs.append(yi.to(dtype))
+        o += w.n
     return outs

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import env_choice, tl, triton
-from exl2.kernels.dequant import class_tile
+from exl2.kernels.dequant import class_tile, split_outputs
 from exl2.kernels.qweight import QuantWeight, decode_steps, split_bits
 
 E4M3_MAX = 448.0
@@ -224,20 +224,7 @@ def fp8_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.T
     dt = _out_dtype(x.device)
     y = torch._scaled_mm(xq, wq.t(), scale_a=xs[:, None], scale_b=cs[None, :], out_dtype=dt,
                          use_fast_accum=FAST_ACCUM)
-    if dt != x.dtype:
-        y = y.to(x.dtype)
-    return _split_bias(y, ws)
-
-
-def _split_bias(y: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
-    outs, o = [], 0
-    for w in ws:
-        yi = y[:, o:o + w.n]
-        if w.bias is not None:
-            yi += w.bias.to(y.dtype)
-        outs.append(yi)
-        o += w.n
-    return outs
+    return split_outputs(y.to(x.dtype), ws, x.dtype)
 
 
 def stored_weight(w: QuantWeight) -> torch.Tensor:
@@ -263,4 +250,4 @@ def fp8_twin(x: torch.Tensor, ws: Sequence[QuantWeight]) -> tuple[list[torch.Ten
                     .to(torch.float8_e4m3fn).t() for w in ws])
     cs = torch.cat([column_scales(w) for w in ws])
     y = (xq.float() * xs[:, None]) @ (wq.float().t() * cs[None, :])
-    return _split_bias(y.to(x.dtype), ws), {"xq": xq, "xs": xs, "wq": wq, "cs": cs}
+    return split_outputs(y.to(x.dtype), ws, x.dtype), {"xq": xq, "xs": xs, "wq": wq, "cs": cs}

@@ -247,6 +247,7 @@ def _f16x2(v: float) -> str:
 # * 3- and 2-bit (`PAIR_ORDER16`): rows i and i + 16 are the same 2-bit field of low words 0 and 1 (one byte
 #   permute per four pairs); 3-bit: their top bits are bits i and i + 16 of the high word.
 STEP_SCALE = {8: 128.0}  # what a step decoder's result is multiplied by (1 for the others)
+_STEP8_SCALE = tl.constexpr(STEP_SCALE[8])
 
 
 def _ptx_pair(bits: int, i: int) -> list[str]:
@@ -366,7 +367,7 @@ def _gemv_class_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, fi
                         tl.static_assert(BITS == 8)
                         w6, w7 = tl.load(w_ptrs + 6 * N, mask=m2, other=0), tl.load(w_ptrs + 7 * N, mask=m2, other=0)
                         part = _step_asm(_STEP8_ASM, (w0, w1, w2, w3, w4, w5, w6, w7), x32_ptr, offs_s,
-                                         mask_s) * 128.0  # STEP_SCALE
+                                         mask_s) * _STEP8_SCALE
         acc += part * sc
     return tl.sum(acc, axis=0)
 
