@@ -45,8 +45,11 @@
 # 64-column gemvs' registers capped at 64 and 72 (EXL2_GEMV_MAXNREG) against the compiler's choice. s38: the FP8
 # GPU tests, the prefill breakdown with and without FP8, the mixed bench capped at 64 and not, alternating
 # (EXL2_GEMV_MAXNREG was removed after it lost). s39: the FP8 prefill breakdown, its GPU tests, the plain prefill.
-# s40 (next, ~10 min): the target table (batches 2, 4, 16), the FP8 GPU tests, FP8 prefill with and without fast
-# accumulation, the mixed bench with and without the masked prefetch (twice), the widths probe.
+# s40: the target table (batches 2, 4, 16), the FP8 GPU tests, FP8 prefill with and without fast accumulation
+# (EXL2_FP8_FAST_ACCUM, removed after it lost), the mixed bench with and without the masked prefetch (twice), the
+# widths probe. s41 (session 26): the matmul GPU tests (mixed-width programs skip the classes they have no steps
+# of), the mixed bench at batches 1-16 on the trees in .base, this one, and with the masked prefetch; the widths
+# probe; the 4-bit bench.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -308,6 +311,15 @@ for s in $steps; do
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab
        timeout ${WIDTHS_TIMEOUT:-120} python3 benchmarks/layout_probe.py --widths --shapes gateup,down,qkv,o \
          --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt" ;;
+  s41) timeout -s INT -k 10 ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
+         tests/test_shared_input.py tests/test_gpu_e2e.py -k "not golden and not dynamic and not speculative and not samplers" \
+         -q -p no:cacheprovider -rfE > "$OUT/gpu_s41.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s41.txt"
+       BASE_SPEC=1 AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1" TAG=_mixed BENCH_TIMEOUT=90 \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,4,16 --prefill 64" bash "$0" envab
+       timeout ${WIDTHS_TIMEOUT:-120} python3 benchmarks/layout_probe.py --widths --shapes gateup,down,qkv,o \
+         --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt"
+       AB_SPECS=";" TAG=_4bit BENCH_TIMEOUT=90 BENCH_ARGS="--modes fp16 --contexts 128 --batch 2,16 --prefill 64" \
+         bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

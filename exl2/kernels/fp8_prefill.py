@@ -16,13 +16,11 @@ from typing import Sequence
 
 import torch
 
-from exl2.kernels.backend import env_choice, tl, triton
+from exl2.kernels.backend import tl, triton
 from exl2.kernels.dequant import class_tile, split_outputs
 from exl2.kernels.qweight import QuantWeight, decode_steps, split_bits
 
 E4M3_MAX = 448.0
-# The GEMM's fp8 "fast accumulation" (fewer promotions of partial sums to fp32): EXL2_FP8_FAST_ACCUM=1.
-FAST_ACCUM = env_choice("EXL2_FP8_FAST_ACCUM", 0, range(0, 2)) == 1
 
 
 def pow2_scale(top: torch.Tensor) -> torch.Tensor:
@@ -222,8 +220,9 @@ def fp8_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.T
     xq, xs = fp8_input(x, ws[0])
     wq, cs = fp8_weight(ws)
     dt = _out_dtype(x.device)
-    y = torch._scaled_mm(xq, wq.t(), scale_a=xs[:, None], scale_b=cs[None, :], out_dtype=dt,
-                         use_fast_accum=FAST_ACCUM)
+    # cuBLASLt's fast accumulation (use_fast_accum) ran this prefill at 29.5 k tok/s against 48.6 k without
+    # (H100, benchmarks/RESULTS.md session 26): left off.
+    y = torch._scaled_mm(xq, wq.t(), scale_a=xs[:, None], scale_b=cs[None, :], out_dtype=dt)
     return split_outputs(y.to(x.dtype), ws, x.dtype)
 
 

@@ -45,6 +45,18 @@ def _share(first_step, n_steps, first_word, w_lo, w_hi, BITS: tl.constexpr):
 
 
 @triton.jit
+def _has_share(first_step, n_steps, first_word, w_lo, w_hi, BITS: tl.constexpr, MIXED: tl.constexpr):
+    """Whether this program has steps of the class (`_share`); always for a one-width kernel. A mixed-width program
+    branches past the loops of the classes it has no steps of: a pipelined loop of no iterations still runs its
+    prologue's masked loads and waits, and a split mixed matrix leaves most classes empty in most programs."""
+    if MIXED:
+        s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, BITS)
+        return s_hi > s_lo
+    else:
+        return True
+
+
+@triton.jit
 def _word_share(fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k,
                 SPLIT):
     """Where K is split, program pid_k takes the word rows [w_lo, w_hi) of the matrix, an equal share of all of
@@ -415,27 +427,28 @@ def _prefetch_widths(qw_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4
     """`_prefetch_class` for each width class in MASK (classes of no steps prefetch nothing)."""
     w_lo, w_hi = _word_share(fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3,
                              fs2, ns2, fw2, pid_k, SPLIT)
-    if (MASK & 32) != 0:
+    MIXED: tl.constexpr = (MASK & (MASK - 1)) != 0
+    if (MASK & 32) != 0 and _has_share(fs8, ns8, fw8, w_lo, w_hi, 8, MIXED):
         _prefetch_class(qw_ptr, N, fs8, ns8, fw8, w_lo, w_hi, col0, 8, BN, ROWS)
-    if (MASK & 16) != 0:
+    if (MASK & 16) != 0 and _has_share(fs6, ns6, fw6, w_lo, w_hi, 6, MIXED):
         _prefetch_class(qw_ptr, N, fs6, ns6, fw6, w_lo, w_hi, col0, 6, BN, ROWS)
-    if (MASK & 8) != 0:
+    if (MASK & 8) != 0 and _has_share(fs5, ns5, fw5, w_lo, w_hi, 5, MIXED):
         _prefetch_class(qw_ptr, N, fs5, ns5, fw5, w_lo, w_hi, col0, 5, BN, ROWS)
-    if (MASK & 4) != 0:
+    if (MASK & 4) != 0 and _has_share(fs4, ns4, fw4, w_lo, w_hi, 4, MIXED):
         _prefetch_class(qw_ptr, N, fs4, ns4, fw4, w_lo, w_hi, col0, 4, BN, ROWS)
-    if (MASK & 2) != 0:
+    if (MASK & 2) != 0 and _has_share(fs3, ns3, fw3, w_lo, w_hi, 3, MIXED):
         _prefetch_class(qw_ptr, N, fs3, ns3, fw3, w_lo, w_hi, col0, 3, BN, ROWS)
-    if (MASK & 1) != 0:
+    if (MASK & 1) != 0 and _has_share(fs2, ns2, fw2, w_lo, w_hi, 2, MIXED):
         _prefetch_class(qw_ptr, N, fs2, ns2, fw2, w_lo, w_hi, col0, 2, BN, ROWS)
 
 
 @triton.jit
 def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
                  fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
-                 MASK: tl.constexpr, SKIP_EMPTY: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
                  BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr):
-    """Sum of `_gemv_width` over the width classes in MASK (`width_mask`); with SKIP_EMPTY a class of 0 steps is
-    also skipped at run time (kernels whose class table is runtime data)."""
+    """Sum of `_gemv_width` over the width classes in MASK (`width_mask`) that this program has steps of
+    (`_has_share`)."""
     w_lo, w_hi = _word_share(fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5, fs4, ns4, fw4, fs3, ns3, fw3,
                              fs2, ns2, fw2, pid_k, SPLIT)
     HAS8: tl.constexpr = (MASK & 32) != 0
@@ -444,23 +457,24 @@ def _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6
     HAS4: tl.constexpr = (MASK & 4) != 0
     HAS3: tl.constexpr = (MASK & 2) != 0
     HAS2: tl.constexpr = (MASK & 1) != 0
+    MIXED: tl.constexpr = (MASK & (MASK - 1)) != 0
     res = tl.zeros([BN], dtype=tl.float32)
-    if HAS8 and (not SKIP_EMPTY or ns8 > 0):
+    if HAS8 and _has_share(fs8, ns8, fw8, w_lo, w_hi, 8, MIXED):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, w_lo, w_hi, offs_n, mask_n,
                            8, HAS_ZEROS, BS, BN, FAST4, STAGES)
-    if HAS6 and (not SKIP_EMPTY or ns6 > 0):
+    if HAS6 and _has_share(fs6, ns6, fw6, w_lo, w_hi, 6, MIXED):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs6, ns6, fw6, w_lo, w_hi, offs_n, mask_n,
                            6, HAS_ZEROS, BS, BN, FAST4, STAGES)
-    if HAS5 and (not SKIP_EMPTY or ns5 > 0):
+    if HAS5 and _has_share(fs5, ns5, fw5, w_lo, w_hi, 5, MIXED):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs5, ns5, fw5, w_lo, w_hi, offs_n, mask_n,
                            5, HAS_ZEROS, BS, BN, FAST4, STAGES)
-    if HAS4 and (not SKIP_EMPTY or ns4 > 0):
+    if HAS4 and _has_share(fs4, ns4, fw4, w_lo, w_hi, 4, MIXED):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs4, ns4, fw4, w_lo, w_hi, offs_n, mask_n,
                            4, HAS_ZEROS, BS, BN, FAST4, STAGES)
-    if HAS3 and (not SKIP_EMPTY or ns3 > 0):
+    if HAS3 and _has_share(fs3, ns3, fw3, w_lo, w_hi, 3, MIXED):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs3, ns3, fw3, w_lo, w_hi, offs_n, mask_n,
                            3, HAS_ZEROS, BS, BN, FAST4, STAGES)
-    if HAS2 and (not SKIP_EMPTY or ns2 > 0):
+    if HAS2 and _has_share(fs2, ns2, fw2, w_lo, w_hi, 2, MIXED):
         res += _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs2, ns2, fw2, w_lo, w_hi, offs_n, mask_n,
                            2, HAS_ZEROS, BS, BN, FAST4, STAGES)
     return res
@@ -494,7 +508,7 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
     x32r = x32_ptr + pid_m.to(tl.int64) * (stride_xm // 2)
     res = _gemv_widths(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, fs8, ns8, fw8, fs6, ns6, fw6, fs5, ns5, fw5,
                        fs4, ns4, fw4, fs3, ns3, fw3, fs2, ns2, fw2, pid_k, SPLIT, offs_n, mask_n,
-                       HAS8 * 32 + HAS6 * 16 + HAS5 * 8 + HAS4 * 4 + HAS3 * 2 + HAS2, False, HAS_ZEROS, BS, BN,
+                       HAS8 * 32 + HAS6 * 16 + HAS5 * 8 + HAS4 * 4 + HAS3 * 2 + HAS2, HAS_ZEROS, BS, BN,
                        FAST4, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     store_tile(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
@@ -534,7 +548,7 @@ def _group_member(x_ptr, x32_ptr, stride_xm, meta, part_ptr, cnt_ptr, M, pid, pi
                        tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9), tl.load(meta + 10),
                        tl.load(meta + 11), tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14),
                        tl.load(meta + 15), tl.load(meta + 16), tl.load(meta + 17), pid_k, split, offs_n, mask_n,
-                       MASK, True, HAS_ZEROS, BS, BN, FAST4, STAGES)
+                       MASK, HAS_ZEROS, BS, BN, FAST4, STAGES)
     offs_m = pid_m + tl.arange(0, 1)
     tile = tl.load(meta + 22) + pid_m * tiles + pid_n
     part = part_ptr + tl.multiple_of(tl.load(meta + 24), 16).to(tl.int64)

@@ -509,9 +509,19 @@ if HAVE_GLUON:
         w0 = 0
         for c in gl.static_range(6):
             if MASK >> c & 1:
-                acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm, col0,
-                                 w_lo, w_hi, s0, steps[c], w0, _width(c), HAS_ZEROS, BS, V, STAGES, POST,
-                                 PDL and (MASK & ((1 << c) - 1)) == 0)
+                # A class this program has no steps of is skipped: its empty loop would still fill and drain the
+                # rings (the first class present still waits for the previous kernel).
+                if MASK == 1 << c:
+                    run = True
+                else:
+                    run = (_class_bound(w_hi, w0, steps[c], _width(c), BS)
+                           > _class_bound(w_lo, w0, steps[c], _width(c), BS))
+                if run:
+                    acc = _mma_class(acc, sbuf, zbuf, xbuf, x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, M, N, stride_xm,
+                                     col0, w_lo, w_hi, s0, steps[c], w0, _width(c), HAS_ZEROS, BS, V, STAGES, POST,
+                                     PDL and (MASK & ((1 << c) - 1)) == 0)
+                elif PDL and (MASK & ((1 << c) - 1)) == 0:
+                    _pdl_sync()
             s0 += steps[c]
             w0 += steps[c] * _width(c)
 
