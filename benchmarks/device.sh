@@ -312,7 +312,7 @@ for s in $steps; do
        timeout ${WIDTHS_TIMEOUT:-120} python3 benchmarks/layout_probe.py --widths --shapes gateup,down,qkv,o \
          --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt" ;;
   s41) BASE_SPEC=1 AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1" TAG=_mixed BENCH_TIMEOUT=90 \
-         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,4,16 --prefill 64" bash "$0" envab
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,16 --prefill 64" bash "$0" envab
        timeout ${WIDTHS_TIMEOUT:-120} python3 benchmarks/layout_probe.py --widths --shapes gateup,down,qkv,o \
          --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt"
        timeout -s INT -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
