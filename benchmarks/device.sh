@@ -313,13 +313,13 @@ for s in $steps; do
          --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt" ;;
   s41) BASE_SPEC=1 AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1" TAG=_mixed BENCH_TIMEOUT=90 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,16 --prefill 64" bash "$0" envab
-       timeout ${WIDTHS_TIMEOUT:-120} python3 benchmarks/layout_probe.py --widths --shapes gateup,down,qkv,o \
-         --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt"
-       timeout -s INT -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
-         tests/test_shared_input.py tests/test_gpu_e2e.py -k "not golden and not dynamic and not speculative and not samplers" \
-         -q -p no:cacheprovider -rfE > "$OUT/gpu_s41.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s41.txt"
-       AB_SPECS=";" TAG=_4bit BENCH_TIMEOUT=90 BENCH_ARGS="--modes fp16 --contexts 128 --batch 2,16 --prefill 64" \
-         bash "$0" envab ;;
+       timeout ${WIDTHS_TIMEOUT:-100} python3 benchmarks/layout_probe.py --widths --shapes o,down,qkv \
+         --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -14 "$OUT/widths.txt"
+       timeout 130 python3 -m exl2.cli.main bench > "$OUT/bench_default.txt" 2>&1; echo "bench rc=$?"
+       grep -E "^\| (decode|prefill)" "$OUT/bench_default.txt"
+       timeout -s INT -k 10 ${TEST_TIMEOUT:-120} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
+         tests/test_gpu_e2e.py -k "gluon or packed or grouped or fast or batched or split" \
+         -q -p no:cacheprovider -rfE > "$OUT/gpu_s41.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s41.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
