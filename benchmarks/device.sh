@@ -318,7 +318,7 @@ for s in $steps; do
        timeout 130 python3 -m exl2.cli.main bench > "$OUT/bench_default.txt" 2>&1; echo "bench rc=$?"
        grep -E "^\| (decode|prefill)" "$OUT/bench_default.txt"
        timeout -s INT -k 10 ${TEST_TIMEOUT:-120} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
-         tests/test_gpu_e2e.py -k "gluon or packed or grouped or fast or batched or split" \
+         tests/test_gpu_e2e.py -k "not golden and not dynamic and not speculative and not samplers and not lora" \
          -q -p no:cacheprovider -rfE > "$OUT/gpu_s41.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s41.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
