@@ -315,8 +315,9 @@ for s in $steps; do
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,16 --prefill 64" bash "$0" envab
        timeout ${WIDTHS_TIMEOUT:-100} python3 benchmarks/layout_probe.py --widths --shapes o,down,qkv \
          --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -14 "$OUT/widths.txt"
-       timeout 130 python3 -m exl2.cli.main bench > "$OUT/bench_default.txt" 2>&1; echo "bench rc=$?"
-       grep -E "^\| (decode|prefill)" "$OUT/bench_default.txt"
+       if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # the target table where it counts
+         timeout 130 python3 -m exl2.cli.main bench > "$OUT/bench_default.txt" 2>&1; echo "bench rc=$?"
+         grep -E "^\| (decode|prefill)" "$OUT/bench_default.txt"; fi
        timeout -s INT -k 10 ${TEST_TIMEOUT:-120} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
          tests/test_gpu_e2e.py -k "not golden and not dynamic and not speculative and not samplers and not lora" \
          -q -p no:cacheprovider -rfE > "$OUT/gpu_s41.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s41.txt" ;;
