@@ -313,8 +313,9 @@ for s in $steps; do
          --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -18 "$OUT/widths.txt" ;;
   s41) BASE_SPEC=1 AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1" TAG=_mixed BENCH_TIMEOUT=90 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,16 --prefill 64" bash "$0" envab
-       timeout ${WIDTHS_TIMEOUT:-100} python3 benchmarks/layout_probe.py --widths --shapes o,down,qkv \
-         --json "$OUT/widths.json" > "$OUT/widths.txt" 2>&1; echo "widths rc=$?"; tail -14 "$OUT/widths.txt"
+       for pm in 0 1; do EXL2_GEMV_PREFETCH_MASKED=$pm timeout ${WIDTHS_TIMEOUT:-80} python3 benchmarks/layout_probe.py \
+         --widths --shapes o,down,qkv > "$OUT/widths_pm$pm.txt" 2>&1; echo "widths (masked prefetch $pm) rc=$?"
+         grep -E "^\| " "$OUT/widths_pm$pm.txt" | tail -12; done
        if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # the target table where it counts
          timeout 130 python3 -m exl2.cli.main bench > "$OUT/bench_default.txt" 2>&1; echo "bench rc=$?"
          grep -E "^\| (decode|prefill)" "$OUT/bench_default.txt"; fi
