@@ -47,10 +47,10 @@
 # (EXL2_GEMV_MAXNREG was removed after it lost). s39: the FP8 prefill breakdown, its GPU tests, the plain prefill.
 # s40: the target table (batches 2, 4, 16), the FP8 GPU tests, FP8 prefill with and without fast accumulation
 # (EXL2_FP8_FAST_ACCUM, removed after it lost), the mixed bench with and without the masked prefetch (twice), the
-# widths probe. s41 (session 26): the matmul GPU tests (mixed-width programs skip the classes they have no steps
-# of), the mixed bench at batches 1-16 on the trees in .base, this one, and with the masked prefetch; the widths
-# probe; the 4-bit bench. s42: the short form of s41 (mixed bench on .base and this tree, widths, the mixed-width
-# matmul GPU tests).
+# widths probe. s41 (session 26): the mixed bench at batches 1, 2, 16 on the trees in .base, this one, and with the
+# masked prefetch (mixed-width programs now skip the classes they have no steps of); the widths probe with and
+# without the masked prefetch; on an H200 the target table; the matmul GPU tests. s42: its short form (the mixed
+# bench on .base and this tree, the widths probe, the mixed-width matmul GPU tests).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
