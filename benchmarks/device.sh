@@ -50,7 +50,7 @@
 # widths probe. s41 (session 26): the mixed bench at batches 1, 2, 16 on the trees in .base, this one, and with the
 # masked prefetch (mixed-width programs now skip the classes they have no steps of); the widths probe with and
 # without the masked prefetch; on an H200 the target table; the matmul GPU tests. s42: its short form (the mixed
-# bench on .base and this tree, the widths probe, the mixed-width matmul GPU tests).
+# bench at batches 1-2 on .base and this tree, the widths probe on o and down, the mixed-width matmul GPU tests).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -323,11 +323,11 @@ for s in $steps; do
        timeout -s INT -k 10 ${TEST_TIMEOUT:-120} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
          tests/test_gpu_e2e.py -k "not golden and not dynamic and not speculative and not samplers and not lora" \
          -q -p no:cacheprovider -rfE > "$OUT/gpu_s41.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s41.txt" ;;
-  s42) BASE_SPEC=1 AB_SPECS=";" TAG=_mixed BENCH_TIMEOUT=80 \
-         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,16 --prefill 64" bash "$0" envab
-       timeout 70 python3 benchmarks/layout_probe.py --widths --shapes o,down,qkv > "$OUT/widths.txt" 2>&1
-       echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -12
-       timeout -s INT -k 10 ${TEST_TIMEOUT:-100} python3 -m pytest tests/test_kernels_quant_matmul.py \
+  s42) BASE_SPEC=1 AB_SPECS=";" TAG=_mixed BENCH_TIMEOUT=75 \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab
+       timeout 50 python3 benchmarks/layout_probe.py --widths --shapes o,down > "$OUT/widths.txt" 2>&1
+       echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -8
+       timeout -s INT -k 10 ${TEST_TIMEOUT:-80} python3 -m pytest tests/test_kernels_quant_matmul.py \
          tests/test_gpu_e2e.py -k "gemv_matches or gluon or mixed or batched" \
          -q -p no:cacheprovider -rfE > "$OUT/gpu_s42.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s42.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
