@@ -50,7 +50,7 @@
 # widths probe. s41 (session 26): the mixed bench at batches 1, 2, 16 on the trees in .base, this one, and with the
 # masked prefetch (mixed-width programs now skip the classes they have no steps of); the widths probe with and
 # without the masked prefetch; on an H200 the target table; the matmul GPU tests. s42: its short form (the mixed
-# bench at batches 1-2 on .base and this tree, the widths probe on o and down, the mixed-width matmul GPU tests).
+# bench at batches 1-2 on .base and this tree, the widths probe on o and down, the mixed-width matmul GPU tests). s43: s42 without the tests, the widths probe on o alone.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -330,6 +330,10 @@ for s in $steps; do
        timeout -s INT -k 10 ${TEST_TIMEOUT:-80} python3 -m pytest tests/test_kernels_quant_matmul.py \
          tests/test_gpu_e2e.py -k "gemv_matches or gluon or mixed or batched" \
          -q -p no:cacheprovider -rfE > "$OUT/gpu_s42.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s42.txt" ;;
+  s43) BASE_SPEC=1 AB_SPECS=";" TAG=_mixed BENCH_TIMEOUT=75 \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab
+       timeout 40 python3 benchmarks/layout_probe.py --widths --shapes o > "$OUT/widths.txt" 2>&1
+       echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -4 ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
