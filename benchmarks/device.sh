@@ -51,6 +51,7 @@
 # masked prefetch (mixed-width programs now skip the classes they have no steps of); the widths probe with and
 # without the masked prefetch; on an H200 the target table; the matmul GPU tests. s42: its short form (the mixed
 # bench at batches 1-2 on .base and this tree, the widths probe on o and down, the mixed-width matmul GPU tests). s43: s42 without the tests, the widths probe on o alone.
+# s44: the widths probe on o and down, on the trees in .base and on this one.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -334,6 +335,12 @@ for s in $steps; do
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab
        timeout 40 python3 benchmarks/layout_probe.py --widths --shapes o > "$OUT/widths.txt" 2>&1
        echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -4 ;;
+  s44) for tarf in .base/*.tar; do rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf "$tarf" -C /tmp/base
+         (cd /tmp/base && timeout 50 python3 benchmarks/layout_probe.py --widths --shapes o,down) \
+           > "$OUT/widths_$(basename "$tarf" .tar).txt" 2>&1; echo "widths [tree $tarf] rc=$?"
+         grep -E "^\| " "$OUT/widths_$(basename "$tarf" .tar).txt" | tail -8; done
+       timeout 50 python3 benchmarks/layout_probe.py --widths --shapes o,down > "$OUT/widths.txt" 2>&1
+       echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -8 ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
