@@ -22,10 +22,10 @@ from exl2.kernels.permute import buffer_offsets, gather_input, input_layout, per
 from exl2.kernels.qweight import QuantWeight, matmul_torch
 from exl2.kernels.split_sum import SplitSum
 
-# EXL2_GEMV_PREFETCH_MASKED=1 (not yet measured; off): the L2 prefetch before the PDL wait asks only for the lines
-# of the program's own rows, where the plain one sends its masked-off lanes (absent classes, rows past the share)
-# to the weight's first line, six times as many requests for a mixed-width program as for a 4-bit one; mixed-width
-# weights then prefetch too (`prefetch_rows`).
+# EXL2_GEMV_PREFETCH_MASKED=1 (off): the L2 prefetch before the PDL wait asks only for the lines of the program's
+# own rows, where the plain one sends its masked-off lanes (rows past the share) to the weight's first line;
+# mixed-width weights then prefetch too (`prefetch_rows`). Measured neutral on the mixed bench body before programs
+# skipped their empty classes (H100: 328-329 tok/s either way, benchmarks/RESULTS.md session 26).
 PREFETCH_MASKED = env_choice("EXL2_GEMV_PREFETCH_MASKED", 0, range(0, 2)) == 1
 _PREFETCH_MASKED = tl.constexpr(PREFETCH_MASKED)
 # Software-pipelining depth of the gemv loop (EXL2_GEMV_STAGES).
