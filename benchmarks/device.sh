@@ -51,7 +51,10 @@
 # masked prefetch (mixed-width programs now skip the classes they have no steps of); the widths probe with and
 # without the masked prefetch; on an H200 the target table; the matmul GPU tests. s42: its short form (the mixed
 # bench at batches 1-2 on .base and this tree, the widths probe on o and down, the mixed-width matmul GPU tests). s43: s42 without the tests, the widths probe on o alone.
-# s44: the widths probe on o and down, on the trees in .base and on this one.
+# s44: the widths probe on o and down, on the trees in .base and on this one. s45 (next, ~10 min, ideally on an
+# H200): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
+# .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
+# gate/up.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -340,6 +343,15 @@ for s in $steps; do
            > "$OUT/widths_$(basename "$tarf" .tar).txt" 2>&1; echo "widths [tree $tarf] rc=$?"
          grep -E "^\| " "$OUT/widths_$(basename "$tarf" .tar).txt" | tail -8; done
        timeout 50 python3 benchmarks/layout_probe.py --widths --shapes o,down > "$OUT/widths.txt" 2>&1
+       echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -8 ;;
+  s45) timeout -s INT -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
+         tests/test_gpu_e2e.py -k "not golden and not dynamic and not speculative and not samplers and not lora" \
+         -q -p no:cacheprovider -rfE > "$OUT/gpu_s45.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s45.txt"
+       timeout 130 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
+       grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
+       BASE_SPEC=1 AB_SPECS=";EXL2_GEMV_PREFETCH_MASKED=1" TAG=_mixed BENCH_TIMEOUT=90 \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,4,16 --prefill 64" bash "$0" envab
+       timeout 80 python3 benchmarks/layout_probe.py --widths --shapes qkv,gateup > "$OUT/widths.txt" 2>&1
        echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -8 ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
