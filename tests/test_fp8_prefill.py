@@ -13,7 +13,7 @@ from exl2.kernels import qweight
 from exl2.kernels import quant_matmul as qm
 from exl2.kernels.backend import INTERPRET, triton_usable
 from exl2.kernels.fp8_prefill import (E4M3_MAX, column_scales, fp8_applies, fp8_available, fp8_input,
-                                      fp8_matmul_group, fp8_twin, fp8_weight, stored_weight)
+                                      fp8_matmul_group, fp8_twin, fp8_weight)
 from exl2.runtime.loader import load_model, use_prefill_fp8
 
 from test_exl2_model import GOLDEN
@@ -75,7 +75,7 @@ def test_column_scales_bound_the_weight_and_the_twin_adds_only_e4m3_error():
     for zeros, groups in ((False, MIXED), (True, [(4, 128)] * 2)):
         ws = _weights(groups, (80, 48), zeros=zeros, bias=True)
         for w in ws:
-            mag = stored_weight(w).float().abs()
+            mag = qweight.stored_weight(w).float().abs()
             cs = column_scales(w)
             assert bool((mag <= cs * E4M3_MAX * (1 + 1e-6)).all())
             assert (mag.amax(0) / (cs * E4M3_MAX)).min().item() > 0.25  # the bound is not loose

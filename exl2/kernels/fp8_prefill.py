@@ -18,7 +18,7 @@ import torch
 
 from exl2.kernels.backend import tl, triton
 from exl2.kernels.dequant import class_tile, split_outputs
-from exl2.kernels.qweight import QuantWeight, decode_steps, split_bits
+from exl2.kernels.qweight import QuantWeight, split_bits, stored_weight
 
 E4M3_MAX = 448.0
 
@@ -134,7 +134,6 @@ def _input_kernel(x_ptr, stride_x, ri_ptr, out_ptr, scale_ptr, K, KS, BK: tl.con
 def fp8_weight(ws: Sequence[QuantWeight], bs: int = 4, bn: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 `[ΣN, S·32]`, fp32 `[ΣN]` column scales) of 1-3 weights with one class layout, stacked."""
     members = list(ws) + [ws[-1]] * (3 - len(ws))
-    scales = [column_scales(w) for w in ws]
     out = torch.empty((sum(w.n for w in ws), ws[0].n_steps * 32), dtype=torch.float8_e4m3fn, device=ws[0].device)
     args = []
     for w in members:
@@ -149,7 +148,7 @@ def fp8_weight(ws: Sequence[QuantWeight], bs: int = 4, bn: int = 128) -> tuple[t
                              num_warps=4)
     key = ("fp8_scales",) + tuple(map(id, ws))
     if key not in ws[0]._cache:
-        ws[0]._cache[key] = torch.cat(scales)
+        ws[0]._cache[key] = torch.cat([column_scales(w) for w in ws])
     return out, ws[0]._cache[key]
 
 
@@ -224,18 +223,6 @@ def fp8_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.T
     # (H100, benchmarks/RESULTS.md session 26): left off.
     y = torch._scaled_mm(xq, wq.t(), scale_a=xs[:, None], scale_b=cs[None, :], out_dtype=dt)
     return split_outputs(y.to(x.dtype), ws, x.dtype)
-
-
-def stored_weight(w: QuantWeight) -> torch.Tensor:
-    """fp16 `[S·32, N]`: the weight in stored row order, padding rows included (what the kernels decode)."""
-    out = torch.empty((w.n_steps * 32, w.n), dtype=torch.float16, device=w.device)
-    for c in w.classes:
-        code = decode_steps(w.qweight[c.first_word:c.first_word + c.n_steps * c.bits], c.bits)
-        grp = w.step_group[c.first_step:c.first_step + c.n_steps].long().repeat_interleave(32)
-        zero = w.zeros.index_select(0, grp) if w.zeros is not None else float(1 << (c.bits - 1))
-        out[c.first_step * 32:(c.first_step + c.n_steps) * 32] = (code.to(torch.float16) - zero) * \
-            w.scales.index_select(0, grp)
-    return out
 
 
 def fp8_twin(x: torch.Tensor, ws: Sequence[QuantWeight]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

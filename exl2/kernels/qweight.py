@@ -230,17 +230,24 @@ def build(codes: torch.Tensor, groups: list[tuple[int, int]], scales: torch.Tens
         out_features=out_features)
 
 
-def dequantize_torch(w: QuantWeight) -> torch.Tensor:
-    """fp16 `[K, N]` weight in natural input order (the reference dequantizer of this layout)."""
-    out = torch.zeros((w.k, w.n), dtype=torch.float16, device=w.device)
+def stored_weight(w: QuantWeight) -> torch.Tensor:
+    """fp16 `[S·32, N]`: the weight in stored row order, padding rows included (what the kernels decode)."""
+    out = torch.empty((w.n_steps * 32, w.n), dtype=torch.float16, device=w.device)
     for c in w.classes:
         code = decode_steps(w.qweight[c.first_word:c.first_word + c.n_steps * c.bits], c.bits)
         grp = w.step_group[c.first_step:c.first_step + c.n_steps].long().repeat_interleave(32)
         zero = w.zeros.index_select(0, grp) if w.zeros is not None else float(1 << (c.bits - 1))
-        deq = (code.to(torch.float16) - zero) * w.scales.index_select(0, grp)
-        ri = w.row_index[c.first_step * 32:(c.first_step + c.n_steps) * 32].long()
-        keep = ri >= 0
-        out.index_copy_(0, ri[keep], deq[keep])
+        out[c.first_step * 32:(c.first_step + c.n_steps) * 32] = (code.to(torch.float16) - zero) * \
+            w.scales.index_select(0, grp)
+    return out
+
+
+def dequantize_torch(w: QuantWeight) -> torch.Tensor:
+    """fp16 `[K, N]` weight in natural input order (the reference dequantizer of this layout)."""
+    out = torch.zeros((w.k, w.n), dtype=torch.float16, device=w.device)
+    ri = w.row_index.long()
+    keep = ri >= 0
+    out.index_copy_(0, ri[keep], stored_weight(w)[keep])
     return out
 
 

@@ -9,7 +9,7 @@ import torch
 
 from exl2.models.decoder import DecoderModel
 from exl2.runtime.graphs import DecodeGraphs
-from exl2.runtime.linear import quant_kernels
+from exl2.runtime.linear import quant_kernels, set_prefill_fp8
 from exl2.runtime.paged_cache import PagedKVCache
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (DESIGN.md)
@@ -77,8 +77,7 @@ def run_benchmark(model: DecoderModel, wbytes: int, modes=("fp16", "q4"), contex
             kernels = quant_kernels(model)
             before = [w.prefill_fp8 for w in kernels]
             for fp8 in (False, True) if fp8_prefill else (False,):
-                for w in kernels:
-                    w.prefill_fp8 = fp8
+                set_prefill_fp8(model, fp8)
                 prefill()
                 dt = _time(prefill, 3)
                 rows.append(Row(f"prefill {prefill_len} tokens{', FP8 matmuls' if fp8 else ''} ({mode} cache)",
