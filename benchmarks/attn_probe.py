@@ -106,15 +106,19 @@ def sweep() -> None:
         del case
 
 
-def split_sweep(batch: int, ctx: int, mode: str) -> None:
+def split_sweep(batch: int, ctx: int, mode: str, quick: bool = False) -> None:
     """Key splits (the kernel's pick first) × key block × warps × stages for one decode shape, output in o_proj's
-    order: what tunes a batch-1 long-context step (the q4 cache at ctx 2048 is 11 % behind fp16, session 16)."""
+    order: what tunes a batch-1 long-context step (the q4 cache at ctx 2048 is 11 % behind fp16, session 16).
+    `quick`: three split counts and five tiles, for an A/B of kernel variants in one device call."""
     key = ("decode", "fp16" if mode == "fp16" else "quant")
     saved = dict(at.TUNING)
     case = _case(batch, ctx, mode, "random", "perm")
     _header()
-    for splits in (None, 4, 8, 16, 32):
-        for bn, nw, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2)):
+    tiles = list(itertools.product((32, 64, 128), (2, 4, 8), (1, 2)))
+    if quick:
+        tiles = [saved[key], (64, 4, 1), (32, 4, 1), (32, 2, 1), (128, 4, 1)]
+    for splits in ((None, 16, 32) if quick else (None, 4, 8, 16, 32)):
+        for bn, nw, stages in tiles:
             at.TUNING[key] = (bn, nw, stages)
             _row(f"| {batch} | {ctx} | {mode} | {splits} | random | perm | {bn} | {nw} | {stages} | {at.ONE_Q} |",
                  case, splits)
@@ -132,6 +136,7 @@ def main() -> None:
     p.add_argument("--short", action="store_true", help="with --sweep: the permuted-output cases, a few configs")
     p.add_argument("--split-sweep", dest="split_sweep", action="store_true",
                    help="sweep splits, key block, warps and stages for --batch/--ctx/--mode")
+    p.add_argument("--quick", action="store_true", help="with --split-sweep: 3 split counts x 5 tiles")
     a = p.parse_args()
     global SHORT
     SHORT = a.short
@@ -139,7 +144,7 @@ def main() -> None:
         sweep()
         return
     if a.split_sweep:
-        split_sweep(a.batch, a.ctx, a.mode)
+        split_sweep(a.batch, a.ctx, a.mode, a.quick)
         return
     bt, lens, q, tensors, bits = inputs(a.batch, a.ctx, a.mode)
     for _ in range(a.calls):

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
+from exl2.kernels.backend import env_choice, next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 from exl2.kernels.rotary import apply_rotary_torch, check_tables, rotate_heads, token_view
 
 KV_MODES = {"fp16": (16, 16), "q8": (8, 8), "q6": (8, 4), "q4": (4, 4), "q3": (3, 3), "q2": (2, 2)}
 KV_BITS = (8, 4, 3, 2)
+# Attention reads 4/3/2-bit rows as int32 words (1) or bytes (0, the form before session 27): an A/B switch.
+KV_WORDS = tl.constexpr(env_choice("EXL2_KV_WORDS", 1, (0, 1)))
 
 
 def packed_dim(head_dim: int, bits: int) -> int:
@@ -203,6 +205,30 @@ def kv_rows_rotated(row_ptr, srow_ptr, nmask, BITS: tl.constexpr, ZERO: tl.const
         pp = rptr.to(tl.pointer_type(tl.uint16))[:, None] + blk[:, None] * 32 + j[None, :]
         w = tl.load(pp, mask=ok[:, None], other=0).to(tl.int32)
         code = (w[:, None, :] >> (8 * par)[None, :, None]) & 255
+    elif KV_WORDS:
+        # int32 loads (8/4/3 words a 32-element half-block, not 32/16/12 byte loads); rotated column
+        # d' = 32·par + j, j read from the little-endian words as the byte layout places it
+        wptr = rptr.to(tl.pointer_type(tl.int32))
+        if BITS == 4:  # word w, byte k: j = 4w + k, nibble par
+            w8 = tl.arange(0, 8)
+            words = tl.load(wptr[:, None] + blk[:, None] * 8 + w8[None, :], mask=ok[:, None], other=0)
+            sh = 8 * tl.arange(0, 4)[None, None, None, :] + 4 * par[None, :, None, None]
+            code = tl.reshape((words[:, None, :, None] >> sh) & 15, [R, 2, 32])
+        elif BITS == 2:  # word w, field m of 2 bits a pair: j = 8w + m, bits 4m + 2·par
+            w4 = tl.arange(0, 4)
+            words = tl.load(wptr[:, None] + blk[:, None] * 4 + w4[None, :], mask=ok[:, None], other=0)
+            sh = 4 * tl.arange(0, 8)[None, None, None, :] + 2 * par[None, :, None, None]
+            code = tl.reshape((words[:, None, :, None] >> sh) & 3, [R, 2, 32])
+        else:  # 3 words a group h (the 32 elements 64·blk + 32h …): 2 of low bits, j = 16h + 8w + m; 1 of top bits
+            w4 = tl.arange(0, 4)
+            words = tl.load(wptr[:, None] + blk[:, None] * 6 + 3 * (w4[None, :] // 2) + w4[None, :] % 2,
+                            mask=ok[:, None], other=0)
+            lo = tl.reshape(words, [R, 2, 2])
+            hi = tl.load(wptr[:, None] + blk[:, None] * 6 + 3 * tl.arange(0, 2)[None, :] + 2, mask=ok[:, None], other=0)
+            lsh = 4 * tl.arange(0, 8)[None, None, None, None, :] + 2 * par[None, :, None, None, None]
+            hsh = 2 * tl.arange(0, 16)[None, None, None, :] + par[None, :, None, None]
+            code = tl.reshape((lo[:, None, :, :, None] >> lsh) & 3, [R, 2, 32]) \
+                | (tl.reshape((hi[:, None, :, None] >> hsh) & 1, [R, 2, 32]) << 2)
     elif BITS == 4:
         j = tl.arange(0, 32)
         by = tl.load(rptr[:, None] + blk[:, None] * 32 + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
