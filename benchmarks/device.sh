@@ -356,6 +356,7 @@ for s in $steps; do
        timeout 80 python3 benchmarks/layout_probe.py --widths --shapes qkv,gateup > "$OUT/widths.txt" 2>&1
        echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -8 ;;
   s46) timeout -s INT -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
+         tests/test_kernels_attention.py tests/test_kernels_kv_quant.py \
          tests/test_gpu_e2e.py -k "not golden and not dynamic and not speculative and not samplers and not lora" \
          -q -n 6 -p no:cacheprovider -rfE > "$OUT/gpu_s46.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s46.txt"
        for spec in "EXL2_KV_WORDS=1:q4" "EXL2_KV_WORDS=0:q4" "EXL2_KV_WORDS=1:fp16"; do IFS=: read -r kvenv kvmode <<< "$spec"
