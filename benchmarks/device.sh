@@ -52,7 +52,8 @@
 # without the masked prefetch; on an H200 the target table; the matmul GPU tests. s42: its short form (the mixed
 # bench at batches 1-2 on .base and this tree, the widths probe on o and down, the mixed-width matmul GPU tests). s43: s42 without the tests, the widths probe on o alone.
 # s46 (session 27): the matmul GPU tests over 6 workers, the q4 decode attention at batch 1, ctx 2048 with int32 word
-# loads of the codes (EXL2_KV_WORDS=1, new) and byte loads, fp16 for reference, then the fp16/q4 bench both ways.
+# loads of the codes (EXL2_KV_WORDS=1, new) and byte loads, then the fp16/q4 bench: defaults, byte loads, and the GLU
+# launch back (EXL2_FUSED_GLU=0: the gate/up gemv no longer writes act(gate)·up itself).
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (next, ~10 min, ideally on an
 # H200): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
@@ -355,16 +356,16 @@ for s in $steps; do
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,4,16 --prefill 64" bash "$0" envab
        timeout 80 python3 benchmarks/layout_probe.py --widths --shapes qkv,gateup > "$OUT/widths.txt" 2>&1
        echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -8 ;;
-  s46) timeout -s INT -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
-         tests/test_kernels_attention.py tests/test_kernels_kv_quant.py \
+  s46) timeout -s INT -k 10 ${TEST_TIMEOUT:-140} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
+         tests/test_kernels_attention.py tests/test_kernels_kv_quant.py tests/test_fused_glu.py \
          tests/test_gpu_e2e.py -k "not golden and not dynamic and not speculative and not samplers and not lora" \
          -q -n 6 -p no:cacheprovider -rfE > "$OUT/gpu_s46.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s46.txt"
-       for spec in "EXL2_KV_WORDS=1:q4" "EXL2_KV_WORDS=0:q4" "EXL2_KV_WORDS=1:fp16"; do IFS=: read -r kvenv kvmode <<< "$spec"
-         env $kvenv timeout 80 python3 benchmarks/attn_probe.py --split-sweep --quick --batch 1 --ctx 2048 --mode $kvmode \
-           > "$OUT/attn_quick_${kvenv}_$kvmode.txt" 2>&1; echo "attention $spec rc=$?"
-         sort -t'|' -k12 -n "$OUT/attn_quick_${kvenv}_$kvmode.txt" | grep -E "^\| 1 " | head -4; done
-       AB_SPECS=";EXL2_KV_WORDS=0" TAG=_kv BENCH_TIMEOUT=95 BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 \
-         --batch 16" bash "$0" envab ;;
+       for kvenv in EXL2_KV_WORDS=1 EXL2_KV_WORDS=0; do
+         env $kvenv timeout 75 python3 benchmarks/attn_probe.py --split-sweep --quick --batch 1 --ctx 2048 --mode q4 \
+           > "$OUT/attn_quick_$kvenv.txt" 2>&1; echo "attention q4 $kvenv rc=$?"
+         sort -t'|' -k12 -n "$OUT/attn_quick_$kvenv.txt" | grep -E "^\| 1 " | head -4; done
+       AB_SPECS=";EXL2_KV_WORDS=0;EXL2_FUSED_GLU=0" TAG=_s46 BENCH_TIMEOUT=90 BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 \
+         --prefill 64 --batch 16" bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
