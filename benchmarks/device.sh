@@ -53,7 +53,8 @@
 # bench at batches 1-2 on .base and this tree, the widths probe on o and down, the mixed-width matmul GPU tests). s43: s42 without the tests, the widths probe on o alone.
 # s46 (session 27): the matmul GPU tests over 6 workers, the q4 decode attention at batch 1, ctx 2048 with int32 word
 # loads of the codes (EXL2_KV_WORDS=1, new) and byte loads, then the fp16/q4 bench: defaults, byte loads, and the GLU
-# launch back (EXL2_FUSED_GLU=0: the gate/up gemv no longer writes act(gate)·up itself).
+# launch back (EXL2_FUSED_GLU=0: the gate/up gemv no longer writes act(gate)·up itself). s47: the breakdown with
+# and without the fused GLU (PDL off), then the q4 bench with word and byte loads, the GLU launch back.
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (next, ~10 min, ideally on an
 # H200): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
@@ -366,6 +367,11 @@ for s in $steps; do
          sort -t'|' -k12 -n "$OUT/attn_quick_$kvenv.txt" | grep -E "^\| 1 " | head -4; done
        AB_SPECS=";EXL2_KV_WORDS=0;EXL2_FUSED_GLU=0" TAG=_s46 BENCH_TIMEOUT=90 BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 \
          --prefill 64 --batch 16" bash "$0" envab ;;
+  s47) for glu in 1 0; do EXL2_FUSED_GLU=$glu EXL2_PDL=0 timeout 110 python3 -m exl2.cli.main bench --modes fp16 \
+           --contexts 2048 --batch 16 --prefill 64 --breakdown > "$OUT/breakdown_glu$glu.txt" 2>&1
+         echo "breakdown EXL2_FUSED_GLU=$glu rc=$?"; grep -E "^\| decode|gemv|glu|GLU" "$OUT/breakdown_glu$glu.txt" | head -12; done
+       AB_SPECS="EXL2_FUSED_GLU=0;EXL2_FUSED_GLU=0 EXL2_KV_WORDS=0" TAG=_s47 BENCH_TIMEOUT=80 \
+         BENCH_ARGS="--modes q4 --contexts 2048 --prefill 64 --batch 16" bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
