@@ -31,8 +31,15 @@ def _weight(bias: bool) -> qweight.QuantWeight:
     return qweight.build(codes.to(DEV), layout, scales.to(DEV), None, perm.to(DEV), b)
 
 
+def _cpu_sm_count(monkeypatch):
+    """The K splits these tests expect are those of the interpreter's 4 "SMs", on a GPU too."""
+    monkeypatch.setattr("exl2.kernels.matmul_launch.sm_count", lambda device: 4)
+    monkeypatch.setattr("exl2.kernels.quant_matmul.sm_count", lambda device: 4)
+
+
 @needs_triton
-def test_gemv_partials_add_up_to_its_output():
+def test_gemv_partials_add_up_to_its_output(monkeypatch):
+    _cpu_sm_count(monkeypatch)
     w = _weight(bias=False)
     xp = permute.gather_input(torch.randn(2, K, device=DEV).half(), [w])[0]
     with force_triton():
@@ -90,15 +97,16 @@ def test_norm_gather_adds_the_partials():
         rms_norm_gather(SplitSum(parts, (2,)), w, 1e-5, idx)
 
 
-@pytest.mark.skipif(not triton_usable(), reason="needs Triton (the interpreter on CPU)")
+@needs_triton
 def test_decoder_routing_split_sums_keeps_the_logits(monkeypatch):
+    _cpu_sm_count(monkeypatch)
     from exl2.models.decoder import DecoderModel
     from exl2.models.registry import read_config, spec_from_config
 
     d = GOLDEN / "b3.0_hb6"
     spec = spec_from_config(read_config(d))
-    model = DecoderModel(spec, WeightLoader(TensorSource(d), "cpu", torch.float16, use_kernels=True)).eval()
-    ids = torch.tensor([[45]])  # one row: down (K 768) splits K in two on the CPU's 4 "SMs"; o_proj (K 256) not
+    model = DecoderModel(spec, WeightLoader(TensorSource(d), DEV, torch.float16, use_kernels=True)).eval()
+    ids = torch.tensor([[45]], device=DEV)  # one row: down (K 768) splits K in two on the CPU's 4 "SMs"; o_proj (K 256) not
     made = []
     real = qm.permuted_matmul
 
