@@ -371,7 +371,9 @@ for s in $steps; do
            --contexts 2048 --batch 16 --prefill 64 --breakdown > "$OUT/breakdown_glu$glu.txt" 2>&1
          echo "breakdown EXL2_FUSED_GLU=$glu rc=$?"; grep -E "^\| decode|gemv|glu|GLU" "$OUT/breakdown_glu$glu.txt" | head -12; done
        AB_SPECS="EXL2_FUSED_GLU=0;EXL2_FUSED_GLU=0 EXL2_KV_WORDS=0" TAG=_s47 BENCH_TIMEOUT=80 \
-         BENCH_ARGS="--modes q4 --contexts 2048 --prefill 64 --batch 16" bash "$0" envab ;;
+         BENCH_ARGS="--modes q4 --contexts 2048 --prefill 64 --batch 16" bash "$0" envab
+       timeout -s INT -k 5 60 python3 -m pytest tests/test_split_sum.py -q -p no:cacheprovider -rfE > "$OUT/gpu_split.txt" 2>&1
+       echo "split-sum tests rc=$?"; tail -n 3 "$OUT/gpu_split.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
