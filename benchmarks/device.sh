@@ -374,6 +374,11 @@ for s in $steps; do
          BENCH_ARGS="--modes q4 --contexts 2048 --prefill 64 --batch 16" bash "$0" envab
        timeout -s INT -k 5 60 python3 -m pytest tests/test_split_sum.py -q -p no:cacheprovider -rfE > "$OUT/gpu_split.txt" 2>&1
        echo "split-sum tests rc=$?"; tail -n 3 "$OUT/gpu_split.txt" ;;
+  s48) for kw in 1 0; do EXL2_KV_WORDS=$kw EXL2_PDL=0 timeout 100 python3 -m exl2.cli.main bench --modes q4 --contexts 2048 \
+           --batch 16 --prefill 64 --breakdown --breakdown-mode q4 > "$OUT/q4break_words$kw.txt" 2>&1
+         echo "q4 breakdown EXL2_KV_WORDS=$kw rc=$?"; grep -E "^\| decode|_attn|_merge|_rope|_kv" "$OUT/q4break_words$kw.txt" | head -8; done
+       timeout -s INT -k 5 60 python3 -m pytest tests/test_split_sum.py -q -p no:cacheprovider -rfE > "$OUT/gpu_split.txt" 2>&1
+       echo "split-sum tests rc=$?"; tail -n 3 "$OUT/gpu_split.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

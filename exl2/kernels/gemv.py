@@ -13,7 +13,6 @@ from typing import Sequence
 
 import torch
 
-from exl2.kernels.activation import ACT_ID, gated_tl
 from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync, prefetch_l2,
                                   prefetch_l2_where, tl, triton)
 from exl2.kernels.matmul_launch import (PACKED_FLAG, MatmulConfig, auto_split, class_args, launch, pairs_view,
@@ -28,8 +27,6 @@ from exl2.kernels.split_sum import SplitSum
 # mixed-width weights then prefetch too (`prefetch_rows`). Measured neutral on the mixed bench body before programs
 # skipped their empty classes (H100: 328-329 tok/s either way, benchmarks/RESULTS.md session 26).
 PREFETCH_MASKED = env_choice("EXL2_GEMV_PREFETCH_MASKED", 0, range(0, 2)) == 1
-# Whether the gate/up gemv writes act(gate)·up itself where its K is not split (`GemvGroup.gated`): an A/B switch.
-FUSED_GLU = env_choice("EXL2_FUSED_GLU", 1, (0, 1)) == 1
 _PREFETCH_MASKED = tl.constexpr(PREFETCH_MASKED)
 # Software-pipelining depth of the gemv loop (EXL2_GEMV_STAGES).
 GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
@@ -569,12 +566,9 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                        out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                        RED: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr = 2,
-                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, h_ptr=None, inv_ptr=None,
-                       GLU: tl.constexpr = -1):
+                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
-    over every (matrix, column tile, K split) program, axis 2 over the input rows. GLU ≥ 0 (gate and up, K not
-    split): of the two programs of a column tile, the one arriving second also writes act(gate)·up (`ACTIVATIONS`
-    index GLU) to the columns `inv_ptr` gives: the down projection's permuted input, without a GLU launch."""
+    over every (matrix, column tile, K split) program, axis 2 over the input rows."""
     pid = tl.program_id(0)
     pid_m = tl.program_id(2)
     if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
@@ -586,30 +580,6 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
     else:
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
                       qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
-    if GLU >= 0:
-        tl.static_assert(G == 2)
-        first_up = tl.load(meta_ptr + 25 + 21)
-        _glu_arrival(out0, out1, h_ptr, inv_ptr, cnt_ptr, meta_ptr, pid - tl.where(pid >= first_up, first_up, 0),
-                     pid_m, BN, GLU)
-
-
-@triton.jit
-def _glu_arrival(g_ptr, u_ptr, h_ptr, inv_ptr, cnt_ptr, meta_ptr, pid_n, pid_m, BN: tl.constexpr,
-                 ACT: tl.constexpr):
-    """After a gate or up program wrote its tile: the second of the tile's two to arrive reads both (their fp16
-    outputs, as the GLU kernel would) and writes act(gate)·up to the permuted columns."""
-    N = tl.load(meta_ptr + 18)
-    tile = pid_m * tl.load(meta_ptr + 19) + pid_n
-    tl.debug_barrier()  # this program's tile is written before its arrival is counted
-    if tl.atomic_add(cnt_ptr + tile, 1) == 1:
-        offs = pid_n * BN + tl.arange(0, BN)
-        mask = offs < N
-        row = pid_m.to(tl.int64) * N
-        g = tl.load(g_ptr + row + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        u = tl.load(u_ptr + row + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        dst = tl.load(inv_ptr + offs, mask=mask, other=0)
-        tl.store(h_ptr + row + dst, gated_tl(g, u, ACT).to(h_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
@@ -656,7 +626,6 @@ class GemvGroup:
         self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
         self.mask = width_mask(self.ws)
         self._plans: dict[int, tuple] = {}
-        self._splits: dict[int, tuple[int, ...]] = {}
 
     @classmethod
     def accepts(cls, ws: Sequence[QuantWeight]) -> bool:
@@ -682,35 +651,17 @@ class GemvGroup:
             max_split = max(max_split, split)
         meta = torch.tensor(rows, dtype=torch.int32, device=device).contiguous()
         red = min(next_pow2(max_split), max(1, 8192 // self.BN))
-        self._splits[m] = tuple(r[20] for r in rows)
         self._plans[m] = (meta, start, part, red)
         return self._plans[m]
 
     def __call__(self, xp: torch.Tensor, fast4: bool | None = None) -> list[torch.Tensor]:
         """Outputs `[M, N_i]` for the permuted inputs `xp` `[M, total]` laid out by `input_layout` (the buffer
         `gather_input` returns its views of)."""
-        return self._launch(xp, fast4)[0]
-
-    def gated(self, xp: torch.Tensor, activation: str, inv: torch.Tensor, fast4: bool | None = None
-              ) -> torch.Tensor | None:
-        """act(gate)·up `[M, N]` (this group being gate and up) in the columns `inv` gives (the down projection's
-        `scatter_index`), from the same launch; None where it does not apply (K split, unequal widths), so the
-        caller runs the GLU kernel."""
-        if not (FUSED_GLU and len(self.ws) == 2 and self.ws[0].n == self.ws[1].n == inv.numel()
-                and activation in ACT_ID and 0 < xp.shape[0]):
-            return None
-        self.plan(xp.shape[0], xp.device)
-        if self._splits[xp.shape[0]] != (1, 1):
-            return None
-        return self._launch(xp, fast4, (ACT_ID[activation], inv))[1]
-
-    def _launch(self, xp: torch.Tensor, fast4: bool | None, glu: tuple[int, torch.Tensor] | None = None
-                ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         buffer_offsets(xp, self.ws)
         m = xp.shape[0]
         outs = [torch.empty((m, w.n), dtype=xp.dtype, device=xp.device) for w in self.ws]
         if m == 0:
-            return outs, None
+            return outs
         meta, programs, part_n, red = self.plan(m, xp.device)
         fast4, x32 = pairs_view(xp, fast4_available(xp.device) if fast4 is None else fast4)
         part = torch.empty(max(1, part_n), dtype=torch.float32, device=xp.device)
@@ -721,18 +672,13 @@ class GemvGroup:
             args += [out, w.bias if w.bias is not None else w.scales, w.qweight, w.scales,
                      w.zeros if w.zeros is not None else w.scales, w.step_group]
         has_bias = [w.bias is not None for w in self.ws] + [False] * (self.MAX - len(self.ws))
-        h = None
-        extra = {}
-        if glu is not None:
-            h = torch.empty((m, self.ws[0].n), dtype=xp.dtype, device=xp.device)
-            extra = dict(h_ptr=h, inv_ptr=glu[1], GLU=glu[0])
         _gemv_group_kernel[(programs, 1, m)](
             xp, x32, xp.stride(0), meta, part, counters(xp.device), m, *args,
             G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4,
             STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages,
-            **pdl_args(xp.device, m, prefetch=prefetch_rows(self.ws)), **extra)
-        return outs, h
+            **pdl_args(xp.device, m, prefetch=prefetch_rows(self.ws)))
+        return outs
 
 
 _FAST4: dict[torch.device, int] = {}

@@ -192,20 +192,6 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
     return group(gather_input(x, ws, whole=True) if xp is None else xp)
 
 
-def grouped_glu(x: torch.Tensor, ws: Sequence[QuantWeight], activation: str, inv: torch.Tensor,
-                xp: torch.Tensor | None = None) -> torch.Tensor | None:
-    """act(x · W_gate)·(x · W_up) `[M, N]` in the columns `inv` gives (the down projection's `scatter_index`), from
-    the gate/up gemv launch itself (`GemvGroup.gated`); None where that path does not apply."""
-    if not (FUSE_SHARED_INPUT and use_triton(x) and 0 < x.shape[0] <= min(DOT_MAX_M, GEMV_ROWS)
-            and len(ws) == 2 and GemvGroup.accepts(ws)
-            and not all(gemv_via_mma(w, x.shape[0], x.dtype) for w in ws)):
-        return None
-    group = ws[0]._cache.get(("group", tuple(map(id, ws))))
-    if group is None:
-        group = ws[0]._cache[("group", tuple(map(id, ws)))] = GemvGroup(ws)
-    return group.gated(gather_input(x, ws, whole=True) if xp is None else xp, activation, inv)
-
-
 def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None) -> list[torch.Tensor] | None:
     """`grouped_matmul` for 5-16 rows: one launch of the Gluon kernel where it takes every weight, else None. The
     K split is the one a single matrix as wide as all of them would get."""

@@ -9,7 +9,7 @@ from exl2.kernels.activation import glu
 from exl2.kernels.norm import rms_norm, rms_norm_gather
 from exl2.kernels.quant_matmul import uses_permuted_input
 from exl2.kernels.split_sum import SplitSum
-from exl2.runtime.linear import permuted_indices, project, project_gated
+from exl2.runtime.linear import permuted_indices, project
 
 
 class RMSNorm(nn.Module):
@@ -117,11 +117,8 @@ class GatedMLP(nn.Module):
         return permuted_indices(self.shared_input_linears())
 
     def forward(self, x: torch.Tensor, xp: torch.Tensor | None = None) -> torch.Tensor:
-        down = self.down_proj
-        h = project_gated(x, self.gate_proj, self.up_proj, down, self.act_name, xp)
-        if h is not None:  # the gate/up gemv wrote down's permuted input itself
-            return down.forward_permuted(h, x.shape[:-1])
         gate, up = project(x, (self.gate_proj, self.up_proj), xp)
+        down = self.down_proj
         if permuted_indices((down,)) and uses_permuted_input(gate.numel() // gate.shape[-1], gate):
             # The GLU kernel writes the down projection's permuted input directly.
             h = glu(gate, up, self.act_name, index=down.kernel.x_index)

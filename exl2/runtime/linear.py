@@ -10,8 +10,8 @@ from torch import nn
 
 from exl2.kernels import quant_matmul as qm
 from exl2.kernels.permute import gather_input, input_layout, share_input_orders, split_permuted, take_columns
-from exl2.kernels.quant_matmul import (grouped_glu, grouped_matmul, permuted_matmul, prompt_matmul, quant_matmul,
-                                       uses_dequant, uses_permuted_input)
+from exl2.kernels.quant_matmul import (grouped_matmul, permuted_matmul, prompt_matmul, quant_matmul, uses_dequant,
+                                       uses_permuted_input)
 from exl2.kernels.split_sum import SplitSum
 
 
@@ -164,25 +164,6 @@ def project(x: torch.Tensor, linears: Sequence[nn.Module], xp: Optional[torch.Te
         raise ValueError("a permuted input buffer needs every linear to be quantized.")
     xps = dict(zip(map(id, quant), gather_input(x2, kernels)))
     return [m(x, xps[id(m)]) if id(m) in xps else m(x) for m in linears]
-
-
-def project_gated(x: torch.Tensor, gate: nn.Module, up: nn.Module, down: nn.Module, activation: str,
-                  xp: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """act(gate(x))·up(x) `[rows, I]` in the down projection's permuted input order, written by the gate/up gemv
-    itself (`grouped_glu`: no GLU launch), or None where that path does not apply: the caller then runs `project`
-    and the GLU kernel. Needs quantized gate/up/down without LoRA adapters or padded outputs."""
-    mods = (gate, up, down)
-    if not all(isinstance(m, Linear) and m.kernel is not None and not m.loras and m.kernel.n == m.out_features
-               for m in mods):
-        return None
-    inv = down.kernel.scatter_index()
-    if inv is None or inv.device != x.device:
-        return None
-    rows = x.numel() // max(1, x.shape[-1])
-    x2 = x.reshape(rows, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return grouped_glu(x2, [gate.kernel, up.kernel], activation, inv, xp)
 
 
 def with_loras(x: torch.Tensor, linears: Sequence[nn.Module], outs: list[torch.Tensor]) -> list[torch.Tensor]:
