@@ -54,7 +54,8 @@
 # s46 (session 27): the matmul GPU tests over 6 workers, the q4 decode attention at batch 1, ctx 2048 with int32 word
 # loads of the codes (EXL2_KV_WORDS=1, new) and byte loads, then the fp16/q4 bench: defaults, byte loads, and the GLU
 # launch back (EXL2_FUSED_GLU=0: the gate/up gemv no longer writes act(gate)·up itself). s47: the breakdown with
-# and without the fused GLU (PDL off), then the q4 bench with word and byte loads, the GLU launch back.
+# and without the fused GLU (PDL off), then the q4 bench with word and byte loads, the GLU launch back. s48: the q4
+# breakdown (PDL off) with word and byte loads of the codes; the split-sum tests.
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (next, ~10 min, ideally on an
 # H200): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
