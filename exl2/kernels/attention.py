@@ -47,7 +47,7 @@ MAX_SPLITS = env_choice("EXL2_ATTN_MAX_SPLITS", 32, range(1, 33))
 # "short": decode asked for one split over fp16 values, which the short-context graphs do (at most
 # graphs.SHORT_CONTEXT keys, one or two blocks a program, so nothing to pipeline): batch 16, ctx 128, the output in
 # o_proj's order, 9.2 → 7.6 µs (session 15).
-TUNING = {("decode", "fp16"): (64, 4, 2), ("decode", "quant"): (64, 4, 2), ("short", "fp16"): (128, 4, 1),
+TUNING = {("decode", "fp16"): (64, 4, 2), ("decode", "quant"): (64, 4, 1), ("short", "fp16"): (128, 4, 1),
           ("prefill", "fp16"): (32, 4, 2), ("prefill", "quant"): (32, 4, 2)}
 
 
