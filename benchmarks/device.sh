@@ -51,13 +51,11 @@
 # masked prefetch (mixed-width programs now skip the classes they have no steps of); the widths probe with and
 # without the masked prefetch; on an H200 the target table; the matmul GPU tests. s42: its short form (the mixed
 # bench at batches 1-2 on .base and this tree, the widths probe on o and down, the mixed-width matmul GPU tests). s43: s42 without the tests, the widths probe on o alone.
-# s46 (session 27): the matmul GPU tests over 6 workers, the q4 decode attention at batch 1, ctx 2048 with int32 word
-# loads of the codes (EXL2_KV_WORDS=1, new) and byte loads, then the fp16/q4 bench: defaults, byte loads, and the GLU
-# launch back (EXL2_FUSED_GLU=0: the gate/up gemv no longer writes act(gate)·up itself). s47: the breakdown with
-# and without the fused GLU (PDL off), then the q4 bench with word and byte loads, the GLU launch back. s48: the q4
-# breakdown (PDL off) with word and byte loads of the codes; the split-sum tests.
-# s44: the widths probe on o and down, on the trees in .base and on this one. s45 (next, ~10 min, ideally on an
-# H200): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
+# s46-s48 (session 27): A/Bs of int32 word loads of quantized KV rows (kept) and a GLU epilogue in the gate/up gemv
+# (rejected); removed with their switches. s49 (next): the matmul, attention, KV and end-to-end GPU tests, the target
+# table (batches 2, 4, 16), the mixed-width bench with fp16 and q4 caches.
+# s44: the widths probe on o and down, on the trees in .base and on this one. s45 (session 27 run 1, ~7 min:
+# on an H100): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
 # gate/up.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -358,28 +356,14 @@ for s in $steps; do
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,4,16 --prefill 64" bash "$0" envab
        timeout 80 python3 benchmarks/layout_probe.py --widths --shapes qkv,gateup > "$OUT/widths.txt" 2>&1
        echo "widths rc=$?"; grep -E "^\| " "$OUT/widths.txt" | tail -8 ;;
-  s46) timeout -s INT -k 10 ${TEST_TIMEOUT:-140} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
-         tests/test_kernels_attention.py tests/test_kernels_kv_quant.py tests/test_fused_glu.py \
-         tests/test_gpu_e2e.py -k "not golden and not dynamic and not speculative and not samplers and not lora" \
-         -q -n 6 -p no:cacheprovider -rfE > "$OUT/gpu_s46.txt" 2>&1; echo "matmul GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s46.txt"
-       for kvenv in EXL2_KV_WORDS=1 EXL2_KV_WORDS=0; do
-         env $kvenv timeout 75 python3 benchmarks/attn_probe.py --split-sweep --quick --batch 1 --ctx 2048 --mode q4 \
-           > "$OUT/attn_quick_$kvenv.txt" 2>&1; echo "attention q4 $kvenv rc=$?"
-         sort -t'|' -k12 -n "$OUT/attn_quick_$kvenv.txt" | grep -E "^\| 1 " | head -4; done
-       AB_SPECS=";EXL2_KV_WORDS=0;EXL2_FUSED_GLU=0" TAG=_s46 BENCH_TIMEOUT=90 BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 \
-         --prefill 64 --batch 16" bash "$0" envab ;;
-  s47) for glu in 1 0; do EXL2_FUSED_GLU=$glu EXL2_PDL=0 timeout 110 python3 -m exl2.cli.main bench --modes fp16 \
-           --contexts 2048 --batch 16 --prefill 64 --breakdown > "$OUT/breakdown_glu$glu.txt" 2>&1
-         echo "breakdown EXL2_FUSED_GLU=$glu rc=$?"; grep -E "^\| decode|gemv|glu|GLU" "$OUT/breakdown_glu$glu.txt" | head -12; done
-       AB_SPECS="EXL2_FUSED_GLU=0;EXL2_FUSED_GLU=0 EXL2_KV_WORDS=0" TAG=_s47 BENCH_TIMEOUT=80 \
-         BENCH_ARGS="--modes q4 --contexts 2048 --prefill 64 --batch 16" bash "$0" envab
-       timeout -s INT -k 5 60 python3 -m pytest tests/test_split_sum.py -q -p no:cacheprovider -rfE > "$OUT/gpu_split.txt" 2>&1
-       echo "split-sum tests rc=$?"; tail -n 3 "$OUT/gpu_split.txt" ;;
-  s48) for kw in 1 0; do EXL2_KV_WORDS=$kw EXL2_PDL=0 timeout 100 python3 -m exl2.cli.main bench --modes q4 --contexts 2048 \
-           --batch 16 --prefill 64 --breakdown --breakdown-mode q4 > "$OUT/q4break_words$kw.txt" 2>&1
-         echo "q4 breakdown EXL2_KV_WORDS=$kw rc=$?"; grep -E "^\| decode|_attn|_merge|_rope|_kv" "$OUT/q4break_words$kw.txt" | head -8; done
-       timeout -s INT -k 5 60 python3 -m pytest tests/test_split_sum.py -q -p no:cacheprovider -rfE > "$OUT/gpu_split.txt" 2>&1
-       echo "split-sum tests rc=$?"; tail -n 3 "$OUT/gpu_split.txt" ;;
+  s49) timeout -s INT -k 10 ${TEST_TIMEOUT:-200} python3 -m pytest tests/test_kernels_quant_matmul.py tests/test_split_sum.py \
+         tests/test_kernels_attention.py tests/test_kernels_kv_quant.py tests/test_gpu_e2e.py \
+         -k "not dynamic and not speculative and not samplers and not lora" -q -n 6 -p no:cacheprovider -rfE \
+         > "$OUT/gpu_s49.txt" 2>&1; echo "GPU tests rc=$?"; tail -n 4 "$OUT/gpu_s49.txt"
+       timeout 130 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
+       grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
+       timeout 100 python3 -m exl2.cli.main bench --mixed --modes fp16,q4 --contexts 128,2048 --batch 4,16 --prefill 64 \
+         > "$OUT/bench_mixed.txt" 2>&1; echo "mixed bench rc=$?"; grep -E "^\| (decode|prefill)" "$OUT/bench_mixed.txt" ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

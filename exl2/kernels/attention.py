@@ -46,9 +46,10 @@ MAX_SPLITS = env_choice("EXL2_ATTN_MAX_SPLITS", 32, range(1, 33))
 # (key block, warps, pipelining stages) per (phase, cache kind); set from H200 measurements (benchmarks/RESULTS.md).
 # "short": decode asked for one split over fp16 values, which the short-context graphs do (at most
 # graphs.SHORT_CONTEXT keys, one or two blocks a program, so nothing to pipeline): batch 16, ctx 128, the output in
-# o_proj's order, 9.2 → 7.6 µs (session 15).
+# o_proj's order, 9.2 → 7.6 µs (session 15). Quantized rows: one stage (pipelined, their word loads lost the gain:
+# batch 1, ctx 2048, q4, 13.78 against 9.09 µs; session 27), and prefill's alike (not measured).
 TUNING = {("decode", "fp16"): (64, 4, 2), ("decode", "quant"): (64, 4, 1), ("short", "fp16"): (128, 4, 1),
-          ("prefill", "fp16"): (32, 4, 2), ("prefill", "quant"): (32, 4, 2)}
+          ("prefill", "fp16"): (32, 4, 2), ("prefill", "quant"): (32, 4, 1)}
 
 
 def decode_splits(programs: int, device: torch.device) -> int:

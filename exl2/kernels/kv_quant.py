@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from exl2.kernels.backend import env_choice, next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
+from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 from exl2.kernels.rotary import apply_rotary_torch, check_tables, rotate_heads, token_view
 
 KV_MODES = {"fp16": (16, 16), "q8": (8, 8), "q6": (8, 4), "q4": (4, 4), "q3": (3, 3), "q2": (2, 2)}
 KV_BITS = (8, 4, 3, 2)
-# Attention reads 4/3/2-bit rows as int32 words (1) or bytes (0, the form before session 27): an A/B switch.
-KV_WORDS = tl.constexpr(env_choice("EXL2_KV_WORDS", 1, (0, 1)))
 
 
 def packed_dim(head_dim: int, bits: int) -> int:
@@ -192,7 +190,7 @@ def kv_rows_rotated(row_ptr, srow_ptr, nmask, BITS: tl.constexpr, ZERO: tl.const
                     BN: tl.constexpr):
     """fp16 [BN, NBP·64] rows of rotated values (still in the rotated domain), column order d' = 64·blk + 32·par + j
     for element e = 64·blk + 2j + par. `row_ptr`/`srow_ptr` [BN] point at each row's packed bytes / scales.
-    Contiguous byte loads, unpacked with broadcast shifts (no gathers)."""
+    Contiguous word loads, unpacked with broadcast shifts (no gathers)."""
     R: tl.constexpr = BN * NBP
     r = tl.arange(0, R)
     blk = r % NBP
@@ -205,9 +203,9 @@ def kv_rows_rotated(row_ptr, srow_ptr, nmask, BITS: tl.constexpr, ZERO: tl.const
         pp = rptr.to(tl.pointer_type(tl.uint16))[:, None] + blk[:, None] * 32 + j[None, :]
         w = tl.load(pp, mask=ok[:, None], other=0).to(tl.int32)
         code = (w[:, None, :] >> (8 * par)[None, :, None]) & 255
-    elif KV_WORDS:
-        # int32 loads (8/4/3 words a 32-element half-block, not 32/16/12 byte loads); rotated column
-        # d' = 32·par + j, j read from the little-endian words as the byte layout places it
+    else:
+        # int32 loads (8/6/4 words a 64-element block; byte loads took 46 % longer, benchmarks/RESULTS.md session
+        # 27); rotated column d' = 32·par + j, j read from the little-endian words as the byte layout places it
         wptr = rptr.to(tl.pointer_type(tl.int32))
         if BITS == 4:  # word w, byte k: j = 4w + k, nibble par
             w8 = tl.arange(0, 8)
@@ -229,26 +227,6 @@ def kv_rows_rotated(row_ptr, srow_ptr, nmask, BITS: tl.constexpr, ZERO: tl.const
             hsh = 2 * tl.arange(0, 16)[None, None, None, :] + par[None, :, None, None]
             code = tl.reshape((lo[:, None, :, :, None] >> lsh) & 3, [R, 2, 32]) \
                 | (tl.reshape((hi[:, None, :, None] >> hsh) & 1, [R, 2, 32]) << 2)
-    elif BITS == 4:
-        j = tl.arange(0, 32)
-        by = tl.load(rptr[:, None] + blk[:, None] * 32 + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        code = (by[:, None, :] >> (4 * par)[None, :, None]) & 15
-    elif BITS == 2:
-        q = tl.arange(0, 16)
-        by = tl.load(rptr[:, None] + blk[:, None] * 16 + q[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        sh = 2 * (2 * tl.arange(0, 2)[None, None, None, :] + par[None, :, None, None])
-        code = tl.reshape((by[:, None, :, None] >> sh) & 3, [R, 2, 32])
-    else:
-        hq = tl.arange(0, 16)
-        lo = tl.load(rptr[:, None] + 12 * (blk[:, None] * 2 + hq[None, :] // 8) + hq[None, :] % 8,
-                     mask=ok[:, None], other=0).to(tl.int32)
-        lsh = 2 * (2 * tl.arange(0, 2)[None, None, None, :] + par[None, :, None, None])
-        h8 = tl.arange(0, 8)
-        hi = tl.load(rptr[:, None] + 12 * (blk[:, None] * 2 + h8[None, :] // 4) + 8 + h8[None, :] % 4,
-                     mask=ok[:, None], other=0).to(tl.int32)
-        hsh = 2 * tl.arange(0, 4)[None, None, None, :] + par[None, :, None, None]
-        code = tl.reshape((lo[:, None, :, None] >> lsh) & 3, [R, 2, 32]) \
-            | (tl.reshape((hi[:, None, :, None] >> hsh) & 1, [R, 2, 32]) << 2)
     half = tl.arange(0, 2)
     sc = tl.load(sptr[:, None] + blk[:, None] * 2 + half[None, :], mask=ok[:, None], other=0.0)
     sc = tl.reshape(tl.broadcast_to(sc[:, None, :, None], [R, 2, 2, 16]), [R, 2, 32])
