@@ -107,7 +107,7 @@ def test_decoder_routing_split_sums_keeps_the_logits(monkeypatch):
     d = GOLDEN / "b3.0_hb6"
     spec = spec_from_config(read_config(d))
     model = DecoderModel(spec, WeightLoader(TensorSource(d), DEV, torch.float16, use_kernels=True)).eval()
-    ids = torch.tensor([[45]], device=DEV)  # one row: down (K 768) splits K in two on the CPU's 4 "SMs"; o_proj (K 256) not
+    ids = torch.tensor([[45]], device=DEV)  # one row: down (K 768) splits K in two on 4 "SMs"; o_proj (K 256) not
     made = []
     real = qm.permuted_matmul
 
