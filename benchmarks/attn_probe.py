@@ -1,9 +1,10 @@
-"""Decode attention over a paged cache, for profilers to attach to and for variant timings.
+"""Decode (and chunked-prefill) attention over a paged cache, for profilers to attach to and for variant timings.
 
     ncu --clock-control none --kernel-name regex:_attn_kernel --launch-skip 3 --launch-count 1 \
         python3 benchmarks/attn_probe.py [--batch 16 --ctx 128 --mode fp16 --splits 1]
     python3 benchmarks/attn_probe.py --sweep    # graph-timed table of kernel variants, cold caches
     python3 benchmarks/attn_probe.py --split-sweep --batch 1 --ctx 2048 --mode q4   # splits x tiles, one shape
+    python3 benchmarks/attn_probe.py --split-sweep --quick --chunk 256 --mode q4    # chunked-prefill tiles
 
 Shapes are Llama-3-8B's (32 query / 8 KV heads of 128, pages of 256 tokens). `--splits 1` is what the batch-16
 short-context graph runs; None lets the kernel pick. The sweep varies the key block, warps, pipelining stages and
@@ -26,17 +27,33 @@ from kernels import COLD_BYTES, decode_attention_inputs, graph_us, rel_err  # no
 
 HQ, HKV, D, PAGE = 32, 8, 128, 256
 SHORT = False  # --short: only the batch-16 one-split cases, and a few configs
+CHUNK = 1  # --chunk: query tokens a sequence (more than 4: a chunked prefill over the cached context)
 
 
 def inputs(batch: int, ctx: int, mode: str):
     bt, lens, q, k, v, kc, ks, vc, vs = decode_attention_inputs(batch, ctx, HQ, HKV, D, PAGE)
+    if CHUNK > 1:
+        q = torch.randn(batch * CHUNK, HQ, D, device=q.device).half()
     tensors, bits = ((k, v, None, None), 16) if mode == "fp16" else ((kc, vc, ks, vs), 4)
     return bt, lens, q, tensors, bits
 
 
+def _queries(lens):
+    """(cu_seqlens_q, max_q_len) of CHUNK queries a sequence: None for decode."""
+    if CHUNK == 1:
+        return None, 1
+    return torch.arange(lens.numel() + 1, dtype=torch.int32, device=lens.device) * CHUNK, CHUNK
+
+
+def phase() -> str:
+    """The `attention.TUNING` phase the probed launches take (decode: at most 16 query rows a KV head)."""
+    return "decode" if CHUNK * (HQ // HKV) <= 16 else "prefill"
+
+
 def call(q, c, bt, lens, bits, splits, perm=None):
-    return at.paged_attention(q, c[0], c[1], bt, lens, k_bits=bits, v_bits=bits, k_scales=c[2], v_scales=c[3],
-                              num_splits=splits, out_index=perm)
+    cu, max_q = _queries(lens)
+    return at.paged_attention(q, c[0], c[1], bt, lens, cu, max_q, k_bits=bits, v_bits=bits, k_scales=c[2],
+                              v_scales=c[3], num_splits=splits, out_index=perm)
 
 
 def _case(batch: int, ctx: int, mode: str, layout: str, out: str):
@@ -50,7 +67,7 @@ def _case(batch: int, ctx: int, mode: str, layout: str, out: str):
     nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
     copies = [tensors] + [tuple(None if t is None else t.clone() for t in tensors)
                           for _ in range(max(1, -(-COLD_BYTES // nbytes)) - 1)]
-    ref = at.paged_attention_torch(q, tensors[0], tensors[1], bt, lens, k_bits=bits, v_bits=bits,
+    ref = at.paged_attention_torch(q, tensors[0], tensors[1], bt, lens, *_queries(lens), k_bits=bits, v_bits=bits,
                                    k_scales=tensors[2], v_scales=tensors[3])
     return bt, lens, q, copies, bits, perm, ref, nbytes
 
@@ -109,15 +126,18 @@ def sweep() -> None:
 def split_sweep(batch: int, ctx: int, mode: str, quick: bool = False) -> None:
     """Key splits (the kernel's pick first) × key block × warps × stages for one decode shape, output in o_proj's
     order: what tunes a batch-1 long-context step (the q4 cache at ctx 2048 is 11 % behind fp16, session 16).
-    `quick`: three split counts and five tiles, for an A/B of kernel variants in one device call."""
-    key = ("decode", "fp16" if mode == "fp16" else "quant")
+    `quick`: three split counts and five or six tiles, for an A/B of kernel variants in one device call. With
+    --chunk above 4 (a chunked prefill) only the kernel's own split count (one)."""
+    key = (phase(), "fp16" if mode == "fp16" else "quant")
     saved = dict(at.TUNING)
     case = _case(batch, ctx, mode, "random", "perm")
     _header()
     tiles = list(itertools.product((32, 64, 128), (2, 4, 8), (1, 2)))
-    if quick:
-        tiles = [saved[key], (64, 4, 1), (32, 4, 1), (32, 2, 1), (128, 4, 1)]
-    for splits in ((None, 16, 32) if quick else (None, 4, 8, 16, 32)):
+    if quick:  # the default, it with the other stage count, a few others
+        bn, nw, st = saved[key]
+        tiles = list(dict.fromkeys([(bn, nw, st), (bn, nw, 3 - st), (64, 4, 1), (32, 4, 1), (32, 2, 1), (128, 4, 1)]))
+    split_counts = (None, 16, 32) if quick else (None, 4, 8, 16, 32)
+    for splits in (split_counts if key[0] == "decode" else (None,)):
         for bn, nw, stages in tiles:
             at.TUNING[key] = (bn, nw, stages)
             _row(f"| {batch} | {ctx} | {mode} | {splits} | random | perm | {bn} | {nw} | {stages} | {at.ONE_Q} |",
@@ -136,10 +156,12 @@ def main() -> None:
     p.add_argument("--short", action="store_true", help="with --sweep: the permuted-output cases, a few configs")
     p.add_argument("--split-sweep", dest="split_sweep", action="store_true",
                    help="sweep splits, key block, warps and stages for --batch/--ctx/--mode")
-    p.add_argument("--quick", action="store_true", help="with --split-sweep: 3 split counts x 5 tiles")
+    p.add_argument("--quick", action="store_true", help="with --split-sweep: 3 split counts x 5-6 tiles")
+    p.add_argument("--chunk", type=int, default=1,
+                   help="query tokens a sequence at the end of its context (> 4: the chunked-prefill tiles)")
     a = p.parse_args()
-    global SHORT
-    SHORT = a.short
+    global SHORT, CHUNK
+    SHORT, CHUNK = a.short, max(1, a.chunk)
     if a.sweep:
         sweep()
         return
