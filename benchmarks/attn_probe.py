@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from exl2.kernels import attention as at  # noqa: E402
+from exl2.kernels import kv_quant as kq  # noqa: E402
 from kernels import COLD_BYTES, decode_attention_inputs, graph_us, rel_err  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 256
@@ -34,8 +35,15 @@ def inputs(batch: int, ctx: int, mode: str):
     bt, lens, q, k, v, kc, ks, vc, vs = decode_attention_inputs(batch, ctx, HQ, HKV, D, PAGE)
     if CHUNK > 1:
         q = torch.randn(batch * CHUNK, HQ, D, device=q.device).half()
-    tensors, bits = ((k, v, None, None), 16) if mode == "fp16" else ((kc, vc, ks, vs), 4)
-    return bt, lens, q, tensors, bits
+    kb, vb = kq.KV_MODES[mode]
+    if mode == "fp16":
+        tensors = (k, v, None, None)
+    elif mode == "q4":
+        tensors = (kc, vc, ks, vs)
+    else:
+        tensors = kq.quantize_kv(k, kb) + kq.quantize_kv(v, vb)
+        tensors = (tensors[0], tensors[2], tensors[1], tensors[3])
+    return bt, lens, q, tensors, (kb, vb)
 
 
 def _queries(lens):
@@ -51,8 +59,9 @@ def phase() -> str:
 
 
 def call(q, c, bt, lens, bits, splits, perm=None):
+    """`bits`: (key bits, value bits)."""
     cu, max_q = _queries(lens)
-    return at.paged_attention(q, c[0], c[1], bt, lens, cu, max_q, k_bits=bits, v_bits=bits, k_scales=c[2],
+    return at.paged_attention(q, c[0], c[1], bt, lens, cu, max_q, k_bits=bits[0], v_bits=bits[1], k_scales=c[2],
                               v_scales=c[3], num_splits=splits, out_index=perm)
 
 
@@ -67,8 +76,8 @@ def _case(batch: int, ctx: int, mode: str, layout: str, out: str):
     nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
     copies = [tensors] + [tuple(None if t is None else t.clone() for t in tensors)
                           for _ in range(max(1, -(-COLD_BYTES // nbytes)) - 1)]
-    ref = at.paged_attention_torch(q, tensors[0], tensors[1], bt, lens, *_queries(lens), k_bits=bits, v_bits=bits,
-                                   k_scales=tensors[2], v_scales=tensors[3])
+    ref = at.paged_attention_torch(q, tensors[0], tensors[1], bt, lens, *_queries(lens), k_bits=bits[0],
+                                   v_bits=bits[1], k_scales=tensors[2], v_scales=tensors[3])
     return bt, lens, q, copies, bits, perm, ref, nbytes
 
 
@@ -93,7 +102,6 @@ def _header() -> None:
 
 
 def sweep() -> None:
-    key_of = {16: ("decode", "fp16"), 4: ("decode", "quant")}
     short_key = ("short", "fp16")
     saved = dict(at.TUNING), at.ONE_Q
     _header()
@@ -105,7 +113,8 @@ def sweep() -> None:
         if SHORT and out != "perm":
             continue
         case = _case(batch, ctx, mode, layout, out)
-        key = short_key if splits == 1 and case[4] == 16 else key_of[case[4]]
+        fp16 = case[4] == (16, 16)
+        key = short_key if splits == 1 and fp16 else ("decode", "fp16" if fp16 else "quant")
         default = saved[0][key]
         grid = [(default[0], default[1], s, o) for s in (1, 2, 3) for o in (False, True)]
         grid += [(bn, nw, default[2], True) for bn, nw in itertools.product((32, 64, 128), (2, 4, 8))
@@ -149,7 +158,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--ctx", type=int, default=128)
-    p.add_argument("--mode", default="fp16", choices=("fp16", "q4"))
+    p.add_argument("--mode", default="fp16", choices=tuple(kq.KV_MODES))
     p.add_argument("--splits", type=int, default=1, help="key splits (0: the kernel picks)")
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--sweep", action="store_true")

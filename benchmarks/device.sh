@@ -53,8 +53,9 @@
 # bench at batches 1-2 on .base and this tree, the widths probe on o and down, the mixed-width matmul GPU tests). s43: s42 without the tests, the widths probe on o alone.
 # s46-s48 (session 27): A/Bs of int32 word loads of quantized KV rows (kept) and a GLU epilogue in the gate/up gemv
 # (rejected); removed with their switches. s49 (next): the matmul, attention, KV and end-to-end GPU tests, the target
-# table (batches 2, 4, 16), the mixed-width bench with fp16 and q4 caches, the chunked-prefill attention tiles (256
-# queries over a 2,048-token q4 / fp16 cache: is one stage right for quantized rows there too?).
+# table (batches 2, 4, 16), the mixed-width bench with fp16 and q4 caches. s50: decode attention tiles at batch 1,
+# ctx 2048 for the q8, q6 and q3 caches, and the chunked-prefill tiles (256 queries over a 2,048-token q4 / fp16
+# cache): is one stage right for every quantized mode and for prefill (session 27 measured q4 decode only)?
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (session 27 run 1, ~7 min:
 # on an H100): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
@@ -364,10 +365,11 @@ for s in $steps; do
        timeout 130 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
        grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
        timeout 100 python3 -m exl2.cli.main bench --mixed --modes fp16,q4 --contexts 128,2048 --batch 4,16 --prefill 64 \
-         > "$OUT/bench_mixed.txt" 2>&1; echo "mixed bench rc=$?"; grep -E "^\| (decode|prefill)" "$OUT/bench_mixed.txt"
-       for m in q4 fp16; do timeout 60 python3 benchmarks/attn_probe.py --split-sweep --quick --batch 1 --ctx 2048 \
-           --chunk 256 --mode $m > "$OUT/attn_chunk_$m.txt" 2>&1; echo "chunked-prefill attention $m rc=$?"
-         grep -E "^\| 1 " "$OUT/attn_chunk_$m.txt"; done ;;
+         > "$OUT/bench_mixed.txt" 2>&1; echo "mixed bench rc=$?"; grep -E "^\| (decode|prefill)" "$OUT/bench_mixed.txt" ;;
+  s50) for spec in 1:q8 1:q6 1:q3 256:q4 256:fp16; do IFS=: read -r ch m <<< "$spec"
+         timeout 70 python3 benchmarks/attn_probe.py --split-sweep --quick --batch 1 --ctx 2048 --chunk $ch --mode $m \
+           > "$OUT/attn_${ch}_$m.txt" 2>&1; echo "attention chunk=$ch $m rc=$?"
+         sort -t'|' -k12 -n "$OUT/attn_${ch}_$m.txt" | grep -E "^\| 1 " | head -3; done ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
