@@ -56,7 +56,9 @@
 # table (batches 2, 4, 16), the mixed-width bench with fp16 and q4 caches. s50: decode attention tiles at batch 1,
 # ctx 2048 for the q8, q6 and q3 caches, and the chunked-prefill tiles (256 queries over a 2,048-token q4 / fp16
 # cache): is one stage right for every quantized mode and for prefill (session 27 measured q4 decode only)? Then
-# PDL for split attention at batch 16 again (EXL2_PDL_SPLIT_ROWS=16 lost 10 % with q4 before the word loads).
+# PDL for split attention at batch 16 again (EXL2_PDL_SPLIT_ROWS=16 lost 10 % with q4 before the word loads), and
+# the batch-1 gemvs with more programs (gate/up split 2 ways) or a deeper pipeline on the H200, where they are
+# latency-bound (both lost on the H100 in session 11).
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (session 27 run 1, ~7 min:
 # on an H100): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
@@ -372,7 +374,9 @@ for s in $steps; do
            > "$OUT/attn_${ch}_$m.txt" 2>&1; echo "attention chunk=$ch $m rc=$?"
          sort -t'|' -k12 -n "$OUT/attn_${ch}_$m.txt" | grep -E "^\| 1 " | head -3; done
        AB_SPECS=";EXL2_PDL_SPLIT_ROWS=16" TAG=_s50 BENCH_TIMEOUT=80 BENCH_ARGS="--modes q4 --contexts 2048 --batch 16 \
-         --prefill 64" bash "$0" envab ;;
+         --prefill 64" bash "$0" envab
+       AB_SPECS=";EXL2_GEMV_GROUP_PER_SM=8;EXL2_GEMV_STAGES=4" TAG=_s50g BENCH_TIMEOUT=70 \
+         BENCH_ARGS="--modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
