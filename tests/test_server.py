@@ -1239,14 +1239,20 @@ def built(monkeypatch):
 
     class Built(list):
         gate: threading.Event | None = None
+        layers = 0  # progress reports a build makes ("model", i, layers), as Engine's loader does per layer
 
     engines = Built()
 
-    def build(config):
+    def build(config, progress=None):
         if engines.gate is not None:
             assert engines.gate.wait(10)
         if config_dir(config).name == "broken":
             raise ConfigError("Architecture 'BrokenForCausalLM' is not supported; supported architectures are: ...")
+        for i in range(engines.layers):
+            if progress is not None:
+                progress("model", i + 1, engines.layers)
+        if config_dir(config).name == "torn":
+            raise ConfigError("Tensor 'model.layers.1.mlp.up_proj.q_weight' is cut short; the file is damaged.")
         engines.append(LoadedFake(config))
         return engines[-1]
 
@@ -1315,6 +1321,34 @@ def test_model_list_filters_and_load_rejects_escaping_names(models_root, built):
         ServerConfig(model_dir_root=models_root / "readme.txt")
     with pytest.raises(ValueError, match="admin_keys"):
         ServerConfig(admin_keys=(" ",))
+
+
+def test_load_streams_progress_events_and_reports_a_late_failure_in_the_stream(models_root, built):
+    """TabbyAPI's load reply: a "processing" event per module as the loader reports it, then "finished". A load
+    that fails after its first layer (the status line is sent by then) ends the stream with the error object,
+    and the model served before keeps serving."""
+    (models_root / "torn").mkdir()
+    (models_root / "torn" / "config.json").write_text("{}")
+    built.layers = 3
+    app = mgmt_app(models_root, LoadedFake(EngineConfig(model_dir="start", device="cpu")))
+
+    async def go():
+        c = http(app)
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "beta"})
+        assert load_events(r) == [{"model_type": "model", "module": i, "modules": 3, "status": "processing"}
+                                  for i in (1, 2, 3)] + [
+            {"model_type": "model", "module": 1, "modules": 1, "status": "finished"}]
+        assert (await complete(c)).json()["choices"][0]["text"] == "reply of beta"
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "torn"})
+        events = load_events(r)
+        assert [e["module"] for e in events[:-1]] == [1, 2, 3]
+        assert events[-1]["error"]["code"] == "model_load_failed"
+        assert events[-1]["error"]["message"].startswith("Tensor 'model.layers.1.mlp.up_proj.q_weight' is cut")
+        assert (await complete(c)).json()["choices"][0]["text"] == "reply of beta"
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"model_name": "broken"})  # before any layer
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_load_failed"
+
+    run(go())
 
 
 def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, built):

@@ -21,6 +21,7 @@ from exl2.kernels import quant_matmul as qm
 from exl2.kernels.quant_matmul import uses_permuted_input
 from exl2.kernels.split_sum import SplitSum
 from exl2.runtime.linear import Linear, permuted_indices, project, share_inputs
+from exl2.runtime.load_progress import report
 
 NO_HEAD = "This model has no output head (an embedding model): it computes embeddings, not text."
 
@@ -348,9 +349,11 @@ class DecoderModel(nn.Module):
         for i, lw in enumerate(layer_w):
             with self._loading_on(lw):
                 layers.append(DecoderLayer(spec, i, lw))
+            report(i + 1, spec.num_layers + 1)
         self.layers = nn.ModuleList(layers)
         with self._loading_on(head_w):
             self._build_head(spec, head_w)
+        report(spec.num_layers + 1, spec.num_layers + 1)
         # the devices the norms' weights landed on (a layer's every tensor is on its provider's device)
         self.layer_devices: list[torch.device] = [layer.input_layernorm.weight.device for layer in self.layers]
         self.head_device: torch.device = self.norm.weight.device

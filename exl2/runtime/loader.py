@@ -14,6 +14,7 @@ from exl2.models.decoder import DecoderModel
 from exl2.models.registry import read_config, spec_from_config
 from exl2.models.rope import RopeOverride
 from exl2.models.spec import ModelSpec
+from exl2.runtime.load_progress import Progress, reporting
 from exl2.runtime.paged_cache import layer_bytes_per_token
 from exl2.runtime.placement import GpuSplit, Plan, plan_model, split_budgets
 from exl2.runtime.weights import WeightLoader
@@ -41,7 +42,8 @@ def pick_device(device: Optional[str] = None) -> torch.device:
 def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                gpu_split: Optional[GpuSplit] = None, cache_tokens: Optional[int] = None, cache_mode: str = "fp16",
                tensor_parallel: bool = False, rope: Optional[RopeOverride] = None,
-               experts_per_token: Optional[int] = None, prefill_fp8: bool = False) -> DecoderModel:
+               experts_per_token: Optional[int] = None, prefill_fp8: bool = False,
+               progress: Optional[Progress] = None) -> DecoderModel:
     """`gpu_split` (GB per GPU, or "auto"; runtime.placement) spreads the decoder layers over several GPUs, with
     room for the KV cache of `cache_tokens` tokens (default: the model's context, at most 4096) in `cache_mode`
     next to each layer. A plan that uses one GPU loads the model there as if no split had been asked for.
@@ -49,20 +51,22 @@ def load_model(model_dir: Path | str, device: Optional[str] = None, dtype: Optio
     budget above 0, or every visible GPU. `rope` (-rs/-ra/-ry) overrides config.json's RoPE; the spec's
     `max_position` is then the context the override covers. `experts_per_token` overrides how many experts a
     mixture-of-experts model routes each token to (exllamav2's -ept). `prefill_fp8` sends prompt-sized matmuls
-    of quantized weights through e4m3 (`kernels.fp8_prefill`: faster prompts, slightly different numbers)."""
+    of quantized weights through e4m3 (`kernels.fp8_prefill`: faster prompts, slightly different numbers).
+    `progress(done, total)` hears of each decoder layer and then the head as they load (`runtime.load_progress`)."""
     cfg = read_config(model_dir)
     spec = with_experts_per_token(spec_from_config(cfg, rope), experts_per_token)
     qc = cfg.get("quantization_config") or {}
     fmt = dict(checkpoint_format=qc.get("checkpoint_format", "gptq"),
                gptq_bits=int(qc.get("bits", 4)) if qc.get("quant_method") == "gptq" else 4)
     src = TensorSource(model_dir)
-    if tensor_parallel:
-        model = _load_tensor_parallel(src, spec, device, dtype or torch.float16, gpu_split, fmt)
-    elif gpu_split is None:
-        dev = pick_device(device)
-        model = _build(spec, WeightLoader(src, dev, dtype or default_dtype(dev), **fmt))
-    else:
-        model = _load_split(src, spec, device, dtype or torch.float16, gpu_split, cache_tokens, cache_mode, fmt)
+    with reporting(progress):
+        if tensor_parallel:
+            model = _load_tensor_parallel(src, spec, device, dtype or torch.float16, gpu_split, fmt)
+        elif gpu_split is None:
+            dev = pick_device(device)
+            model = _build(spec, WeightLoader(src, dev, dtype or default_dtype(dev), **fmt))
+        else:
+            model = _load_split(src, spec, device, dtype or torch.float16, gpu_split, cache_tokens, cache_mode, fmt)
     model.config_dict = cfg
     model.model_dir = Path(model_dir)
     if prefill_fp8:

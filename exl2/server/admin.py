@@ -16,9 +16,10 @@ import json
 import logging
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, TypeVar, Union
+from typing import Any, Callable, Literal, Optional, Sequence, TypeVar, Union
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from exl2.config import EngineConfig, LoraSpec, ServerConfig
@@ -47,11 +48,11 @@ _REQUEST_NAMES = {"kv_cache_mode": "cache_mode", "draft_model_dir": "draft_model
                   "model_dir": "model_name", "experts_per_token": "num_experts_per_token"}
 
 
-def build_engine(config: EngineConfig):
-    """The Engine a load builds (tests replace this with a fake)."""
+def build_engine(config: EngineConfig, progress=None):
+    """The Engine a load builds (tests replace this with a fake); `progress(kind, done, total)` as Engine's."""
     from exl2.engine import Engine
 
-    return Engine(config)
+    return Engine(config, progress)
 
 
 def load_defaults_of(engine) -> dict:
@@ -272,18 +273,18 @@ def _load_error(e: Exception, name: str, current: Optional[ServerState]) -> APIE
                     code="model_load_failed")
 
 
-async def _load(h: ModelHost, config: EngineConfig, name: str) -> ServerState:
+async def _load(h: ModelHost, config: EngineConfig, name: str, progress=None) -> ServerState:
     """Build the engine on a thread, then serve it; the engine it replaces is closed once its requests ended."""
     try:
-        return await _build_and_swap(h, config, name)
+        return await _build_and_swap(h, config, name, progress)
     finally:
         h.loading = None
 
 
-async def _build_and_swap(h: ModelHost, config: EngineConfig, name: str) -> ServerState:
+async def _build_and_swap(h: ModelHost, config: EngineConfig, name: str, progress=None) -> ServerState:
     error = None
     try:
-        engine = await asyncio.to_thread(build_engine, config)
+        engine = await asyncio.to_thread(build_engine, config, progress)
     except Exception as e:
         error = _load_error(e, name, h.state)
         if isinstance(e, Exl2Error):
@@ -301,13 +302,54 @@ async def _build_and_swap(h: ModelHost, config: EngineConfig, name: str) -> Serv
     return state
 
 
-async def _start_load(h: ModelHost, config: EngineConfig, name: str) -> None:
-    """Load `config` as the load in progress (requests arriving meanwhile wait for it) and wait until it serves;
-    a client that goes away does not stop it."""
+def _begin_load(h: ModelHost, config: EngineConfig, name: str, progress=None) -> asyncio.Task:
+    """Start loading `config` as the load in progress (requests arriving meanwhile wait for it); a client that
+    goes away does not stop it."""
     h.loading = name
-    h.load_task = asyncio.ensure_future(_load(h, config, name))
+    h.load_task = asyncio.ensure_future(_load(h, config, name, progress))
     h.load_task.add_done_callback(_retrieve)
-    await asyncio.shield(h.load_task)
+    return h.load_task
+
+
+async def _start_load(h: ModelHost, config: EngineConfig, name: str) -> None:
+    """`_begin_load`, then wait until the model serves."""
+    await asyncio.shield(_begin_load(h, config, name))
+
+
+def _sse(event: dict) -> str:
+    return f"data: {json.dumps(event)}\n\n"
+
+
+def _load_events(draft: bool) -> list[dict]:
+    """TabbyAPI's closing load events: one "finished" per model loaded."""
+    return [{"model_type": k, "module": 1, "modules": 1, "status": "finished"}
+            for k in (["draft"] if draft else []) + ["model"]]
+
+
+async def _next_event(events: asyncio.Queue, task: asyncio.Task) -> Optional[dict]:
+    """The next progress event, or None once the load ended with none left (the task is not cancelled)."""
+    get = asyncio.ensure_future(events.get())
+    await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    return None if events.empty() else events.get_nowait()
+
+
+async def _progress_stream(first: dict, events: asyncio.Queue, task: asyncio.Task, draft: bool):
+    """The load reply once a layer has loaded: every progress event, then "finished" per model, or the load's
+    error as an event (the status line is sent by then)."""
+    yield _sse(first)
+    while (event := await _next_event(events, task)) is not None:
+        yield _sse(event)
+    error = task.exception()
+    if error is None:
+        for event in _load_events(draft):
+            yield _sse(event)
+    else:
+        body = error.body() if isinstance(error, APIError) else \
+            APIError(500, "Loading the model failed.", type="server_error", code="model_load_failed").body()
+        yield _sse(body)
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -319,11 +361,10 @@ def _loading(h: ModelHost) -> bool:
     return h.load_task is not None and not h.load_task.done()
 
 
-def _finished(draft: bool) -> Response:
-    """TabbyAPI's load reply: server-sent events of ModelLoadResponse, one "finished" per model loaded."""
-    kinds = (["draft"] if draft else []) + ["model"]
-    events = [{"model_type": k, "module": 1, "modules": 1, "status": "finished"} for k in kinds]
-    return Response("".join(f"data: {json.dumps(e)}\n\n" for e in events), media_type="text/event-stream")
+def _finished(draft: bool, before: Sequence[dict] = ()) -> Response:
+    """TabbyAPI's load reply in one piece: server-sent events of ModelLoadResponse (`before`, then one "finished"
+    per model loaded)."""
+    return Response("".join(map(_sse, [*before, *_load_events(draft)])), media_type="text/event-stream")
 
 
 def _card(name: str, created: int) -> dict:
@@ -593,15 +634,28 @@ def router(auth, admin) -> APIRouter:
 
     @r.post("/v1/model/load", dependencies=[admin])
     async def load_model(body: ModelLoadRequest, request: Request):
-        """Load a model by its directory name; answered when it serves (or with the error that stopped it)."""
+        """Load a model by its directory name. From the first decoder layer loaded the reply streams TabbyAPI's
+        progress events ("processing", module of modules, per model: the model's layers and head, then the
+        draft's), then "finished" per model; a load that fails before that is answered with its error."""
         h = host(request)
         _refuse_while_busy(h)
         config = engine_config(h, body)
         draft = config.draft_model_dir is not None
         if h.state is not None and getattr(h.state.engine, "config", None) == config:
             return _finished(draft)             # already served with these settings, as TabbyAPI does
-        await _start_load(h, config, body.name)
-        return _finished(draft)
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def progress(kind: str, done: int, total: int) -> None:  # on the loading thread
+            event = {"model_type": kind, "module": done, "modules": total, "status": "processing"}
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        task = _begin_load(h, config, body.name, progress)
+        first = await asyncio.shield(_next_event(events, task))
+        if first is None:                       # done, or failed, before any layer loaded
+            await asyncio.shield(task)
+            return _finished(draft)
+        return StreamingResponse(_progress_stream(first, events, task, draft), media_type="text/event-stream")
 
     @r.post("/v1/model/unload", dependencies=[admin])
     async def unload_model(request: Request):

@@ -12,6 +12,7 @@ from torch import nn
 from exl2.models.decoder import DecoderLayer, DecoderModel, KVCache, WeightProvider, last_rows, on_device
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import share_inputs
+from exl2.runtime.load_progress import report
 from exl2.runtime.paged_cache import PagedKVCache
 from exl2.runtime.tp.cache import ShardedCache
 from exl2.runtime.tp.collectives import Collectives, collectives_for
@@ -39,9 +40,11 @@ class TensorParallelModel(DecoderModel):
                 whole = DecoderLayer(spec, i, layer_w)
                 layers.append(ShardedLayer(whole, self.devices))
             del whole
+            report(i + 1, spec.num_layers + 1)
         self.layers = nn.ModuleList(layers)
         with on_device(self.devices[0]):
             self._build_head(spec, head_w)
+        report(spec.num_layers + 1, spec.num_layers + 1)
         self.head_device = self.devices[0]
         self.layer_devices = [self.devices[0]] * spec.num_layers  # where callers' tensors go
         self._tables_by_device: dict = {}
