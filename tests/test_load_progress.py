@@ -50,3 +50,18 @@ def test_engine_tags_the_model_and_its_draft():
         assert calls == expected
     finally:
         engine.close()
+
+
+def test_the_cli_shows_a_bar_only_on_a_terminal(monkeypatch):
+    import sys
+
+    from exl2.cli.common import load_bar
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    with load_bar() as progress:
+        assert progress is None          # a pipe or a log file gets no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with load_bar() as progress:
+        for done in range(1, 4):
+            progress("model", done, 3)
+        progress("draft", 1, 2)

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from exl2.config import LoraSpec, SamplingSettings
 from exl2.errors import ConfigError
@@ -286,12 +288,34 @@ def resolve_model_dir(model_dir: str | None) -> Path:
     return default_model_dir()
 
 
+@contextmanager
+def load_bar() -> Iterator[Optional[Callable[[str, int, int], None]]]:
+    """While a model loads, a progress bar on stderr (a terminal only; it clears when done): yields the
+    `progress(kind, done, total)` callback `Engine` takes, or None where stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(TextColumn("loading the {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(kind: str, done: int, total: int) -> None:
+            if kind not in tasks:
+                tasks[kind] = bar.add_task(kind, total=total)
+            bar.update(tasks[kind], completed=done)
+        yield progress
+
+
 def load_generator(args):
     """(model_dir, tokenizer, generator) for the model flags of generate/chat, with the --lora adapters
     applied."""
     from exl2.generation.generator import Generator
     from exl2.generation.speculative import make_drafter
     from exl2.generation.tokenizer import Tokenizer
+    from exl2.runtime.load_progress import reporting
     from exl2.runtime.loader import context_length, load_model
     from exl2.runtime.lora import LoraAdapter, set_loras
     from exl2.runtime.placement import parse_gpu_split
@@ -300,16 +324,20 @@ def load_generator(args):
     rope = rope_from_args(args)
     loras = lora_specs(args)
     model_dir = resolve_model_dir(args.model_dir)
-    model = load_model(model_dir, args.device, gpu_split=split, cache_tokens=args.max_seq_len,
-                       cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope,
-                       experts_per_token=args.experts_per_token, prefill_fp8=args.prefill_fp8)
+    with load_bar() as hear:
+        model = load_model(model_dir, args.device, gpu_split=split, cache_tokens=args.max_seq_len,
+                           cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope,
+                           experts_per_token=args.experts_per_token, prefill_fp8=args.prefill_fp8,
+                           progress=hear and (lambda done, total: hear("model", done, total)))
     if loras:   # before the generator exists: no graph or cached prefix was made without them
         set_loras(model, [LoraAdapter.from_dir(s.path, model, s.scaling) for s in loras])
     tok = Tokenizer.from_dir(model_dir)
     max_seq_len = context_length(model.spec, args.max_seq_len)
     if not 1 <= args.num_draft_tokens <= 16:
         raise ConfigError("--draft_tokens must be between 1 and 16.")
-    draft = make_drafter(model, args.ngram_draft, args.draft_model_dir, max_seq_len, args.cache_mode,
-                         args.num_draft_tokens, draft_rope_from_args(args))
+    with load_bar() if args.draft_model_dir else nullcontext() as hear, \
+            reporting(hear and (lambda done, total: hear("draft", done, total))):
+        draft = make_drafter(model, args.ngram_draft, args.draft_model_dir, max_seq_len, args.cache_mode,
+                             args.num_draft_tokens, draft_rope_from_args(args))
     return model_dir, tok, Generator(model, tok, max_seq_len, args.cache_mode, draft=draft,
                                      num_draft_tokens=args.num_draft_tokens)

@@ -44,7 +44,7 @@ def _texts(args) -> list[str]:
 def run(args) -> int:
     from pydantic import ValidationError
 
-    from exl2.cli.common import flag_error, model_settings
+    from exl2.cli.common import flag_error, load_bar, model_settings
     from exl2.config import EngineConfig
     from exl2.engine import Engine
 
@@ -56,7 +56,8 @@ def run(args) -> int:
         config = EngineConfig(**settings, max_batch_size=1)
     except ValidationError as e:
         raise flag_error(e) from None
-    engine = Engine(config)
+    with load_bar() as progress:
+        engine = Engine(config, progress)
     try:
         result = engine.embed(texts, args.dimensions)
     finally:

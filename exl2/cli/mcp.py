@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from exl2.cli.common import (add_draft_args, add_model_args, add_sampling_args, add_template_arg, engine_settings,
-                             flag_error,
+                             flag_error, load_bar,
                              sampling_from_args)
 from exl2.errors import ConfigError, ContextLengthError
 
@@ -76,7 +76,8 @@ def load_engine(args):
         config = EngineConfig(**engine_settings(args))
     except ValidationError as e:
         raise flag_error(e) from None
-    return Engine(config)
+    with load_bar() as progress:
+        return Engine(config, progress)
 
 
 # ---- serve ------------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import socket
 import sys
 from types import SimpleNamespace
 
-from exl2.cli.common import add_draft_args, add_lora_args, add_model_args, add_template_arg, engine_settings
+from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_template_arg, engine_settings,
+                             load_bar)
 from exl2.errors import ConfigError
 
 KEY_ENV = "EXL2_API_KEY"
@@ -219,7 +220,8 @@ def run(args) -> int:
         if no_model:
             engine = None               # no -m: start empty, an admin loads a model from the root
         else:
-            engine = Engine(engine_config)
+            with load_bar() as progress:
+                engine = Engine(engine_config, progress)
         app = create_app(engine, server_config, load_defaults)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
