@@ -148,7 +148,7 @@ def test_serve_flag(monkeypatch):
     import uvicorn as uv
 
     apps = []
-    monkeypatch.setattr("exl2.engine.Engine", lambda config: FakeEngine())
+    monkeypatch.setattr("exl2.engine.Engine", lambda config, progress=None: FakeEngine())
     monkeypatch.setattr(uv.Server, "run", lambda self, sockets=None: apps.append(self.config.app))
     argv = ["serve", "-m", str(SRC), "--device", "cpu", "--port", "0"]
     assert main(argv + ["--kobold"]) == 0 and main(argv) == 0

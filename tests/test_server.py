@@ -1092,7 +1092,7 @@ def test_serve_flags(monkeypatch, capsys):
     import uvicorn as uv
 
     apps = []
-    monkeypatch.setattr("exl2.engine.Engine", lambda config: ThinkingEngine())
+    monkeypatch.setattr("exl2.engine.Engine", lambda config, progress=None: ThinkingEngine())
     monkeypatch.setattr(uv.Server, "run", lambda self, sockets=None: apps.append(self.config.app))
     argv = ["serve", "-m", str(SRC), "--device", "cpu", "--port", "0"]
     assert main(argv + ["--cors-origin", "http://a.example", "--cors_origin", "http://b.example:8080",
