@@ -491,6 +491,30 @@ def test_streaming_n_choices_over_socket(url):
         assert mine[-1]["finish_reason"]                                  # the finish chunk ends its choice
 
 
+def test_best_of_returns_the_candidates_with_the_highest_logprob_per_token(app):
+    """best_of 3, n 2 = the same request with n 3 (the candidates: seeds seed + i), ranked by the mean
+    log-probability of their tokens, best first; usage counts every candidate's tokens, and logprobs appear only
+    where asked for."""
+    async def go():
+        c = aclient(app)
+        kw = dict(model="tiny", prompt=["Once upon a time", "The sky"], max_tokens=6, temperature=1.0, seed=11)
+        every = await c.completions.create(n=3, logprobs=0, **kw)
+        best = await c.completions.create(n=2, best_of=3, **kw)
+        return every, best
+
+    every, best = run(go())
+    want = []
+    for p in range(2):
+        cands = every.choices[3 * p:3 * p + 3]
+        mean = [sum(x.logprobs.token_logprobs) / len(x.logprobs.token_logprobs) for x in cands]
+        assert len(set(mean)) == 3                      # a strict order, so the ranking is checkable
+        want += [cands[i].text for i in sorted(range(3), key=lambda i: -mean[i])[:2]]
+    assert [ch.text for ch in best.choices] == want
+    assert [ch.index for ch in best.choices] == [0, 1, 2, 3] and all(ch.logprobs is None for ch in best.choices)
+    assert best.usage.completion_tokens == every.usage.completion_tokens
+    assert best.usage.prompt_tokens == every.usage.prompt_tokens
+
+
 # ---- errors -----------------------------------------------------------------------------------------------------
 
 def test_bad_requests_are_400_in_openai_shape(app):
@@ -515,9 +539,10 @@ def test_bad_requests_are_400_in_openai_shape(app):
         with pytest.raises(openai.BadRequestError) as e:
             await c.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, n=17)
         assert e.value.body["param"] == "n" and "16" in e.value.body["message"]
-        with pytest.raises(openai.BadRequestError) as e:
-            await c.completions.create(model="tiny", prompt="a", max_tokens=2, best_of=2)
-        assert e.value.body["param"] == "best_of"
+        for extra in (dict(best_of=1, n=2), dict(best_of=17), dict(best_of=3, stream=True)):
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.completions.create(model="tiny", prompt="a", max_tokens=2, **extra)
+            assert e.value.body["param"] == "best_of"
 
         with pytest.raises(openai.BadRequestError) as e:
             await c.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [

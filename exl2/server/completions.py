@@ -76,9 +76,15 @@ class ClientGone(Exception):
     pass
 
 
-def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, default_max: int) -> list[Job]:
+def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, default_max: int,
+          per_prompt: Optional[int] = None) -> list[Job]:
     """The request fanned out into one job per choice, prompt-major: choice index = prompt index * n + i.
-    Choice i samples with seed + i; each job gets its own grammar, since a grammar holds parse state."""
+    Choice i samples with seed + i; each job gets its own grammar, since a grammar holds parse state.
+    `per_prompt` candidates instead of n (best_of): they record their tokens' log-probabilities for the ranking."""
+    count = per_prompt or req.n
+    want = params.logprobs(req)
+    if per_prompt is not None and want is None:
+        want = 0
     max_new, stops = params.max_new_tokens(req, default_max), params.stop_strings(req)
     vocab = getattr(engine.model.spec, "vocab_size", None)
     bias = params.logit_bias(req, vocab)
@@ -87,8 +93,21 @@ def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, defau
     ends = dict(stop_token_ids=params.stop_token_ids(req, vocab), min_new_tokens=params.min_new_tokens(req, max_new),
                 ignore_eos=params.ignore_eos(req), negative_prompt=req.negative_prompt or None)
     return [Job(prompt, params.sampling(req, i, bias, **lists), max_new, stops, add_bos, param,
-                params.response_grammar(engine, req), params.logprobs(req), **ends)
-            for prompt in prompts for i in range(req.n)]
+                params.response_grammar(engine, req), want, **ends)
+            for prompt in prompts for i in range(count)]
+
+
+def best_of(results: list[GenerationResult], per_prompt: int, n: int) -> list[GenerationResult]:
+    """OpenAI's best_of: of each prompt's `per_prompt` candidates, the n with the highest log-probability per
+    generated token, best first (an empty candidate ranks last)."""
+    def score(r: GenerationResult) -> float:
+        lps = r.logprobs or []
+        return sum(x.logprob for x in lps) / len(lps) if lps else float("-inf")
+    out = []
+    for start in range(0, len(results), per_prompt):
+        group = results[start:start + per_prompt]
+        out += sorted(group, key=score, reverse=True)[:n]
+    return out
 
 
 def _token(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
@@ -446,7 +465,9 @@ async def completions(body: CompletionRequest, request: Request):
     params.check_supported(body)
     prompts = params.completion_prompts(body)
     add_bos = body.add_bos_token if isinstance(prompts[0], str) else None
-    jobs = _jobs(body, st.engine, prompts, add_bos, "prompt", st.config.max_tokens)
+    ranked = (body.best_of or 1) > body.n
+    jobs = _jobs(body, st.engine, prompts, add_bos, "prompt", st.config.max_tokens,
+                 body.best_of if ranked else None)
     echoes = [p if isinstance(p, str) else st.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
     head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": st.name}
@@ -462,10 +483,14 @@ async def completions(body: CompletionRequest, request: Request):
             results = await _generate(request, st.engine, jobs)
         except ClientGone:
             return Response(status_code=499)
+        usage = _usage(results, body.best_of if ranked else body.n)  # every candidate's tokens count
+        if ranked:
+            results = best_of(results, body.best_of, body.n)
+        shown = body.logprobs is not None
         return {**head, "choices": [choice(i, echo(i) + r.text, r.finish_reason,
-                                           _completion_logprobs(st.engine.tokenizer, r.logprobs))
+                                           _completion_logprobs(st.engine.tokenizer, r.logprobs) if shown else None)
                                     for i, r in enumerate(results)],
-                "usage": _usage(results, body.n)}
+                "usage": usage}
 
     def chunk(i: int, text: str, finish: Optional[str] = None, logprobs: Optional[dict] = None) -> str:
         return json.dumps({**head, "choices": [choice(i, text, finish, logprobs)]}, ensure_ascii=False)

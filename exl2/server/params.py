@@ -15,6 +15,7 @@ from exl2.server.schemas import (ChatCompletionRequest, CompletionRequest, Named
 
 MAX_STOPS = 4
 MAX_N = 16
+MAX_BEST_OF = 16  # candidates a prompt of a best_of completion, as many as n allows
 MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5   # OpenAI's bounds
 
 
@@ -112,8 +113,14 @@ def check_supported(req: SamplingFields) -> None:
             raise unsupported("logprobs", "logprobs with echo (the prompt's log-probabilities)")
         if req.suffix:
             raise unsupported("suffix", "suffix (fill-in-the-middle)")
-        if req.best_of not in (None, 1):
-            raise unsupported("best_of", "best_of other than 1")
+        if req.best_of is not None:
+            if req.best_of < req.n:
+                raise APIError(400, f"best_of ({req.best_of}) must be at least n ({req.n}).", param="best_of")
+            if req.best_of > MAX_BEST_OF:
+                raise APIError(400, f"best_of is at most {MAX_BEST_OF}.", param="best_of")
+            if req.stream and req.best_of > req.n:
+                raise APIError(400, "best_of cannot be combined with stream: the best candidates are known only "
+                                    "once all have finished.", param="best_of")
 
 
 def _check_token(token: int, vocab: Optional[int], param: str) -> None:
