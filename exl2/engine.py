@@ -21,7 +21,7 @@ from exl2.generation.templates import choose_template
 from exl2.generation.tokenizer import Tokenizer
 from exl2.generation.worker import BatchWorker
 from exl2.models.rope import RopeOverride
-from exl2.runtime.load_progress import reporting
+from exl2.runtime.load_progress import reporting, tagged
 from exl2.runtime.loader import context_length, engine_rope, load_model
 from exl2.runtime.lora import LoraAdapter, active_loras
 
@@ -33,20 +33,17 @@ class Engine:
         """`progress(kind, done, total)` hears of each decoder layer (then the head) loaded: kind "model", then
         "draft" for a draft model (TabbyAPI's load events)."""
         self.config = config
-
-        def hear(kind: str) -> Optional[Callable[[int, int], None]]:
-            return None if progress is None else (lambda done, total: progress(kind, done, total))
         self.model = load_model(config.model_dir, config.device, gpu_split=config.gpu_split,
                                 cache_tokens=config.cache_size or config.max_seq_len, cache_mode=config.kv_cache_mode,
                                 tensor_parallel=config.tensor_parallel, rope=engine_rope(config),
                                 experts_per_token=config.experts_per_token, prefill_fp8=config.prefill_fp8,
-                                progress=hear("model"))
+                                progress=tagged(progress, "model"))
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = choose_template(self.tokenizer, config.prompt_template)
         self.pooling = Pooling.from_dir(config.model_dir, config.embedding_pooling)
         asked = config.max_seq_len if "max_seq_len" in config.model_fields_set else None  # None: the default
         max_seq_len = context_length(self.model.spec, asked)  # capped at what RoPE covers, with a warning
-        with reporting(hear("draft")):
+        with reporting(tagged(progress, "draft")):
             draft = make_drafter(self.model, config.ngram_draft, config.draft_model_dir, max_seq_len,
                                  config.kv_cache_mode, config.num_draft_tokens,
                                  RopeOverride(config.draft_rope_scale, config.draft_rope_alpha))

@@ -315,7 +315,7 @@ def load_generator(args):
     from exl2.generation.generator import Generator
     from exl2.generation.speculative import make_drafter
     from exl2.generation.tokenizer import Tokenizer
-    from exl2.runtime.load_progress import reporting
+    from exl2.runtime.load_progress import reporting, tagged
     from exl2.runtime.loader import context_length, load_model
     from exl2.runtime.lora import LoraAdapter, set_loras
     from exl2.runtime.placement import parse_gpu_split
@@ -328,15 +328,14 @@ def load_generator(args):
         model = load_model(model_dir, args.device, gpu_split=split, cache_tokens=args.max_seq_len,
                            cache_mode=args.cache_mode, tensor_parallel=args.tensor_parallel, rope=rope,
                            experts_per_token=args.experts_per_token, prefill_fp8=args.prefill_fp8,
-                           progress=hear and (lambda done, total: hear("model", done, total)))
+                           progress=tagged(hear, "model"))
     if loras:   # before the generator exists: no graph or cached prefix was made without them
         set_loras(model, [LoraAdapter.from_dir(s.path, model, s.scaling) for s in loras])
     tok = Tokenizer.from_dir(model_dir)
     max_seq_len = context_length(model.spec, args.max_seq_len)
     if not 1 <= args.num_draft_tokens <= 16:
         raise ConfigError("--draft_tokens must be between 1 and 16.")
-    with load_bar() if args.draft_model_dir else nullcontext() as hear, \
-            reporting(hear and (lambda done, total: hear("draft", done, total))):
+    with load_bar() if args.draft_model_dir else nullcontext() as hear, reporting(tagged(hear, "draft")):
         draft = make_drafter(model, args.ngram_draft, args.draft_model_dir, max_seq_len, args.cache_mode,
                              args.num_draft_tokens, draft_rope_from_args(args))
     return model_dir, tok, Generator(model, tok, max_seq_len, args.cache_mode, draft=draft,

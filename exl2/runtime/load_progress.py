@@ -26,6 +26,12 @@ def reporting(callback: Optional[Progress]) -> Iterator[None]:
         _CALLBACK.reset(token)
 
 
+def tagged(progress: Optional[Callable[[str, int, int], None]], kind: str) -> Optional[Progress]:
+    """`progress(kind, done, total)` (Engine's form, which names the model: "model" or "draft") as a `Progress`;
+    None stays None."""
+    return None if progress is None else (lambda done, total: progress(kind, done, total))
+
+
 def report(done: int, total: int) -> None:
     """`done` of `total` modules (decoder layers, then the head) are loaded."""
     callback = _CALLBACK.get()

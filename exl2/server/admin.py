@@ -16,7 +16,7 @@ import json
 import logging
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
@@ -361,10 +361,10 @@ def _loading(h: ModelHost) -> bool:
     return h.load_task is not None and not h.load_task.done()
 
 
-def _finished(draft: bool, before: Sequence[dict] = ()) -> Response:
-    """TabbyAPI's load reply in one piece: server-sent events of ModelLoadResponse (`before`, then one "finished"
-    per model loaded)."""
-    return Response("".join(map(_sse, [*before, *_load_events(draft)])), media_type="text/event-stream")
+def _finished(draft: bool) -> Response:
+    """TabbyAPI's load reply in one piece: server-sent events of ModelLoadResponse, one "finished" per model
+    loaded."""
+    return Response("".join(map(_sse, _load_events(draft))), media_type="text/event-stream")
 
 
 def _card(name: str, created: int) -> dict:

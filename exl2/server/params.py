@@ -15,7 +15,6 @@ from exl2.server.schemas import (ChatCompletionRequest, CompletionRequest, Named
 
 MAX_STOPS = 4
 MAX_N = 16
-MAX_BEST_OF = 16  # candidates a prompt of a best_of completion, as many as n allows
 MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5   # OpenAI's bounds
 
 
@@ -116,8 +115,8 @@ def check_supported(req: SamplingFields) -> None:
         if req.best_of is not None:
             if req.best_of < req.n:
                 raise APIError(400, f"best_of ({req.best_of}) must be at least n ({req.n}).", param="best_of")
-            if req.best_of > MAX_BEST_OF:
-                raise APIError(400, f"best_of is at most {MAX_BEST_OF}.", param="best_of")
+            if req.best_of > MAX_N:  # candidates a prompt, as many as n allows
+                raise APIError(400, f"best_of is at most {MAX_N}.", param="best_of")
             if req.stream and req.best_of > req.n:
                 raise APIError(400, "best_of cannot be combined with stream: the best candidates are known only "
                                     "once all have finished.", param="best_of")
