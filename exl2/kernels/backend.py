@@ -186,6 +186,32 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
+def prefetch_ranges(table, n_ranges, pid, programs, LANES: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """Program `pid` of `programs` asks L2 for its 1/programs share of the lines of each range in `table` (int64
+    rows of byte address and 128-byte line count, `runtime.lookahead`): a kernel ending starts the next matrix's
+    weights streaming, so that the next kernel finds them in L2. EVICT_LAST keeps them past the current kernel's
+    own streaming reads."""
+    lanes = tl.arange(0, LANES).to(tl.int64)
+    for r in range(n_ranges):
+        base = tl.load(table + 2 * r)
+        lines = tl.load(table + 2 * r + 1)
+        lo = lines * pid // programs
+        hi = lines * (pid + 1) // programs
+        for l0 in range(lo, hi, LANES):
+            ln = l0 + lanes
+            addr = base + ln * 128
+            if EVICT_LAST:
+                tl.inline_asm_elementwise(
+                    "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2::evict_last [$1];\n"
+                    "mov.u32 $0, 0;\n}", "=r,l,r", [addr, (ln < hi).to(tl.int32)], dtype=tl.int32, is_pure=False,
+                    pack=1)
+            else:
+                tl.inline_asm_elementwise(
+                    "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}",
+                    "=r,l,r", [addr, (ln < hi).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def pdl_sync():
     """Wait for the previous kernel's writes, then let the next kernel launch (programmatic dependent launch)."""
     gdc_wait()
