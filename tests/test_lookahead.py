@@ -122,3 +122,30 @@ def test_lookahead_leaves_decoding_bit_identical_gpu():
     assert model.layers[0].self_attn.q_proj.kernel.lookahead is None
     off = decode()
     assert torch.equal(on, off)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dequant_ahead_leaves_prefill_bit_identical_gpu(monkeypatch):
+    """A 96-token prefill (the dequantize + cuBLAS path) with each prompt matmul's successor dequantized on the
+    side stream during its GEMM, and without: the same logits bit for bit, and every chained matmul but the
+    first found its matrix ready."""
+    from exl2.kernels import dequant_ahead
+    from exl2.runtime.loader import load_model
+    from exl2.runtime.lookahead import plan_dequant_ahead
+
+    ids = load_file(GOLDEN / "src" / "reference_logits_fp16_hf.safetensors")["input_ids"][:, :96].cuda()
+    model = load_model(GOLDEN / "b4.0_hb6", "cuda")
+    taken = []
+    take = dequant_ahead.take
+    monkeypatch.setattr(dequant_ahead, "take", lambda ws: taken.append(take(ws)) or taken[-1])
+    layers = model.spec.num_layers
+    assert plan_dequant_ahead(model, True) == 4 * layers - 1  # the last down has no successor
+    with torch.inference_mode():
+        on = model(ids).float()
+        assert sum(t is not None for t in taken) == 4 * layers - 1
+        assert plan_dequant_ahead(model, False) == 0
+        taken.clear()
+        off = model(ids).float()
+    assert not any(t is not None for t in taken)
+    assert torch.equal(on, off)

@@ -1,4 +1,6 @@
-"""L2 lookahead for one-row decode steps: each gemv ends by prefetching the start of the next matrix's weights.
+"""Work started one matmul ahead. Decode (one row): each gemv ends by prefetching the start of the next matrix's
+weights into L2. Prefill (`plan_dequant_ahead`): the next matmul's fp16 weight is dequantized on a side stream
+while the current GEMM runs (`kernels.dequant_ahead`).
 
 Between two matmuls of a decode step run kernels that read almost nothing (RoPE and the cache write, attention,
 the merge, norms, the GLU), and a gemv of 8-60 MB ramps up and drains at a fraction of the copy bandwidth, so
@@ -18,11 +20,14 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from exl2.kernels import dequant_ahead
 from exl2.kernels.backend import env_choice
 from exl2.kernels.qweight import QuantWeight
 from exl2.kernels.quant_matmul import decode_splits
 
 LOOKAHEAD_MB = env_choice("EXL2_LOOKAHEAD_MB", 0, range(0, 257))
+# EXL2_DEQUANT_AHEAD=1: prompt matmuls dequantize the next one's weights during their GEMM
+DEQUANT_AHEAD = env_choice("EXL2_DEQUANT_AHEAD", 0, range(0, 2)) == 1
 LINE = 128  # bytes an L2 prefetch asks for
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj")
@@ -91,3 +96,19 @@ def plan_lookahead(model: nn.Module, mb: Optional[int] = None) -> int:
             w.lookahead = table
         planned += table is not None
     return planned
+
+
+def plan_dequant_ahead(model: nn.Module, enabled: Optional[bool] = None) -> int:
+    """Chain the prompt matmuls of the decoder layers (`decode_stages` without the head, which a prefill runs on
+    its last rows only) so that each dequantizes its successor ahead (None: `EXL2_DEQUANT_AHEAD`; False clears
+    the chain). Returns how many launches name a successor."""
+    on = DEQUANT_AHEAD if enabled is None else enabled
+    stages = decode_stages(model)[:-1]
+    chained = 0
+    for cur, nxt in zip(stages, stages[1:] + [None]):
+        if cur is None:
+            continue
+        link = on and nxt is not None and cur[0].device.type == "cuda" and cur[0].device == nxt[0].device
+        dequant_ahead.set_next(cur, nxt if link else None)
+        chained += link
+    return chained
