@@ -60,7 +60,8 @@
 # the batch-1 gemvs with more programs (gate/up split 2 ways) or a deeper pipeline on the H200, where they are
 # latency-bound (both lost on the H100 in session 11).
 # s51 (session 28): the lookahead GPU tests, then the bench at batches 1-2 with each gemv prefetching the next
-# matrix's first EXL2_LOOKAHEAD_MB (0, 16, 32, 16 with evict-last, 0) into L2 as it ends. s52: the 2,047-token
+# matrix's first EXL2_LOOKAHEAD_MB (0, 16, 32, 16 as bulk prefetches, 16 with evict-last, 0) into L2 as it
+# ends. s52: the 2,047-token
 # prefill with and without the next prompt matmul's dequantization on a side stream (EXL2_DEQUANT_AHEAD), twice,
 # then its prefill breakdown.
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (session 27 run 1, ~7 min:
@@ -383,7 +384,7 @@ for s in $steps; do
          BENCH_ARGS="--modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab ;;
   s51) timeout -s INT -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_lookahead.py -q -p no:cacheprovider -rfE \
          > "$OUT/gpu_lookahead.txt" 2>&1; echo "lookahead GPU tests rc=$?"; tail -n 3 "$OUT/gpu_lookahead.txt"
-       AB_SPECS="${S51_SPECS:-EXL2_LOOKAHEAD_MB=0;EXL2_LOOKAHEAD_MB=16;EXL2_LOOKAHEAD_MB=32;EXL2_LOOKAHEAD_MB=16 EXL2_LOOKAHEAD_EVICT_LAST=1;EXL2_LOOKAHEAD_MB=0}" \
+       AB_SPECS="${S51_SPECS:-EXL2_LOOKAHEAD_MB=0;EXL2_LOOKAHEAD_MB=16;EXL2_LOOKAHEAD_MB=32;EXL2_LOOKAHEAD_MB=16 EXL2_LOOKAHEAD_BULK=1;EXL2_LOOKAHEAD_MB=16 EXL2_LOOKAHEAD_EVICT_LAST=1;EXL2_LOOKAHEAD_MB=0}" \
          TAG=_la BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 64 --batch 2" \
          bash "$0" envab ;;
   s52) AB_SPECS="EXL2_DEQUANT_AHEAD=0;EXL2_DEQUANT_AHEAD=1;EXL2_DEQUANT_AHEAD=0;EXL2_DEQUANT_AHEAD=1" TAG=_da \

@@ -35,6 +35,8 @@ GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
 # Lookahead prefetches (`QuantWeight.lookahead`) with L2's evict-last priority (EXL2_LOOKAHEAD_EVICT_LAST=1).
 LOOKAHEAD_EVICT_LAST = env_choice("EXL2_LOOKAHEAD_EVICT_LAST", 0, range(0, 2)) == 1
+# ... or as bulk prefetches of 4 KB runs (sm_90's cp.async.bulk.prefetch; EXL2_LOOKAHEAD_BULK=1)
+LOOKAHEAD_BULK = env_choice("EXL2_LOOKAHEAD_BULK", 0, range(0, 2)) == 1
 
 
 @triton.jit
@@ -492,7 +494,7 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
                  RED: tl.constexpr, FAST4: tl.constexpr = False, STAGES: tl.constexpr = 2,
                  PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                  PART_ONLY: tl.constexpr = False, la_ptr=None, la_n=0, LOOKAHEAD: tl.constexpr = False,
-                 EVICT_LAST: tl.constexpr = False):
+                 EVICT_LAST: tl.constexpr = False, BULK: tl.constexpr = False):
     """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
     L2. With PDL the first PREFETCH word rows of each class are requested before waiting for the input.
     PART_ONLY: split K, every program leaves its partial sum (`SplitSum`) and none adds them. LOOKAHEAD: the
@@ -520,7 +522,7 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
     if LOOKAHEAD:
         if pid_m == 0:
             prefetch_ranges(la_ptr, la_n, pid_k * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
-                            128, EVICT_LAST)
+                            128, EVICT_LAST, BULK)
 
 
 @triton.jit
@@ -575,7 +577,8 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                        RED: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr = 2,
                        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, la_ptr=None, la_n=0,
-                       LOOKAHEAD: tl.constexpr = False, EVICT_LAST: tl.constexpr = False):
+                       LOOKAHEAD: tl.constexpr = False, EVICT_LAST: tl.constexpr = False,
+                       BULK: tl.constexpr = False):
     """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
     over every (matrix, column tile, K split) program, axis 2 over the input rows. LOOKAHEAD as in
     `_gemv_kernel`."""
@@ -592,7 +595,7 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                       qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
     if LOOKAHEAD:
         if pid_m == 0:
-            prefetch_ranges(la_ptr, la_n, pid, tl.num_programs(0), 128, EVICT_LAST)
+            prefetch_ranges(la_ptr, la_n, pid, tl.num_programs(0), 128, EVICT_LAST, BULK)
 
 
 def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
@@ -617,7 +620,8 @@ def lookahead_args(w: QuantWeight, xp: torch.Tensor) -> dict:
     table = w.lookahead
     if table is None or not xp.is_cuda or INTERPRET or table.device != xp.device:
         return {}
-    return {"la_ptr": table, "la_n": table.shape[0], "LOOKAHEAD": True, "EVICT_LAST": LOOKAHEAD_EVICT_LAST}
+    return {"la_ptr": table, "la_n": table.shape[0], "LOOKAHEAD": True, "EVICT_LAST": LOOKAHEAD_EVICT_LAST,
+            "BULK": LOOKAHEAD_BULK}
 
 
 def prefetch_rows(ws: Sequence[QuantWeight]) -> int:
