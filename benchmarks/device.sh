@@ -63,7 +63,7 @@
 # matrix's first EXL2_LOOKAHEAD_MB (0, 16, 32, 16 as bulk prefetches, 16 with evict-last, 0) into L2 as it
 # ends. s52: the 2,047-token
 # prefill with and without the next prompt matmul's dequantization on a side stream (EXL2_DEQUANT_AHEAD), twice,
-# then its prefill breakdown.
+# then its prefill breakdown. s53: s51 and s52 in one call, fewer arms.
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (session 27 run 1, ~7 min:
 # on an H100): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
@@ -392,6 +392,12 @@ for s in $steps; do
        EXL2_DEQUANT_AHEAD=1 timeout 100 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 \
          --breakdown-prefill > "$OUT/pbreak_da.txt" 2>&1; echo "prefill breakdown (dequant ahead) rc=$?"
        grep -E "^  |total" "$OUT/pbreak_da.txt" | head -16 ;;
+  s53) timeout -s INT -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_lookahead.py -q -p no:cacheprovider -rfE \
+         > "$OUT/gpu_lookahead.txt" 2>&1; echo "lookahead GPU tests rc=$?"; tail -n 3 "$OUT/gpu_lookahead.txt"
+       AB_SPECS="EXL2_LOOKAHEAD_MB=0;EXL2_LOOKAHEAD_MB=16;EXL2_LOOKAHEAD_MB=32;EXL2_LOOKAHEAD_MB=16 EXL2_LOOKAHEAD_BULK=1;EXL2_LOOKAHEAD_MB=0" \
+         TAG=_la BENCH_TIMEOUT=100 BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab
+       AB_SPECS="EXL2_DEQUANT_AHEAD=0;EXL2_DEQUANT_AHEAD=1" TAG=_da BENCH_TIMEOUT=80 \
+         BENCH_ARGS="--modes fp16 --contexts 128 --prefill 2047 --batch 2" bash "$0" envab ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
