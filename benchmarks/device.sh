@@ -59,11 +59,10 @@
 # PDL for split attention at batch 16 again (EXL2_PDL_SPLIT_ROWS=16 lost 10 % with q4 before the word loads), and
 # the batch-1 gemvs with more programs (gate/up split 2 ways) or a deeper pipeline on the H200, where they are
 # latency-bound (both lost on the H100 in session 11).
-# s51 (session 28): the lookahead GPU tests, then the bench at batches 1-2 with each gemv prefetching the next
-# matrix's first EXL2_LOOKAHEAD_MB (0, 16, 32, 16 as bulk prefetches, 16 with evict-last, 0) into L2 as it
-# ends. s52: the 2,047-token
-# prefill with and without the next prompt matmul's dequantization on a side stream (EXL2_DEQUANT_AHEAD), twice,
-# then its prefill breakdown. s53: s51 and s52 in one call, fewer arms.
+# s51-s53 (session 28): A/Bs of an L2 lookahead (each batch-1 gemv prefetching the next matrix's first lines as it
+# ends; lost 8-10 %) and of prompt matmuls dequantizing the next one's weights on a side stream (no gain); both
+# removed with their switches. s54 (next): the target table on an H200 (batches 2, 4, 16), then the chunked-prefill
+# attention tiles over fp16 and q4 caches (`attn_probe.py --chunk 256`) after session 28's change to 128-key blocks.
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (session 27 run 1, ~7 min:
 # on an H100): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
@@ -382,22 +381,11 @@ for s in $steps; do
          --prefill 64" bash "$0" envab
        AB_SPECS=";EXL2_GEMV_GROUP_PER_SM=8;EXL2_GEMV_STAGES=4" TAG=_s50g BENCH_TIMEOUT=70 \
          BENCH_ARGS="--modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab ;;
-  s51) timeout -s INT -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_lookahead.py -q -p no:cacheprovider -rfE \
-         > "$OUT/gpu_lookahead.txt" 2>&1; echo "lookahead GPU tests rc=$?"; tail -n 3 "$OUT/gpu_lookahead.txt"
-       AB_SPECS="${S51_SPECS:-EXL2_LOOKAHEAD_MB=0;EXL2_LOOKAHEAD_MB=16;EXL2_LOOKAHEAD_MB=32;EXL2_LOOKAHEAD_MB=16 EXL2_LOOKAHEAD_BULK=1;EXL2_LOOKAHEAD_MB=16 EXL2_LOOKAHEAD_EVICT_LAST=1;EXL2_LOOKAHEAD_MB=0}" \
-         TAG=_la BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} BENCH_ARGS="--modes fp16,q4 --contexts 128,2048 --prefill 64 --batch 2" \
-         bash "$0" envab ;;
-  s52) AB_SPECS="EXL2_DEQUANT_AHEAD=0;EXL2_DEQUANT_AHEAD=1;EXL2_DEQUANT_AHEAD=0;EXL2_DEQUANT_AHEAD=1" TAG=_da \
-         BENCH_TIMEOUT=${BENCH_TIMEOUT:-80} BENCH_ARGS="--modes fp16 --contexts 128 --prefill 2047 --batch 2" bash "$0" envab
-       EXL2_DEQUANT_AHEAD=1 timeout 100 python3 -m exl2.cli.main bench --modes fp16 --contexts 128 --batch 2 \
-         --breakdown-prefill > "$OUT/pbreak_da.txt" 2>&1; echo "prefill breakdown (dequant ahead) rc=$?"
-       grep -E "^  |total" "$OUT/pbreak_da.txt" | head -16 ;;
-  s53) timeout -s INT -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_lookahead.py -q -p no:cacheprovider -rfE \
-         > "$OUT/gpu_lookahead.txt" 2>&1; echo "lookahead GPU tests rc=$?"; tail -n 3 "$OUT/gpu_lookahead.txt"
-       AB_SPECS="EXL2_LOOKAHEAD_MB=0;EXL2_LOOKAHEAD_MB=16;EXL2_LOOKAHEAD_MB=32;EXL2_LOOKAHEAD_MB=16 EXL2_LOOKAHEAD_BULK=1;EXL2_LOOKAHEAD_MB=0" \
-         TAG=_la BENCH_TIMEOUT=100 BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab
-       AB_SPECS="EXL2_DEQUANT_AHEAD=0;EXL2_DEQUANT_AHEAD=1" TAG=_da BENCH_TIMEOUT=80 \
-         BENCH_ARGS="--modes fp16 --contexts 128 --prefill 2047 --batch 2" bash "$0" envab ;;
+  s54) timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
+       grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
+       for m in q4 fp16; do timeout 60 python3 benchmarks/attn_probe.py --split-sweep --quick --batch 1 --ctx 2048 \
+           --chunk 256 --mode $m > "$OUT/attn_256_$m.txt" 2>&1; echo "attention chunk=256 $m rc=$?"
+         sort -t'|' -k12 -n "$OUT/attn_256_$m.txt" | grep -E "^\| 1 " | head -3; done ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;

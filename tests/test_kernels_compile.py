@@ -32,8 +32,6 @@ def _compile_all() -> dict:
     from exl2.kernels import gemv as gemv_k
 
     def ptx(fn, ptrs, consts, warps, stages, div=()):
-        if "LOOKAHEAD" in fn.arg_names:  # off unless a case turns it on
-            consts = {"LOOKAHEAD": False, "EVICT_LAST": False, "BULK": False, **consts}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if sig[n].startswith("*") or n in div}
@@ -66,9 +64,6 @@ def _compile_all() -> dict:
         out[f"attention-{dk}-{bits}"] = verdict(lambda: ptx(at._attn_kernel, ptrs, consts, warps, 2))
     gptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     gptrs.update({"x32_ptr": "*i32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
-    consts_single = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=False, HAS3=False, HAS2=False, HAS_ZEROS=False,
-                         HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=64, RED=4, FAST4=63, STAGES=3, PDL=True,
-                         PREFETCH=64, PART_ONLY=False)
     for bn, width in GEMV:
         consts = dict(HAS8=False, HAS6=False, HAS5=False, HAS4=False, HAS3=False, HAS2=False, HAS_ZEROS=False,
                       HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=63, STAGES=3, PDL=True,
@@ -99,23 +94,6 @@ def _compile_all() -> dict:
             raise AssertionError("the prefetch is not predicated")
         return text
     out["gemv-group-masked-prefetch"] = verdict(masked_ptx)
-
-    def lookahead_ptx(kernel, ptrs, consts, evict_last, bulk=False):
-        def make():
-            text = ptx(kernel, dict(ptrs, la_ptr="*i64"),
-                       dict(consts, LOOKAHEAD=True, EVICT_LAST=evict_last, BULK=bulk), 4, 3)
-            want = ("cp.async.bulk.prefetch.L2" if bulk else "prefetch.global.L2::evict_last" if evict_last
-                    else "@p prefetch.global.L2 [")
-            if want not in text[text.find("griddepcontrol.wait"):]:
-                raise AssertionError("no lookahead prefetch after the wait")
-            return text
-        return make
-    for evict_last in (False, True):
-        out[f"gemv-lookahead-{evict_last}"] = verdict(lookahead_ptx(
-            gemv_k._gemv_kernel, gptrs, dict(consts_single, HAS4=True), evict_last))
-        out[f"gemv-group-lookahead-{evict_last}"] = verdict(lookahead_ptx(
-            gemv_k._gemv_group_kernel, grp, consts, evict_last))
-    out["gemv-group-lookahead-bulk"] = verdict(lookahead_ptx(gemv_k._gemv_group_kernel, grp, consts, False, True))
     from exl2.kernels import mma_dot
     mptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
@@ -273,19 +251,6 @@ def test_fp8_operand_kernels_store_whole_vectors(compiled, kernel):
     """The FP8 prompt operands (`fp8_prefill`): the transposed weight and the gathered 14,336-wide input row
     compile for sm_90 with vector stores along K and the hardware e4m3 conversion."""
     assert compiled[kernel] == "ok"
-
-
-@pytest.mark.parametrize("kernel", ["gemv", "gemv-group"])
-@pytest.mark.parametrize("evict_last", [False, True])
-def test_gemv_lookahead_prefetches_after_its_wait(compiled, kernel, evict_last):
-    """`QuantWeight.lookahead`: the gemv ends with the next matrix's prefetches (predicated lanes; evict-last when
-    asked), besides the usual ones before the PDL wait."""
-    assert compiled[f"{kernel}-lookahead-{evict_last}"] == "ok"
-
-
-def test_gemv_lookahead_compiles_its_bulk_prefetch(compiled):
-    """EXL2_LOOKAHEAD_BULK: the same lookahead as sm_90 bulk prefetches of 4 KB runs."""
-    assert compiled["gemv-group-lookahead-bulk"] == "ok"
 
 
 def test_gemv_masked_prefetch_is_predicated(compiled):

@@ -47,9 +47,13 @@ MAX_SPLITS = env_choice("EXL2_ATTN_MAX_SPLITS", 32, range(1, 33))
 # "short": decode asked for one split over fp16 values, which the short-context graphs do (at most
 # graphs.SHORT_CONTEXT keys, one or two blocks a program, so nothing to pipeline): batch 16, ctx 128, the output in
 # o_proj's order, 9.2 → 7.6 µs (session 15). Quantized rows: one stage (pipelined, their word loads lost the gain:
-# batch 1, ctx 2048, q4, 13.78 against 9.09 µs; session 27), and prefill's alike (not measured).
+# batch 1, ctx 2048, q4, 13.78 against 9.09 µs; session 27; q8 and q3 are best there too, q6 within 4 %, session
+# 28). A chunked prefill (256 queries over 2,048 cached tokens, H100, session 28): 128 keys a block, one stage,
+# q4 221 → 149 µs, fp16 101 → 87 µs; "prefill_wide" keeps the old 32-key blocks for head dims above 128 (Gemma's
+# 256, MLA's 192), not measured with 128 keys.
 TUNING = {("decode", "fp16"): (64, 4, 2), ("decode", "quant"): (64, 4, 1), ("short", "fp16"): (128, 4, 1),
-          ("prefill", "fp16"): (32, 4, 2), ("prefill", "quant"): (32, 4, 1)}
+          ("prefill", "fp16"): (128, 4, 1), ("prefill", "quant"): (128, 4, 1),
+          ("prefill_wide", "fp16"): (32, 4, 2), ("prefill_wide", "quant"): (32, 4, 1)}
 
 
 def decode_splits(programs: int, device: torch.device) -> int:
@@ -515,8 +519,8 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
     bm = max(16, next_pow2(group)) if decode_like else max(64, next_pow2(group))
     quant = k_bits != 16 or v_bits != 16
     short = decode_like and num_splits == 1 and v_bits == 16 and k_bits == 16
-    bn, warps, stages = TUNING[("short" if short else "decode" if decode_like else "prefill",
-                                "quant" if quant else "fp16")]
+    phase = "short" if short else "decode" if decode_like else "prefill" if max(dk, dv) <= 128 else "prefill_wide"
+    bn, warps, stages = TUNING[(phase, "quant" if quant else "fp16")]
     bm = max(bm, next_pow2(group) * min(next_pow2(max_q_len), max(1, bm // next_pow2(group))))
     tq_per = bm // group
     q_blocks = triton.cdiv(max_q_len, tq_per)

@@ -186,43 +186,6 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
-def prefetch_ranges(table, n_ranges, pid, programs, LANES: tl.constexpr, EVICT_LAST: tl.constexpr,
-                    BULK: tl.constexpr = False):
-    """Program `pid` of `programs` asks L2 for its 1/programs share of the lines of each range in `table` (int64
-    rows of byte address and 128-byte line count, `runtime.lookahead`): a kernel ending starts the next matrix's
-    weights streaming, so that the next kernel finds them in L2. EVICT_LAST keeps them past the current kernel's
-    own streaming reads. BULK: one `cp.async.bulk.prefetch` (sm_90) per 4 KB run instead of one request a line."""
-    lanes = tl.arange(0, LANES).to(tl.int64)
-    for r in range(n_ranges):
-        base = tl.load(table + 2 * r)
-        lines = tl.load(table + 2 * r + 1)
-        lo = lines * pid // programs
-        hi = lines * (pid + 1) // programs
-        if BULK:
-            for l0 in range(lo, hi, LANES * 32):
-                first = l0 + lanes * 32
-                n = tl.minimum(hi - first, 32)
-                tl.inline_asm_elementwise(
-                    "{\n.reg .pred p;\nsetp.gt.s32 p, $3, 0;\n@p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
-                    "mov.u32 $0, 0;\n}", "=r,l,r,r",
-                    [base + first * 128, (tl.maximum(n, 0) * 128).to(tl.int32), n.to(tl.int32)], dtype=tl.int32,
-                    is_pure=False, pack=1)
-        else:
-            for l0 in range(lo, hi, LANES):
-                ln = l0 + lanes
-                addr = base + ln * 128
-                if EVICT_LAST:
-                    tl.inline_asm_elementwise(
-                        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2::evict_last [$1];\n"
-                        "mov.u32 $0, 0;\n}", "=r,l,r", [addr, (ln < hi).to(tl.int32)], dtype=tl.int32,
-                        is_pure=False, pack=1)
-                else:
-                    tl.inline_asm_elementwise(
-                        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}",
-                        "=r,l,r", [addr, (ln < hi).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def pdl_sync():
     """Wait for the previous kernel's writes, then let the next kernel launch (programmatic dependent launch)."""
     gdc_wait()

@@ -8,7 +8,6 @@ from typing import Sequence
 
 import torch
 
-from exl2.kernels import dequant_ahead
 from exl2.kernels.backend import tl, triton
 from exl2.kernels.qweight import QuantWeight, split_bits
 
@@ -145,21 +144,9 @@ def dequant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 def dequant_matmul_group(x: torch.Tensor, ws: Sequence[QuantWeight]) -> list[torch.Tensor]:
     """`dequant_matmul` of weights sharing the input x `[M, K]` (q/k/v, gate/up): dequantized side by side into
     one fp16 matrix and multiplied in one cuBLAS call, so a prefill issues fewer, wider GEMMs (the host's launch
-    work was as long as the GPU's). Returns column views `[M, N_i]` of one output. Where the weights name the
-    next launch's (`dequant_ahead`), its weights are dequantized on a side stream while this GEMM runs."""
+    work was as long as the GPU's). Returns column views `[M, N_i]` of one output."""
     if len({w.k for w in ws}) != 1 or x.shape[-1] != ws[0].k:
         raise ValueError("grouped weights must share the input width of x.")
-    wd = dequant_ahead.take(ws) if x.is_cuda else None
-    if wd is None:
-        wd = dequantized(ws)
-    if x.is_cuda:
-        dequant_ahead.start_next(ws, dequantized)
-    y = torch.matmul(x.to(torch.float16), wd) if x.is_cuda else (x.float() @ wd.float())
-    return split_outputs(y, ws, x.dtype)
-
-
-def dequantized(ws: Sequence[QuantWeight]) -> torch.Tensor:
-    """The weights' fp16 matrices side by side, `[K, ΣN]`, in a new tensor on the current stream."""
     full = all(w.scatter_index() is not None for w in ws)
     wd = (torch.empty if full else torch.zeros)((ws[0].k, sum(w.n for w in ws)), dtype=torch.float16,
                                                 device=ws[0].device)
@@ -172,7 +159,8 @@ def dequantized(ws: Sequence[QuantWeight]) -> torch.Tensor:
     else:
         for w, o in zip(ws, offs):
             dequantize_triton(w, out=wd[:, o:o + w.n])
-    return wd
+    y = torch.matmul(x.to(torch.float16), wd) if x.is_cuda else (x.float() @ wd.float())
+    return split_outputs(y, ws, x.dtype)
 
 
 def split_outputs(y: torch.Tensor, ws: Sequence[QuantWeight], dtype: torch.dtype) -> list[torch.Tensor]:

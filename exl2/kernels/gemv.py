@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from exl2.kernels.backend import (INTERPRET, PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync,
-                                  prefetch_l2, prefetch_l2_where, prefetch_ranges, tl, triton)
+from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync, prefetch_l2,
+                                  prefetch_l2_where, tl, triton)
 from exl2.kernels.matmul_launch import (PACKED_FLAG, MatmulConfig, auto_split, class_args, launch, pairs_view,
                                         store_tile, width_mask)
 from exl2.kernels.packed_tiles import PTX_UNPACK4_CONSTANTS, load_class, ptx_unpack4, step_rows, step_scales
@@ -33,10 +33,6 @@ GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM):
 # 4 splits q/k/v 4 ways instead of 2 (9.1 -> 8.2 us on the H200) and leaves gate/up unsplit (session 11).
 GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
-# Lookahead prefetches (`QuantWeight.lookahead`) with L2's evict-last priority (EXL2_LOOKAHEAD_EVICT_LAST=1).
-LOOKAHEAD_EVICT_LAST = env_choice("EXL2_LOOKAHEAD_EVICT_LAST", 0, range(0, 2)) == 1
-# ... or as bulk prefetches of 4 KB runs (sm_90's cp.async.bulk.prefetch; EXL2_LOOKAHEAD_BULK=1)
-LOOKAHEAD_BULK = env_choice("EXL2_LOOKAHEAD_BULK", 0, range(0, 2)) == 1
 
 
 @triton.jit
@@ -493,12 +489,10 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
                  SPLIT_ON: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                  RED: tl.constexpr, FAST4: tl.constexpr = False, STAGES: tl.constexpr = 2,
                  PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                 PART_ONLY: tl.constexpr = False, la_ptr=None, la_n=0, LOOKAHEAD: tl.constexpr = False,
-                 EVICT_LAST: tl.constexpr = False, BULK: tl.constexpr = False):
+                 PART_ONLY: tl.constexpr = False):
     """One permuted input row per program (grid axis 2); rows beyond the first re-read the weights, mostly from
     L2. With PDL the first PREFETCH word rows of each class are requested before waiting for the input.
-    PART_ONLY: split K, every program leaves its partial sum (`SplitSum`) and none adds them. LOOKAHEAD: the
-    first row's programs end by prefetching their share of the next matrix's lines (`prefetch_ranges`)."""
+    PART_ONLY: split K, every program leaves its partial sum (`SplitSum`) and none adds them."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -519,10 +513,6 @@ def _gemv_kernel(x_ptr, x32_ptr, out_ptr, part_ptr, cnt_ptr, bias_ptr, qw_ptr, s
     offs_m = pid_m + tl.arange(0, 1)
     store_tile(res[None, :], offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, cnt_ptr, bias_ptr,
                pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, HAS_BIAS, SPLIT_ON, RED, PART_ONLY)
-    if LOOKAHEAD:
-        if pid_m == 0:
-            prefetch_ranges(la_ptr, la_n, pid_k * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
-                            128, EVICT_LAST, BULK)
 
 
 @triton.jit
@@ -576,12 +566,9 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                        out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                        RED: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr = 2,
-                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, la_ptr=None, la_n=0,
-                       LOOKAHEAD: tl.constexpr = False, EVICT_LAST: tl.constexpr = False,
-                       BULK: tl.constexpr = False):
+                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
-    over every (matrix, column tile, K split) program, axis 2 over the input rows. LOOKAHEAD as in
-    `_gemv_kernel`."""
+    over every (matrix, column tile, K split) program, axis 2 over the input rows."""
     pid = tl.program_id(0)
     pid_m = tl.program_id(2)
     if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
@@ -593,9 +580,6 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
     else:
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
                       qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
-    if LOOKAHEAD:
-        if pid_m == 0:
-            prefetch_ranges(la_ptr, la_n, pid, tl.num_programs(0), 128, EVICT_LAST, BULK)
 
 
 def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
@@ -611,17 +595,7 @@ def permuted_gemv(xp: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bo
     """`gemv` on the permuted input xp; `part_only`: where K is split, the partial sums as a `SplitSum`."""
     fast4 = fast4_available(xp.device) if fast4 is None else fast4
     return launch(_gemv_kernel, xp, w, cfg, fast4, part_only=part_only, prefetch=prefetch_rows([w]),
-                  STAGES=cfg.num_stages, **lookahead_args(w, xp))
-
-
-def lookahead_args(w: QuantWeight, xp: torch.Tensor) -> dict:
-    """The gemv kernels' lookahead arguments for weight w (`QuantWeight.lookahead`, set by `runtime.lookahead`):
-    none off CUDA, where a prefetch has nothing to warm (and the interpreter has no inline PTX)."""
-    table = w.lookahead
-    if table is None or not xp.is_cuda or INTERPRET or table.device != xp.device:
-        return {}
-    return {"la_ptr": table, "la_n": table.shape[0], "LOOKAHEAD": True, "EVICT_LAST": LOOKAHEAD_EVICT_LAST,
-            "BULK": LOOKAHEAD_BULK}
+                  STAGES=cfg.num_stages)
 
 
 def prefetch_rows(ws: Sequence[QuantWeight]) -> int:
@@ -658,20 +632,17 @@ class GemvGroup:
         return (1 < len(ws) <= cls.MAX and len({w.k for w in ws}) == 1 and len({w.zeros is None for w in ws}) == 1
                 and all(w.n % 16 == 0 for w in ws))
 
-    def splits(self, m: int) -> list[int]:
-        """Each matrix's K split for m input rows."""
-        total = sum(triton.cdiv(w.n, self.BN) for w in self.ws) * m
-        return [auto_split(w, total, w.device, 8, self.per_sm) for w in self.ws]
-
     def plan(self, m: int, device: torch.device) -> tuple[torch.Tensor, int, int, int]:
         """(metadata, programs, partial floats, RED) for m input rows, cached per m."""
         cached = self._plans.get(m)
         if cached is not None:
             return cached
         tiles = [triton.cdiv(w.n, self.BN) for w in self.ws]
+        total = sum(tiles) * m
         rows, start, tile_base, part = [], 0, 0, 0
         max_split = 1
-        for w, t, xoff, split in zip(self.ws, tiles, input_layout(self.ws)[1], self.splits(m)):
+        for w, t, xoff in zip(self.ws, tiles, input_layout(self.ws)[1]):
+            split = auto_split(w, total, w.device, 8, self.per_sm)
             cls, _ = class_args(w)
             rows.append(cls + [w.n, t, split, start, tile_base, xoff, part])
             start += t * split
@@ -706,7 +677,7 @@ class GemvGroup:
             G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4,
             STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages,
-            **pdl_args(xp.device, m, prefetch=prefetch_rows(self.ws)), **lookahead_args(self.ws[0], xp))
+            **pdl_args(xp.device, m, prefetch=prefetch_rows(self.ws)))
         return outs
 
 

@@ -184,33 +184,12 @@ def grouped_matmul(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor 
         return None
     if x.shape[0] > GEMV_ROWS or all(gemv_via_mma(w, x.shape[0], x.dtype) for w in ws):
         return _mma_group(x, ws, xp)
-    group = gemv_group(ws)
-    if group is None:
+    if not GemvGroup.accepts(ws):
         return None
+    group = ws[0]._cache.get(("group", tuple(map(id, ws))))
+    if group is None:
+        group = ws[0]._cache[("group", tuple(map(id, ws)))] = GemvGroup(ws)
     return group(gather_input(x, ws, whole=True) if xp is None else xp)
-
-
-def gemv_group(ws: Sequence[QuantWeight]) -> GemvGroup | None:
-    """The one-launch gemv plan of weights sharing an input (cached on the first), or None where the gemv cannot
-    group them."""
-    if not (FUSE_SHARED_INPUT and GemvGroup.accepts(ws)):
-        return None
-    key = ("group", tuple(map(id, ws)))
-    group = ws[0]._cache.get(key)
-    if group is None:
-        group = ws[0]._cache[key] = GemvGroup(ws)
-    return group
-
-
-def decode_splits(ws: Sequence[QuantWeight]) -> list[int] | None:
-    """The K split of each weight in a one-row decode step's launch of them (one gemv launch for 2-3 weights
-    sharing an input, else one each), or None where a weight does not take the gemv at one row."""
-    if any(gemv_via_mma(w, 1, torch.float16) for w in ws):
-        return None
-    group = gemv_group(ws) if len(ws) > 1 else None
-    if group is not None:
-        return group.splits(1)
-    return [choose_config(1, w)[1].split for w in ws]
 
 
 def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | None) -> list[torch.Tensor] | None:

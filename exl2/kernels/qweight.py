@@ -71,9 +71,6 @@ class QuantWeight:
     x_index: torch.Tensor | None = None
     # prompt-sized matmuls through e4m3 (`fp8_prefill`, EngineConfig.prefill_fp8)
     prefill_fp8: bool = field(default=False, compare=False)
-    # L2 lookahead: int64 [ranges, 2] (byte address, 128-byte lines) of the next matrix's weights, which the
-    # decode-sized gemv prefetches as it ends (`runtime.lookahead`)
-    lookahead: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -271,9 +268,8 @@ def matmul_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 # ---- shards of a weight (tensor parallelism: runtime.tp) ---------------------------------------------------------
 
 def _derived(w: QuantWeight, **fields) -> QuantWeight:
-    """A new weight of w's class with some fields replaced, an empty launch-plan cache and no lookahead (its
-    addresses are the old weights')."""
-    return dataclasses.replace(w, _cache={}, lookahead=None, **fields)
+    """A new weight of w's class with some fields replaced and an empty launch-plan cache."""
+    return dataclasses.replace(w, _cache={}, **fields)
 
 
 def take_outputs(w: QuantWeight, cols: torch.Tensor) -> QuantWeight:

@@ -22,7 +22,6 @@ from exl2.kernels.quant_matmul import uses_permuted_input
 from exl2.kernels.split_sum import SplitSum
 from exl2.runtime.linear import Linear, permuted_indices, project, share_inputs
 from exl2.runtime.load_progress import report
-from exl2.runtime.lookahead import plan_dequant_ahead, plan_lookahead
 
 NO_HEAD = "This model has no output head (an embedding model): it computes embeddings, not text."
 
@@ -366,8 +365,6 @@ class DecoderModel(nn.Module):
         # where their input orders are equal (EXL2_SHARED_INPUT=0: one per weight)
         share_inputs(self)
         self.route_split_sums()
-        plan_lookahead(self)  # batch-1 gemvs prefetch the next matrix's first lines into L2 (EXL2_LOOKAHEAD_MB)
-        plan_dequant_ahead(self)  # prompt GEMMs overlap the next one's dequantization (EXL2_DEQUANT_AHEAD)
 
     def _loading_on(self, w: WeightProvider):
         """A split model's parts load with their device current (kernels may run while repacking)."""

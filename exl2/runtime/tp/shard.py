@@ -57,8 +57,8 @@ def shard_spec(spec: ModelSpec, parts: int) -> ModelSpec:
 def _move_kernel(w: QuantWeight, device: torch.device) -> QuantWeight:
     """w on `device`, keeping its class (QuantWeight.to makes a plain QuantWeight)."""
     moved = {f.name: getattr(w, f.name).to(device) for f in dataclasses.fields(w)
-             if isinstance(getattr(w, f.name), torch.Tensor) and f.name != "lookahead"}
-    return dataclasses.replace(w, _cache={}, lookahead=None, **moved)
+             if isinstance(getattr(w, f.name), torch.Tensor)}
+    return dataclasses.replace(w, _cache={}, **moved)
 
 
 def linear_on(in_features: int, out_features: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
