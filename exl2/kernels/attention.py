@@ -48,11 +48,11 @@ MAX_SPLITS = env_choice("EXL2_ATTN_MAX_SPLITS", 32, range(1, 33))
 # graphs.SHORT_CONTEXT keys, one or two blocks a program, so nothing to pipeline): batch 16, ctx 128, the output in
 # o_proj's order, 9.2 → 7.6 µs (session 15). Quantized rows: one stage (pipelined, their word loads lost the gain:
 # batch 1, ctx 2048, q4, 13.78 against 9.09 µs; session 27; q8 and q3 are best there too, q6 within 4 %, session
-# 28). A chunked prefill (256 queries over 2,048 cached tokens, H100, session 28): 128 keys a block, one stage,
-# q4 221 → 149 µs, fp16 101 → 87 µs; "prefill_wide" keeps the old 32-key blocks for head dims above 128 (Gemma's
-# 256, MLA's 192), not measured with 128 keys.
+# 28). A chunked prefill (256 queries over 2,048 cached tokens, H200, session 28): 128-key blocks, q4 one stage
+# 224 → 149 µs, fp16 two stages 77 µs (one: 86; 32 keys, one stage: 115); "prefill_wide" keeps the old 32-key
+# blocks for head dims above 128 (Gemma's 256, MLA's 192), not measured with 128 keys.
 TUNING = {("decode", "fp16"): (64, 4, 2), ("decode", "quant"): (64, 4, 1), ("short", "fp16"): (128, 4, 1),
-          ("prefill", "fp16"): (128, 4, 1), ("prefill", "quant"): (128, 4, 1),
+          ("prefill", "fp16"): (128, 4, 2), ("prefill", "quant"): (128, 4, 1),
           ("prefill_wide", "fp16"): (32, 4, 2), ("prefill_wide", "quant"): (32, 4, 1)}
 
 
