@@ -61,8 +61,9 @@
 # latency-bound (both lost on the H100 in session 11).
 # s51-s53 (session 28): A/Bs of an L2 lookahead (each batch-1 gemv prefetching the next matrix's first lines as it
 # ends; lost 8-10 %) and of prompt matmuls dequantizing the next one's weights on a side stream (no gain); both
-# removed with their switches. s54 (next): the target table on an H200 (batches 2, 4, 16), then the chunked-prefill
-# attention tiles over fp16 and q4 caches (`attn_probe.py --chunk 256`) after session 28's change to 128-key blocks.
+# removed with their switches. s54 (next): the target table on an H200 (batches 2, 4, 16), then the real gemv over
+# launch settings on gate/up and down (`gemvsweep`: steps an iteration, warps, stages; session 28 found the batch-1
+# gemvs issue-bound on the H200, ~135 of 362 instructions an iteration spent around the decoder).
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (session 27 run 1, ~7 min:
 # on an H100): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
@@ -76,7 +77,8 @@ for s in $steps; do
   case $s in
   layout) timeout ${LAYOUT_TIMEOUT:-300} python3 benchmarks/layout_probe.py --stream --json "$OUT/layout.json" > "$OUT/layout.txt" 2>&1
          echo "layout rc=$?"; cat "$OUT/layout.txt" | tail -120 ;;
-  gemvsweep) timeout ${LAYOUT_TIMEOUT:-540} python3 benchmarks/layout_probe.py --sweep --json "$OUT/gemvsweep.json" \
+  gemvsweep) timeout ${LAYOUT_TIMEOUT:-540} python3 benchmarks/layout_probe.py --sweep --shapes ${SWEEP_SHAPES:-o,down,qkv,gateup} \
+           --json "$OUT/gemvsweep.json" \
            > "$OUT/gemvsweep.txt" 2>&1; echo "gemvsweep rc=$?"; sort -t'|' -k2,2 -k4,4n "$OUT/gemvsweep.txt" | awk -F'|' '{c[$2]++} c[$2]<=8' ;;
   bench) timeout 200 python3 -m exl2.cli.main bench --breakdown > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
          tail -28 "$OUT/bench.txt" ;;
@@ -383,9 +385,7 @@ for s in $steps; do
          BENCH_ARGS="--modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab ;;
   s54) timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
        grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
-       for m in q4 fp16; do timeout 60 python3 benchmarks/attn_probe.py --split-sweep --quick --batch 1 --ctx 2048 \
-           --chunk 256 --mode $m > "$OUT/attn_256_$m.txt" 2>&1; echo "attention chunk=256 $m rc=$?"
-         sort -t'|' -k12 -n "$OUT/attn_256_$m.txt" | grep -E "^\| 1 " | head -3; done ;;
+       SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=400 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
          grep -vE "PytestBenchmarkWarning|warner\(" "$OUT/gpu_tests.txt" | tail -16 ;;
