@@ -33,6 +33,11 @@ GEMV_STAGES = env_choice("EXL2_GEMV_STAGES", 3, range(1, 6))
 # K splits of the grouped gemv (q/k/v, gate/up) up to about this many programs per SM (EXL2_GEMV_GROUP_PER_SM):
 # 4 splits q/k/v 4 ways instead of 2 (9.1 -> 8.2 us on the H200) and leaves gate/up unsplit (session 11).
 GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
+# 32-row steps an iteration and warps a program of the one-row gemvs (EXL2_GEMV_BS, EXL2_GEMV_WARPS): the H100
+# sweep found 8 and 4 best (session 23, bandwidth-bound there); on the H200 the gemv is issue-bound (session 28),
+# where 16 steps spread the loop's overhead over twice the words and 8 warps give the schedulers twice the warps.
+GEMV_BS = env_choice("EXL2_GEMV_BS", 8, (4, 8, 16))
+GEMV_WARPS = env_choice("EXL2_GEMV_WARPS", 4, (4, 8))
 
 
 @triton.jit
@@ -612,8 +617,8 @@ class GemvGroup:
 
     MAX = 3
 
-    def __init__(self, ws: Sequence[QuantWeight], bn: int = 64, bs: int = 8, stages: int | None = None,
-                 per_sm: int | None = None, num_warps: int = 4):
+    def __init__(self, ws: Sequence[QuantWeight], bn: int = 64, bs: int | None = None, stages: int | None = None,
+                 per_sm: int | None = None, num_warps: int | None = None):
         """Defaults from the H200 sweeps (benchmarks/RESULTS.md, session 4 run 13 and session 11): 64-column tiles
         (q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns), K split up to `GROUP_PER_SM`
         programs per SM."""
@@ -621,7 +626,9 @@ class GemvGroup:
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
         self.ws = list(ws)
-        self.BN, self.BS, self.num_warps = bn, bs, num_warps
+        self.BN = bn
+        self.BS = GEMV_BS if bs is None else bs
+        self.num_warps = GEMV_WARPS if num_warps is None else num_warps
         self.stages = GEMV_STAGES if stages is None else stages
         self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
         self.mask = width_mask(self.ws)
