@@ -87,7 +87,7 @@ for s in $steps; do
          tail -28 "$OUT/bench.txt" ;;
   nopdl) EXL2_PDL=0 timeout 110 python3 -m exl2.cli.main bench --modes fp16 --contexts 2048 \
            > "$OUT/bench_nopdl.txt" 2>&1; echo "bench (PDL off) rc=$?"; tail -6 "$OUT/bench_nopdl.txt" ;;
-  stalls) timeout 40 ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 \
+  stalls) timeout 40 ncu --clock-control none --kernel-name regex:gemv --launch-skip 9 --launch-count 1 \
            --section SchedulerStats --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
            python3 benchmarks/gemv_probe.py --shape gate > "$OUT/ncu_stalls_gate.txt" 2>&1; echo "ncu stalls rc=$?"
          grep -E "stalled|Issued Warp|Eligible" "$OUT/ncu_stalls_gate.txt" | sort -k3 -n -r | head -12 ;;
@@ -229,7 +229,7 @@ for s in $steps; do
   b128) timeout ${BENCH_TIMEOUT:-110} python3 -m exl2.cli.main bench --modes fp16 --contexts 128 $BENCH_ARGS \
            > "$OUT/bench_b128${TAG}.txt" 2>&1; echo "bench fp16 ctx 128 $BENCH_ARGS $TAG rc=$?"; tail -4 "$OUT/bench_b128${TAG}.txt" ;;
   ncugemv) for shape in ${NCU_SHAPES:-gate q}; do
-           timeout 60 ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 \
+           timeout 60 ncu --clock-control none --kernel-name regex:gemv --launch-skip 9 --launch-count 1 \
              --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
              --section SchedulerStats --section InstructionStats \
              --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \

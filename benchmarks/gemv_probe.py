@@ -1,9 +1,10 @@
 """Runs one quantized matmul a few times on a Llama-3-8B-shaped 4-bit layer, for profilers (ncu) to attach to.
 
-    ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 \
+    ncu --clock-control none --kernel-name regex:gemv --launch-skip 9 --launch-count 1 \
         python3 benchmarks/gemv_probe.py [--shape gate|q|k|down|head] [--rows M]
 
-With --rows 5..16 the Gluon tensor-core kernel runs instead (`--kernel-name regex:_mma_kernel`, the `ncumma`
+The first six gemv launches of a process are the packed decoders' self-checks (`gemv.fast4_available`, one a
+width), hence the skip of 9. With --rows 5..16 the Gluon tensor-core kernel runs instead (`--kernel-name regex:_mma_kernel`, the `ncumma`
 step of benchmarks/device.sh), with 17..64 the Triton one (`regex:dot`).
 """
 from __future__ import annotations
