@@ -53,9 +53,6 @@ def _queries(lens):
     return torch.arange(lens.numel() + 1, dtype=torch.int32, device=lens.device) * CHUNK, CHUNK
 
 
-def phase() -> str:
-    """The `attention.TUNING` phase the probed launches take (decode: at most 16 query rows a KV head)."""
-    return "decode" if CHUNK * (HQ // HKV) <= 16 else "prefill"
 
 
 def call(q, c, bt, lens, bits, splits, perm=None):
@@ -102,7 +99,6 @@ def _header() -> None:
 
 
 def sweep() -> None:
-    short_key = ("short", "fp16")
     saved = dict(at.TUNING), at.ONE_Q
     _header()
     for batch, ctx, mode, splits, layout, out in (
@@ -113,8 +109,7 @@ def sweep() -> None:
         if SHORT and out != "perm":
             continue
         case = _case(batch, ctx, mode, layout, out)
-        fp16 = case[4] == (16, 16)
-        key = short_key if splits == 1 and fp16 else ("decode", "fp16" if fp16 else "quant")
+        key = at.tuning_key(1, HQ // HKV, D, D, *case[4], splits)
         default = saved[0][key]
         grid = [(default[0], default[1], s, o) for s in (1, 2, 3) for o in (False, True)]
         grid += [(bn, nw, default[2], True) for bn, nw in itertools.product((32, 64, 128), (2, 4, 8))
@@ -137,7 +132,7 @@ def split_sweep(batch: int, ctx: int, mode: str, quick: bool = False) -> None:
     order: what tunes a batch-1 long-context step (the q4 cache at ctx 2048 is 11 % behind fp16, session 16).
     `quick`: three split counts and five or six tiles, for an A/B of kernel variants in one device call. With
     --chunk above 4 (a chunked prefill) only the kernel's own split count (one)."""
-    key = (phase(), "fp16" if mode == "fp16" else "quant")
+    key = at.tuning_key(CHUNK, HQ // HKV, D, D, *kq.KV_MODES[mode], None)
     saved = dict(at.TUNING)
     case = _case(batch, ctx, mode, "random", "perm")
     _header()

@@ -56,6 +56,17 @@ TUNING = {("decode", "fp16"): (64, 4, 2), ("decode", "quant"): (64, 4, 1), ("sho
           ("prefill_wide", "fp16"): (32, 4, 2), ("prefill_wide", "quant"): (32, 4, 1)}
 
 
+def tuning_key(max_q_len: int, group: int, dk: int, dv: int, k_bits: int, v_bits: int,
+               num_splits: int | None) -> tuple[str, str]:
+    """The `TUNING` entry of a launch: decode-like (at most 16 query rows a KV head) or prefill, by cache kind."""
+    quant = k_bits != 16 or v_bits != 16
+    if max_q_len * group <= 16:
+        phase = "short" if num_splits == 1 and not quant else "decode"
+    else:
+        phase = "prefill" if max(dk, dv) <= 128 else "prefill_wide"
+    return phase, "quant" if quant else "fp16"
+
+
 def decode_splits(programs: int, device: torch.device) -> int:
     """The key splits decode attention takes when not told: enough for two programs per SM, at most MAX_SPLITS."""
     return max(1, min(MAX_SPLITS, triton.cdiv(2 * sm_count(device), programs)))
@@ -517,10 +528,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         return out
     decode_like = max_q_len * group <= 16
     bm = max(16, next_pow2(group)) if decode_like else max(64, next_pow2(group))
-    quant = k_bits != 16 or v_bits != 16
-    short = decode_like and num_splits == 1 and v_bits == 16 and k_bits == 16
-    phase = "short" if short else "decode" if decode_like else "prefill" if max(dk, dv) <= 128 else "prefill_wide"
-    bn, warps, stages = TUNING[(phase, "quant" if quant else "fp16")]
+    bn, warps, stages = TUNING[tuning_key(max_q_len, group, dk, dv, k_bits, v_bits, num_splits)]
     bm = max(bm, next_pow2(group) * min(next_pow2(max_q_len), max(1, bm // next_pow2(group))))
     tq_per = bm // group
     q_blocks = triton.cdiv(max_q_len, tq_per)
