@@ -103,8 +103,8 @@ def main() -> None:
               f"{decode / words:.1f} |")
         if not a.sweep:
             print("\n" + ", ".join(f"{op} {n}" for op, n in body.most_common(a.top)))
-    print("\n* LOP3, SHF, PRMT, HADD2, HFMA2, HMUL2 and IADD3: the decoders' and the step sums' instructions (IADD3 also "
-          "counts some address arithmetic).")
+    print("\n* LOP3, SHF, PRMT, HADD2, HFMA2, HMUL2 and IADD3: the decoders' and the step sums' instructions "
+          "(IADD3 also counts some address arithmetic).")
 
 
 if __name__ == "__main__":
