@@ -61,12 +61,13 @@
 # latency-bound (both lost on the H100 in session 11).
 # s51-s53 (session 28): A/Bs of an L2 lookahead (each batch-1 gemv prefetching the next matrix's first lines as it
 # ends; lost 8-10 %) and of prompt matmuls dequantizing the next one's weights on a side stream (no gain); both
-# removed with their switches. s54 (next): the target table on an H200 (batches 2, 4, 16), then the bench at batch 1
-# with the one-row gemvs at 16 steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found
-# them issue-bound on the H200 (~135 of 335 instructions an iteration spent around the decoder), and with every
-# matrix through the Gluon tensor-core kernel (EXL2_MMA_GEMV=2: its products cost no FMA a pair; it lost at batch 1 on
-# the H100, 360 against 434, where the gemv was bandwidth-bound). s55: the real gemv over launch settings on gate/up
-# and down (`gemvsweep`).
+# removed with their switches. s54 (next, session 29): the register-prefetch 4-bit loop's GPU test, then the bench
+# at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
+# steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
+# (~135 of 335 instructions an iteration spent around the decoder). s56: the target table on an H200 (batches 2, 4,
+# 16), then every matrix through the Gluon tensor-core kernel (EXL2_MMA_GEMV=2: its products cost no FMA a pair; it
+# lost at batch 1 on the H100, 360 against 434, where the gemv was bandwidth-bound). s55: the real gemv over launch
+# settings on gate/up and down (`gemvsweep`).
 # s44: the widths probe on o and down, on the trees in .base and on this one. s45 (session 27 run 1, ~7 min:
 # on an H100): the matmul GPU tests (the Gluon kernel's class skip), the target table, the mixed bench at batches 1-16 on
 # .base (`git archive f24edf8 exl2 benchmarks`), this tree and with the masked prefetch, the widths probe on q/k/v and
@@ -386,9 +387,13 @@ for s in $steps; do
          --prefill 64" bash "$0" envab
        AB_SPECS=";EXL2_GEMV_GROUP_PER_SM=8;EXL2_GEMV_STAGES=4" TAG=_s50g BENCH_TIMEOUT=70 \
          BENCH_ARGS="--modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab ;;
-  s54) timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
+  s54) timeout -s INT -k 15 150 python3 -m pytest -m gpu tests/test_kernels_quant_matmul.py -k "register_prefetch or gemv" \
+         -q -p no:cacheprovider -rfE > "$OUT/gpu_rpf.txt" 2>&1; echo "rpf tests rc=$?"; tail -4 "$OUT/gpu_rpf.txt"
+       AB_SPECS=";EXL2_GEMV_RPF=1;EXL2_GEMV_BS=16;EXL2_GEMV_BS=16 EXL2_GEMV_RPF=1;EXL2_GEMV_WARPS=8;" TAG=_bs \
+         BENCH_TIMEOUT=80 BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
+  s56) timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
        grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
-       AB_SPECS=";EXL2_GEMV_BS=16;EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;EXL2_GEMV_WARPS=8;EXL2_MMA_GEMV=2;" TAG=_bs BENCH_TIMEOUT=80 \
+       AB_SPECS=";EXL2_MMA_GEMV=2;EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;" TAG=_mma BENCH_TIMEOUT=80 \
          BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
   s55) SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=500 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \

@@ -94,6 +94,17 @@ def _compile_all() -> dict:
             raise AssertionError("the prefetch is not predicated")
         return text
     out["gemv-group-masked-prefetch"] = verdict(masked_ptx)
+
+    def rpf_ptx():  # as with EXL2_GEMV_RPF=1
+        default, gemv_k._GEMV_RPF = gemv_k._GEMV_RPF, triton.language.constexpr(True)
+        try:
+            text = ptx(gemv_k._gemv_group_kernel, grp, dict(consts, MASK=4), 4, 3)
+        finally:
+            gemv_k._GEMV_RPF = default
+        if "cp.async" in text or "lop3.b32" not in text:
+            raise AssertionError("the 4-bit loop still copies through shared memory, or lost its packed decoder")
+        return text
+    out["gemv-group-register-prefetch"] = verdict(rpf_ptx)
     from exl2.kernels import mma_dot
     mptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
@@ -256,6 +267,11 @@ def test_fp8_operand_kernels_store_whole_vectors(compiled, kernel):
 def test_gemv_masked_prefetch_is_predicated(compiled):
     """EXL2_GEMV_PREFETCH_MASKED: each lane's prefetch is issued under its own predicate, before the wait."""
     assert compiled["gemv-group-masked-prefetch"] == "ok"
+
+
+def test_gemv_register_prefetch_compiles_without_the_copy_ring(compiled):
+    """EXL2_GEMV_RPF: the 4-bit loop loads straight into registers (no cp.async), still with the packed decoder."""
+    assert compiled["gemv-group-register-prefetch"] == "ok"
 
 
 @pytest.mark.parametrize("mask,bs,v,post,zeros", MMA)

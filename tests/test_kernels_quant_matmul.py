@@ -393,6 +393,43 @@ def test_gemv_group_equals_separate_gemvs(split, bs, monkeypatch):
             _check_close(y, qweight.matmul_torch(x, w))
 
 
+_RPF_CHILD = """
+import torch
+from exl2.kernels import gemv as gemv_k, permute, qweight
+from exl2.kernels.exl2_matmul import Exl2Weight
+from exl2.kernels.matmul_launch import MatmulConfig
+from tests.test_kernels_quant_matmul import MIXED, _check_close, rand_exl2
+assert gemv_k.GEMV_RPF and gemv_k.fast4_available(torch.device("cuda")) & 1, "the 4-bit self-check failed"
+ws = [Exl2Weight.from_tensors(rand_exl2(mix, n, seed=i), "L", device="cuda")
+      for i, (mix, n) in enumerate([([(4, 4096)], 256), (MIXED, 64), ([(4, 256), (2, 48)], 96)])]
+for m in (1, 3):
+    x = torch.randn(m, 4096, device="cuda").half()
+    for split in (1, 3):
+        _check_close(gemv_k.gemv(x, ws[0], MatmulConfig(bs=8, bn=64, split=split, num_stages=3)),
+                     qweight.matmul_torch(x, ws[0]))
+    x = torch.randn(m, ws[1].k, device="cuda").half()
+    outs = gemv_k.GemvGroup(ws[1:])(permute.gather_input(x, ws[1:], whole=True))
+    for w, y in zip(ws[1:], outs):
+        _check_close(y, qweight.matmul_torch(x, w))
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemv_register_prefetch_matches_twin_gpu():
+    """EXL2_GEMV_RPF=1 (a module constant, so in a child process): the 4-bit loop with register prefetch passes its
+    self-check and matches the twin, alone (split or not, 1 and 3 rows) and in a mixed-width group."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, EXL2_GEMV_RPF="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _RPF_CHILD], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 @needs_triton
 def test_project_uses_the_grouped_gemv_when_enabled(monkeypatch):
     from exl2.runtime.linear import Linear, project

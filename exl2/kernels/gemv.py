@@ -38,6 +38,13 @@ GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
 # where 16 steps spread the loop's overhead over twice the words and 8 warps give the schedulers twice the warps.
 GEMV_BS = env_choice("EXL2_GEMV_BS", 8, (4, 8, 16))
 GEMV_WARPS = env_choice("EXL2_GEMV_WARPS", 4, (4, 8))
+# EXL2_GEMV_RPF=1 (off): the packed 4-bit loop loads the next iteration's words, scales and input pairs straight
+# into registers instead of Triton's cp.async ring through shared memory: no shared-memory loads, commits, waits or
+# barriers in the loop (the H200's issue-bound gemv spent ~30 of its 335 instructions an iteration and most of
+# its barrier stalls on the ring, benchmarks/RESULTS.md session 28), the global loads' latency hidden by one
+# iteration of decoding instead.
+GEMV_RPF = env_choice("EXL2_GEMV_RPF", 0, range(0, 2)) == 1
+_GEMV_RPF = tl.constexpr(GEMV_RPF)
 
 
 @triton.jit
@@ -203,15 +210,44 @@ def _gemv_class4_pipe(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, f
         w0, w1, w2, w3, sc = step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_s, offs_n,
                                          mask_n)
         k0, k1, k2, k3 = _step_pairs(x32_ptr, offs_s, mask_s)
-        x00, x10, x20, x30 = _by_word(k0)
-        x01, x11, x21, x31 = _by_word(k1)
-        x02, x12, x22, x32 = _by_word(k2)
-        x03, x13, x23, x33 = _by_word(k3)
-        part = tl.inline_asm_elementwise(
-            _WORDS4_ASM, _WORDS4_CONSTRAINTS,
-            [w0, w1, w2, w3, x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33],
-            dtype=tl.float32, is_pure=True, pack=1)
-        acc += part * sc.to(tl.float32)
+        acc += _words4_part(w0, w1, w2, w3, k0, k1, k2, k3) * sc.to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _words4_part(w0, w1, w2, w3, k0, k1, k2, k3):
+    """The packed 4-bit step decoder (`_WORDS4_ASM`) over [BS, BN] words and a step's input pairs split by k."""
+    x00, x10, x20, x30 = _by_word(k0)
+    x01, x11, x21, x31 = _by_word(k1)
+    x02, x12, x22, x32 = _by_word(k2)
+    x03, x13, x23, x33 = _by_word(k3)
+    return tl.inline_asm_elementwise(
+        _WORDS4_ASM, _WORDS4_CONSTRAINTS,
+        [w0, w1, w2, w3, x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _gemv_class4_rpf(x32_ptr, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
+                     offs_n, mask_n, BS: tl.constexpr, BN: tl.constexpr):
+    """`_gemv_class4_pipe` with the next iteration's operands loaded into registers during this one's decoding
+    (`GEMV_RPF`); the loop itself is not pipelined."""
+    s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, 4)
+    offs_s = s_lo + tl.arange(0, BS)
+    mask_s = offs_s < s_hi
+    w0, w1, w2, w3, sc = step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_s, offs_n,
+                                     mask_n)
+    k0, k1, k2, k3 = _step_pairs(x32_ptr, offs_s, mask_s)
+    acc = tl.zeros([BS, BN], dtype=tl.float32)
+    for s0 in tl.range(s_lo, s_hi, BS, num_stages=1):
+        offs_s = s0 + BS + tl.arange(0, BS)
+        mask_s = offs_s < s_hi
+        v0, v1, v2, v3, sc_n = step_words4(qw_ptr, sc_ptr, sg_ptr, N, first_step, first_word, offs_s, mask_s,
+                                           offs_n, mask_n)
+        j0, j1, j2, j3 = _step_pairs(x32_ptr, offs_s, mask_s)
+        acc += _words4_part(w0, w1, w2, w3, k0, k1, k2, k3) * sc.to(tl.float32)
+        w0, w1, w2, w3, sc = v0, v1, v2, v3, sc_n
+        k0, k1, k2, k3 = j0, j1, j2, j3
     return tl.sum(acc, axis=0)
 
 
@@ -399,7 +435,10 @@ def _gemv_width(xr, x32r, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps
     LB: tl.constexpr = 2 if BITS <= 3 else (8 if BITS == 8 else 4)
     FLAG: tl.constexpr = 1 if BITS == 4 else (2 if BITS == 6 else (4 if BITS == 5 else (8 if BITS == 3 else (
         16 if BITS == 2 else 32))))  # PACKED_FLAG
-    if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
+    if BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS and _GEMV_RPF:
+        return _gemv_class4_rpf(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
+                                offs_n, mask_n, BS, BN)
+    elif BITS == 4 and (FAST4 & 1) != 0 and not HAS_ZEROS:
         return _gemv_class4_pipe(x32r, qw_ptr, sc_ptr, sg_ptr, N, first_step, n_steps, first_word, w_lo, w_hi,
                                  offs_n, mask_n, BS, BN, STAGES)
     elif (FAST4 & FLAG) != 0 and not HAS_ZEROS:
