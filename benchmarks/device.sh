@@ -61,7 +61,9 @@
 # latency-bound (both lost on the H100 in session 11).
 # s51-s53 (session 28): A/Bs of an L2 lookahead (each batch-1 gemv prefetching the next matrix's first lines as it
 # ends; lost 8-10 %) and of prompt matmuls dequantizing the next one's weights on a side stream (no gain); both
-# removed with their switches. s54 (next, session 29): the register-prefetch 4-bit loop's GPU test, then the bench
+# removed with their switches. s57 (session 29): the GPU tests of the 3-bit layout (`qweight.THREE_BIT_FIELDS`),
+# then the mixed 5/4/3-bit bench on .base/pre3bit.tar (`git archive 4eb17f9 exl2`: the split 2 + 1-bit layout)
+# and on this tree. s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
 # (~135 of 335 instructions an iteration spent around the decoder). s56: the target table on an H200 (batches 2, 4,
@@ -395,6 +397,11 @@ for s in $steps; do
        grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
        AB_SPECS=";EXL2_MMA_GEMV=2;EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;" TAG=_mma BENCH_TIMEOUT=80 \
          BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
+  s57) timeout -s INT -k 15 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py -q \
+         -n 8 -p no:cacheprovider -rfE -k "golden or gluon or packed or fast or real_sizes or grouped or register" \
+         > "$OUT/gpu_3bit.txt" 2>&1; echo "3-bit layout tests rc=$?"; tail -6 "$OUT/gpu_3bit.txt"
+       BASE_SPEC=1 AB_SPECS=";" TAG=_mixed BENCH_TIMEOUT=100 \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,16 --prefill 64" bash "$0" envab ;;
   s55) SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=500 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"

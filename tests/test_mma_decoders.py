@@ -111,8 +111,14 @@ def _operands(bits: int, words: list[int], j: int, q: int) -> list[int]:
         k = 2 * jlo + qhi
         ops = [words[jhi], words[jhi + 2], words[4], (4 + k) << 8 | k, 4 * qlo, (2 + jhi) << 12 | jhi << 4,
                4 + 4 * jlo + q]
-    elif bits == 3:
-        ops = [words[0], words[1], words[2], (4 + j) << 8 | j, 2 * q, (2 + jhi) << 12 | jhi << 4, 6 + 4 * jlo + q]
+    elif bits == 3:  # `mma_dot._codes3`, in Python
+        if j < 3:
+            t = (words[j] >> 3 * q) & 0x00070007
+        elif q < 3:
+            t = (words[q] >> 12) & 0x00070007
+        else:
+            t = (words[0] >> 15) & 0x00010001 | (words[1] >> 14) & 0x00020002 | (words[2] >> 13) & 0x00040004
+        ops = [t | 0x64006400]
     else:
         ops = [words[0], words[1], (4 + j) << 8 | j, 2 * q]
     return [x for o in ops for x in (o, o)]

@@ -17,7 +17,8 @@ from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2
                                   prefetch_l2_where, tl, triton)
 from exl2.kernels.matmul_launch import (PACKED_FLAG, MatmulConfig, auto_split, class_args, launch, pairs_view,
                                         store_tile, width_mask)
-from exl2.kernels.packed_tiles import PTX_UNPACK4_CONSTANTS, load_class, ptx_unpack4, step_rows, step_scales
+from exl2.kernels.packed_tiles import (PTX_UNPACK4_CONSTANTS, code3, load_class, ptx_unpack4, step_rows, step_scales,
+                                      words3)
 from exl2.kernels.permute import buffer_offsets, gather_input, input_layout, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
 from exl2.kernels.split_sum import SplitSum
@@ -109,8 +110,12 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
         w, h, sc, z = load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
                                   mask_n, BITS, LB, HB, HAS_ZEROS, BS)
         offs_s = s0 + tl.arange(0, BS)
-        code = (w[:, :, None, :] >> lo_sh) & ((1 << LB) - 1)
-        if HB > 0:
+        if BITS == 3:
+            w0, w1, w2 = words3(w, h)
+            code = code3(w0[:, :, None, :], w1[:, :, None, :], w2[:, :, None, :], row[None, :, :, None])
+        else:
+            code = (w[:, :, None, :] >> lo_sh) & ((1 << LB) - 1)
+        if HB > 0 and BITS != 3:
             code = code | (((h[:, :, None, :] >> hi_sh) & ((1 << HB) - 1)) << LB)
         xv = tl.load(x_ptr + offs_s[:, None, None] * 32 + pos[None, :, :], mask=(offs_s < s_hi)[:, None, None],
                      other=0.0).to(tl.float32)
@@ -297,14 +302,37 @@ def _f16x2(v: float) -> str:
 #   bytes; the fma leaves (code - 128) / 128, so the fp16 products stay as small as the input (`STEP_SCALE`).
 # * 5-bit (`PAIR_ORDER16`): pair i is rows i and i + 16, the same nibble of low words i / 8 and i / 8 + 2 (one byte
 #   permute per two pairs), and bits i and i + 16 of the high word (one shift to bit 4 or 8 of each lane).
-# * 3- and 2-bit (`PAIR_ORDER16`): rows i and i + 16 are the same 2-bit field of low words 0 and 1 (one byte
-#   permute per four pairs); 3-bit: their top bits are bits i and i + 16 of the high word.
+# * 2-bit (`PAIR_ORDER16`): rows i and i + 16 are the same 2-bit field of low words 0 and 1 (one byte permute per
+#   four pairs).
+# * 3-bit (`qweight.THREE_BIT_FIELDS`): rows i and i + 16 are the same field of one word, one lop3 where the field
+#   lies below the exponent's bits (fields 0-2), else one lop3 of the word shifted right by 6 (one shift a word);
+#   row 15's three bits come from three words.
 STEP_SCALE = {8: 128.0}  # what a step decoder's result is multiplied by (1 for the others)
 _STEP8_SCALE = tl.constexpr(STEP_SCALE[8])
 
 
+# The factors by which a field sits too high in its lane (the fma's m1-m3 undo them), by width.
+_FIELD_SCALES = {5: (16.0,), 3: (8.0, 64.0, 128.0), 2: (4.0, 16.0, 64.0)}
+
+
+def _ptx_pair3(i: int) -> list[str]:
+    """`_ptx_pair` of a 3-bit class: e_k (word k shifted right by 6) is made where first needed."""
+    fix = lambda f: ["sub.f16x2 t, t, z;" if f == 0 else f"fma.rn.f16x2 t, t, m{f}, d{f};"]  # noqa: E731
+    if i == 15:  # bit b of the code is bit 15 of word b: to bits 7, 8, 9 (the code times 128)
+        return ["shr.u32 c, $1, 8;", "lop3.b32 t, c, 0x00800080, 0x64006400, 0xEA;", "shr.u32 c, $2, 7;",
+                "lop3.b32 t, c, 0x01000100, t, 0xEA;", "lop3.b32 t, e2, 0x02000200, t, 0xEA;"] + fix(3)
+    k, f = (i // 4, i % 4) if i < 12 else (i - 12, 4)
+    if f < 3:  # bits 3f of word k, in place: the code times 8^f
+        return [f"lop3.b32 t, ${1 + k}, {0x00070007 << 3 * f:#010x}, 0x64006400, 0xEA;"] + fix(f)
+    lines = [f"shr.u32 e{k}, ${1 + k}, 6;"] if f == 3 else []
+    mask, scale = (0x00380038, 1) if f == 3 else (0x01C001C0, 2)  # bits 9 / 12 of the word, now 3 / 6
+    return lines + [f"lop3.b32 t, e{k}, {mask:#010x}, 0x64006400, 0xEA;"] + fix(scale)
+
+
 def _ptx_pair(bits: int, i: int) -> list[str]:
     """PTX leaving input pair i's two codes minus the zero point (8-bit: divided by 128) as fp16 in t."""
+    if bits == 3:
+        return _ptx_pair3(i)
     if bits == 8:
         return [f"prmt.b32 t, ${1 + i // 2}, k, {0x4140 + 0x0202 * (i % 2):#x};", "fma.rn.f16x2 t, t, m0, d0;"]
     lines = []
@@ -317,7 +345,7 @@ def _ptx_pair(bits: int, i: int) -> list[str]:
         b, f = divmod(i, 4)
         if f == 0:
             lines.append(f"prmt.b32 p, $1, $2, {(4 + b) << 8 | b:#x};")
-        lo_mask, hi_bit, high = 0x00030003 << 2 * f, 2 + 2 * f, "$3" if bits == 3 else None
+        lo_mask, hi_bit, high = 0x00030003 << 2 * f, 2 + 2 * f, None
     lines.append(f"lop3.b32 t, p, {lo_mask:#010x}, 0x64006400, 0xEA;")
     if high is not None:  # bits i and i + 16 of the high word to bit hi_bit of each lane
         shift = hi_bit - i
@@ -336,14 +364,13 @@ def _ptx_step(bits: int, acc16: bool) -> str:
     if bits == 6:
         return _ptx_words6(acc16)
     zero = 1 << (bits - 1)
-    lines = ["{", ".reg .b32 p, t, c, k, z, s0, s1, m0, d0, m1, d1, m2, d2, m3, d3;", ".reg .b16 lo, hi;",
-             ".reg .f32 flo, fhi, r;", "mov.f32 r, 0f00000000;"]
+    lines = ["{", ".reg .b32 p, t, c, k, z, s0, s1, e0, e1, e2, m0, d0, m1, d1, m2, d2, m3, d3;",
+             ".reg .b16 lo, hi;", ".reg .f32 flo, fhi, r;", "mov.f32 r, 0f00000000;"]
     if bits == 8:
         lines += ["mov.b32 k, 0x64646464;", f"mov.b32 m0, {_f16x2(1 / 128)};", f"mov.b32 d0, {_f16x2(-9.0)};"]
     else:
         lines.append(f"mov.b32 z, {_f16x2(1024 + zero)};")
-        for f in range(1, 2 if bits == 5 else 4):
-            scale = 16.0 ** f if bits == 5 else 4.0 ** f
+        for f, scale in enumerate(_FIELD_SCALES[bits], 1):
             lines += [f"mov.b32 m{f}, {_f16x2(1 / scale)};", f"mov.b32 d{f}, {_f16x2(-(1024 / scale + zero))};"]
     run = 8 if acc16 else 4  # input pairs of one fp16 chain before the conversion to fp32
     for i in range(16):

@@ -64,11 +64,10 @@ _BODIES = {
     # selector (to bytes 1, 3), $13 = 4 + 4(j % 2) + q)
     5: ("prmt.b32 t, $1, $3, $7;\n    shr.u32 t, t, $9;\n    prmt.b32 y, $5, $5, $11;\n    shr.u32 y, y, $13;\n"
         "    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n    lop3.b32 t, y, 0x00100010, t, 0xEA;", 7),
-    # PAIR_ORDER16: the low 2 bits of row r + 16h are bits 2r of low word h (byte j, bits 2q); the top bit as for 5
-    # bits. ($1, $3 low words; $5 high word; $7 low-byte selector, $9 = 2q; $11 high-byte selector, $13 = 6 +
-    # 4(j % 2) + q)
-    3: ("prmt.b32 t, $1, $3, $7;\n    shr.u32 t, t, $9;\n    prmt.b32 y, $5, $5, $11;\n    shr.u32 y, y, $13;\n"
-        "    lop3.b32 t, t, 0x00030003, 0x64006400, 0xEA;\n    lop3.b32 t, y, 0x00040004, t, 0xEA;", 7),
+    # PAIR_ORDER16, `qweight.THREE_BIT_FIELDS`: row r + 16h, r = 4j + q, is one 3-bit field of one word (row 15:
+    # bit 15 of three words). `_codes3` builds the register in Gluon, where the word choice and the row-15 case fold
+    # away in the registers of j < 3. ($1 the codes | 0x6400 in both halves)
+    3: ("mov.b32 t, $1;", 1),
     # PAIR_ORDER16, as the 3-bit low words. ($1, $3 the words; $5 the byte selector, $7 = 2q)
     2: ("prmt.b32 t, $1, $3, $5;\n    shr.u32 t, t, $7;\n    lop3.b32 t, t, 0x00030003, 0x64006400, 0xEA;", 4),
 }
@@ -314,6 +313,16 @@ if HAVE_GLUON:
                                          dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
+    def _codes3(w0, w1, w2, j, q):
+        """Register j of lane q of a 3-bit step: rows 4j + q (+16) as their codes | 0x6400 in the two halves. Row
+        4j + q (j < 3) is field q of word j; row 12 + q (q < 3) field 4 of word q; row 15 bit 15 of words 0-2.
+        j is a register coordinate, so in the registers of j < 3 the compiler keeps one shift and one lop3."""
+        c = (gl.where(j == 0, w0, gl.where(j == 1, w1, w2)) >> (3 * q)) & 0x00070007
+        last = (gl.where(q == 0, w0, gl.where(q == 1, w1, w2)) >> 12) & 0x00070007
+        spread = ((w0 >> 15) & 0x00010001) | ((w1 >> 14) & 0x00020002) | ((w2 >> 13) & 0x00040004)
+        return gl.where(j == 3, gl.where(q == 3, spread, last), c) | 0x64006400
+
+    @gluon.jit
     def _decode(wb, stage, sc, zr, full, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
                 SCALED: gl.constexpr, HAS_ZEROS: gl.constexpr):
         """The step tile [BS, 2, 2, 2, 2, 32, V, 2] of fp16 weights (see `_tile_layout`) from `stage` of the class's
@@ -365,13 +374,12 @@ if HAVE_GLUON:
         elif BITS == 3:
             w0 = _words(wb[0].index(stage).reshape([BS, 32, V]), S, V)
             w1 = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
-            hi = _words(wb[2].index(stage).reshape([BS, 32, V]), S, V)
-            sel_lo = ((4 + j) << 8) | j
-            sel_hi = ((2 + jhi) << 12) | (jhi << 4)
+            w2 = _words(wb[2].index(stage).reshape([BS, 32, V]), S, V)
+            t = _codes3(w0, w1, w2, j, q)
             if SCALED:
-                d = _asm2(_D3, (w0, w1, hi, sel_lo, 2 * q, sel_hi, 6 + 4 * jlo + q, sc), full)
+                d = _asm2(_D3, (t, sc), full)
             else:
-                d = _asm2(_D3R, (w0, w1, hi, sel_lo, 2 * q, sel_hi, 6 + 4 * jlo + q), full)
+                d = _asm2(_D3R, (t,), full)
         else:
             gl.static_assert(BITS == 2)
             w0 = _words(wb[0].index(stage).reshape([BS, 32, V]), S, V)

@@ -35,6 +35,29 @@ def load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_wo
 
 
 @triton.jit
+def code3(w0, w1, w2, row):
+    """The code of stored row `row` (0-31, broadcasting against the words) of a 3-bit step from its three words
+    (`qweight.THREE_BIT_FIELDS`)."""
+    t = row % 16
+    half = row - t
+    k = tl.where(t < 12, t // 4, t - 12)
+    w = tl.where(k == 0, w0, tl.where(k == 1, w1, w2))
+    code = (w >> (half + tl.where(t < 12, 3 * (t % 4), 12))) & 7
+    top = half + 15
+    spread = ((w0 >> top) & 1) | (((w1 >> top) & 1) << 1) | (((w2 >> top) & 1) << 2)
+    return tl.where(t == 15, spread, code)
+
+
+@triton.jit
+def words3(w, h):
+    """A 3-bit class's `load_class` words ([BS, 2, BN] words 0-1, [BS, 2, BN] word 2 twice) as three [BS, 1, BN]
+    tensors for `code3`."""
+    w0, w1 = tl.split(tl.permute(w, (0, 2, 1)))
+    w2, _ = tl.split(tl.permute(h, (0, 2, 1)))
+    return w0[:, None, :], w1[:, None, :], w2[:, None, :]
+
+
+@triton.jit
 def step_rows(qw_ptr, N, first_step, first_word, offs_s, mask_s, offs_n, mask_n, BITS: tl.constexpr):
     """For the steps offs_s of a class of BITS words a step: pointers [BS, BN] to each step's first word row (word
     i is `+ i·N`) and the mask of those loads."""
