@@ -108,9 +108,10 @@ def _operands(bits: int, words: list[int], j: int, q: int) -> list[int]:
         ops = [words[jhi], words[jhi + 2], words[4], words[5], (4 + k) << 8 | k, 4 * qlo, (4 + j) << 12 | j << 4,
                4 + 2 * q]
     elif bits == 5:  # `mma_dot._codes5`, in Python
-        r = 4 * j + q
-        if r < 15:
-            t = (words[r // 3] >> 5 * (r % 3)) & 0x001F001F
+        if j < 3:
+            t = (words[q] >> 5 * j) & 0x001F001F
+        elif q < 3:
+            t = (words[4] >> 5 * q) & 0x001F001F
         else:
             t = 0
             for b in range(5):

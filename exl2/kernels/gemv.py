@@ -318,14 +318,14 @@ def _ptx_pair5(i: int) -> list[str]:
     """`_ptx_pair` of a 5-bit class: fields 0 and 1 of a word in place (the code times 1 or 32), field 2 (over the
     exponent's bits) shifted right by 5 into field 1's place; row 15's bit b is bit 15 of word b, moved to bit
     5 + b."""
-    fix = ["sub.f16x2 t, t, z;"] if i % 3 == 0 and i < 15 else ["fma.rn.f16x2 t, t, m1, d1;"]
     if i == 15:
         lines = []
         for b in range(5):
             lines += [f"shr.u32 c, ${1 + b}, {10 - b};",
                       f"lop3.b32 t, c, {0x00200020 << b:#010x}, {'0x64006400' if b == 0 else 't'}, 0xEA;"]
-        return lines + fix
-    k, f = divmod(i, 3)
+        return lines + ["fma.rn.f16x2 t, t, m1, d1;"]
+    k, f = (i % 4, i // 4) if i < 12 else (4, i - 12)
+    fix = ["sub.f16x2 t, t, z;"] if f == 0 else ["fma.rn.f16x2 t, t, m1, d1;"]
     if f < 2:
         return [f"lop3.b32 t, ${1 + k}, {0x001F001F << 5 * f:#010x}, 0x64006400, 0xEA;"] + fix
     return [f"shr.u32 c, ${1 + k}, 5;", "lop3.b32 t, c, 0x03E003E0, 0x64006400, 0xEA;"] + fix

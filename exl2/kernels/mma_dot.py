@@ -59,8 +59,9 @@ _BODIES = {
     # $9 low-byte selector, $11 = 4(q % 2); $13 high-byte selector (to bytes 1, 3), $15 = 4 + 2q)
     6: ("prmt.b32 t, $1, $3, $9;\n    shr.u32 t, t, $11;\n    prmt.b32 y, $5, $7, $13;\n    shr.u32 y, y, $15;\n"
         "    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n    lop3.b32 t, y, 0x00300030, t, 0xEA;", 8),
-    # PAIR_ORDER16, `qweight.WHOLE_FIELDS`: row r + 16h, r = 4j + q, is field r % 3 of word r / 3 (row 15: bit 15 of
-    # words 0-4), built by `_codes5` in Gluon. ($1 the codes | 0x6400 in both halves)
+    # PAIR_ORDER16, `qweight.WHOLE_FIELDS`: row r + 16h, r = 4j + q, is field j of word q for j < 3, field q of word
+    # 4 for j = 3 (row 15: bit 15 of words 0-4), built by `_codes5` in Gluon. ($1 the codes | 0x6400 in both
+    # halves)
     5: ("mov.b32 t, $1;", 1),
     # PAIR_ORDER16, `qweight.WHOLE_FIELDS`: row r + 16h, r = 4j + q, is one 3-bit field of one word (row 15:
     # bit 15 of three words). `_codes3` builds the register in Gluon, where the word choice and the row-15 case fold
@@ -325,15 +326,14 @@ if HAVE_GLUON:
         return gl.where(j == 3, gl.where(q == 3, spread, last), c) | 0x64006400
 
     @gluon.jit
-    def _codes5(w0, w1, w2, w3, w4, r):
-        """`_codes3` of a 5-bit step: rows r (+16) = 4j + q as field r % 3 of word r / 3, row 15 from bit 15 of
-        words 0-4."""
-        k = r // 3
-        a = gl.where(k == 0, w0, gl.where(k == 1, w1, gl.where(k == 2, w2, gl.where(k == 3, w3, w4))))
-        c = (a >> (5 * (r % 3))) & 0x001F001F
+    def _codes5(w0, w1, w2, w3, w4, j, q):
+        """`_codes3` of a 5-bit step: rows 4j + q (+16) are field j of word q (one word choice a lane, shared by
+        registers 0-2), rows 12 + q field q of word 4, row 15 bit 15 of words 0-4."""
+        c = (gl.where(q == 0, w0, gl.where(q == 1, w1, gl.where(q == 2, w2, w3))) >> (5 * j)) & 0x001F001F
+        last = (w4 >> (5 * q)) & 0x001F001F
         spread = ((w0 >> 15) & 0x00010001) | ((w1 >> 14) & 0x00020002) | ((w2 >> 13) & 0x00040004) | \
             ((w3 >> 12) & 0x00080008) | ((w4 >> 11) & 0x00100010)
-        return gl.where(r == 15, spread, c) | 0x64006400
+        return gl.where(j == 3, gl.where(q == 3, spread, last), c) | 0x64006400
 
     @gluon.jit
     def _decode(wb, stage, sc, zr, full, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
@@ -379,7 +379,7 @@ if HAVE_GLUON:
             w2 = _words(wb[2].index(stage).reshape([BS, 32, V]), S, V)
             w3 = _words(wb[3].index(stage).reshape([BS, 32, V]), S, V)
             w4 = _words(wb[4].index(stage).reshape([BS, 32, V]), S, V)
-            t = _codes5(w0, w1, w2, w3, w4, 4 * j + q)
+            t = _codes5(w0, w1, w2, w3, w4, j, q)
             if SCALED:
                 d = _asm2(_D5, (t, sc), full)
             else:

@@ -58,9 +58,9 @@ def code5(w0, w1, w2, w3, w4, row):
     """`code3` of a 5-bit step (five words)."""
     t = row % 16
     half = row - t
-    k = t // 3
+    k = tl.where(t < 12, t % 4, 4)
     w = tl.where(k == 0, w0, tl.where(k == 1, w1, tl.where(k == 2, w2, tl.where(k == 3, w3, w4))))
-    code = (w >> (half + 5 * (t % 3))) & 31
+    code = (w >> (half + 5 * tl.where(t < 12, t // 4, t - 12))) & 31
     top = half + 15
     spread = _spread(w0, top, 0) | _spread(w1, top, 1) | _spread(w2, top, 2) | _spread(w3, top, 3) | \
         _spread(w4, top, 4)

@@ -14,7 +14,8 @@ below excepted), with no code straddling words:
 For 2-, 4- and 8-bit classes this is exactly the on-disk EXL2/GPTQ packing. 3- and 5-bit classes instead keep
 each code whole inside one 16-bit half (`WHOLE_FIELDS`): rows `r` and `r + 16` (`r` < 15) sit at the same bits of
 the two halves of one word, five 3-bit or three 5-bit codes a half (3-bit: rows `4k..4k+3` are fields 0-3 of word
-`k` and row `12 + k` its field 4; 5-bit: rows `3k..3k+2` are fields 0-2 of word `k`); row 15 (+16) spreads its
+`k` and row `12 + k` its field 4; 5-bit: rows `k, 4 + k, 8 + k` are fields 0-2 of word `k` < 4 and rows 12-14
+fields 0-2 of word 4: one word a lane of the tensor-core fragment, `mma_dot`); row 15 (+16) spreads its
 bits over bit 15 (+16) of the first 3 or 5 words. So most codes are one shift and mask of one word (the split low +
 high layout cost the decoders up to twice the instructions a byte of the 4-bit one; RESULTS.md, session 28).
 
@@ -156,7 +157,8 @@ def gather_torch(x: torch.Tensor, w: "QuantWeight") -> torch.Tensor:
 WHOLE_FIELDS = {
     3: {16 * h + t: ((t // 4, 16 * h + 3 * (t % 4)) if t < 12 else (t - 12, 16 * h + 12))
         for h in range(2) for t in range(15)},
-    5: {16 * h + t: (t // 3, 16 * h + 5 * (t % 3)) for h in range(2) for t in range(15)},
+    5: {16 * h + t: ((t % 4, 16 * h + 5 * (t // 4)) if t < 12 else (4, 16 * h + 5 * (t - 12)))
+        for h in range(2) for t in range(15)},
 }
 
 
