@@ -61,10 +61,10 @@
 # latency-bound (both lost on the H100 in session 11).
 # s51-s53 (session 28): A/Bs of an L2 lookahead (each batch-1 gemv prefetching the next matrix's first lines as it
 # ends; lost 8-10 %) and of prompt matmuls dequantizing the next one's weights on a side stream (no gain); both
-# removed with their switches. s58 (session 29): the same for the 5-bit layout, against .base/pre5bit.tar
-# (`git archive fa65316 exl2`: whole 3-bit fields, split 4 + 1-bit 5-bit steps). s57 (session 29): the GPU tests of the 3-bit layout (`qweight.WHOLE_FIELDS`),
+# removed with their switches. s57 (session 29, run 2): the GPU tests of the 3-bit layout (`qweight.WHOLE_FIELDS`),
 # then the mixed 5/4/3-bit bench on .base/pre3bit.tar (`git archive 4eb17f9 exl2`: the split 2 + 1-bit layout)
-# and on this tree. s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
+# and on this tree. s58 (next): the same check for the 5-bit layout, against .base/pre5bit.tar (`git archive
+# fa65316 exl2`: whole 3-bit fields, split 4 + 1-bit 5-bit steps). s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
 # (~135 of 335 instructions an iteration spent around the decoder). s56: the target table on an H200 (batches 2, 4,
@@ -390,7 +390,8 @@ for s in $steps; do
          --prefill 64" bash "$0" envab
        AB_SPECS=";EXL2_GEMV_GROUP_PER_SM=8;EXL2_GEMV_STAGES=4" TAG=_s50g BENCH_TIMEOUT=70 \
          BENCH_ARGS="--modes fp16 --contexts 128 --batch 2 --prefill 64" bash "$0" envab ;;
-  s54) timeout -s INT -k 15 150 python3 -m pytest -m gpu tests/test_kernels_quant_matmul.py -k "register_prefetch or gemv" \
+  s54) timeout -s INT -k 15 150 python3 -m pytest -m gpu tests/test_kernels_quant_matmul.py \
+         -k "register_prefetch or gemv" \
          -q -p no:cacheprovider -rfE > "$OUT/gpu_rpf.txt" 2>&1; echo "rpf tests rc=$?"; tail -4 "$OUT/gpu_rpf.txt"
        AB_SPECS=";EXL2_GEMV_RPF=1;EXL2_GEMV_BS=16;EXL2_GEMV_BS=16 EXL2_GEMV_RPF=1;EXL2_GEMV_WARPS=8;" TAG=_bs \
          BENCH_TIMEOUT=80 BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
@@ -403,7 +404,8 @@ for s in $steps; do
          > "$OUT/gpu_3bit.txt" 2>&1; echo "3-bit layout tests rc=$?"; tail -6 "$OUT/gpu_3bit.txt"
        BASE_SPEC=1 AB_SPECS=";" TAG=_mixed BENCH_TIMEOUT=100 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,16 --prefill 64" bash "$0" envab ;;
-  s58) timeout -s INT -k 10 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py -q -n 8 \
+  s58) timeout -s INT -k 10 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py \
+         -q -n 8 \
          -p no:cacheprovider -rfE -k "gluon or packed or fast_4bit or real_sizes or golden_greedy_decode_matches_cpu" \
          > "$OUT/gpu_5bit.txt" 2>&1; echo "5-bit layout tests rc=$?"; tail -3 "$OUT/gpu_5bit.txt"
        BASE_SPEC=1 AB_SPECS=";" TAG=_mixed BENCH_TIMEOUT=100 \

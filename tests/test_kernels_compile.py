@@ -85,27 +85,22 @@ def _compile_all() -> dict:
                   STAGES=3, PDL=True, PREFETCH=64)
     out["gemv-group-all-widths"] = verdict(lambda: ptx(gemv_k._gemv_group_kernel, grp, consts, 4, 3))
 
-    def masked_ptx():  # as with EXL2_GEMV_PREFETCH_MASKED=1
-        default, gemv_k._PREFETCH_MASKED = gemv_k._PREFETCH_MASKED, triton.language.constexpr(True)
+    def switched_ptx(switch, mask, check, why):
+        """The group gemv of the widths in `mask` with the module switch `switch` on (its environment variable)."""
+        default = getattr(gemv_k, switch)
+        setattr(gemv_k, switch, triton.language.constexpr(True))
         try:
-            text = ptx(gemv_k._gemv_group_kernel, grp, dict(consts, MASK=12), 4, 3)
+            text = ptx(gemv_k._gemv_group_kernel, grp, dict(consts, MASK=mask), 4, 3)
         finally:
-            gemv_k._PREFETCH_MASKED = default
-        if "@p prefetch.global.L2" not in text:
-            raise AssertionError("the prefetch is not predicated")
+            setattr(gemv_k, switch, default)
+        if not check(text):
+            raise AssertionError(why)
         return text
-    out["gemv-group-masked-prefetch"] = verdict(masked_ptx)
-
-    def rpf_ptx():  # as with EXL2_GEMV_RPF=1
-        default, gemv_k._GEMV_RPF = gemv_k._GEMV_RPF, triton.language.constexpr(True)
-        try:
-            text = ptx(gemv_k._gemv_group_kernel, grp, dict(consts, MASK=4), 4, 3)
-        finally:
-            gemv_k._GEMV_RPF = default
-        if "cp.async" in text or "lop3.b32" not in text:
-            raise AssertionError("the 4-bit loop still copies through shared memory, or lost its packed decoder")
-        return text
-    out["gemv-group-register-prefetch"] = verdict(rpf_ptx)
+    out["gemv-group-masked-prefetch"] = verdict(lambda: switched_ptx(  # EXL2_GEMV_PREFETCH_MASKED=1
+        "_PREFETCH_MASKED", 12, lambda t: "@p prefetch.global.L2" in t, "the prefetch is not predicated"))
+    out["gemv-group-register-prefetch"] = verdict(lambda: switched_ptx(  # EXL2_GEMV_RPF=1
+        "_GEMV_RPF", 4, lambda t: "cp.async" not in t and "lop3.b32" in t,
+        "the 4-bit loop still copies through shared memory, or lost its packed decoder"))
     from exl2.kernels import mma_dot
     mptrs = {n: "*fp16" for n in ["x_ptr", "out_ptr", "bias_ptr", "sc_ptr", "zr_ptr"]}
     mptrs.update({"part_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32", "sg_ptr": "*i32"})
