@@ -67,18 +67,16 @@ def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl
 
 @triton.jit
 def _deq_row(w, h, row0, zero, sc, u: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr):
-    """Row-in-word u of low words w, dequantized; its HB high bits sit in h at bit HB·((row0 + u) % (32 / HB)),
-    row0 the word's first row (broadcast against w; 0 where h is already shifted to it). 0x6400 | code is the
-    fp16 number 1024 + code, exact, so the one rounding (the scale product) is the reference dequantizer's;
-    `zero` is 1024 + the zero point."""
-    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
-    WHOLE: tl.constexpr = HB == 1  # 3/5-bit whole fields (`qweight.WHOLE_FIELDS`): row0 + u is the stored row
-    if WHOLE:
+    """Row-in-word u of low words w, dequantized, row0 the word's first row (broadcast against w). 6-bit (HB 2):
+    the top 2 bits sit in h at bit 2·((row0 + u) % 16); 3/5-bit (HB 1): whole fields of w and h
+    (`qweight.WHOLE_FIELDS`), row0 + u the stored row. 0x6400 | code is the fp16 number 1024 + code, exact, so
+    the one rounding (the scale product) is the reference dequantizer's; `zero` is 1024 + the zero point."""
+    if HB == 1:
         code = whole_codes(w, h, row0 + u, LB + HB)
     else:
         code = (w >> (u * LB)) & ((1 << LB) - 1)
-    if HB > 0 and not WHOLE:
-        code = code | (((h >> (HB * ((row0 + u) % HPER))) & ((1 << HB) - 1)) << LB)
+    if HB == 2:
+        code = code | (((h >> (2 * ((row0 + u) % 16))) & 3) << LB)
     cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
     return (cf - zero) * sc
 

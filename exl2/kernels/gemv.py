@@ -91,7 +91,6 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`; Triton pipelines the loop STAGES
     deep."""
     PER: tl.constexpr = 32 // LB
-    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     MAGIC: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
     jj = tl.arange(0, LB)
     uu = tl.arange(0, PER)
@@ -103,19 +102,19 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     else:  # PAIR_ORDER16
         pos = 2 * (row % 16) + row // 16
     lo_sh = (uu * LB)[None, None, :, None]
-    hi_sh = (HB * (row % HPER))[None, :, :, None]
+    hi_sh = (2 * (row % 16))[None, :, :, None]  # 6-bit: the top 2 bits of row r, 16 rows a high word
     s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, BITS)
     acc = tl.zeros([BS, LB, BN], dtype=tl.float32)
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         w, h, sc, z = load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
                                   mask_n, BITS, LB, HB, HAS_ZEROS, BS)
         offs_s = s0 + tl.arange(0, BS)
-        if BITS == 3 or BITS == 5:
+        if HB == 1:  # 3/5-bit whole fields (`qweight.WHOLE_FIELDS`)
             code = whole_codes(w, h, row[None, :, :, None], BITS, 4)
         else:
             code = (w[:, :, None, :] >> lo_sh) & ((1 << LB) - 1)
-        if HB > 0 and BITS != 3 and BITS != 5:
-            code = code | (((h[:, :, None, :] >> hi_sh) & ((1 << HB) - 1)) << LB)
+        if HB == 2:
+            code = code | (((h[:, :, None, :] >> hi_sh) & 3) << LB)
         xv = tl.load(x_ptr + offs_s[:, None, None] * 32 + pos[None, :, :], mask=(offs_s < s_hi)[:, None, None],
                      other=0.0).to(tl.float32)
         if HAS_ZEROS:

@@ -8,8 +8,8 @@ below excepted), with no code straddling words:
 
 * `LB` "low" words hold the low `LB` bits of the codes (`LB` = 2 for 2-bit, 4 for 4/6-bit, 8 for 8-bit):
   row `r` of the step sits in low word `r // (32/LB)` at bit `LB·(r % (32/LB))`.
-* `HB = b − LB` "high" words (0, 1 or 2) hold the remaining bits: row `r` sits in high word `r // (32/HB)` at bit
-  `HB·(r % (32/HB))`.
+* `HB = b − LB` "high" words (2 for 6-bit, else none) hold the remaining bits: row `r` sits in high word
+  `r // (32/HB)` at bit `HB·(r % (32/HB))`.
 
 For 2-, 4- and 8-bit classes this is exactly the on-disk EXL2/GPTQ packing. 3- and 5-bit classes instead keep
 each code whole inside one 16-bit half (`WHOLE_FIELDS`): rows `r` and `r + 16` (`r` < 15) sit at the same bits of
