@@ -66,7 +66,8 @@
 # and on this tree. s58 (next): the same check for the 5-bit layout, against .base/pre5bit.tar (`git archive
 # fa65316 exl2`: whole 3-bit fields, split 4 + 1-bit 5-bit steps). s59 (session 30, for an H200): the target table,
 # then batch 1-2 with twice the warps over the same words a thread (16 steps, 8 warps; also with 2 stages),
-# register prefetch, and every matrix through the Gluon kernel. s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
+# register prefetch, and every matrix through the Gluon kernel. s60: s58, then s59's first two variants and the
+# Gluon one. s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
 # (~135 of 335 instructions an iteration spent around the decoder). s56: the target table on an H200 (batches 2, 4,
@@ -416,6 +417,9 @@ for s in $steps; do
        grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
        AB_SPECS=";EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;EXL2_GEMV_RPF=1;EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8 EXL2_GEMV_STAGES=2;EXL2_MMA_GEMV=2;" \
          TAG=_h200 BENCH_TIMEOUT=80 BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
+  s60) bash "$0" s58
+       AB_SPECS=";EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;EXL2_MMA_GEMV=2;" TAG=_bs1 BENCH_TIMEOUT=80 \
+         BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
   s55) SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=500 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
