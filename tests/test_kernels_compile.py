@@ -69,8 +69,7 @@ def _compile_all() -> dict:
                       HAS_BIAS=False, SPLIT_ON=True, BM=1, BS=8, BN=bn, RED=4, FAST4=63, STAGES=3, PDL=True,
                       PREFETCH=64, PART_ONLY=False)
         consts[width] = True
-        # only the packed decoders' asm has these
-        packed = "lop3.b32" if width in ("HAS4", "HAS5", "HAS3") else "prmt.b32"
+        packed = "lop3.b32" if width in ("HAS4", "HAS3") else "prmt.b32"  # only the packed decoders' asm has these
 
         def gemv_ptx():
             text = ptx(gemv_k._gemv_kernel, gptrs, consts, 4, 3)

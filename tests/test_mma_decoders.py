@@ -107,16 +107,10 @@ def _operands(bits: int, words: list[int], j: int, q: int) -> list[int]:
         k = 2 * jlo + qhi
         ops = [words[jhi], words[jhi + 2], words[4], words[5], (4 + k) << 8 | k, 4 * qlo, (4 + j) << 12 | j << 4,
                4 + 2 * q]
-    elif bits == 5:  # `mma_dot._codes5`, in Python
-        if j < 3:
-            t = (words[q] >> 5 * j) & 0x001F001F
-        elif q < 3:
-            t = (words[4] >> 5 * q) & 0x001F001F
-        else:
-            t = 0
-            for b in range(5):
-                t |= (words[b] >> (15 - b)) & (0x00010001 << b)
-        ops = [t | 0x64006400]
+    elif bits == 5:
+        k = 2 * jlo + qhi
+        ops = [words[jhi], words[jhi + 2], words[4], (4 + k) << 8 | k, 4 * qlo, (2 + jhi) << 12 | jhi << 4,
+               4 + 4 * jlo + q]
     elif bits == 3:  # `mma_dot._codes3`, in Python
         if j < 3:
             t = (words[j] >> 3 * q) & 0x00070007

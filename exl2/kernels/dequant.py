@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import tl, triton
-from exl2.kernels.packed_tiles import whole_codes
+from exl2.kernels.packed_tiles import code3
 from exl2.kernels.qweight import QuantWeight, split_bits
 
 
@@ -24,12 +24,16 @@ def _decode_tile(qw_ptr, sc_ptr, zr_ptr, sg_ptr, offs_s, mask_s, first_step, fir
     wrow = first_word + (offs_s - first_step) * BITS
     lo_rows = wrow[:, None] + tl.arange(0, LB)[None, :]
     w = tl.load(qw_ptr + lo_rows[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)
-    if HB == 1:  # 3/5-bit whole fields (`qweight.WHOLE_FIELDS`): the last word after the LB first ones
+    sh = tl.arange(0, PER) * LB
+    code = (w[:, :, None, :] >> sh[None, None, :, None]) & ((1 << LB) - 1)
+    code = tl.reshape(code, [BS, 32, BN])
+    if BITS == 3:
+        w2 = tl.load(qw_ptr + (wrow + 2)[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0)
+        w0, w1 = tl.split(tl.permute(w, (0, 2, 1)))
+        code = code3(w0[:, None, :], w1[:, None, :], w2[:, None, :], tl.arange(0, 32)[None, :, None])
+    elif HB == 1:
         h = tl.load(qw_ptr + (wrow + LB)[:, None].to(tl.int64) * N + offs_n[None, :], mask=m2, other=0)
-        code = whole_codes(w, tl.broadcast_to(h[:, None, :], [BS, LB, BN]), tl.arange(0, 32)[None, :, None], BITS)
-    else:
-        sh = tl.arange(0, PER) * LB
-        code = tl.reshape((w[:, :, None, :] >> sh[None, None, :, None]) & ((1 << LB) - 1), [BS, 32, BN])
+        code = code | (((h[:, None, :] >> tl.arange(0, 32)[None, :, None]) & 1) << LB)
     if HB == 2:
         hi_rows = wrow[:, None] + LB + tl.arange(0, 2)[None, :]
         h = tl.load(qw_ptr + hi_rows[:, :, None].to(tl.int64) * N + offs_n[None, None, :], mask=m3, other=0)

@@ -10,7 +10,7 @@ import torch
 from exl2.kernels.backend import pdl_sync, tl, triton
 from exl2.kernels.gemv import fast4_available
 from exl2.kernels.matmul_launch import MatmulConfig, launch, store_tile
-from exl2.kernels.packed_tiles import PTX_UNPACK4_CONSTANTS, load_class, ptx_unpack4, whole_codes
+from exl2.kernels.packed_tiles import PTX_UNPACK4_CONSTANTS, code3, load_class, ptx_unpack4, words3
 from exl2.kernels.permute import permuted_for
 from exl2.kernels.qweight import QuantWeight
 
@@ -67,16 +67,18 @@ def _dot_x(x_ptr, stride_xm, offs_m, mask_m, s0, s_hi, LB: tl.constexpr, PER: tl
 
 @triton.jit
 def _deq_row(w, h, row0, zero, sc, u: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr):
-    """Row-in-word u of low words w, dequantized, row0 the word's first row (broadcast against w). 6-bit (HB 2):
-    the top 2 bits sit in h at bit 2·((row0 + u) % 16); 3/5-bit (HB 1): whole fields of w and h
-    (`qweight.WHOLE_FIELDS`), row0 + u the stored row. 0x6400 | code is the fp16 number 1024 + code, exact, so
-    the one rounding (the scale product) is the reference dequantizer's; `zero` is 1024 + the zero point."""
-    if HB == 1:
-        code = whole_codes(w, h, row0 + u, LB + HB)
+    """Row-in-word u of low words w, dequantized; its HB high bits sit in h at bit HB·((row0 + u) % (32 / HB)),
+    row0 the word's first row (broadcast against w; 0 where h is already shifted to it). 0x6400 | code is the
+    fp16 number 1024 + code, exact, so the one rounding (the scale product) is the reference dequantizer's;
+    `zero` is 1024 + the zero point."""
+    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
+    if LB == 2 and HB == 1:  # 3-bit: w holds words 0-1 and h word 2 (`words3`); row0 + u is the stored row
+        w0, w1, w2 = words3(w, h)
+        code = code3(w0, w1, w2, row0 + u)
     else:
         code = (w >> (u * LB)) & ((1 << LB) - 1)
-    if HB == 2:
-        code = code | (((h >> (2 * ((row0 + u) % 16))) & 3) << LB)
+    if HB > 0 and not (LB == 2 and HB == 1):
+        code = code | (((h >> (HB * ((row0 + u) % HPER))) & ((1 << HB) - 1)) << LB)
     cf = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
     return (cf - zero) * sc
 

@@ -17,8 +17,8 @@ from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2
                                   prefetch_l2_where, tl, triton)
 from exl2.kernels.matmul_launch import (PACKED_FLAG, MatmulConfig, auto_split, class_args, launch, pairs_view,
                                         store_tile, width_mask)
-from exl2.kernels.packed_tiles import (PTX_UNPACK4_CONSTANTS, load_class, ptx_unpack4, step_rows, step_scales,
-                                      whole_codes)
+from exl2.kernels.packed_tiles import (PTX_UNPACK4_CONSTANTS, code3, load_class, ptx_unpack4, step_rows, step_scales,
+                                      words3)
 from exl2.kernels.permute import buffer_offsets, gather_input, input_layout, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
 from exl2.kernels.split_sum import SplitSum
@@ -91,6 +91,7 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     of (s, j, u) is 32·s + PER·j + u, read from input position 32·s + `pos`; Triton pipelines the loop STAGES
     deep."""
     PER: tl.constexpr = 32 // LB
+    HPER: tl.constexpr = 32 // HB if HB > 0 else 32
     MAGIC: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
     jj = tl.arange(0, LB)
     uu = tl.arange(0, PER)
@@ -102,19 +103,20 @@ def _gemv_class(x_ptr, qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, first_step, n_steps, f
     else:  # PAIR_ORDER16
         pos = 2 * (row % 16) + row // 16
     lo_sh = (uu * LB)[None, None, :, None]
-    hi_sh = (2 * (row % 16))[None, :, :, None]  # 6-bit: the top 2 bits of row r, 16 rows a high word
+    hi_sh = (HB * (row % HPER))[None, :, :, None]
     s_lo, s_hi = _share(first_step, n_steps, first_word, w_lo, w_hi, BITS)
     acc = tl.zeros([BS, LB, BN], dtype=tl.float32)
     for s0 in tl.range(s_lo, s_hi, BS, num_stages=STAGES):
         w, h, sc, z = load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_word, jj, offs_n,
                                   mask_n, BITS, LB, HB, HAS_ZEROS, BS)
         offs_s = s0 + tl.arange(0, BS)
-        if HB == 1:  # 3/5-bit whole fields (`qweight.WHOLE_FIELDS`)
-            code = whole_codes(w, h, row[None, :, :, None], BITS, 4)
+        if BITS == 3:
+            w0, w1, w2 = words3(w, h)
+            code = code3(w0[:, :, None, :], w1[:, :, None, :], w2[:, :, None, :], row[None, :, :, None])
         else:
             code = (w[:, :, None, :] >> lo_sh) & ((1 << LB) - 1)
-        if HB == 2:
-            code = code | (((h[:, :, None, :] >> hi_sh) & 3) << LB)
+        if HB > 0 and BITS != 3:
+            code = code | (((h[:, :, None, :] >> hi_sh) & ((1 << HB) - 1)) << LB)
         xv = tl.load(x_ptr + offs_s[:, None, None] * 32 + pos[None, :, :], mask=(offs_s < s_hi)[:, None, None],
                      other=0.0).to(tl.float32)
         if HAS_ZEROS:
@@ -293,16 +295,16 @@ def _f16x2(v: float) -> str:
     return f"{h << 16 | h:#010x}"
 
 
-# The other widths decode one input pair in a few instructions, the code a power of two too large where its field
-# sits higher in its lane (as the 4-bit decoder's odd codes), which the fma that removes 1024 + the zero point also
-# scales back (`_FIELD_SCALES`):
+# The other widths decode one input pair in a few instructions, the code 4^f or 16^f too large where its field sits
+# higher in its byte (as the 4-bit decoder's odd codes), which the fma that removes 1024 + the zero point also
+# scales back:
 # * 8-bit (stored order): pair i is bytes 2(i % 2) and 2(i % 2) + 1 of word i / 2, one byte permute under 0x64
 #   bytes; the fma leaves (code - 128) / 128, so the fp16 products stay as small as the input (`STEP_SCALE`).
-# * 5-bit (`qweight.WHOLE_FIELDS`): rows i and i + 16 are the same field of one word: one lop3 for fields 0 and 1,
-#   a shift and a lop3 for field 2; row 15's five bits come from five words.
+# * 5-bit (`PAIR_ORDER16`): pair i is rows i and i + 16, the same nibble of low words i / 8 and i / 8 + 2 (one byte
+#   permute per two pairs), and bits i and i + 16 of the high word (one shift to bit 4 or 8 of each lane).
 # * 2-bit (`PAIR_ORDER16`): rows i and i + 16 are the same 2-bit field of low words 0 and 1 (one byte permute per
 #   four pairs).
-# * 3-bit (`qweight.WHOLE_FIELDS`): rows i and i + 16 are the same field of one word, one lop3 where the field
+# * 3-bit (`qweight.THREE_BIT_FIELDS`): rows i and i + 16 are the same field of one word, one lop3 where the field
 #   lies below the exponent's bits (fields 0-2), else one lop3 of the word shifted right by 6 (one shift a word);
 #   row 15's three bits come from three words.
 STEP_SCALE = {8: 128.0}  # what a step decoder's result is multiplied by (1 for the others)
@@ -310,24 +312,7 @@ _STEP8_SCALE = tl.constexpr(STEP_SCALE[8])
 
 
 # The factors by which a field sits too high in its lane (the fma's m1-m3 undo them), by width.
-_FIELD_SCALES = {5: (32.0,), 3: (8.0, 64.0, 128.0), 2: (4.0, 16.0, 64.0)}
-
-
-def _ptx_pair5(i: int) -> list[str]:
-    """`_ptx_pair` of a 5-bit class: fields 0 and 1 of a word in place (the code times 1 or 32), field 2 (over the
-    exponent's bits) shifted right by 5 into field 1's place; row 15's bit b is bit 15 of word b, moved to bit
-    5 + b."""
-    if i == 15:
-        lines = []
-        for b in range(5):
-            lines += [f"shr.u32 c, ${1 + b}, {10 - b};",
-                      f"lop3.b32 t, c, {0x00200020 << b:#010x}, {'0x64006400' if b == 0 else 't'}, 0xEA;"]
-        return lines + ["fma.rn.f16x2 t, t, m1, d1;"]
-    k, f = (i % 4, i // 4) if i < 12 else (4, i - 12)
-    fix = ["sub.f16x2 t, t, z;"] if f == 0 else ["fma.rn.f16x2 t, t, m1, d1;"]
-    if f < 2:
-        return [f"lop3.b32 t, ${1 + k}, {0x001F001F << 5 * f:#010x}, 0x64006400, 0xEA;"] + fix
-    return [f"shr.u32 c, ${1 + k}, 5;", "lop3.b32 t, c, 0x03E003E0, 0x64006400, 0xEA;"] + fix
+_FIELD_SCALES = {5: (16.0,), 3: (8.0, 64.0, 128.0), 2: (4.0, 16.0, 64.0)}
 
 
 def _ptx_pair3(i: int) -> list[str]:
@@ -348,13 +333,27 @@ def _ptx_pair(bits: int, i: int) -> list[str]:
     """PTX leaving input pair i's two codes minus the zero point (8-bit: divided by 128) as fp16 in t."""
     if bits == 3:
         return _ptx_pair3(i)
-    if bits == 5:
-        return _ptx_pair5(i)
     if bits == 8:
         return [f"prmt.b32 t, ${1 + i // 2}, k, {0x4140 + 0x0202 * (i % 2):#x};", "fma.rn.f16x2 t, t, m0, d0;"]
-    b, f = divmod(i, 4)
-    lines = [f"prmt.b32 p, $1, $2, {(4 + b) << 8 | b:#x};"] if f == 0 else []
-    lines.append(f"lop3.b32 t, p, {0x00030003 << 2 * f:#010x}, 0x64006400, 0xEA;")
+    lines = []
+    if bits == 5:
+        lw, (b, f) = i // 8, divmod(i % 8, 2)
+        if f == 0:
+            lines.append(f"prmt.b32 p, ${1 + lw}, ${3 + lw}, {(4 + b) << 8 | b:#x};")
+        lo_mask, hi_bit, high = 0x000F000F << 4 * f, 4 + 4 * f, "$5"
+    else:
+        b, f = divmod(i, 4)
+        if f == 0:
+            lines.append(f"prmt.b32 p, $1, $2, {(4 + b) << 8 | b:#x};")
+        lo_mask, hi_bit, high = 0x00030003 << 2 * f, 2 + 2 * f, None
+    lines.append(f"lop3.b32 t, p, {lo_mask:#010x}, 0x64006400, 0xEA;")
+    if high is not None:  # bits i and i + 16 of the high word to bit hi_bit of each lane
+        shift = hi_bit - i
+        if shift > 0:
+            lines.append(f"shl.b32 c, {high}, {shift};")
+        elif shift < 0:
+            lines.append(f"shr.u32 c, {high}, {-shift};")
+        lines.append(f"lop3.b32 t, {high if shift == 0 else 'c'}, {0x00010001 << hi_bit:#010x}, t, 0xEA;")
     lines.append("sub.f16x2 t, t, z;" if f == 0 else f"fma.rn.f16x2 t, t, m{f}, d{f};")
     return lines
 

@@ -59,11 +59,12 @@ _BODIES = {
     # $9 low-byte selector, $11 = 4(q % 2); $13 high-byte selector (to bytes 1, 3), $15 = 4 + 2q)
     6: ("prmt.b32 t, $1, $3, $9;\n    shr.u32 t, t, $11;\n    prmt.b32 y, $5, $7, $13;\n    shr.u32 y, y, $15;\n"
         "    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n    lop3.b32 t, y, 0x00300030, t, 0xEA;", 8),
-    # PAIR_ORDER16, `qweight.WHOLE_FIELDS`: row r + 16h, r = 4j + q, is field j of word q for j < 3, field q of word
-    # 4 for j = 3 (row 15: bit 15 of words 0-4), built by `_codes5` in Gluon. ($1 the codes | 0x6400 in both
-    # halves)
-    5: ("mov.b32 t, $1;", 1),
-    # PAIR_ORDER16, `qweight.WHOLE_FIELDS`: row r + 16h, r = 4j + q, is one 3-bit field of one word (row 15:
+    # PAIR_ORDER16: the low nibbles as for 6 bits; the top bit of row r + 16h is bit r + 16h of the high word, in
+    # byte 2h + j / 2. ($1, $3 low words h = 0, 1; $5 high word; $7 low-byte selector, $9 = 4(q % 2); $11 high-byte
+    # selector (to bytes 1, 3), $13 = 4 + 4(j % 2) + q)
+    5: ("prmt.b32 t, $1, $3, $7;\n    shr.u32 t, t, $9;\n    prmt.b32 y, $5, $5, $11;\n    shr.u32 y, y, $13;\n"
+        "    lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n    lop3.b32 t, y, 0x00100010, t, 0xEA;", 7),
+    # PAIR_ORDER16, `qweight.THREE_BIT_FIELDS`: row r + 16h, r = 4j + q, is one 3-bit field of one word (row 15:
     # bit 15 of three words). `_codes3` builds the register in Gluon, where the word choice and the row-15 case fold
     # away in the registers of j < 3. ($1 the codes | 0x6400 in both halves)
     3: ("mov.b32 t, $1;", 1),
@@ -253,8 +254,8 @@ if HAVE_GLUON:
     def _word_bufs(qw_ptr, word0, col0, N, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
                    STAGES: gl.constexpr):
         """The class's shared-memory word rings and the pointers that fill them, one ring per run of words the
-        decoder views as one tensor: 8/4-bit: all words; 6-bit: low words 0-1 and 2-3, then each high word;
-        5/3/2-bit: each word."""
+        decoder views as one tensor: 8/4-bit: all words; 6/5-bit: low words 0-1 and 2-3, then each high word;
+        3/2-bit: each word."""
         BN: gl.constexpr = 32 * V
         R3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -271,15 +272,11 @@ if HAVE_GLUON:
                   _word_ptrs(qw_ptr, word0, 4, col0, N, 0, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 5, col0, N, 0, BITS, BS, V))
         elif BITS == 5:
-            wb = (_ring(gl.int32, [BS, BN], R2, STAGES),
-                  _ring(gl.int32, [BS, BN], R2, STAGES),
-                  _ring(gl.int32, [BS, BN], R2, STAGES),
-                  _ring(gl.int32, [BS, BN], R2, STAGES),
+            wb = (_ring(gl.int32, [2, BS, BN], R3, STAGES),
+                  _ring(gl.int32, [2, BS, BN], R3, STAGES),
                   _ring(gl.int32, [BS, BN], R2, STAGES))
-            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 0, BITS, BS, V),
-                  _word_ptrs(qw_ptr, word0, 1, col0, N, 0, BITS, BS, V),
-                  _word_ptrs(qw_ptr, word0, 2, col0, N, 0, BITS, BS, V),
-                  _word_ptrs(qw_ptr, word0, 3, col0, N, 0, BITS, BS, V),
+            wp = (_word_ptrs(qw_ptr, word0, 0, col0, N, 2, BITS, BS, V),
+                  _word_ptrs(qw_ptr, word0, 2, col0, N, 2, BITS, BS, V),
                   _word_ptrs(qw_ptr, word0, 4, col0, N, 0, BITS, BS, V))
         elif BITS == 4:
             wb = (_ring(gl.int32, [4, BS, BN], R3, STAGES),)
@@ -326,16 +323,6 @@ if HAVE_GLUON:
         return gl.where(j == 3, gl.where(q == 3, spread, last), c) | 0x64006400
 
     @gluon.jit
-    def _codes5(w0, w1, w2, w3, w4, j, q):
-        """`_codes3` of a 5-bit step: rows 4j + q (+16) are field j of word q (one word choice a lane, shared by
-        registers 0-2), rows 12 + q field q of word 4, row 15 bit 15 of words 0-4."""
-        c = (gl.where(q == 0, w0, gl.where(q == 1, w1, gl.where(q == 2, w2, w3))) >> (5 * j)) & 0x001F001F
-        last = (w4 >> (5 * q)) & 0x001F001F
-        spread = ((w0 >> 15) & 0x00010001) | ((w1 >> 14) & 0x00020002) | ((w2 >> 13) & 0x00040004) | \
-            ((w3 >> 12) & 0x00080008) | ((w4 >> 11) & 0x00100010)
-        return gl.where(j == 3, gl.where(q == 3, spread, last), c) | 0x64006400
-
-    @gluon.jit
     def _decode(wb, stage, sc, zr, full, BITS: gl.constexpr, BS: gl.constexpr, V: gl.constexpr,
                 SCALED: gl.constexpr, HAS_ZEROS: gl.constexpr):
         """The step tile [BS, 2, 2, 2, 2, 32, V, 2] of fp16 weights (see `_tile_layout`) from `stage` of the class's
@@ -374,16 +361,16 @@ if HAVE_GLUON:
             else:
                 d = _asm2(_D6R, (lo0, lo1, hi0, hi1, sel_lo, 4 * qlo, sel_hi, 4 + 2 * q), full)
         elif BITS == 5:
-            w0 = _words(wb[0].index(stage).reshape([BS, 32, V]), S, V)
-            w1 = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)
-            w2 = _words(wb[2].index(stage).reshape([BS, 32, V]), S, V)
-            w3 = _words(wb[3].index(stage).reshape([BS, 32, V]), S, V)
-            w4 = _words(wb[4].index(stage).reshape([BS, 32, V]), S, V)
-            t = _codes5(w0, w1, w2, w3, w4, j, q)
+            lo0 = _words(wb[0].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            lo1 = _words(wb[1].index(stage).reshape([2, BS, 32, V]).permute([1, 0, 2, 3]), S | 2, V)
+            hi = _words(wb[2].index(stage).reshape([BS, 32, V]), S, V)
+            k = 2 * jlo + qhi
+            sel_lo = ((4 + k) << 8) | k
+            sel_hi = ((2 + jhi) << 12) | (jhi << 4)
             if SCALED:
-                d = _asm2(_D5, (t, sc), full)
+                d = _asm2(_D5, (lo0, lo1, hi, sel_lo, 4 * qlo, sel_hi, 4 + 4 * jlo + q, sc), full)
             else:
-                d = _asm2(_D5R, (t,), full)
+                d = _asm2(_D5R, (lo0, lo1, hi, sel_lo, 4 * qlo, sel_hi, 4 + 4 * jlo + q), full)
         elif BITS == 3:
             w0 = _words(wb[0].index(stage).reshape([BS, 32, V]), S, V)
             w1 = _words(wb[1].index(stage).reshape([BS, 32, V]), S, V)

@@ -35,73 +35,26 @@ def load_class(qw_ptr, sc_ptr, zr_ptr, sg_ptr, N, s0, s_hi, first_step, first_wo
 
 
 @triton.jit
-def _spread(w, top, b: tl.constexpr):
-    """Bit b of row 15 (+16) of a whole-field step: bit `top` (15 or 31) of word b."""
-    return ((w >> top) & 1) << b
-
-
-@triton.jit
 def code3(w0, w1, w2, row):
     """The code of stored row `row` (0-31, broadcasting against the words) of a 3-bit step from its three words
-    (`qweight.WHOLE_FIELDS`)."""
+    (`qweight.THREE_BIT_FIELDS`)."""
     t = row % 16
     half = row - t
     k = tl.where(t < 12, t // 4, t - 12)
     w = tl.where(k == 0, w0, tl.where(k == 1, w1, w2))
     code = (w >> (half + tl.where(t < 12, 3 * (t % 4), 12))) & 7
     top = half + 15
-    return tl.where(t == 15, _spread(w0, top, 0) | _spread(w1, top, 1) | _spread(w2, top, 2), code)
-
-
-@triton.jit
-def code5(w0, w1, w2, w3, w4, row):
-    """`code3` of a 5-bit step (five words)."""
-    t = row % 16
-    half = row - t
-    k = tl.where(t < 12, t % 4, 4)
-    w = tl.where(k == 0, w0, tl.where(k == 1, w1, tl.where(k == 2, w2, tl.where(k == 3, w3, w4))))
-    code = (w >> (half + 5 * tl.where(t < 12, t // 4, t - 12))) & 31
-    top = half + 15
-    spread = _spread(w0, top, 0) | _spread(w1, top, 1) | _spread(w2, top, 2) | _spread(w3, top, 3) | \
-        _spread(w4, top, 4)
+    spread = ((w0 >> top) & 1) | (((w1 >> top) & 1) << 1) | (((w2 >> top) & 1) << 2)
     return tl.where(t == 15, spread, code)
 
 
 @triton.jit
-def _words(w, h, BITS: tl.constexpr):
-    """A 3/5-bit class's `load_class` words (w: [BS, LB, BN] words 0..LB-1; h: [BS, LB, BN] word LB, repeated) as
-    BITS tensors [BS, BN] (the unused ones repeat word 0)."""
-    BS: tl.constexpr = w.shape[0]
-    BN: tl.constexpr = w.shape[2]
-    wt = tl.permute(w, (0, 2, 1))
-    if BITS == 3:
-        w0, w1 = tl.split(wt)
-        w2, _ = tl.split(tl.permute(h, (0, 2, 1)))
-        w3, w4 = w0, w0
-    else:
-        tl.static_assert(BITS == 5)
-        even, odd = tl.split(tl.reshape(wt, [BS, BN, 2, 2]))  # word 2a + b, split by b then a
-        w0, w2 = tl.split(even)
-        w1, w3 = tl.split(odd)
-        hh, _ = tl.split(tl.reshape(tl.permute(h, (0, 2, 1)), [BS, BN, 2, 2]))
-        w4, _ = tl.split(hh)
-    return w0, w1, w2, w3, w4
-
-
-@triton.jit
-def whole_codes(w, h, row, BITS: tl.constexpr, DIMS: tl.constexpr = 3):
-    """The codes of stored rows `row` of a 3- or 5-bit class (`qweight.WHOLE_FIELDS`) from its `load_class` words
-    w, h ([BS, LB, BN]); the words broadcast as [BS, 1, BN] (DIMS 3) or [BS, 1, 1, BN] (DIMS 4) against row."""
-    w0, w1, w2, w3, w4 = _words(w, h, BITS)
-    if DIMS == 4:
-        w0, w1, w2, w3, w4 = w0[:, None, None, :], w1[:, None, None, :], w2[:, None, None, :], \
-            w3[:, None, None, :], w4[:, None, None, :]
-    else:
-        w0, w1, w2, w3, w4 = w0[:, None, :], w1[:, None, :], w2[:, None, :], w3[:, None, :], w4[:, None, :]
-    if BITS == 3:
-        return code3(w0, w1, w2, row)
-    else:
-        return code5(w0, w1, w2, w3, w4, row)
+def words3(w, h):
+    """A 3-bit class's `load_class` words ([BS, 2, BN] words 0-1, [BS, 2, BN] word 2 twice) as three [BS, 1, BN]
+    tensors for `code3`."""
+    w0, w1 = tl.split(tl.permute(w, (0, 2, 1)))
+    w2, _ = tl.split(tl.permute(h, (0, 2, 1)))
+    return w0[:, None, :], w1[:, None, :], w2[:, None, :]
 
 
 @triton.jit

@@ -3,21 +3,18 @@
 Rows are grouped by bit width into *width classes* (8, 6, 5, 4, 3, 2 bits, in that order). Each class is cut into
 *steps* of 32 stored rows that all belong to one quantization group (a group whose row count is not a multiple of
 32 is padded with rows that decode to zero and read no input). A step of a `b`-bit class is `b` int32 words per
-column, laid out so that a code is a shift-and-mask of at most two words (rows 15 and 31 of the whole-field classes
-below excepted), with no code straddling words:
+column, laid out so that every code is a shift-and-mask of at most two words, with no code straddling words:
 
-* `LB` "low" words hold the low `LB` bits of the codes (`LB` = 2 for 2-bit, 4 for 4/6-bit, 8 for 8-bit):
+* `LB` "low" words hold the low `LB` bits of the codes (`LB` = 2 for 2-bit, 4 for 4/5/6-bit, 8 for 8-bit):
   row `r` of the step sits in low word `r // (32/LB)` at bit `LB·(r % (32/LB))`.
-* `HB = b − LB` "high" words (2 for 6-bit, else none) hold the remaining bits: row `r` sits in high word
-  `r // (32/HB)` at bit `HB·(r % (32/HB))`.
+* `HB = b − LB` "high" words (0, 1 or 2) hold the remaining bits: row `r` sits in high word `r // (32/HB)` at bit
+  `HB·(r % (32/HB))`.
 
-For 2-, 4- and 8-bit classes this is exactly the on-disk EXL2/GPTQ packing. 3- and 5-bit classes instead keep
-each code whole inside one 16-bit half (`WHOLE_FIELDS`): rows `r` and `r + 16` (`r` < 15) sit at the same bits of
-the two halves of one word, five 3-bit or three 5-bit codes a half (3-bit: rows `4k..4k+3` are fields 0-3 of word
-`k` and row `12 + k` its field 4; 5-bit: rows `k, 4 + k, 8 + k` are fields 0-2 of word `k` < 4 and rows 12-14
-fields 0-2 of word 4: one word a lane of the tensor-core fragment, `mma_dot`); row 15 (+16) spreads its
-bits over bit 15 (+16) of the first 3 or 5 words. So most codes are one shift and mask of one word (the split low +
-high layout cost the decoders up to twice the instructions a byte of the 4-bit one; RESULTS.md, session 28).
+For 2-, 4- and 8-bit classes this is exactly the on-disk EXL2/GPTQ packing. 3-bit classes instead keep each code
+whole inside one 16-bit half (`THREE_BIT_FIELDS`): row `r + 16h` (`r` < 15) of a step sits in word `k`, bits
+`16h + 3f`, where rows `4k..4k+3` are fields `f` = 0-3 of word `k` and row `12 + k` is its field 4; row 15 (+16)
+spreads its three bits over bit 15 (+16) of words 0, 1, 2. So most codes are one shift and mask of one word (the
+split 2 + 1-bit layout cost the decoders twice the instructions a byte of the 4-bit one; RESULTS.md, session 28).
 
 Tensors:
 
@@ -48,9 +45,8 @@ WIDTHS = (8, 6, 5, 4, 3, 2)
 
 
 def split_bits(bits: int) -> tuple[int, int]:
-    """(LB, HB): low and high field widths of a `bits`-bit code in this layout. For 3 and 5 bits, (2, 1) and (4, 1)
-    only size the kernels' tiles (words 0-1 or 0-3 as the "low" words, the last as the "high" one); the codes are
-    `WHOLE_FIELDS`."""
+    """(LB, HB): low and high field widths of a `bits`-bit code in this layout. For 3 bits, (2, 1) only sizes the
+    kernels' tiles (words 0-1 as the "low" words, word 2 as the "high" one); the codes are `THREE_BIT_FIELDS`."""
     if bits not in WIDTHS:
         raise ValueError(f"unsupported bit width {bits}; expected one of {WIDTHS}.")
     lb = 2 if bits <= 3 else (8 if bits == 8 else 4)
@@ -152,42 +148,38 @@ def gather_torch(x: torch.Tensor, w: "QuantWeight") -> torch.Tensor:
     return take_columns(x, w.x_index)
 
 
-# (word, first bit) of each whole code of a 3- or 5-bit step, rows 0-14 and 16-30. Rows 15 and 31 spread their
-# bits over bit 15 (+16) of the first `bits` words (their bit b in word b).
-WHOLE_FIELDS = {
-    3: {16 * h + t: ((t // 4, 16 * h + 3 * (t % 4)) if t < 12 else (t - 12, 16 * h + 12))
-        for h in range(2) for t in range(15)},
-    5: {16 * h + t: ((t % 4, 16 * h + 5 * (t // 4)) if t < 12 else (4, 16 * h + 5 * (t - 12)))
-        for h in range(2) for t in range(15)},
-}
+# (word, first bit) of each whole 3-bit code of a step, rows 0-14 and 16-30; rows 15 and 31 are bit 15 (+16) of
+# words 0, 1, 2 (their bits 0, 1, 2).
+THREE_BIT_FIELDS = {16 * h + t: ((t // 4, 16 * h + 3 * (t % 4)) if t < 12 else (t - 12, 16 * h + 12))
+                    for h in range(2) for t in range(15)}
 
 
-def _encode_whole(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def _encode3(codes: torch.Tensor) -> torch.Tensor:
     c = codes.view(-1, 32, codes.shape[1]).to(torch.int64)
-    words = torch.zeros((c.shape[0], bits, c.shape[2]), dtype=torch.int64, device=codes.device)
-    for row, (k, bit) in WHOLE_FIELDS[bits].items():
+    words = torch.zeros((c.shape[0], 3, c.shape[2]), dtype=torch.int64, device=codes.device)
+    for row, (k, bit) in THREE_BIT_FIELDS.items():
         words[:, k] |= c[:, row] << bit
     for h in range(2):
-        for b in range(bits):
+        for b in range(3):
             words[:, b] |= ((c[:, 16 * h + 15] >> b) & 1) << (16 * h + 15)
     return words
 
 
-def _decode_whole(words: torch.Tensor, bits: int) -> torch.Tensor:
-    w = words.view(-1, bits, words.shape[1])
+def _decode3(words: torch.Tensor) -> torch.Tensor:
+    w = words.view(-1, 3, words.shape[1])
     code = torch.zeros((w.shape[0], 32, w.shape[2]), dtype=torch.int32, device=words.device)
-    for row, (k, bit) in WHOLE_FIELDS[bits].items():
-        code[:, row] = (w[:, k] >> bit) & ((1 << bits) - 1)
+    for row, (k, bit) in THREE_BIT_FIELDS.items():
+        code[:, row] = (w[:, k] >> bit) & 7
     for h in range(2):
-        code[:, 16 * h + 15] = sum(((w[:, b] >> (16 * h + 15)) & 1) << b for b in range(bits))
+        code[:, 16 * h + 15] = sum(((w[:, b] >> (16 * h + 15)) & 1) << b for b in range(3))
     return code
 
 
 def encode_steps(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes `[S·32, N]` of one class → int32 words `[S·bits, N]` in this layout."""
     lb, hb = split_bits(bits)
-    if bits in WHOLE_FIELDS:
-        words = _encode_whole(codes, bits)
+    if bits == 3:
+        words = _encode3(codes)
         words = torch.where(words >= 1 << 31, words - (1 << 32), words)
         return words.to(torch.int32).reshape(-1, codes.shape[1])
     n = codes.shape[1]
@@ -209,8 +201,8 @@ def encode_steps(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def decode_steps(words: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `encode_steps`: int32 words `[S·bits, N]` → int32 codes `[S·32, N]`."""
     lb, hb = split_bits(bits)
-    if bits in WHOLE_FIELDS:
-        return _decode_whole(words, bits).reshape(-1, words.shape[1])
+    if bits == 3:
+        return _decode3(words).reshape(-1, words.shape[1])
     n = words.shape[1]
     w = words.view(-1, bits, n)
     s = w.shape[0]
