@@ -63,7 +63,7 @@
 # ends; lost 8-10 %) and of prompt matmuls dequantizing the next one's weights on a side stream (no gain); both
 # removed with their switches. s57 (session 29, run 2): the GPU tests of the 3-bit layout (`qweight.WHOLE_FIELDS`),
 # then the mixed 5/4/3-bit bench on .base/pre3bit.tar (`git archive 4eb17f9 exl2`: the split 2 + 1-bit layout)
-# and on this tree. s58 (next): the same check for the 5-bit layout, against .base/pre5bit.tar (`git archive
+# and on this tree. s58 (run through s60 in session 30; the layout was reverted): the same check for the 5-bit layout, against .base/pre5bit.tar (`git archive
 # fa65316 exl2`: whole 3-bit fields, split 4 + 1-bit 5-bit steps). s59 (session 30, for an H200): the target table,
 # then batch 1-2 with twice the warps over the same words a thread (16 steps, 8 warps; also with 2 stages),
 # register prefetch, and every matrix through the Gluon kernel. s60: s58, then s59's first two variants and the
