@@ -61,15 +61,15 @@
 # latency-bound (both lost on the H100 in session 11).
 # s51-s53 (session 28): A/Bs of an L2 lookahead (each batch-1 gemv prefetching the next matrix's first lines as it
 # ends; lost 8-10 %) and of prompt matmuls dequantizing the next one's weights on a side stream (no gain); both
-# removed with their switches. s57 (session 29, run 2): the GPU tests of the 3-bit layout (`qweight.WHOLE_FIELDS`),
-# then the mixed 5/4/3-bit bench on .base/pre3bit.tar (`git archive 4eb17f9 exl2`: the split 2 + 1-bit layout)
-# and on this tree. s58 (run through s60 in session 30; the layout was reverted): the same check for the 5-bit layout, against .base/pre5bit.tar (`git archive
-# fa65316 exl2`: whole 3-bit fields, split 4 + 1-bit 5-bit steps). s59 (session 30, for an H200): the target table,
-# then batch 1-2 with twice the warps over the same words a thread (16 steps, 8 warps; also with 2 stages),
-# register prefetch, and every matrix through the Gluon kernel. s60: s58, then s59's first two variants and the
-# Gluon one. s61: benchmarks/patches/whole5-own-word.patch (whole 5-bit fields again, the Gluon fragment
-# reading each lane's own word) applied to a copy: its GPU tests, then the mixed bench on this tree and the copy,
-# twice. s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
+# removed with their switches. s57 (session 29, run 2): the GPU tests of the 3-bit layout
+# (`qweight.THREE_BIT_FIELDS`), then the mixed 5/4/3-bit bench on .base/pre3bit.tar (`git archive 4eb17f9 exl2`: the split 2 + 1-bit layout)
+# and on this tree. s58 (run through s60 in session 30; the layout was reverted): the same check for the 5-bit
+# layout, against .base/pre5bit.tar (`git archive fa65316 exl2`: whole 3-bit fields, split 4 + 1-bit 5-bit steps).
+# s59 (session 30, for an H200): the target table, then batch 1-2 with twice the warps over the same words a thread
+# (16 steps, 8 warps; also with 2 stages), register prefetch, and every matrix through the Gluon kernel. s60: s58,
+# then s59's first two variants and the Gluon one. s61: benchmarks/patches/whole5-own-word.patch (whole 5-bit fields
+# again, the Gluon fragment reading each lane's own word) applied to a copy: its GPU tests, then the mixed bench on
+# this tree and the copy, twice. s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
 # (~135 of 335 instructions an iteration spent around the decoder). s56: the target table on an H200 (batches 2, 4,
@@ -84,6 +84,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} EXL2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
 mkdir -p "$OUT"
+layout_tests() {  # the GPU tests a new weight layout must pass, run in the current tree: layout_tests OUTFILE LABEL
+  timeout -s INT -k 10 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py -q -n 8 \
+    -p no:cacheprovider -rfE -k "gluon or packed or fast_4bit or real_sizes or golden_greedy_decode_matches_cpu" \
+    > "$1" 2>&1; echo "$2 tests rc=$?"; tail -3 "$1"
+}
 steps=${*:-s18}
 for s in $steps; do
   case $s in
@@ -409,10 +414,7 @@ for s in $steps; do
          > "$OUT/gpu_3bit.txt" 2>&1; echo "3-bit layout tests rc=$?"; tail -6 "$OUT/gpu_3bit.txt"
        BASE_SPEC=1 AB_SPECS=";" TAG=_mixed BENCH_TIMEOUT=100 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,16 --prefill 64" bash "$0" envab ;;
-  s58) timeout -s INT -k 10 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py \
-         -q -n 8 \
-         -p no:cacheprovider -rfE -k "gluon or packed or fast_4bit or real_sizes or golden_greedy_decode_matches_cpu" \
-         > "$OUT/gpu_5bit.txt" 2>&1; echo "5-bit layout tests rc=$?"; tail -3 "$OUT/gpu_5bit.txt"
+  s58) layout_tests "$OUT/gpu_5bit.txt" "5-bit layout"
        BASE_SPEC=1 AB_SPECS=";" TAG=_mixed BENCH_TIMEOUT=100 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --batch 2,16 --prefill 64" bash "$0" envab ;;
   s59) timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
@@ -422,11 +424,10 @@ for s in $steps; do
   s60) bash "$0" s58
        AB_SPECS=";EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;EXL2_MMA_GEMV=2;" TAG=_bs1 BENCH_TIMEOUT=80 \
          BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
-  s61) rm -rf /tmp/p5 && mkdir -p /tmp/p5 && cp -r exl2 tests pyproject.toml /tmp/p5/ && patch_file=$PWD/benchmarks/patches/whole5-own-word.patch \
+  s61) patch_file=$PWD/benchmarks/patches/whole5-own-word.patch
+       rm -rf /tmp/p5 && mkdir -p /tmp/p5 && cp -r exl2 tests pyproject.toml /tmp/p5/ \
          && (cd /tmp/p5 && { git apply "$patch_file" 2>/dev/null || patch -p1 -s < "$patch_file"; }) || exit 1
-       (cd /tmp/p5 && timeout -s INT -k 10 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py \
-         -q -n 8 -p no:cacheprovider -rfE -k "gluon or packed or fast_4bit or real_sizes or golden_greedy_decode_matches_cpu") \
-         > "$OUT/gpu_own5.txt" 2>&1; echo "own-word 5-bit tests rc=$?"; tail -3 "$OUT/gpu_own5.txt"
+       (cd /tmp/p5 && layout_tests "$OUT/gpu_own5.txt" "own-word 5-bit")
        for i in 1 2; do for tree in "$PWD" /tmp/p5; do name=$(basename "$tree")
          (cd "$tree" && timeout 100 python3 -m exl2.cli.main bench --mixed --modes fp16 --contexts 128 --batch 2,16 \
            --prefill 64) > "$OUT/bench_mixed_${name}_$i.txt" 2>&1; echo "mixed bench [$tree] rc=$?"
