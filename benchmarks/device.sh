@@ -432,6 +432,20 @@ for s in $steps; do
          (cd "$tree" && timeout 100 python3 -m exl2.cli.main bench --mixed --modes fp16 --contexts 128 --batch 2,16 \
            --prefill 64) > "$OUT/bench_mixed_${name}_$i.txt" 2>&1; echo "mixed bench [$tree] rc=$?"
          grep -E "^\| decode" "$OUT/bench_mixed_${name}_$i.txt"; done; done ;;
+  s62) gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$gpu"
+       if [[ "$gpu" == *H200* ]]; then
+         timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
+         grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
+         AB_SPECS=";EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;EXL2_GEMV_WARPS=8" TAG=_h200 BENCH_TIMEOUT=80 \
+           BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab
+       else
+         timeout 290 python3 benchmarks/layout_probe.py --l2 --sweep --shapes o,qkv,down --warps 4,8 --bs 8,16 \
+           --stages 3 --bn 32,64 --json "$OUT/gemv_l2.json" > "$OUT/gemv_l2.txt" 2>&1; echo "L2 sweep rc=$?"
+       fi
+       timeout 240 python3 benchmarks/layout_probe.py --sweep --shapes qkv,gateup,down --warps 4,8 --bs 8,16 \
+         --stages 3 --bn 32,64 --json "$OUT/gemv_dram.json" > "$OUT/gemv_dram.txt" 2>&1; echo "DRAM sweep rc=$?"
+       for f in "$OUT"/gemv_l2.txt "$OUT"/gemv_dram.txt; do [ -f "$f" ] || continue; echo "== $f"
+         sort -t'|' -k2,2 -k4,4n "$f" | awk -F'|' '{c[$2]++} c[$2]<=6'; grep -E "real" "$f"; done ;;
   s55) SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=500 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"

@@ -11,7 +11,10 @@ weight to keep it out of L2 (the decode step's situation). Prints GB/s and the s
     python3 benchmarks/layout_probe.py [--shapes o,down,qkv,gateup] [--stream] [--sweep] [--json FILE]
 
 --sweep times the real gemv over launch settings instead (steps an iteration, pipeline depth, warps, column tile,
-K split), to check its defaults against the same L2-cold, back-to-back measurement. --widths times it on all-5,
+K split; each list can be narrowed, e.g. --bs 8,16 --bn 32,64), to check its defaults against the same L2-cold,
+back-to-back measurement. --l2 times one copy of each weight, left in L2 by the previous call: the gemv then
+streams faster than DRAM can feed it and is bound by its own issue rate, which stands in on an H100 (bandwidth-bound
+at batch 1) for the H200, where the same kernel is issue-bound from DRAM (benchmarks/RESULTS.md session 28). --widths times it on all-5,
 all-4, all-3-bit weights and the bench's 5/4/3-bit mix (`exl2 bench --mixed`), GB/s of each one's own bytes: if the
 mix runs slower than its classes do alone, the cost is in mixing them, not in decoding any one width.
 """
@@ -39,6 +42,7 @@ from exl2.kernels.matmul_launch import MatmulConfig  # noqa: E402
 SHAPES = {"o": (4096, 4096, 64, 2), "down": (14336, 4096, 64, 2), "qkv": (4096, 6144, 64, 4),
           "gateup": (4096, 28672, 64, 4)}
 L2_SPAN = 256 << 20  # bytes of weight copies cycled through per graph replay
+L2_CALLS = 16  # calls a graph replay with --l2 (one copy, called again and again)
 
 
 @triton.jit
@@ -108,11 +112,12 @@ def _strip(words: torch.Tensor, bn: int) -> torch.Tensor:
     return words.view(kw, n // bn, bn).permute(1, 0, 2).contiguous()
 
 
-def probe(name: str, copy_gbs: float, stream: bool, sweep: bool) -> list[dict]:
+def probe(name: str, copy_gbs: float, stream: bool, sweep: dict | None, l2: bool = False) -> list[dict]:
     k, n, gemv_bn, per_sm = SHAPES[name]
     kw = k // 8
     nbytes = kw * n * 4
-    copies = max(2, L2_SPAN // nbytes)
+    copies = 1 if l2 else max(2, L2_SPAN // nbytes)
+    calls = L2_CALLS if l2 else copies
     rows = []
 
     def row(variant: str, us: float) -> None:
@@ -137,13 +142,14 @@ def probe(name: str, copy_gbs: float, stream: bool, sweep: bool) -> list[dict]:
     if len(parts) > 1:
         grouped = [GemvGroup(m) for m in ws]
         xps = [permute.gather_input(x, m, whole=True) for m in ws]
-        row("gemv (grouped, real)", _graph_time(lambda i: grouped[i](xps[i]), copies))
+        row("gemv (grouped, real)", _graph_time(lambda i: grouped[i % copies](xps[i % copies]), calls))
     else:
         xps = [permute.gather_input(x, m)[0] for m in ws]
-        row("gemv (real, split sums)", _graph_time(lambda i: qm.permuted_matmul(xps[i], ws[i][0], True), copies))
-        row("gemv (real)", _graph_time(lambda i: qm.permuted_matmul(xps[i], ws[i][0]), copies))
-    if sweep:
-        _sweep(name, ws, xps, copies, row)
+        row("gemv (real, split sums)",
+            _graph_time(lambda i: qm.permuted_matmul(xps[i % copies], ws[i % copies][0], True), calls))
+        row("gemv (real)", _graph_time(lambda i: qm.permuted_matmul(xps[i % copies], ws[i % copies][0]), calls))
+    if sweep is not None:
+        _sweep(name, ws, xps, calls, row, **sweep)
     if not stream:
         return rows
     words = [torch.cat([w.qweight for w in m], dim=1) for m in ws]
@@ -167,28 +173,31 @@ def probe(name: str, copy_gbs: float, stream: bool, sweep: bool) -> list[dict]:
     return rows
 
 
-def _sweep(name: str, ws: list, xps: list, copies: int, row) -> None:
+def _sweep(name: str, ws: list, xps: list, calls: int, row, warps_list=(4, 8), bs_list=(4, 8, 16),
+           stages_list=(2, 3, 4, 6), bn_list=None, per_sm_list=None) -> None:
     """The real gemv (grouped for q/k/v and gate/up) over launch settings; splits relative to the default's."""
     grouped = len(ws[0]) > 1
-    for warps in (4, 8):
-        for bs in (4, 8, 16):
-            for stages in (2, 3, 4, 6):
-                for bn in ((64, 128) if name == "gateup" else (64,)):
-                    for per_sm in ((2, 4, 8) if grouped else (1, 2, 4)):
+    bn_list = bn_list or ((64, 128) if name == "gateup" else (64,))
+    per_sm_list = per_sm_list or ((2, 4, 8) if grouped else (1, 2, 4))
+    for warps in warps_list:
+        for bs in bs_list:
+            for stages in stages_list:
+                for bn in bn_list:
+                    for per_sm in per_sm_list:
                         tag = f"gemv BS {bs} stages {stages} warps {warps} BN {bn} per-SM {per_sm}"
                         try:
                             if grouped:
                                 gs = [GemvGroup(m, bn=bn, bs=bs, stages=stages, per_sm=per_sm, num_warps=warps)
                                       for m in ws]
-                                us = _graph_time(lambda i: gs[i](xps[i]), copies)
+                                us = _graph_time(lambda i: gs[i % len(gs)](xps[i % len(gs)]), calls)
                             else:
                                 w0 = ws[0][0]
                                 tiles = triton.cdiv(w0.n, bn)
                                 split = qm.auto_split(w0, tiles, w0.device, 8, per_sm)
                                 cfg = MatmulConfig(bm=1, bs=bs, bn=bn, split=split, num_warps=warps,
                                                    num_stages=stages)
-                                us = _graph_time(lambda i: permuted_gemv(xps[i], ws[i][0], cfg, part_only=True),
-                                                 copies)
+                                us = _graph_time(lambda i: permuted_gemv(xps[i % len(ws)], ws[i % len(ws)][0], cfg,
+                                                                         part_only=True), calls)
                                 tag += f" split {split}"
                         except Exception as e:  # noqa: BLE001 - a setting that does not compile is a row, not a stop
                             print(f"| {name} | {tag} | failed: {type(e).__name__} | | |", flush=True)
@@ -236,20 +245,30 @@ def widths_probe(name: str, copy_gbs: float) -> list[dict]:
     return rows
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="o,down,qkv,gateup")
     p.add_argument("--stream", action="store_true", help="the pure-load kernels by layout")
     p.add_argument("--sweep", action="store_true", help="the real gemv over launch settings")
     p.add_argument("--widths", action="store_true", help="the real gemv on 5/4/3-bit and mixed weights")
+    p.add_argument("--l2", action="store_true", help="one copy of each weight, L2-resident (issue-bound)")
+    for flag in ("warps", "bs", "stages", "bn", "per-sm"):
+        p.add_argument(f"--{flag}", type=_ints, help=f"--sweep's {flag} values, comma-separated")
     p.add_argument("--json")
     a = p.parse_args()
+    grid = {f"{key}_list": v for key, v in (("warps", a.warps), ("bs", a.bs), ("stages", a.stages), ("bn", a.bn),
+                                             ("per_sm", a.per_sm)) if v}
+    sweep = grid if a.sweep else None
     copy_gbs = _copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:,.0f} GB/s (read + write)")
     print("| shape | variant | µs | GB/s | % of copy |\n| --- | --- | --- | --- | --- |")
     rows = []
     for name in a.shapes.split(","):
-        rows += widths_probe(name, copy_gbs) if a.widths else probe(name, copy_gbs, a.stream, a.sweep)
+        rows += widths_probe(name, copy_gbs) if a.widths else probe(name, copy_gbs, a.stream, sweep, a.l2)
     if a.json:
         Path(a.json).write_text(json.dumps({"copy_GBs": copy_gbs, "rows": rows}, indent=1))
 

@@ -374,10 +374,10 @@ def test_project_shares_one_gather_and_equals_separate_calls():
 
 
 @needs_triton
-@pytest.mark.parametrize("split,bs", [(1, None), (2, None), (2, 16)])
-def test_gemv_group_equals_separate_gemvs(split, bs, monkeypatch):
+@pytest.mark.parametrize("split,bs,bn", [(1, None, 64), (2, None, 64), (2, 16, 64), (2, None, 32)])
+def test_gemv_group_equals_separate_gemvs(split, bs, bn, monkeypatch):
     """One launch for 2-3 weights (different widths, sizes, bias or not) equals the twin of each; also with 16
-    steps an iteration (`EXL2_GEMV_BS`)."""
+    steps an iteration (`EXL2_GEMV_BS`) and 32-column tiles."""
     monkeypatch.setattr(gemv_k, "auto_split", lambda w, programs, device, min_steps, per_sm=2: split)
     mixes = [MIXED, [(4, 128), (4, 128), (2, 48)], [(8, 32), (6, 64), (4, 128), (2, 80)]]
     ns = [64, 32, 96]
@@ -387,7 +387,7 @@ def test_gemv_group_equals_separate_gemvs(split, bs, monkeypatch):
         x = torch.randn(2, ws[0].k, device=DEV).half()
         with force_triton():
             buf = permute.gather_input(x, ws[:g], whole=True)
-            outs = gemv_k.GemvGroup(ws[:g], bs=bs)(buf, fast4=False)
+            outs = gemv_k.GemvGroup(ws[:g], bn=bn, bs=bs)(buf, fast4=False)
         for w, y in zip(ws[:g], outs):
             assert y.shape == (2, w.n)
             _check_close(y, qweight.matmul_torch(x, w))
