@@ -67,9 +67,10 @@
 # layout, against .base/pre5bit.tar (`git archive fa65316 exl2`: whole 3-bit fields, split 4 + 1-bit 5-bit steps).
 # s59 (session 30, for an H200): the target table, then batch 1-2 with twice the warps over the same words a thread
 # (16 steps, 8 warps; also with 2 stages), register prefetch, and every matrix through the Gluon kernel. s60: s58,
-# then s59's first two variants and the Gluon one. s61: benchmarks/patches/whole5-own-word.patch (whole 5-bit fields
-# again, the Gluon fragment reading each lane's own word) applied to a copy: its GPU tests, then the mixed bench on
-# this tree and the copy, twice. s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
+# then s59's first two variants and the Gluon one. s62 (session 31): on an H200 the target table and batch 1-2
+# with 8 warps (8 or 16 steps); elsewhere the gemv sweep with L2-resident weights (issue-bound, the H200's
+# regime); then the DRAM sweep over the same 32- and 64-column tiles, steps and warps.
+# s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
 # (~135 of 335 instructions an iteration spent around the decoder). s56: the target table on an H200 (batches 2, 4,
@@ -424,14 +425,6 @@ for s in $steps; do
   s60) bash "$0" s58
        AB_SPECS=";EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;EXL2_MMA_GEMV=2;" TAG=_bs1 BENCH_TIMEOUT=80 \
          BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
-  s61) patch_file=$PWD/benchmarks/patches/whole5-own-word.patch
-       rm -rf /tmp/p5 && mkdir -p /tmp/p5 && cp -r exl2 tests pyproject.toml /tmp/p5/ \
-         && (cd /tmp/p5 && { git apply "$patch_file" 2>/dev/null || patch -p1 -s < "$patch_file"; }) || exit 1
-       (cd /tmp/p5 && layout_tests "$OUT/gpu_own5.txt" "own-word 5-bit")
-       for i in 1 2; do for tree in "$PWD" /tmp/p5; do name=$(basename "$tree")
-         (cd "$tree" && timeout 100 python3 -m exl2.cli.main bench --mixed --modes fp16 --contexts 128 --batch 2,16 \
-           --prefill 64) > "$OUT/bench_mixed_${name}_$i.txt" 2>&1; echo "mixed bench [$tree] rc=$?"
-         grep -E "^\| decode" "$OUT/bench_mixed_${name}_$i.txt"; done; done ;;
   s62) gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$gpu"
        if [[ "$gpu" == *H200* ]]; then
          timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
