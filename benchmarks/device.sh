@@ -67,9 +67,9 @@
 # layout, against .base/pre5bit.tar (`git archive fa65316 exl2`: whole 3-bit fields, split 4 + 1-bit 5-bit steps).
 # s59 (session 30, for an H200): the target table, then batch 1-2 with twice the warps over the same words a thread
 # (16 steps, 8 warps; also with 2 stages), register prefetch, and every matrix through the Gluon kernel. s60: s58,
-# then s59's first two variants and the Gluon one. s62 (session 31): on an H200 the target table and batch 1-2
-# with 8 warps (8 or 16 steps); elsewhere the gemv sweep with L2-resident weights (issue-bound, the H200's
-# regime); then the DRAM sweep over the same 32- and 64-column tiles, steps and warps.
+# then s59's first two variants and the Gluon one. s62 (session 31): on an H200 the target table; elsewhere the
+# gemv sweep with L2-resident weights (issue-bound, the H200's regime) over 32/64-column tiles, 8/16 steps and 4/8
+# warps; then batch 1-2 with 32-column tiles (EXL2_GEMV_BN) and 16 steps, with 16 steps and 8 warps, and defaults.
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -429,16 +429,16 @@ for s in $steps; do
        if [[ "$gpu" == *H200* ]]; then
          timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
          grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
-         AB_SPECS=";EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;EXL2_GEMV_WARPS=8" TAG=_h200 BENCH_TIMEOUT=80 \
-           BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab
+         specs=";EXL2_GEMV_BN=32 EXL2_GEMV_BS=16;EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;EXL2_GEMV_BN=32"
        else
-         timeout 290 python3 benchmarks/layout_probe.py --l2 --sweep --shapes o,qkv,down --warps 4,8 --bs 8,16 \
+         timeout 230 python3 benchmarks/layout_probe.py --l2 --sweep --shapes o,qkv --warps 4,8 --bs 8,16 \
            --stages 3 --bn 32,64 --json "$OUT/gemv_l2.json" > "$OUT/gemv_l2.txt" 2>&1; echo "L2 sweep rc=$?"
+         echo "== L2 sweep"; sort -t'|' -k2,2 -k4,4n "$OUT/gemv_l2.txt" | awk -F'|' '{c[$2]++} c[$2]<=6'
+         grep -E "real" "$OUT/gemv_l2.txt"
+         specs=";EXL2_GEMV_BN=32 EXL2_GEMV_BS=16;EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;"
        fi
-       timeout 240 python3 benchmarks/layout_probe.py --sweep --shapes qkv,gateup,down --warps 4,8 --bs 8,16 \
-         --stages 3 --bn 32,64 --json "$OUT/gemv_dram.json" > "$OUT/gemv_dram.txt" 2>&1; echo "DRAM sweep rc=$?"
-       for f in "$OUT"/gemv_l2.txt "$OUT"/gemv_dram.txt; do [ -f "$f" ] || continue; echo "== $f"
-         sort -t'|' -k2,2 -k4,4n "$f" | awk -F'|' '{c[$2]++} c[$2]<=6'; grep -E "real" "$f"; done ;;
+       AB_SPECS="$specs" TAG=_bn BENCH_TIMEOUT=80 BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" \
+         bash "$0" envab ;;
   s55) SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=500 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"

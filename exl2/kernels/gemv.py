@@ -39,6 +39,10 @@ GROUP_PER_SM = env_choice("EXL2_GEMV_GROUP_PER_SM", 4, range(1, 9))
 # where 16 steps spread the loop's overhead over twice the words and 8 warps give the schedulers twice the warps.
 GEMV_BS = env_choice("EXL2_GEMV_BS", 8, (4, 8, 16))
 GEMV_WARPS = env_choice("EXL2_GEMV_WARPS", 4, (4, 8))
+# Columns a program of the grouped gemv and of the one-row gemv on matrices narrower than the SMs' 128-column tiles
+# (EXL2_GEMV_BN): 32 doubles the programs over the same K, more warps for the H200's issue-bound gemv without
+# the partial sums of a deeper K split.
+GEMV_BN = env_choice("EXL2_GEMV_BN", 64, (32, 64))
 # EXL2_GEMV_RPF=1 (off): the packed 4-bit loop loads the next iteration's words, scales and input pairs straight
 # into registers instead of Triton's cp.async ring through shared memory: no shared-memory loads, commits, waits or
 # barriers in the loop (the H200's issue-bound gemv spent ~30 of its 335 instructions an iteration and most of
@@ -683,16 +687,16 @@ class GemvGroup:
 
     MAX = 3
 
-    def __init__(self, ws: Sequence[QuantWeight], bn: int = 64, bs: int | None = None, stages: int | None = None,
-                 per_sm: int | None = None, num_warps: int | None = None):
+    def __init__(self, ws: Sequence[QuantWeight], bn: int | None = None, bs: int | None = None,
+                 stages: int | None = None, per_sm: int | None = None, num_warps: int | None = None):
         """Defaults from the H200 sweeps (benchmarks/RESULTS.md, session 4 run 13 and session 11): 64-column tiles
-        (q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns), K split up to `GROUP_PER_SM`
-        programs per SM."""
+        (`GEMV_BN`; q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns), K split up to
+        `GROUP_PER_SM` programs per SM."""
         if not self.accepts(ws):
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
         self.ws = list(ws)
-        self.BN = bn
+        self.BN = GEMV_BN if bn is None else bn
         self.BS = GEMV_BS if bs is None else bs
         self.num_warps = GEMV_WARPS if num_warps is None else num_warps
         self.stages = GEMV_STAGES if stages is None else stages

@@ -24,7 +24,8 @@ from exl2.kernels.backend import env_choice, sm_count, triton, use_triton
 from exl2.kernels.dequant import dequant_matmul_group
 from exl2.kernels.dot import permuted_dot
 from exl2.kernels.fp8_prefill import fp8_applies, fp8_matmul_group
-from exl2.kernels.gemv import GEMV_BS, GEMV_STAGES, GEMV_WARPS, GemvGroup, fast4_available, gemv, permuted_gemv
+from exl2.kernels.gemv import (GEMV_BN, GEMV_BS, GEMV_STAGES, GEMV_WARPS, GemvGroup, fast4_available, gemv,
+                               permuted_gemv)
 from exl2.kernels.matmul_launch import PACKED_FLAG, MatmulConfig, auto_split
 from exl2.kernels.permute import buffer_offsets, gather_input, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
@@ -87,8 +88,8 @@ def choose_config(m: int, w: QuantWeight, dtype: torch.dtype = torch.float16) ->
     if m <= GEMV_ROWS and not gemv_via_mma(w, m, dtype):
         # Matrices of fewer 128-column tiles than SMs (o, down): 64-column tiles, K split to ~2 programs per SM
         # (o 8.4 → 6.8 µs, down 15.2 → 12.6 µs on the H200, run 13); wide ones (the head) keep 128 columns.
-        bn = 64 if triton.cdiv(w.n, 128) < sm_count(w.device) else 128
-        per_sm = 2 if bn == 64 else 1
+        bn = GEMV_BN if triton.cdiv(w.n, 128) < sm_count(w.device) else 128
+        per_sm = 2 if bn < 128 else 1
         split = auto_split(w, triton.cdiv(w.n, bn) * m, w.device, 8, per_sm)
         return "gemv", MatmulConfig(bm=1, bs=GEMV_BS, bn=bn, split=split, num_warps=GEMV_WARPS,
                                     num_stages=GEMV_STAGES)
