@@ -70,6 +70,7 @@
 # then s59's first two variants and the Gluon one. s62 (session 31): on an H200 the target table; elsewhere the
 # gemv sweep with L2-resident weights (issue-bound, the H200's regime) over 32/64-column tiles, 8/16 steps and 4/8
 # warps; then batch 1-2 with 32-column tiles (EXL2_GEMV_BN) and 16 steps, with 16 steps and 8 warps, and defaults.
+# s63: s62 cut to fit a short budget (q/k/v in L2 over 4 launch settings; the defaults and BN 32 + 16 steps).
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -439,6 +440,10 @@ for s in $steps; do
        fi
        AB_SPECS="$specs" TAG=_bn BENCH_TIMEOUT=80 BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" \
          bash "$0" envab ;;
+  s63) timeout 100 python3 benchmarks/layout_probe.py --l2 --sweep --shapes qkv --warps 4 --bs 8,16 --stages 3 \
+         --bn 32,64 --json "$OUT/gemv_l2.json" > "$OUT/gemv_l2.txt" 2>&1; echo "L2 sweep rc=$?"; cat "$OUT/gemv_l2.txt"
+       AB_SPECS=";EXL2_GEMV_BN=32 EXL2_GEMV_BS=16" TAG=_bn BENCH_TIMEOUT=80 \
+         BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
   s55) SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=500 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
