@@ -71,6 +71,8 @@
 # gemv sweep with L2-resident weights (issue-bound, the H200's regime) over 32/64-column tiles, 8/16 steps and 4/8
 # warps; then batch 1-2 with 32-column tiles (EXL2_GEMV_BN) and 16 steps, with 16 steps and 8 warps, and defaults.
 # s63: s62 cut to fit a short budget (q/k/v in L2 over 4 launch settings; the defaults and BN 32 + 16 steps).
+# s64 (for session 32): the grouped-gemv GPU tests with EXL2_GEMV_NARROW=1, then batch 1-2 (fp16 and q4, ctx 2048)
+# alternating defaults and the narrow q/k/v setting, twice, then the mixed body with each.
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -444,6 +446,14 @@ for s in $steps; do
          --bn 32,64 --json "$OUT/gemv_l2.json" > "$OUT/gemv_l2.txt" 2>&1; echo "L2 sweep rc=$?"; cat "$OUT/gemv_l2.txt"
        AB_SPECS=";EXL2_GEMV_BN=32 EXL2_GEMV_BS=16" TAG=_bn BENCH_TIMEOUT=80 \
          BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
+  s64) EXL2_GEMV_NARROW=1 timeout -s INT -k 10 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py \
+         tests/test_kernels_quant_matmul.py -q -n 8 -p no:cacheprovider -rfE \
+         -k "group or real_sizes or golden_greedy_decode_matches_cpu" > "$OUT/gpu_narrow.txt" 2>&1
+       echo "narrow-group tests rc=$?"; tail -3 "$OUT/gpu_narrow.txt"
+       AB_SPECS=";EXL2_GEMV_NARROW=1;;EXL2_GEMV_NARROW=1" TAG=_narrow BENCH_TIMEOUT=80 \
+         BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab
+       AB_SPECS=";EXL2_GEMV_NARROW=1" TAG=_narrowmix BENCH_TIMEOUT=80 \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab ;;
   s55) SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=500 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"

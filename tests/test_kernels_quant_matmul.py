@@ -393,6 +393,24 @@ def test_gemv_group_equals_separate_gemvs(split, bs, bn, monkeypatch):
             _check_close(y, qweight.matmul_torch(x, w))
 
 
+@needs_triton
+def test_narrow_gemv_group_settings(monkeypatch):
+    """`EXL2_GEMV_NARROW`: a group of fewer 64-column tiles than SMs (4 on the CPU) takes 32-column tiles, 16 steps
+    and ~2 programs an SM, and still equals the twin; a wider group keeps the defaults."""
+    monkeypatch.setattr(gemv_k, "GEMV_NARROW", True)
+    narrow = [Exl2Weight.from_tensors(rand_exl2(MIXED, n, seed=i), "L", device=DEV) for i, n in enumerate([64, 32])]
+    group = gemv_k.GemvGroup(narrow)
+    assert (group.BN, group.BS, group.per_sm) == (32, 16, 2)
+    x = torch.randn(1, narrow[0].k, device=DEV).half()
+    with force_triton():
+        outs = group(permute.gather_input(x, narrow, whole=True), fast4=False)
+    for w, y in zip(narrow, outs):
+        _check_close(y, qweight.matmul_torch(x, w))
+    wide = [Exl2Weight.from_tensors(rand_exl2(MIXED, 128, seed=i), "L", device=DEV) for i in range(2)]
+    group = gemv_k.GemvGroup(wide)
+    assert (group.BN, group.BS, group.per_sm) == (gemv_k.GEMV_BN, gemv_k.GEMV_BS, gemv_k.GROUP_PER_SM)
+
+
 _RPF_CHILD = """
 import torch
 from exl2.kernels import gemv as gemv_k, permute, qweight

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync, prefetch_l2,
-                                  prefetch_l2_where, tl, triton)
+                                  prefetch_l2_where, sm_count, tl, triton)
 from exl2.kernels.matmul_launch import (PACKED_FLAG, MatmulConfig, auto_split, class_args, launch, pairs_view,
                                         store_tile, width_mask)
 from exl2.kernels.packed_tiles import (PTX_UNPACK4_CONSTANTS, code3, load_class, ptx_unpack4, step_rows, step_scales,
@@ -43,6 +43,11 @@ GEMV_WARPS = env_choice("EXL2_GEMV_WARPS", 4, (4, 8))
 # (EXL2_GEMV_BN): 32 doubles the programs over the same K, more warps for the H200's issue-bound gemv without
 # the partial sums of a deeper K split.
 GEMV_BN = env_choice("EXL2_GEMV_BN", 64, (32, 64))
+# EXL2_GEMV_NARROW=1 (off): a grouped gemv whose 64-column tiles number fewer than the SMs (q/k/v of an 8B model)
+# runs 32-column tiles, 16 steps an iteration and K split to ~2 programs an SM instead: the q/k/v gemv of the
+# synthetic 8B took 7.90 against 8.85 µs from DRAM and 6.44 against 7.22 µs from L2 (H100, benchmarks/RESULTS.md
+# session 31), while gate/up (448 tiles) lost 4 % with the same setting. Not yet measured end to end.
+GEMV_NARROW = env_choice("EXL2_GEMV_NARROW", 0, range(0, 2)) == 1
 # EXL2_GEMV_RPF=1 (off): the packed 4-bit loop loads the next iteration's words, scales and input pairs straight
 # into registers instead of Triton's cp.async ring through shared memory: no shared-memory loads, commits, waits or
 # barriers in the loop (the H200's issue-bound gemv spent ~30 of its 335 instructions an iteration and most of
@@ -691,16 +696,17 @@ class GemvGroup:
                  stages: int | None = None, per_sm: int | None = None, num_warps: int | None = None):
         """Defaults from the H200 sweeps (benchmarks/RESULTS.md, session 4 run 13 and session 11): 64-column tiles
         (`GEMV_BN`; q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns), K split up to
-        `GROUP_PER_SM` programs per SM."""
+        `GROUP_PER_SM` programs per SM; narrow groups as `GEMV_NARROW` says."""
         if not self.accepts(ws):
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
         self.ws = list(ws)
-        self.BN = GEMV_BN if bn is None else bn
-        self.BS = GEMV_BS if bs is None else bs
+        narrow = GEMV_NARROW and sum(triton.cdiv(w.n, 64) for w in ws) < sm_count(ws[0].device)
+        self.BN = bn or (32 if narrow else GEMV_BN)
+        self.BS = bs or (16 if narrow else GEMV_BS)
         self.num_warps = GEMV_WARPS if num_warps is None else num_warps
         self.stages = GEMV_STAGES if stages is None else stages
-        self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
+        self.per_sm = per_sm or (2 if narrow else GROUP_PER_SM)
         self.mask = width_mask(self.ws)
         self._plans: dict[int, tuple] = {}
 
