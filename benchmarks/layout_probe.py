@@ -12,11 +12,13 @@ weight to keep it out of L2 (the decode step's situation). Prints GB/s and the s
 
 --sweep times the real gemv over launch settings instead (steps an iteration, pipeline depth, warps, column tile,
 K split; each list can be narrowed, e.g. --bs 8,16 --bn 32,64), to check its defaults against the same L2-cold,
-back-to-back measurement. --l2 times one copy of each weight, left in L2 by the previous call: the gemv then
-streams faster than DRAM can feed it and is bound by its own issue rate, which stands in on an H100 (bandwidth-bound
-at batch 1) for the H200, where the same kernel is issue-bound from DRAM (benchmarks/RESULTS.md session 28). --widths times it on all-5,
-all-4, all-3-bit weights and the bench's 5/4/3-bit mix (`exl2 bench --mixed`), GB/s of each one's own bytes: if the
-mix runs slower than its classes do alone, the cost is in mixing them, not in decoding any one width.
+back-to-back measurement. --widths times it on all-5, all-4, all-3-bit weights and the bench's 5/4/3-bit mix
+(`exl2 bench --mixed`), GB/s of each one's own bytes: if the mix runs slower than its classes do alone, the cost is
+in mixing them, not in decoding any one width.
+
+--l2 (with --sweep or --widths) times one copy of each weight, left in L2 by the previous call: the gemv then
+streams faster than DRAM can feed it and is bound by its own issue rate. On an H100 (bandwidth-bound at batch 1)
+that stands in for the H200, where the same kernel is issue-bound from DRAM (benchmarks/RESULTS.md session 28).
 """
 from __future__ import annotations
 
@@ -209,8 +211,9 @@ WIDTH_OPTIONS = {"5-bit": ([5], [1.0], [128]), "4-bit": ([4], [1.0], [128]), "3-
                  "mixed 5/4/3": ([5, 4, 3], [0.1, 0.7, 0.2], [128, 128, 128])}
 
 
-def widths_probe(name: str, copy_gbs: float) -> list[dict]:
-    """The real gemv (grouped for q/k/v and gate/up, split sums otherwise) over each of `WIDTH_OPTIONS`."""
+def widths_probe(name: str, copy_gbs: float, l2: bool = False) -> list[dict]:
+    """The real gemv (grouped for q/k/v and gate/up, split sums otherwise) over each of `WIDTH_OPTIONS` (`l2`: one
+    copy, called `L2_CALLS` times a replay)."""
     k, n, _, _ = SHAPES[name]
     parts = {"qkv": [4096, 1024, 1024], "gateup": [14336, 14336]}.get(name, [n])
     rows = []
@@ -227,16 +230,17 @@ def widths_probe(name: str, copy_gbs: float) -> list[dict]:
 
         ws = [copy()]
         nbytes = sum(m.qweight.numel() * 4 + m.scales.numel() * 2 for m in ws[0])
-        copies = max(2, L2_SPAN // nbytes)
+        copies = 1 if l2 else max(2, L2_SPAN // nbytes)
+        calls = L2_CALLS if l2 else copies
         ws += [copy() for _ in range(copies - 1)]
         x = torch.randn(1, k, dtype=torch.float16, device="cuda")
         if len(parts) > 1:
             grouped = [GemvGroup(m) for m in ws]
             xps = [permute.gather_input(x, m, whole=True) for m in ws]
-            us = _graph_time(lambda i: grouped[i](xps[i]), copies)
+            us = _graph_time(lambda i: grouped[i % copies](xps[i % copies]), calls)
         else:
             xps = [permute.gather_input(x, m)[0] for m in ws]
-            us = _graph_time(lambda i: qm.permuted_matmul(xps[i], ws[i][0], True), copies)
+            us = _graph_time(lambda i: qm.permuted_matmul(xps[i % copies], ws[i % copies][0], True), calls)
         gbs = nbytes / us / 1e3
         rows.append({"shape": name, "variant": label, "us": round(us, 2), "MB": round(nbytes / 1e6, 1),
                      "GB/s": round(gbs), "pct_copy": round(100 * gbs / copy_gbs, 1)})
@@ -268,7 +272,7 @@ def main() -> None:
     print("| shape | variant | µs | GB/s | % of copy |\n| --- | --- | --- | --- | --- |")
     rows = []
     for name in a.shapes.split(","):
-        rows += widths_probe(name, copy_gbs) if a.widths else probe(name, copy_gbs, a.stream, sweep, a.l2)
+        rows += widths_probe(name, copy_gbs, a.l2) if a.widths else probe(name, copy_gbs, a.stream, sweep, a.l2)
     if a.json:
         Path(a.json).write_text(json.dumps({"copy_GBs": copy_gbs, "rows": rows}, indent=1))
 
