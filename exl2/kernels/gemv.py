@@ -701,7 +701,8 @@ class GemvGroup:
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
         self.ws = list(ws)
-        narrow = GEMV_NARROW and sum(triton.cdiv(w.n, 64) for w in ws) < sm_count(ws[0].device)
+        narrow = (GEMV_NARROW and bn is None and bs is None and per_sm is None
+                  and sum(triton.cdiv(w.n, 64) for w in ws) < sm_count(ws[0].device))
         self.BN = bn or (32 if narrow else GEMV_BN)
         self.BS = bs or (16 if narrow else GEMV_BS)
         self.num_warps = GEMV_WARPS if num_warps is None else num_warps
