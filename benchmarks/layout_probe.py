@@ -75,18 +75,19 @@ def _split(kw: int, tiles: int, per_sm: int, rb: int) -> int:
     return split
 
 
-def _graph_time(fn, calls: int, reps: int = 20) -> float:
-    """µs per call of `fn(i)` for i in range(calls), replayed as one CUDA graph."""
+def _graph_time(fn, copies: int, calls: int | None = None, reps: int = 20) -> float:
+    """µs per call of `fn(i % copies)` for i in range(calls) (default: copies), replayed as one CUDA graph."""
+    calls = calls or copies
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for i in range(calls):
-            fn(i)
+            fn(i % copies)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(calls):
-            fn(i)
+            fn(i % copies)
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -144,12 +145,11 @@ def probe(name: str, copy_gbs: float, stream: bool, sweep: dict | None, l2: bool
     if len(parts) > 1:
         grouped = [GemvGroup(m) for m in ws]
         xps = [permute.gather_input(x, m, whole=True) for m in ws]
-        row("gemv (grouped, real)", _graph_time(lambda i: grouped[i % copies](xps[i % copies]), calls))
+        row("gemv (grouped, real)", _graph_time(lambda i: grouped[i](xps[i]), copies, calls))
     else:
         xps = [permute.gather_input(x, m)[0] for m in ws]
-        row("gemv (real, split sums)",
-            _graph_time(lambda i: qm.permuted_matmul(xps[i % copies], ws[i % copies][0], True), calls))
-        row("gemv (real)", _graph_time(lambda i: qm.permuted_matmul(xps[i % copies], ws[i % copies][0]), calls))
+        row("gemv (real, split sums)", _graph_time(lambda i: qm.permuted_matmul(xps[i], ws[i][0], True), copies, calls))
+        row("gemv (real)", _graph_time(lambda i: qm.permuted_matmul(xps[i], ws[i][0]), copies, calls))
     if sweep is not None:
         _sweep(name, ws, xps, calls, row, **sweep)
     if not stream:
@@ -191,15 +191,15 @@ def _sweep(name: str, ws: list, xps: list, calls: int, row, warps_list=(4, 8), b
                             if grouped:
                                 gs = [GemvGroup(m, bn=bn, bs=bs, stages=stages, per_sm=per_sm, num_warps=warps)
                                       for m in ws]
-                                us = _graph_time(lambda i: gs[i % len(gs)](xps[i % len(gs)]), calls)
+                                us = _graph_time(lambda i: gs[i](xps[i]), len(gs), calls)
                             else:
                                 w0 = ws[0][0]
                                 tiles = triton.cdiv(w0.n, bn)
                                 split = qm.auto_split(w0, tiles, w0.device, 8, per_sm)
                                 cfg = MatmulConfig(bm=1, bs=bs, bn=bn, split=split, num_warps=warps,
                                                    num_stages=stages)
-                                us = _graph_time(lambda i: permuted_gemv(xps[i % len(ws)], ws[i % len(ws)][0], cfg,
-                                                                         part_only=True), calls)
+                                us = _graph_time(lambda i: permuted_gemv(xps[i], ws[i][0], cfg, part_only=True),
+                                                 len(ws), calls)
                                 tag += f" split {split}"
                         except Exception as e:  # noqa: BLE001 - a setting that does not compile is a row, not a stop
                             print(f"| {name} | {tag} | failed: {type(e).__name__} | | |", flush=True)
@@ -237,10 +237,10 @@ def widths_probe(name: str, copy_gbs: float, l2: bool = False) -> list[dict]:
         if len(parts) > 1:
             grouped = [GemvGroup(m) for m in ws]
             xps = [permute.gather_input(x, m, whole=True) for m in ws]
-            us = _graph_time(lambda i: grouped[i % copies](xps[i % copies]), calls)
+            us = _graph_time(lambda i: grouped[i](xps[i]), copies, calls)
         else:
             xps = [permute.gather_input(x, m)[0] for m in ws]
-            us = _graph_time(lambda i: qm.permuted_matmul(xps[i % copies], ws[i % copies][0], True), calls)
+            us = _graph_time(lambda i: qm.permuted_matmul(xps[i], ws[i][0], True), copies, calls)
         gbs = nbytes / us / 1e3
         rows.append({"shape": name, "variant": label, "us": round(us, 2), "MB": round(nbytes / 1e6, 1),
                      "GB/s": round(gbs), "pct_copy": round(100 * gbs / copy_gbs, 1)})

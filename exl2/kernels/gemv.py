@@ -703,11 +703,12 @@ class GemvGroup:
         self.ws = list(ws)
         narrow = (GEMV_NARROW and bn is None and bs is None and per_sm is None
                   and sum(triton.cdiv(w.n, 64) for w in ws) < sm_count(ws[0].device))
-        self.BN = bn or (32 if narrow else GEMV_BN)
-        self.BS = bs or (16 if narrow else GEMV_BS)
+        bn, bs, per_sm = (32, 16, 2) if narrow else (bn, bs, per_sm)
+        self.BN = GEMV_BN if bn is None else bn
+        self.BS = GEMV_BS if bs is None else bs
         self.num_warps = GEMV_WARPS if num_warps is None else num_warps
         self.stages = GEMV_STAGES if stages is None else stages
-        self.per_sm = per_sm or (2 if narrow else GROUP_PER_SM)
+        self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
         self.mask = width_mask(self.ws)
         self._plans: dict[int, tuple] = {}
 
