@@ -69,10 +69,8 @@
 # (16 steps, 8 warps; also with 2 stages), register prefetch, and every matrix through the Gluon kernel. s60: s58,
 # then s59's first two variants and the Gluon one. s62 (session 31): on an H200 the target table; elsewhere the
 # gemv sweep with L2-resident weights (issue-bound, the H200's regime) over 32/64-column tiles, 8/16 steps and 4/8
-# warps; then batch 1-2 with 32-column tiles (EXL2_GEMV_BN) and 16 steps, with 16 steps and 8 warps, and defaults.
-# s63: s62 cut to fit a short budget (q/k/v in L2 over 4 launch settings; the defaults and BN 32 + 16 steps).
-# s64 (for session 32): the grouped-gemv GPU tests with EXL2_GEMV_NARROW=1, then batch 1-2 (fp16 and q4, ctx 2048)
-# alternating defaults and the narrow q/k/v setting, twice, then the mixed body with each.
+# warps; then batch 1-2 with the narrow q/k/v setting off (EXL2_GEMV_NARROW=0, on by default since session 32),
+# with 16 steps and 8 warps, and defaults. s65 (session 32): benchmarks/int8_gemv.py from L2 and from DRAM.
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -432,7 +430,7 @@ for s in $steps; do
        if [[ "$gpu" == *H200* ]]; then
          timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
          grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
-         specs=";EXL2_GEMV_BN=32 EXL2_GEMV_BS=16;EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;EXL2_GEMV_BN=32"
+         specs=";EXL2_GEMV_NARROW=0;EXL2_GEMV_BS=16 EXL2_GEMV_WARPS=8;;EXL2_GEMV_NARROW=0"
        else
          timeout 230 python3 benchmarks/layout_probe.py --l2 --sweep --shapes o,qkv --warps 4,8 --bs 8,16 \
            --stages 3 --bn 32,64 --json "$OUT/gemv_l2.json" > "$OUT/gemv_l2.txt" 2>&1; echo "L2 sweep rc=$?"
@@ -442,18 +440,8 @@ for s in $steps; do
        fi
        AB_SPECS="$specs" TAG=_bn BENCH_TIMEOUT=80 BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" \
          bash "$0" envab ;;
-  s63) timeout 100 python3 benchmarks/layout_probe.py --l2 --sweep --shapes qkv --warps 4 --bs 8,16 --stages 3 \
-         --bn 32,64 --json "$OUT/gemv_l2.json" > "$OUT/gemv_l2.txt" 2>&1; echo "L2 sweep rc=$?"; cat "$OUT/gemv_l2.txt"
-       AB_SPECS=";EXL2_GEMV_BN=32 EXL2_GEMV_BS=16" TAG=_bn BENCH_TIMEOUT=80 \
-         BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab ;;
-  s64) EXL2_GEMV_NARROW=1 timeout -s INT -k 10 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py \
-         tests/test_kernels_quant_matmul.py -q -n 8 -p no:cacheprovider -rfE \
-         -k "group or real_sizes or golden_greedy_decode_matches_cpu" > "$OUT/gpu_narrow.txt" 2>&1
-       echo "narrow-group tests rc=$?"; tail -3 "$OUT/gpu_narrow.txt"
-       AB_SPECS=";EXL2_GEMV_NARROW=1;;EXL2_GEMV_NARROW=1" TAG=_narrow BENCH_TIMEOUT=80 \
-         BENCH_ARGS="--modes fp16,q4 --contexts 2048 --prefill 64 --batch 2" bash "$0" envab
-       AB_SPECS=";EXL2_GEMV_NARROW=1" TAG=_narrowmix BENCH_TIMEOUT=80 \
-         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64" bash "$0" envab ;;
+  s65) for mode in --l2 ""; do timeout 150 python3 benchmarks/int8_gemv.py $mode > "$OUT/int8${mode}.txt" 2>&1
+         echo "int8 gemv $mode rc=$?"; cat "$OUT/int8${mode}.txt"; done ;;
   s55) SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=500 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"

@@ -395,10 +395,12 @@ def test_gemv_group_equals_separate_gemvs(split, bs, bn, monkeypatch):
 
 @needs_triton
 def test_narrow_gemv_group_settings(monkeypatch):
-    """`EXL2_GEMV_NARROW`: a group of fewer 64-column tiles than SMs (4 on the CPU) takes 32-column tiles, 16 steps
-    and ~2 programs an SM, and still equals the twin; a wider group keeps the defaults."""
+    """`EXL2_GEMV_NARROW`: a one-width group of fewer 64-column tiles than SMs (4 on the CPU) takes 32-column
+    tiles, 16 steps and ~2 programs an SM, and still equals the twin; a wider or a mixed-width group keeps the
+    defaults."""
     monkeypatch.setattr(gemv_k, "GEMV_NARROW", True)
-    narrow = [Exl2Weight.from_tensors(rand_exl2(MIXED, n, seed=i), "L", device=DEV) for i, n in enumerate([64, 32])]
+    four = [(4, 256)]
+    narrow = [Exl2Weight.from_tensors(rand_exl2(four, n, seed=i), "L", device=DEV) for i, n in enumerate([64, 32])]
     group = gemv_k.GemvGroup(narrow)
     assert (group.BN, group.BS, group.per_sm) == (32, 16, 2)
     x = torch.randn(1, narrow[0].k, device=DEV).half()
@@ -406,9 +408,11 @@ def test_narrow_gemv_group_settings(monkeypatch):
         outs = group(permute.gather_input(x, narrow, whole=True), fast4=False)
     for w, y in zip(narrow, outs):
         _check_close(y, qweight.matmul_torch(x, w))
-    wide = [Exl2Weight.from_tensors(rand_exl2(MIXED, 128, seed=i), "L", device=DEV) for i in range(2)]
-    group = gemv_k.GemvGroup(wide)
-    assert (group.BN, group.BS, group.per_sm) == (gemv_k.GEMV_BN, gemv_k.GEMV_BS, gemv_k.GROUP_PER_SM)
+    defaults = (gemv_k.GEMV_BN, gemv_k.GEMV_BS, gemv_k.GROUP_PER_SM)
+    wide = [Exl2Weight.from_tensors(rand_exl2(four, 128, seed=i), "L", device=DEV) for i in range(2)]
+    assert (lambda g: (g.BN, g.BS, g.per_sm))(gemv_k.GemvGroup(wide)) == defaults
+    mixed = [Exl2Weight.from_tensors(rand_exl2(MIXED, n, seed=i), "L", device=DEV) for i, n in enumerate([64, 32])]
+    assert (lambda g: (g.BN, g.BS, g.per_sm))(gemv_k.GemvGroup(mixed)) == defaults
 
 
 _RPF_CHILD = """

@@ -43,11 +43,12 @@ GEMV_WARPS = env_choice("EXL2_GEMV_WARPS", 4, (4, 8))
 # (EXL2_GEMV_BN): 32 doubles the programs over the same K, more warps for the H200's issue-bound gemv without
 # the partial sums of a deeper K split.
 GEMV_BN = env_choice("EXL2_GEMV_BN", 64, (32, 64))
-# EXL2_GEMV_NARROW=1 (off): a grouped gemv whose 64-column tiles number fewer than the SMs (q/k/v of an 8B model)
-# runs 32-column tiles, 16 steps an iteration and K split to ~2 programs an SM instead: the q/k/v gemv of the
-# synthetic 8B took 7.90 against 8.85 µs from DRAM and 6.44 against 7.22 µs from L2 (H100, benchmarks/RESULTS.md
-# session 31), while gate/up (448 tiles) lost 4 % with the same setting. Not yet measured end to end.
-GEMV_NARROW = env_choice("EXL2_GEMV_NARROW", 0, range(0, 2)) == 1
+# EXL2_GEMV_NARROW (1, on): a grouped gemv of one width whose 64-column tiles number fewer than the SMs (q/k/v of
+# an 8B model) runs 32-column tiles, 16 steps an iteration and K split to ~2 programs an SM instead: the q/k/v gemv
+# of the synthetic 8B took 7.90 against 8.85 µs from DRAM (H100, benchmarks/RESULTS.md session 31), gate/up (448
+# tiles) lost 4 % with the same setting. End to end (session 32, H100): 4-bit body at batch 1 +2.5 % (416/418 ->
+# 427/428 tok/s), but a 5/4/3-bit body -4 % (371 -> 357), so mixed-width groups keep the defaults.
+GEMV_NARROW = env_choice("EXL2_GEMV_NARROW", 1, range(0, 2)) == 1
 # EXL2_GEMV_RPF=1 (off): the packed 4-bit loop loads the next iteration's words, scales and input pairs straight
 # into registers instead of Triton's cp.async ring through shared memory: no shared-memory loads, commits, waits or
 # barriers in the loop (the H200's issue-bound gemv spent ~30 of its 335 instructions an iteration and most of
@@ -696,12 +697,13 @@ class GemvGroup:
                  stages: int | None = None, per_sm: int | None = None, num_warps: int | None = None):
         """Defaults from the H200 sweeps (benchmarks/RESULTS.md, session 4 run 13 and session 11): 64-column tiles
         (`GEMV_BN`; q/k/v 12.4 → 10.2 µs, gate/up 24.4 → 21.5 µs against 128 columns), K split up to
-        `GROUP_PER_SM` programs per SM; narrow groups as `GEMV_NARROW` says."""
+        `GROUP_PER_SM` programs per SM; narrow one-width groups as `GEMV_NARROW` says."""
         if not self.accepts(ws):
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
         self.ws = list(ws)
         narrow = (GEMV_NARROW and bn is None and bs is None and per_sm is None
+                  and len({c.bits for w in ws for c in w.classes}) == 1
                   and sum(triton.cdiv(w.n, 64) for w in ws) < sm_count(ws[0].device))
         bn, bs, per_sm = (32, 16, 2) if narrow else (bn, bs, per_sm)
         self.BN = GEMV_BN if bn is None else bn
