@@ -70,7 +70,8 @@
 # then s59's first two variants and the Gluon one. s62 (session 31): on an H200 the target table; elsewhere the
 # gemv sweep with L2-resident weights (issue-bound, the H200's regime) over 32/64-column tiles, 8/16 steps and 4/8
 # warps; then batch 1-2 with the narrow q/k/v setting off (EXL2_GEMV_NARROW=0, on by default since session 32),
-# with 16 steps and 8 warps, and defaults. s65 (session 32): benchmarks/int8_gemv.py from L2 and from DRAM.
+# with 16 steps and 8 warps, and defaults. s65 (session 32): benchmarks/int8_gemv.py from L2 and from DRAM. s66:
+# the int8 gemv from DRAM on an H200 (then s62), from L2 elsewhere.
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -442,6 +443,11 @@ for s in $steps; do
          bash "$0" envab ;;
   s65) for mode in --l2 ""; do timeout 150 python3 benchmarks/int8_gemv.py $mode > "$OUT/int8${mode}.txt" 2>&1
          echo "int8 gemv $mode rc=$?"; cat "$OUT/int8${mode}.txt"; done ;;
+  s66) gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$gpu"
+       if [[ "$gpu" == *H200* ]]; then mode=""; else mode="--l2"; fi
+       timeout 200 python3 benchmarks/int8_gemv.py $mode > "$OUT/int8${mode}.txt" 2>&1
+       echo "int8 gemv $mode rc=$?"; grep -E "^\||WRONG|input itself" "$OUT/int8${mode}.txt"
+       if [[ "$gpu" == *H200* ]]; then bash "$0" s62; fi ;;
   s55) SWEEP_SHAPES=gateup,down LAYOUT_TIMEOUT=500 bash "$0" gemvsweep ;;
   tests) timeout -s INT -k 15 "${TEST_TIMEOUT:-280}" python3 -m pytest -m gpu tests/ -q -n ${TEST_WORKERS:-8} -p no:cacheprovider \
            -rfE --durations=8 > "$OUT/gpu_tests.txt" 2>&1; echo "tests rc=$?"
