@@ -84,6 +84,15 @@ def _compile_all() -> dict:
                   STAGES=3, PDL=True, PREFETCH=64)
     out["gemv-group-all-widths"] = verdict(lambda: ptx(gemv_k._gemv_group_kernel, grp, consts, 4, 3))
 
+    def one_body_ptx():
+        """EXL2_GEMV_GROUP_SELECT's mixed 5/4/3 q/k/v kernel: one copy of each width's loop instead of three."""
+        split = ptx(gemv_k._gemv_group_kernel, grp, dict(consts, MASK=14), 4, 3)
+        one = ptx(gemv_k._gemv_group_kernel, grp, dict(consts, MASK=14, ONE_BODY=True), 4, 3)
+        if not 0 < one.count("lop3.b32") * 2 < split.count("lop3.b32"):
+            raise AssertionError("the one-body kernel does not hold fewer copies of the decoders")
+        return one
+    out["gemv-group-one-body"] = verdict(one_body_ptx)
+
     def switched_ptx(switch, mask, check, why):
         """The group gemv of the widths in `mask` with the module switch `switch` on (its environment variable)."""
         default = getattr(gemv_k, switch)
@@ -250,6 +259,11 @@ def test_gemv_prefetches_its_weights_before_its_wait(compiled, bn, width):
 def test_grouped_gemv_compiles_every_packed_decoder(compiled):
     """q/k/v of a mixed-width model: one launch whose runtime class branches hold all six decoders."""
     assert compiled["gemv-group-all-widths"] == "ok"
+
+
+def test_grouped_gemv_one_body_holds_one_copy_of_its_loops(compiled):
+    """`EXL2_GEMV_GROUP_SELECT`: the mixed q/k/v kernel inlines one member body (a third of the decoders)."""
+    assert compiled["gemv-group-one-body"] == "ok"
 
 
 @pytest.mark.parametrize("kernel", ["fp8-weight", "fp8-input"])

@@ -394,6 +394,30 @@ def test_gemv_group_equals_separate_gemvs(split, bs, bn, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("g,bias,per_sm", [(3, True, 1), (3, False, 3), (2, False, 2)])
+def test_gemv_group_one_body_equals_twin(g, bias, per_sm, monkeypatch):
+    """`EXL2_GEMV_GROUP_SELECT`: a mixed-width group runs one member body with its pointers picked at run time, and
+    each member's output (bias, K splits) still equals the twin; a one-width group or one whose members differ in
+    bias keeps a body a member."""
+    monkeypatch.setattr(gemv_k, "GEMV_GROUP_SELECT", True)
+    mixes = [MIXED, [(4, 128), (4, 128), (2, 48)], [(8, 32), (6, 64), (4, 128), (2, 80)]]
+    ws = [Exl2Weight.from_tensors(rand_exl2(mix, n, bias=bias, seed=i), "L", device=DEV)
+          for i, (mix, n) in enumerate(zip(mixes[:g], [48, 32, 64]))]
+    group = gemv_k.GemvGroup(ws, bs=2, per_sm=per_sm)
+    assert group.one_body
+    x = torch.randn(2, ws[0].k, device=DEV).half()
+    with force_triton():
+        outs = group(permute.gather_input(x, ws, whole=True), fast4=False)
+    for w, y in zip(ws, outs):
+        _check_close(y, qweight.matmul_torch(x, w))
+    four = [Exl2Weight.from_tensors(rand_exl2([(4, 256)], 32, seed=i), "L", device=DEV) for i in range(2)]
+    assert not gemv_k.GemvGroup(four).one_body
+    mixed_bias = [Exl2Weight.from_tensors(rand_exl2(MIXED, 32, bias=i == 0, seed=i), "L", device=DEV)
+                  for i in range(2)]
+    assert not gemv_k.GemvGroup(mixed_bias).one_body
+
+
+@needs_triton
 def test_narrow_gemv_group_settings(monkeypatch):
     """`EXL2_GEMV_NARROW`: a one-width group of fewer 64-column tiles than SMs (4 on the CPU) takes 32-column
     tiles, 16 steps and ~2 programs an SM, and still equals the twin; a wider or a mixed-width group keeps the

@@ -56,6 +56,12 @@ GEMV_NARROW = env_choice("EXL2_GEMV_NARROW", 1, range(0, 2)) == 1
 # iteration of decoding instead.
 GEMV_RPF = env_choice("EXL2_GEMV_RPF", 0, range(0, 2)) == 1
 _GEMV_RPF = tl.constexpr(GEMV_RPF)
+# EXL2_GEMV_GROUP_SELECT=1 (off): a grouped gemv of mixed widths inlines its member body once, the member's pointers
+# picked at run time, where it inlined one copy a member (2-3) of every width's pipelined loop: the 5/4/3-bit q/k/v
+# kernel's code 97 KB -> 33 KB (sm_90). ncu found that kernel stalled most on instruction fetch (no_instruction
+# 4.2 a issue, its top stall; +11 % instructions but +41 % time against 4-bit; H100, benchmarks/RESULTS.md session
+# 32). Not yet measured on a GPU.
+GEMV_GROUP_SELECT = env_choice("EXL2_GEMV_GROUP_SELECT", 0, range(0, 2)) == 1
 
 
 @triton.jit
@@ -647,12 +653,24 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
                        out2, bias2, qw2, sc2, zr2, sg2, G: tl.constexpr, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                        RED: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr = 2,
-                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, ONE_BODY: tl.constexpr = False):
     """The gemv of up to three weights that read the same input (q/k/v, gate/up) in one launch: grid axis 0 runs
-    over every (matrix, column tile, K split) program, axis 2 over the input rows."""
+    over every (matrix, column tile, K split) program, axis 2 over the input rows. ONE_BODY (the members agree on
+    bias): one inlined member body whose matrix pointers and metadata row are picked at run time, instead of one
+    copy of every width's loop a member (`GEMV_GROUP_SELECT`)."""
     pid = tl.program_id(0)
     pid_m = tl.program_id(2)
-    if G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
+    if ONE_BODY:
+        sel = pid * 0
+        if G > 1:
+            sel += (pid >= tl.load(meta_ptr + 25 + 21)).to(tl.int32)
+        if G > 2:
+            sel += (pid >= tl.load(meta_ptr + 2 * 25 + 21)).to(tl.int32)
+        _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + sel * 25, part_ptr, cnt_ptr, M, pid, pid_m,
+                      _pick(sel, out0, out1, out2), _pick(sel, bias0, bias1, bias2), _pick(sel, qw0, qw1, qw2),
+                      _pick(sel, sc0, sc1, sc2), _pick(sel, zr0, zr1, zr2), _pick(sel, sg0, sg1, sg2), MASK,
+                      HAS_ZEROS, B0, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
+    elif G > 2 and pid >= tl.load(meta_ptr + 2 * 25 + 21):
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr + 2 * 25, part_ptr, cnt_ptr, M, pid, pid_m, out2, bias2,
                       qw2, sc2, zr2, sg2, MASK, HAS_ZEROS, B2, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
     elif G > 1 and pid >= tl.load(meta_ptr + 25 + 21):
@@ -661,6 +679,12 @@ def _gemv_group_kernel(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M
     else:
         _group_member(x_ptr, x32_ptr, stride_xm, meta_ptr, part_ptr, cnt_ptr, M, pid, pid_m, out0, bias0,
                       qw0, sc0, zr0, sg0, MASK, HAS_ZEROS, B0, BS, BN, RED, FAST4, STAGES, PDL, PREFETCH)
+
+
+@triton.jit
+def _pick(sel, p0, p1, p2):
+    """Member sel's pointer of a gemv group."""
+    return tl.where(sel == 2, p2, tl.where(sel == 1, p1, p0))
 
 
 def gemv(x: torch.Tensor, w: QuantWeight, cfg: MatmulConfig, fast4: bool | None = None,
@@ -712,6 +736,10 @@ class GemvGroup:
         self.stages = GEMV_STAGES if stages is None else stages
         self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
         self.mask = width_mask(self.ws)
+        # one member body for mixed widths only: for one width its ~8 more instructions a loop iteration (the
+        # picked pointers' address arithmetic) would cost more than its smaller code saves
+        self.one_body = (GEMV_GROUP_SELECT and self.mask & (self.mask - 1) != 0
+                         and len({w.bias is not None for w in self.ws}) == 1)
         self._plans: dict[int, tuple] = {}
 
     @classmethod
@@ -764,6 +792,7 @@ class GemvGroup:
             G=len(self.ws), MASK=self.mask, HAS_ZEROS=self.ws[0].zeros is not None, B0=has_bias[0],
             B1=has_bias[1], B2=has_bias[2], BS=self.BS, BN=self.BN, RED=red, FAST4=fast4,
             STAGES=self.stages, num_warps=self.num_warps, num_stages=self.stages,
+            ONE_BODY=self.one_body,
             **pdl_args(xp.device, m, prefetch=prefetch_rows(self.ws)))
         return outs
 
