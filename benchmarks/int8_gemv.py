@@ -101,31 +101,9 @@ def gemv4_int8(xq, xs, xsum, w: qweight.QuantWeight, out: torch.Tensor, bs: int,
     return out
 
 
-def _graph_us(fn, copies: int, calls: int, reps: int = 20) -> float:
-    """Best µs per call of fn(i % copies), i < calls, replayed as one CUDA graph."""
-    for i in range(calls):
-        fn(i % copies)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i % copies)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / (reps * calls))
-    return best
-
-
 def main() -> None:
     from kernels import make_weight  # noqa: E402 - the converter-like random layer of benchmarks/kernels.py
+    from layout_probe import _graph_time  # noqa: E402 - the same graph timing as the layout probe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--l2", action="store_true", help="one copy of each weight, called again and again from L2")
@@ -153,7 +131,7 @@ def main() -> None:
             return y.parts.sum(0).view(-1) if isinstance(y, SplitSum) else y.view(-1)
 
         err16 = float((fp16(0).double() - ref).norm() / ref.norm())
-        t16 = _graph_us(lambda i: qm.permuted_matmul(xp, ws[i], split_sum=True), copies, calls)
+        t16 = _graph_time(lambda i: qm.permuted_matmul(xp, ws[i], split_sum=True), copies, calls)
         best = None
         for bs, bn, split, warps in SETTINGS:
             if k // 32 < split * bs:
@@ -165,7 +143,7 @@ def main() -> None:
             if err8 > 2e-3:
                 print(f"  {name} int8 {(bs, bn, split, warps)}: WRONG RESULT (rel err {err8:.1e})")
                 continue
-            t = _graph_us(lambda i, c=(bs, bn, split, warps), o=out: gemv4_int8(xq, xs, xsum, ws[i], o, *c),
+            t = _graph_time(lambda i, c=(bs, bn, split, warps), o=out: gemv4_int8(xq, xs, xsum, ws[i], o, *c),
                           copies, calls)
             print(f"  {name} int8 {(bs, bn, split, warps)}: {t:.2f} µs")
             if best is None or t < best[0]:
