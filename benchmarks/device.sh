@@ -73,7 +73,8 @@
 # with 16 steps and 8 warps, and defaults. s65 (session 32): benchmarks/int8_gemv.py from L2 and from DRAM. s66:
 # the int8 gemv from DRAM on an H200 (then s62), from L2 elsewhere. ncumix: ncu of the grouped q/k/v and gate/up
 # gemvs, 4-bit against the mixed body, both with the 64-column launch (EXL2_GEMV_NARROW=0). s68 (for session 33):
-# the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1, then the mixed body alternating it off and on, twice.
+# the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1 and EXL2_GEMV_MIXED_OWN=1, then the mixed body with
+# neither, each, both, neither.
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -263,13 +264,13 @@ for s in $steps; do
              python3 benchmarks/gemv_probe.py --shape $spec > "$OUT/ncu_$tag.txt" 2>&1; echo "ncu $spec rc=$?"
            grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issued Warp|Eligible Warps|No Eligible|Warp Cycles Per Issued|Executed Instructions  |Grid Size" "$OUT/ncu_$tag.txt" | head -14
            grep -E "stalled" "$OUT/ncu_$tag.txt" | sort -k3 -g -r | head -6; done ;;
-  s68) EXL2_GEMV_GROUP_SELECT=1 timeout -s INT -k 10 200 python3 -m pytest -m gpu tests/test_gpu_e2e.py \
-         tests/test_kernels_quant_matmul.py -q -n 8 -p no:cacheprovider -rfE \
-         -k "group or real_sizes or golden_greedy_decode_matches_cpu" > "$OUT/gpu_select.txt" 2>&1
-       echo "one-body group tests rc=$?"; tail -3 "$OUT/gpu_select.txt"
-       AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1;EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1" \
-         TAG=_select BENCH_TIMEOUT=80 BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64 --batch 2,16" \
-         bash "$0" envab ;;
+  s68) EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1 timeout -s INT -k 10 200 python3 -m pytest -m gpu \
+         tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py -q -n 8 -p no:cacheprovider -rfE \
+         -k "group or real_sizes or mixed or golden_greedy_decode_matches_cpu" > "$OUT/gpu_select.txt" 2>&1
+       echo "one-body group + own-width tests rc=$?"; tail -3 "$OUT/gpu_select.txt"
+       AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1;EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=1 \
+EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=0" TAG=_select BENCH_TIMEOUT=90 \
+         BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
   ncumma) for shape in ${NCU_SHAPES:-gate down}; do
            timeout 90 ncu --clock-control none --kernel-name regex:_mma_kernel --launch-skip 3 --launch-count 1 \
              --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

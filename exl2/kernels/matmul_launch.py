@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from exl2.kernels.backend import COUNTER_POOL, counters, next_pow2, pdl_args, sm_count, tl, triton
+from exl2.kernels.backend import COUNTER_POOL, counters, env_choice, next_pow2, pdl_args, sm_count, tl, triton
 from exl2.kernels.qweight import WIDTHS, QuantWeight
 from exl2.kernels.split_sum import SplitSum
 
@@ -62,19 +62,26 @@ class MatmulConfig:
     num_stages: int = 2
 
 
+# EXL2_GEMV_MIXED_OWN=1 (off): a mixed-width matrix's gemv/dot kernel is compiled for the widths it has instead of
+# all six: the gemv's code 59 KB -> 31 KB for a 5/4/3-bit matrix (sm_90), as the grouped gemv's mixed kernel was
+# found waiting on instruction fetch (benchmarks/RESULTS.md session 32), at the price of a compile per combination
+# of widths on first use. Not yet measured.
+MIXED_OWN = env_choice("EXL2_GEMV_MIXED_OWN", 0, range(0, 2)) == 1
+
+
 def class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
     """(first step, steps, first word) per width and the kernels' HAS flags. A matrix of one width gets a kernel
     for that width alone; every mixed matrix shares the one kernel with all widths (an absent width has 0 steps,
     so its loop is empty): real EXL2 models mix widths in many combinations, and compiling a kernel per
-    combination took minutes on first use."""
+    combination took minutes on first use (unless `MIXED_OWN`)."""
     cached = w._cache.get("class_args")
     if cached is None:
         args, flags = [], {}
-        mixed = len(w.classes) > 1
+        every = len(w.classes) > 1 and not MIXED_OWN
         for bits in WIDTHS:
             c = w.class_of(bits)
             args += [c.first_step, c.n_steps, c.first_word] if c else [0, 0, 0]
-            flags[f"HAS{bits}"] = mixed or c is not None
+            flags[f"HAS{bits}"] = every or c is not None
         cached = w._cache["class_args"] = (args, flags)
     return cached
 
