@@ -142,6 +142,16 @@ def _compile_all() -> dict:
             out[f"mma-group-{three}"] = "ok" if text.count("mma.sync") >= 2 and pdl_ok else "no mma.sync, or PDL"
         except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
             out[f"mma-group-{three}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        one_consts = dict(consts, ON0=True, POST1=True, MASK0=28, MASK1=12, MASK2=8, ONE_BODY=True)
+        try:  # EXL2_GEMV_GROUP_SELECT: one tile body over the union of the members' widths
+            text = ptx(mma_dot._mma_group_kernel, gptrs, one_consts, 4, 1, div=("N0", "N1", "N2", "stride_xm"))
+            each = ptx(mma_dot._mma_group_kernel, gptrs, dict(one_consts, ONE_BODY=False), 4, 1,
+                       div=("N0", "N1", "N2", "stride_xm"))
+            pdl_ok = ("griddepcontrol.wait" in text) == three
+            out[f"mma-group-one-{three}"] = ("ok" if 0 < text.count("mma.sync") < each.count("mma.sync") and pdl_ok
+                                             else "no fewer mma.sync than a body a member, or PDL")
+        except Exception as e:  # noqa: BLE001 - reported to the test as the case's result
+            out[f"mma-group-one-{three}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     from exl2.kernels import activation as act
     from exl2.kernels import norm
 
@@ -292,6 +302,12 @@ def test_gluon_mma_compiles_with_its_fragment_layouts(compiled, mask, bs, v, pos
 @pytest.mark.parametrize("three", [True, False])
 def test_gluon_mma_group_compiles(compiled, three):
     assert compiled[f"mma-group-{three}"] == "ok"
+
+
+@pytest.mark.parametrize("three", [True, False])
+def test_gluon_mma_group_one_body_compiles(compiled, three):
+    """`EXL2_GEMV_GROUP_SELECT`'s Gluon group kernel: one tile body for members of different width mixes."""
+    assert compiled[f"mma-group-one-{three}"] == "ok"
 
 
 @pytest.mark.parametrize("kernel", ["norm-gather", "norm-gather-parts", "glu-gather"])

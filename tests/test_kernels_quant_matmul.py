@@ -321,6 +321,31 @@ def test_gluon_mma_group_matches_twin_gpu(m):
             _check_close(y, ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [2, 16])
+def test_gluon_mma_group_one_body_equals_a_body_a_member_gpu(m):
+    """`mma_group(one_body=True)` (`EXL2_GEMV_GROUP_SELECT`): members of different width mixes through one tile body
+    over the union of their widths give bit for bit what a body a member gives, split or not, three members or
+    two."""
+    from exl2.kernels import mma_dot
+
+    ws = [Exl2Weight.from_tensors(rand_exl2(layout, n, seed=m + 9 + i, device="cuda"), "L", device="cuda")
+          for i, (layout, n) in enumerate([([(5, 128)] * 3 + [(4, 128)] * 11 + [(3, 128)] * 2, 2048),
+                                           ([(6, 128)] * 2 + [(4, 128)] * 14, 512),
+                                           ([(4, 128)] * 16, 512)])]
+    for group in (ws, ws[:2]):
+        x = torch.randn(m, group[0].k, dtype=torch.float16, device="cuda")
+        buf = permute.gather_input(x, group, whole=True)
+        offsets = permute.input_layout(group)[1]
+        for splits in (None, [2, 4, 3][:len(group)]):
+            one = mma_dot.mma_group(buf, group, offsets, 4, 2, splits, 4, one_body=True)
+            each = mma_dot.mma_group(buf, group, offsets, 4, 2, splits, 4)
+            for a, b, w in zip(one, each, group):
+                assert torch.equal(a, b)
+                _check_close(a, qweight.matmul_torch(x, w))
+
+
 # ---------------------------------------------------------------------------------------------- permuted input
 def test_input_order_pairs_rows_for_the_packed_decoders():
     """x_index puts rows (u, u+4) of each 4-bit word and rows (r, r+16) of each 6/5/3/2-bit step side by side,

@@ -60,7 +60,8 @@ _GEMV_RPF = tl.constexpr(GEMV_RPF)
 # picked at run time, where it inlined one copy a member (2-3) of every width's pipelined loop: the 5/4/3-bit q/k/v
 # kernel's code 97 KB -> 33 KB (sm_90). ncu found that kernel stalled most on instruction fetch (no_instruction
 # 4.2 a issue, its top stall; +11 % instructions but +41 % time against 4-bit; H100, benchmarks/RESULTS.md session
-# 32). Not yet measured on a GPU.
+# 32). The Gluon group kernel (batches 2-16, `mma_dot.mma_group(one_body=...)`) takes the same switch. Not yet
+# measured on a GPU.
 GEMV_GROUP_SELECT = env_choice("EXL2_GEMV_GROUP_SELECT", 0, range(0, 2)) == 1
 
 

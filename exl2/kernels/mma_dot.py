@@ -560,6 +560,11 @@ if HAVE_GLUON:
                     gl.atomic_xchg(cnt_ptr + pid_n, 0)
 
     @gluon.jit
+    def _pick3(sel, a, b, c):
+        """Member sel's value (pointer or size) of a group."""
+        return gl.where(sel == 2, c, gl.where(sel == 1, b, a))
+
+    @gluon.jit
     def _pdl_sync():
         """`backend.pdl_sync` in Gluon: wait for the previous kernel's writes, then let the next one launch."""
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
@@ -586,12 +591,29 @@ if HAVE_GLUON:
                           ON0: gl.constexpr, ON1: gl.constexpr, ON2: gl.constexpr, BS: gl.constexpr,
                           V: gl.constexpr, STAGES: gl.constexpr, POST0: gl.constexpr, POST1: gl.constexpr,
                           POST2: gl.constexpr, MASK0: gl.constexpr, MASK1: gl.constexpr, MASK2: gl.constexpr,
-                          PDL: gl.constexpr = False):
+                          PDL: gl.constexpr = False, ONE_BODY: gl.constexpr = False):
         """`_mma_kernel` for 2-3 weights sharing one input (q/k/v, gate/up) in one launch: programs [0, P0) take
         weight 0 (tile pid // SP0, split pid % SP0), [P0, P0 + P1) weight 1, the rest weight 2. x0..x2 point at
-        each weight's permuted input inside one buffer; n8_i..n2_i weight i's step counts per width."""
+        each weight's permuted input inside one buffer; n8_i..n2_i weight i's step counts per width. ONE_BODY
+        (members agreeing on ON and POST): one inlined tile body over the union of their widths, the member's
+        pointers and sizes picked at run time, instead of a copy a member (`gemv.GEMV_GROUP_SELECT`)."""
         pid = gl.program_id(0)
-        if pid < P0:
+        if ONE_BODY:
+            sel = (pid >= P0).to(gl.int32)
+            first = gl.where(sel == 1, P0, 0)
+            if THREE:
+                sel += (pid >= P0 + P1).to(gl.int32)
+                first = gl.where(sel == 2, P0 + P1, first)
+            pid -= first
+            n = _pick3(sel, N0, N1, N2)
+            sp = _pick3(sel, SP0, SP1, SP2)
+            _mma_tile(pid // sp, pid % sp, _pick3(sel, x0, x1, x2), _pick3(sel, o0, o1, o2), _pick3(sel, p0, p1, p2),
+                      _pick3(sel, c0, c1, c2), _pick3(sel, b0, b1, b2), _pick3(sel, q0, q1, q2),
+                      _pick3(sel, s0, s1, s2), _pick3(sel, z0, z1, z2), _pick3(sel, g0, g1, g2), M, n, stride_xm, n,
+                      sp, _pick3(sel, n8_0, n8_1, n8_2), _pick3(sel, n6_0, n6_1, n6_2), _pick3(sel, n5_0, n5_1, n5_2),
+                      _pick3(sel, n4_0, n4_1, n4_2), _pick3(sel, n3_0, n3_1, n3_2), _pick3(sel, n2_0, n2_1, n2_2),
+                      MASK0 | MASK1 | MASK2, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0, PDL)
+        elif pid < P0:
             _mma_tile(pid // SP0, pid % SP0, x0, o0, p0, c0, b0, q0, s0, z0, g0, M, N0, stride_xm, N0, SP0,
                       n8_0, n6_0, n5_0, n4_0, n3_0, n2_0, MASK0, HAS_ZEROS, HAS_BIAS, ON0, BS, V, STAGES, POST0, PDL)
         else:
@@ -610,6 +632,10 @@ if HAVE_GLUON:
                 _mma_tile(pid // SP1, pid % SP1, x1, o1, p1, c1, b1, q1, s1, z1, g1, M, N1, stride_xm, N1, SP1,
                           n8_1, n6_1, n5_1, n4_1, n3_1, n2_1, MASK1, HAS_ZEROS, HAS_BIAS, ON1, BS, V, STAGES, POST1,
                           PDL)
+
+
+def _mixed(mask: int) -> bool:
+    return mask & (mask - 1) != 0
 
 
 def class_steps(w) -> tuple[int, list[int]]:
@@ -697,11 +723,12 @@ def mma(xp: torch.Tensor, w, bs: int = 4, v: int = 2, split: int = 1, stages: in
     return SplitSum(part, (xp.shape[0],)) if part_only else out
 
 
-def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=None, stages: int = 3
-              ) -> list[torch.Tensor]:
+def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=None, stages: int = 3,
+              one_body: bool = False) -> list[torch.Tensor]:
     """`[xp_i · W_i + bias_i]` for 2-3 weights `supports` accepts, in one launch: xp `[M ≤ 16, ...]` holds each
     weight's permuted input at column `offsets[i]` (`gather_input(whole=True)`); `splits` the K split of each
-    (default 1). The weights must agree on zeros and bias being present."""
+    (default 1). The weights must agree on zeros and bias being present. `one_body`: where they mix widths and
+    agree on the split being on and on the scale's place, the kernel inlines one tile body for all of them."""
     m = xp.shape[0]
     splits = list(splits or [1] * len(ws))
     cnt = counters(xp.device)
@@ -732,5 +759,7 @@ def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=Non
         xp, m, xp.stride(0), *args, THREE=three, HAS_ZEROS=ws[0].zeros is not None,
         HAS_BIAS=ws[0].bias is not None, ON0=flags[0], ON1=flags[1], ON2=flags[2], BS=bs, V=v, STAGES=stages,
         POST0=posts[0], POST1=posts[1], POST2=posts[2], MASK0=masks[0], MASK1=masks[1], MASK2=masks[2],
+        ONE_BODY=one_body and len(set(flags[:len(ws)])) == 1 and len(set(posts[:len(ws)])) == 1
+        and _mixed(masks[0] | masks[1] | masks[2]),
         num_warps=4, **pdl_args(xp.device, m))
     return outs

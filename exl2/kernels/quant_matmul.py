@@ -24,8 +24,8 @@ from exl2.kernels.backend import env_choice, sm_count, triton, use_triton
 from exl2.kernels.dequant import dequant_matmul_group
 from exl2.kernels.dot import permuted_dot
 from exl2.kernels.fp8_prefill import fp8_applies, fp8_matmul_group
-from exl2.kernels.gemv import (GEMV_BN, GEMV_BS, GEMV_STAGES, GEMV_WARPS, GemvGroup, fast4_available, gemv,
-                               permuted_gemv)
+from exl2.kernels.gemv import (GEMV_BN, GEMV_BS, GEMV_GROUP_SELECT, GEMV_STAGES, GEMV_WARPS, GemvGroup,
+                               fast4_available, gemv, permuted_gemv)
 from exl2.kernels.matmul_launch import PACKED_FLAG, MatmulConfig, auto_split
 from exl2.kernels.permute import buffer_offsets, gather_input, permuted_for
 from exl2.kernels.qweight import QuantWeight, matmul_torch
@@ -205,4 +205,5 @@ def _mma_group(x: torch.Tensor, ws: Sequence[QuantWeight], xp: torch.Tensor | No
     offsets = buffer_offsets(buf, ws)
     tiles = sum(triton.cdiv(w.n, 32 * MMA4_V) for w in ws)
     split = min(auto_split(w, tiles, w.device, 4 * MMA4_BS, MMA4_PER_SM) for w in ws)
-    return mma_dot.mma_group(buf, ws, offsets, MMA4_BS, MMA4_V, [split] * len(ws), MMA4_STAGES)
+    return mma_dot.mma_group(buf, ws, offsets, MMA4_BS, MMA4_V, [split] * len(ws), MMA4_STAGES,
+                             one_body=GEMV_GROUP_SELECT)
