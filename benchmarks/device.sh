@@ -74,7 +74,7 @@
 # the int8 gemv from DRAM on an H200 (then s62), from L2 elsewhere. ncumix: ncu of the grouped q/k/v and gate/up
 # gemvs, 4-bit against the mixed body, both with the 64-column launch (EXL2_GEMV_NARROW=0). s68 (for session 33):
 # the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1 and EXL2_GEMV_MIXED_OWN=1, then the mixed body with
-# neither, each, both, neither.
+# neither, each, both, neither. s69: the norm-gather's launch settings on the decode step's input (4 partials).
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -271,6 +271,8 @@ for s in $steps; do
        AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1;EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=1 \
 EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=0" TAG=_select BENCH_TIMEOUT=90 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
+  s69) timeout 120 python3 benchmarks/kernels.py --only norm --budget 100 --json "$OUT/norm.json" > "$OUT/norm.txt" 2>&1
+       echo "norm sweep rc=$?"; grep -E "rms_norm_gather|norm alone" "$OUT/norm.txt" | head -30 ;;
   ncumma) for shape in ${NCU_SHAPES:-gate down}; do
            timeout 90 ncu --clock-control none --kernel-name regex:_mma_kernel --launch-skip 3 --launch-count 1 \
              --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

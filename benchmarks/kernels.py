@@ -520,6 +520,19 @@ def norm_section(bw: float) -> None:
             row(label, m, "norm + gather launch", t, 0, bw)
             t = graph_us([lambda: norm.rms_norm_gather(x, w, 1e-5, idx, residual=res)])
             row(label, m, "rms_norm_gather (one launch)", t, 0, bw)
+    # The decode step's case: o/down leave 4 K-split partials (`SplitSum`), q/k/v (or gate/up) share one input
+    # order; the launch settings of the one launch
+    from exl2.kernels.split_sum import SplitSum
+
+    parts = torch.randn(4, 1, d, device="cuda")
+    res = torch.randn(1, d, device="cuda").half()
+    idx = [torch.randperm(d, device="cuda").int()]
+    for gblock in (512, 1024, 2048, 4096):
+        for warps in (4, 8, 16):
+            t = graph_us([lambda: norm.rms_norm_gather(SplitSum(parts, (1,)), w, 1e-5, idx, residual=res,
+                                                       gblock=gblock, num_warps=warps)])
+            row(f"rmsnorm of 4 partials + 1 permuted copy, d={d}", 1, "rms_norm_gather", t, 0, bw,
+                cfg=f"gblock={gblock}, warps={warps}")
 
 
 def decode_attention_inputs(batch: int, ctx: int, hq: int, hkv: int, d: int, page: int):

@@ -127,3 +127,24 @@ def test_decoder_routing_split_sums_keeps_the_logits(monkeypatch):
     assert (routed - plain).abs().max() <= 1e-2 * plain.abs().max()
     with torch.no_grad():  # the twins (CPU path) never see the flag's partials
         torch.testing.assert_close(model(ids), model(ids))
+
+
+@needs_triton
+@pytest.mark.parametrize("gblock,warps", [(16, 4), (64, 8), (256, 16)])
+def test_norm_gather_launch_settings_give_the_same_rows(gblock, warps):
+    """`rms_norm_gather(gblock=, num_warps=)` (the kernels.py sweep): other copy chunks a program and warp counts
+    write exactly the default launch's rows; a chunk that is not a power of two is refused."""
+    torch.manual_seed(9)
+    d = 96
+    parts = torch.randn(4, 1, d, device=DEV) * 0.5
+    res = torch.randn(1, d, device=DEV).half()
+    w = torch.rand(d, device=DEV).half() + 0.5
+    idx = [torch.randperm(d, device=DEV).int()]
+    with force_triton():
+        ref = rms_norm_gather(SplitSum(parts, (1,)), w, 1e-5, idx, residual=res.clone())
+        got = rms_norm_gather(SplitSum(parts, (1,)), w, 1e-5, idx, residual=res.clone(), gblock=gblock,
+                              num_warps=warps)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="power of two"):
+        rms_norm_gather(SplitSum(parts, (1,)), w, 1e-5, idx, residual=res.clone(), gblock=48)

@@ -114,14 +114,16 @@ def _norm_gather_kernel(x_ptr, res_ptr, w_ptr, out_ptr, xp_ptr, ro_ptr, D, strid
 
 
 def rms_norm_gather(x: torch.Tensor | SplitSum, weight: torch.Tensor | None, eps: float, indices,
-                    residual: torch.Tensor | None = None, gemma: bool = False) -> tuple[torch.Tensor, ...]:
+                    residual: torch.Tensor | None = None, gemma: bool = False, gblock: int = 1024,
+                    num_warps: int | None = None) -> tuple[torch.Tensor, ...]:
     """`rms_norm` that also returns the normed rows gathered by each of 1–3 index vectors (`QuantWeight.x_index`:
     -1 gives 0) side by side, `[rows, Σ len(index)]` — the permuted inputs of the quantized projections that read
     this norm, without a separate gather launch. Pass each distinct vector once (`runtime.linear.permuted_indices`,
     laid out as `permute.input_layout`). Returns `(normed, permuted)`, or with `residual`
     `(norm(x + residual), permuted, x + residual)`: the sum in a new tensor, `residual` only read. `x` may be a
     `SplitSum` (with a residual): the kernel adds its fp32 partial sums itself, so the matmul that made them
-    skipped its own sum."""
+    skipped its own sum. `gblock` (positions of the copies a program) and `num_warps` are launch settings, for
+    benchmarks/kernels.py's sweep."""
     parts = None
     if isinstance(x, SplitSum):
         if residual is None:
@@ -133,6 +135,8 @@ def rms_norm_gather(x: torch.Tensor | SplitSum, weight: torch.Tensor | None, eps
     _check(x, residual)
     if not 0 < len(indices) <= 3:
         raise ValueError("rms_norm_gather takes one to three index vectors.")
+    if gblock < 16 or gblock & (gblock - 1):
+        raise ValueError(f"gblock must be a power of two of at least 16, got {gblock}.")
     if not use_triton(x):
         new = residual.clone() if residual is not None else None  # the twin sums into it in place
         normed = _norm_torch(x, weight, None, eps, new, gemma, False)
@@ -153,12 +157,12 @@ def rms_norm_gather(x: torch.Tensor | SplitSum, weight: torch.Tensor | None, eps
     ro = torch.empty_like(residual) if residual is not None else None
     ro2 = ro.view(-1, d) if ro is not None else x2
     if m:
-        block, gblock = next_pow2(d), 1024
+        block = next_pow2(d)
         _norm_gather_kernel[(m, 1 + triton.cdiv(total, gblock))](
             x2, r2, weight if weight is not None else x2, out, xp, ro2, d, x2.stride(0), r2.stride(0),
             out.stride(0), xp.stride(0), ro2.stride(0), float(eps), ptrs[0], offs[1], ptrs[1],
             offs[2], ptrs[2], total, HAS_RES=residual is not None, HAS_W=weight is not None, GEMMA=gemma,
-            BLOCK=block, GBLOCK=gblock, num_warps=min(16, max(4, block // 256)),
+            BLOCK=block, GBLOCK=gblock, num_warps=num_warps or min(16, max(4, block // 256)),
             stride_xs=parts.stride(0) if parts is not None else 0, NPART=parts.shape[0] if parts is not None else 0,
             **pdl_args(x2.device, x2.shape[0], small=True))
     return (out.view(x.shape), xp, ro) if ro is not None else (out.view(x.shape), xp)
