@@ -70,8 +70,8 @@
 # then s59's first two variants and the Gluon one. s62 (session 31): on an H200 the target table; elsewhere the
 # gemv sweep with L2-resident weights (issue-bound, the H200's regime) over 32/64-column tiles, 8/16 steps and 4/8
 # warps; then batch 1-2 with the narrow q/k/v setting off (EXL2_GEMV_NARROW=0, on by default since session 32),
-# with 16 steps and 8 warps, and defaults. s65 (session 32): benchmarks/int8_gemv.py from L2 and from DRAM. s66:
-# the int8 gemv from DRAM on an H200 (then s62), from L2 elsewhere. ncumix: ncu of the grouped q/k/v and gate/up
+# with 16 steps and 8 warps, and defaults. s66 (session 32): benchmarks/int8_gemv.py from DRAM on an H200 (then
+# s62), from L2 elsewhere. ncumix: ncu of the grouped q/k/v and gate/up
 # gemvs, 4-bit against the mixed body, both with the 64-column launch (EXL2_GEMV_NARROW=0). s68 (for session 33):
 # the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1 and EXL2_GEMV_MIXED_OWN=1, then the mixed body with
 # neither, each, both, neither. s69: the norm-gather's launch settings on the decode step's input (4 partials).
@@ -461,8 +461,6 @@ EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=0" TAG=_select BENCH_TIMEOUT=90 \
        fi
        AB_SPECS="$specs" TAG=_bn BENCH_TIMEOUT=80 BENCH_ARGS="--modes fp16 --contexts 2048 --prefill 64 --batch 2" \
          bash "$0" envab ;;
-  s65) for mode in --l2 ""; do timeout 150 python3 benchmarks/int8_gemv.py $mode > "$OUT/int8${mode}.txt" 2>&1
-         echo "int8 gemv $mode rc=$?"; cat "$OUT/int8${mode}.txt"; done ;;
   s66) gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$gpu"
        if [[ "$gpu" == *H200* ]]; then mode=""; else mode="--l2"; fi
        timeout 200 python3 benchmarks/int8_gemv.py $mode > "$OUT/int8${mode}.txt" 2>&1
