@@ -16,8 +16,10 @@ def register(sub) -> None:
     p.add_argument("--batch", default="16",
                    help="batch sizes decoded besides batch 1, comma-separated (default 16; e.g. 2,4,16)")
     p.add_argument("--layers", type=int, default=None, help="synthetic model: number of layers (default 32)")
-    p.add_argument("--mixed", action="store_true",
-                   help="synthetic model: 5/4/3-bit groups in every matrix, like a real 4.0 bpw file")
+    p.add_argument("--mixed", nargs="?", const="543", default=None, choices=("543", "table"),
+                   help="synthetic model with a real 4.0 bpw file's mixed widths: 543 (the default) 5/4/3-bit "
+                        "groups in every matrix; table, each block's option from exllamav2's option tables, as a "
+                        "conversion leaves them (width mixes differ between projections)")
     p.add_argument("--prefill-fp8", "--prefill_fp8", dest="prefill_fp8", action="store_true",
                    help="also the prefill with its matmuls in FP8 (EngineConfig.prefill_fp8), a second line; "
                         "--breakdown-prefill then profiles that one")
@@ -78,7 +80,7 @@ def run(args) -> int:
             model = DecoderModel(spec_from_config(read_config(args.model_dir), rope),
                                  WeightLoader(source, dev, torch.float16)).eval()
     else:
-        model, source = synthetic_model(dev, args.layers, args.mixed)
+        model, source = synthetic_model(dev, args.layers, args.mixed or "4bit")
     if args.prefill_fp8:
         from exl2.kernels.fp8_prefill import fp8_available
         from exl2.runtime.linear import quant_kernels
@@ -87,7 +89,7 @@ def run(args) -> int:
             raise ConfigError("--prefill-fp8 needs a quantized model and a GPU whose PyTorch runs row-scaled e4m3 "
                               "GEMMs (sm_89 or newer).")
     wbytes = weight_bytes(source)
-    kind = "5/4/3-bit mixed" if args.mixed else "4-bit"
+    kind = {None: "4-bit", "543": "5/4/3-bit mixed", "table": "exllamav2 option-table 4.0 bpw"}[args.mixed]
     print(f"model: {args.model_dir or f'synthetic Llama-3-8B-shaped EXL2 ({kind} body), 6-bit head'}; "
           f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}", flush=True)
     def progress(r) -> None:  # each row as soon as it is measured (stderr), so a cut-short run still reports

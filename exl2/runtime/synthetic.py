@@ -17,6 +17,40 @@ BODY_OPTION = ([4], [1.0], [128])
 # A body like a real 4.0 bpw file's: most groups 4-bit, some 5- and 3-bit in every matrix (≈ 4.0 bpw with scales).
 MIXED_BODY_OPTION = ([5, 4, 3], [0.1, 0.7, 0.2], [128, 128, 128])
 HEAD_OPTION = ([8, 6], [0.15, 0.85], [128, 128])
+BODIES = ("4bit", "543", "table")  # `synthetic_model(body=...)`: BODY_OPTION, MIXED_BODY_OPTION, `table_options`
+
+
+def _option(q) -> tuple[list[int], list[float], list[int]]:
+    """A `quantize.qparams.QParams` as this module's (bits, proportion, group size) option."""
+    return list(q.bits), list(q.bits_prop), [q.sizes[b] for b in q.bits]
+
+
+def table_options(cfg: dict, target_bpw: float = 4.0, spread: float = 0.6) -> list[dict[str, tuple]]:
+    """Per layer, each projection's option from exllamav2's option tables (`quantize.qparams`), roughly as a
+    `target_bpw` conversion leaves them: layer l takes, for its attention and its MLP, the table row whose storage on
+    this model's shapes is nearest target + spread·cos(π·l / (layers − 1)) bits a weight (the first and last layers
+    get more, as the optimizer tends to give them; the average stays near the target). Real files mix widths
+    differently in q/k/v, o, gate/up and down and from layer to layer, so their kernels meet several width
+    combinations, not one."""
+    import math
+
+    from exl2.quantize.qparams import roles, table
+
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, i),
+              "up_proj": (h, i), "down_proj": (i, h)}
+    layers = cfg["num_hidden_layers"]
+    per_layer: list[dict[str, tuple]] = [{} for _ in range(layers)]
+    for kind in ("attn", "mlp"):
+        names = roles(kind)
+        weights = sum(shapes[r][0] * shapes[r][1] for r in names)
+        bpw = [sum(q.total_bits(*shapes[r]) for q, r in zip(row, names)) / weights for row in table(kind)]
+        for layer in range(layers):
+            want = target_bpw + spread * math.cos(math.pi * layer / max(1, layers - 1))
+            row = table(kind)[min(range(len(bpw)), key=lambda j: abs(bpw[j] - want))]
+            per_layer[layer].update({r: _option(q) for q, r in zip(row, names)})
+    return per_layer
 
 
 def random_exl2_layer(k: int, n: int, option=BODY_OPTION, device="cpu", generator=None,
@@ -39,8 +73,8 @@ def random_exl2_layer(k: int, n: int, option=BODY_OPTION, device="cpu", generato
 
 
 def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0, body=BODY_OPTION) -> dict[str, torch.Tensor]:
-    """All tensors of a Llama-shaped EXL2 model (`body` option for the decoder layers, 6-bit head), keyed like an
-    EXL2 checkpoint."""
+    """All tensors of a Llama-shaped EXL2 model (`body` option for the decoder layers, or a list of per-layer
+    {projection: option} as `table_options` gives; 6-bit head), keyed like an EXL2 checkpoint."""
     g = torch.Generator(device=device).manual_seed(seed)
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = h // cfg["num_attention_heads"]
@@ -50,7 +84,9 @@ def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0, body=
         "model.norm.weight": torch.ones(h, dtype=torch.float16, device=device),
     }
 
-    def add(prefix, k, n, option=body, perm=None):
+    def add(prefix, k, n, option=None, perm=None):
+        if option is None:
+            option = body[int(prefix.split(".")[2])][prefix.rsplit(".", 1)[1]] if isinstance(body, list) else body
         for key, t in random_exl2_layer(k, n, option, device, g, perm).items():
             out[f"{prefix}.{key}"] = t
 
@@ -84,8 +120,9 @@ class DictSource(dict):
         return list(self[name].shape)
 
 
-def synthetic_model(device: torch.device, layers: int | None = None, mixed: bool = False):
-    """(model, tensor source) of the fabricated Llama-3-8B-shaped EXL2 model (`exl2 bench` without -m)."""
+def synthetic_model(device: torch.device, layers: int | None = None, body: str = "4bit"):
+    """(model, tensor source) of the fabricated Llama-3-8B-shaped EXL2 model (`exl2 bench` without -m); `body`
+    one of `BODIES`: 4-bit groups, 5/4/3-bit groups in every matrix, or exllamav2's option tables at 4.0 bpw."""
     from exl2.models.decoder import DecoderModel
     from exl2.models.registry import spec_from_config
     from exl2.runtime.weights import WeightLoader
@@ -93,7 +130,10 @@ def synthetic_model(device: torch.device, layers: int | None = None, mixed: bool
     cfg = dict(LLAMA3_8B)
     if layers:
         cfg["num_hidden_layers"] = layers
-    source = DictSource(llama_exl2_tensors(cfg, device=device, body=MIXED_BODY_OPTION if mixed else BODY_OPTION))
+    if body not in BODIES:
+        raise ValueError(f"body must be one of {', '.join(BODIES)}, not {body!r}.")
+    option = {"4bit": BODY_OPTION, "543": MIXED_BODY_OPTION}.get(body) or table_options(cfg)
+    source = DictSource(llama_exl2_tensors(cfg, device=device, body=option))
     with torch.inference_mode():
         model = DecoderModel(spec_from_config(cfg), WeightLoader(source, device, torch.float16)).eval()
     return model, source
