@@ -76,6 +76,7 @@
 # the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1 and EXL2_GEMV_MIXED_OWN=1, then the mixed body with
 # neither, each, both, neither. s69: the norm-gather's launch settings on the decode step's input (4 partials).
 # s70: the option-table body (`--mixed table`, several width mixes a projection) with both switches off and on, twice.
+# s71: benchmarks/barrier_probe.py (a kernel boundary against a grid barrier, a phase of a dependent chain).
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -277,6 +278,8 @@ EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=0" TAG=_select BENCH_TIMEOUT=90 \
   s70) AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=0;\
 EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1" TAG=_table BENCH_TIMEOUT=120 \
          BENCH_ARGS="--mixed table --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
+  s71) timeout 120 python3 benchmarks/barrier_probe.py > "$OUT/barrier.txt" 2>&1; echo "barrier probe rc=$?"
+       cat "$OUT/barrier.txt" ;;
   ncumma) for shape in ${NCU_SHAPES:-gate down}; do
            timeout 90 ncu --clock-control none --kernel-name regex:_mma_kernel --launch-skip 3 --launch-count 1 \
              --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
