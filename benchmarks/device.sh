@@ -75,7 +75,8 @@
 # gemvs, 4-bit against the mixed body, both with the 64-column launch (EXL2_GEMV_NARROW=0). s68 (for session 33):
 # the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1 and EXL2_GEMV_MIXED_OWN=1, then the mixed body with
 # neither, each, both, neither. s69: the norm-gather's launch settings on the decode step's input (4 partials).
-# s70: the option-table body (`--mixed table`, several width mixes a projection) with both switches off and on, twice.
+# s70: the option-table body (`--mixed table`, several width mixes a projection): a first run to compile its many
+# kernels, then both switches off and on, twice.
 # s71: benchmarks/barrier_probe.py (a kernel boundary against a grid barrier, a phase of a dependent chain).
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
@@ -275,8 +276,8 @@ EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=0" TAG=_select BENCH_TIMEOUT=90 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
   s69) timeout 120 python3 benchmarks/kernels.py --only norm --budget 100 --json "$OUT/norm.json" > "$OUT/norm.txt" 2>&1
        echo "norm sweep rc=$?"; grep -E "rms_norm_gather|norm alone" "$OUT/norm.txt" | head -30 ;;
-  s70) AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=0;\
-EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1" TAG=_table BENCH_TIMEOUT=120 \
+  s70) AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1;\
+EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1" TAG=_table BENCH_TIMEOUT=150 \
          BENCH_ARGS="--mixed table --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
   s71) timeout 120 python3 benchmarks/barrier_probe.py > "$OUT/barrier.txt" 2>&1; echo "barrier probe rc=$?"
        cat "$OUT/barrier.txt" ;;
