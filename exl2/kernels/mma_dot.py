@@ -635,6 +635,7 @@ if HAVE_GLUON:
 
 
 def _mixed(mask: int) -> bool:
+    """Whether a width mask (`class_steps`) holds more than one width."""
     return mask & (mask - 1) != 0
 
 
