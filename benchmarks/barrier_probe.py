@@ -83,27 +83,9 @@ def result(a: torch.Tensor, b: torch.Tensor, phases: int) -> torch.Tensor:
     return b if phases % 2 else a
 
 
-def _graph_us_per_phase(fn, phases: int, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / (reps * phases))
-    return best
-
-
 def main() -> None:
+    from layout_probe import _graph_time  # noqa: E402 - the same graph timing as the layout probe
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phases", type=int, default=64)
     ap.add_argument("--programs", default=None, help="grid sizes, comma-separated (default: 1, 2 and 4 per SM)")
@@ -129,7 +111,7 @@ def main() -> None:
             fn()
             torch.cuda.synchronize()
             ok = bool((result(a, b, n) == n).all())
-            times.append(f"{_graph_us_per_phase(fn, n):.2f}" if ok else "WRONG RESULT")
+            times.append(f"{_graph_time(lambda _: fn(), 1) / n:.2f}" if ok else "WRONG RESULT")
         print(f"| {p} | " + " | ".join(times) + " |")
 
 

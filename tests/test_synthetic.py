@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from exl2.formats.exl2 import group_layout, layer_storage_bits
-from exl2.runtime.synthetic import LLAMA3_8B, DictSource, llama_exl2_tensors, synthetic_model, table_options
+from exl2.runtime.synthetic import (LLAMA3_8B, DictSource, llama_exl2_tensors, projection_shapes, synthetic_model,
+                                    table_options)
 
 ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -12,9 +13,8 @@ ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 def test_table_options_average_the_target_and_vary_the_widths():
     """Every layer gets every projection an option; the stored bits a weight average 4.0 within 0.1; the width
     mixes differ between projections and between layers, as in real files."""
-    h, i, kv = 4096, 14336, 1024
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, i),
-              "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = projection_shapes(LLAMA3_8B)
+    assert shapes["k_proj"] == (4096, 1024) and shapes["down_proj"] == (14336, 4096)
     opts = table_options(LLAMA3_8B)
     assert len(opts) == LLAMA3_8B["num_hidden_layers"] and all(set(o) == set(ROLES) for o in opts)
     bits = sum(layer_storage_bits(*shapes[r], group_layout(shapes[r][0], *o[r]), 0) for o in opts for r in ROLES)

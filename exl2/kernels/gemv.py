@@ -15,8 +15,8 @@ import torch
 
 from exl2.kernels.backend import (PREFETCH_ROWS, counters, env_choice, next_pow2, pdl_args, pdl_sync, prefetch_l2,
                                   prefetch_l2_where, sm_count, tl, triton)
-from exl2.kernels.matmul_launch import (PACKED_FLAG, MatmulConfig, auto_split, class_args, launch, pairs_view,
-                                        store_tile, width_mask)
+from exl2.kernels.matmul_launch import (PACKED_FLAG, MatmulConfig, auto_split, class_args, launch, mixed_widths,
+                                        pairs_view, store_tile, width_mask)
 from exl2.kernels.packed_tiles import (PTX_UNPACK4_CONSTANTS, code3, load_class, ptx_unpack4, step_rows, step_scales,
                                       words3)
 from exl2.kernels.permute import buffer_offsets, gather_input, input_layout, permuted_for
@@ -727,8 +727,8 @@ class GemvGroup:
             raise ValueError("a gemv group needs 2-3 weights with the same input size and zero-point kind and "
                              "outputs a multiple of 16 wide.")
         self.ws = list(ws)
-        narrow = (GEMV_NARROW and bn is None and bs is None and per_sm is None
-                  and len({c.bits for w in ws for c in w.classes}) == 1
+        self.mask = width_mask(self.ws)
+        narrow = (GEMV_NARROW and bn is None and bs is None and per_sm is None and not mixed_widths(self.mask)
                   and sum(triton.cdiv(w.n, 64) for w in ws) < sm_count(ws[0].device))
         bn, bs, per_sm = (32, 16, 2) if narrow else (bn, bs, per_sm)
         self.BN = GEMV_BN if bn is None else bn
@@ -736,10 +736,9 @@ class GemvGroup:
         self.num_warps = GEMV_WARPS if num_warps is None else num_warps
         self.stages = GEMV_STAGES if stages is None else stages
         self.per_sm = GROUP_PER_SM if per_sm is None else per_sm
-        self.mask = width_mask(self.ws)
         # one member body for mixed widths only: for one width its ~8 more instructions a loop iteration (the
         # picked pointers' address arithmetic) would cost more than its smaller code saves
-        self.one_body = (GEMV_GROUP_SELECT and self.mask & (self.mask - 1) != 0
+        self.one_body = (GEMV_GROUP_SELECT and mixed_widths(self.mask)
                          and len({w.bias is not None for w in self.ws}) == 1)
         self._plans: dict[int, tuple] = {}
 

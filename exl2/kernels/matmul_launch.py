@@ -86,6 +86,11 @@ def class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
     return cached
 
 
+def mixed_widths(mask: int) -> bool:
+    """Whether a width mask (`width_mask`, or the Gluon kernels' `class_steps` order) holds more than one width."""
+    return mask & (mask - 1) != 0
+
+
 def width_mask(ws: Sequence[QuantWeight]) -> int:
     """The widths present in any of `ws` as a bit mask (8-bit = 32 … 2-bit = 1): kernels with runtime class tables
     compile the decoders of these widths only."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from exl2.kernels.backend import INTERPRET, counters, pdl_args, triton
+from exl2.kernels.matmul_launch import mixed_widths
 from exl2.kernels.qweight import WIDTHS
 from exl2.kernels.split_sum import SplitSum
 
@@ -634,11 +635,6 @@ if HAVE_GLUON:
                           PDL)
 
 
-def _mixed(mask: int) -> bool:
-    """Whether a width mask (`class_steps`) holds more than one width."""
-    return mask & (mask - 1) != 0
-
-
 def class_steps(w) -> tuple[int, list[int]]:
     """(MASK, step count per width of WIDTHS) of w's classes, as the kernels take them. The classes must be
     stored in WIDTHS order from step 0 and word 0 (`qweight.build` does so)."""
@@ -761,6 +757,6 @@ def mma_group(xp: torch.Tensor, ws, offsets, bs: int = 4, v: int = 2, splits=Non
         HAS_BIAS=ws[0].bias is not None, ON0=flags[0], ON1=flags[1], ON2=flags[2], BS=bs, V=v, STAGES=stages,
         POST0=posts[0], POST1=posts[1], POST2=posts[2], MASK0=masks[0], MASK1=masks[1], MASK2=masks[2],
         ONE_BODY=one_body and len(set(flags[:len(ws)])) == 1 and len(set(posts[:len(ws)])) == 1
-        and _mixed(masks[0] | masks[1] | masks[2]),
+        and mixed_widths(masks[0] | masks[1] | masks[2]),
         num_warps=4, **pdl_args(xp.device, m))
     return outs

@@ -25,6 +25,15 @@ def _option(q) -> tuple[list[int], list[float], list[int]]:
     return list(q.bits), list(q.bits_prop), [q.sizes[b] for b in q.bits]
 
 
+def projection_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of a decoder layer of the Llama-shaped `cfg`, in the order the
+    fabricated checkpoint draws them."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, i),
+            "up_proj": (h, i), "down_proj": (i, h)}
+
+
 def table_options(cfg: dict, target_bpw: float = 4.0, spread: float = 0.6) -> list[dict[str, tuple]]:
     """Per layer, each projection's option from exllamav2's option tables (`quantize.qparams`), roughly as a
     `target_bpw` conversion leaves them: layer l takes, for its attention and its MLP, the table row whose storage on
@@ -36,10 +45,7 @@ def table_options(cfg: dict, target_bpw: float = 4.0, spread: float = 0.6) -> li
 
     from exl2.quantize.qparams import roles, table
 
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, i),
-              "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = projection_shapes(cfg)
     layers = cfg["num_hidden_layers"]
     per_layer: list[dict[str, tuple]] = [{} for _ in range(layers)]
     for kind in ("attn", "mlp"):
@@ -76,17 +82,14 @@ def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0, body=
     """All tensors of a Llama-shaped EXL2 model (`body` option for the decoder layers, or a list of per-layer
     {projection: option} as `table_options` gives; 6-bit head), keyed like an EXL2 checkpoint."""
     g = torch.Generator(device=device).manual_seed(seed)
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hd = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * hd
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    shapes = projection_shapes(cfg)
     out: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": (torch.randn(v, h, generator=g, device=device) * 0.02).half(),
         "model.norm.weight": torch.ones(h, dtype=torch.float16, device=device),
     }
 
-    def add(prefix, k, n, option=None, perm=None):
-        if option is None:
-            option = body[int(prefix.split(".")[2])][prefix.rsplit(".", 1)[1]] if isinstance(body, list) else body
+    def add(prefix, k, n, option, perm=None):
         for key, t in random_exl2_layer(k, n, option, device, g, perm).items():
             out[f"{prefix}.{key}"] = t
 
@@ -101,14 +104,15 @@ def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0, body=
         # exllamav2 gives the matrices that read one input one act-order permutation: q_invperm is equal within
         # q/k/v and within gate/up in every layer of ../shared/testdata/exl2-golden/*; k/v and up reuse q's and
         # gate's (drawn as before, so the rest of the generator sequence only loses those draws)
-        add(f"{p}.self_attn.q_proj", h, h)
+        o = body[layer] if isinstance(body, list) else dict.fromkeys(shapes, body)
+        add(f"{p}.self_attn.q_proj", *shapes["q_proj"], o["q_proj"])
         qkv_perm = shared_perm(f"{p}.self_attn.q_proj")
-        add(f"{p}.self_attn.k_proj", h, kv, perm=qkv_perm)
-        add(f"{p}.self_attn.v_proj", h, kv, perm=qkv_perm)
-        add(f"{p}.self_attn.o_proj", h, h)
-        add(f"{p}.mlp.gate_proj", h, i)
-        add(f"{p}.mlp.up_proj", h, i, perm=shared_perm(f"{p}.mlp.gate_proj"))
-        add(f"{p}.mlp.down_proj", i, h)
+        add(f"{p}.self_attn.k_proj", *shapes["k_proj"], o["k_proj"], qkv_perm)
+        add(f"{p}.self_attn.v_proj", *shapes["v_proj"], o["v_proj"], qkv_perm)
+        add(f"{p}.self_attn.o_proj", *shapes["o_proj"], o["o_proj"])
+        add(f"{p}.mlp.gate_proj", *shapes["gate_proj"], o["gate_proj"])
+        add(f"{p}.mlp.up_proj", *shapes["up_proj"], o["up_proj"], shared_perm(f"{p}.mlp.gate_proj"))
+        add(f"{p}.mlp.down_proj", *shapes["down_proj"], o["down_proj"])
     add("lm_head", h, v, HEAD_OPTION)
     return out
 
