@@ -73,10 +73,10 @@
 # with 16 steps and 8 warps, and defaults. s66 (session 32): benchmarks/int8_gemv.py from DRAM on an H200 (then
 # s62), from L2 elsewhere. ncumix: ncu of the grouped q/k/v and gate/up
 # gemvs, 4-bit against the mixed body, both with the 64-column launch (EXL2_GEMV_NARROW=0). s68 (for session 33):
-# the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1 and EXL2_GEMV_MIXED_OWN=1, then the mixed body with
-# neither, each, both, neither. s69: the norm-gather's launch settings on the decode step's input (4 partials).
+# the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1, then the mixed body with it off and on (session 33 made it
+# the default and removed the own-widths switch it also tried). s69: the norm-gather's launch settings on the decode step's input (4 partials).
 # s70: the option-table body (`--mixed table`, several width mixes a projection): a first run to compile its many
-# kernels, then both switches off and on, twice.
+# kernels, then the one-body switch off and on, twice. s72 (for session 34): the target table (any GPU), then ncumix.
 # s71: benchmarks/barrier_probe.py (a kernel boundary against a grid barrier, a phase of a dependent chain).
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
@@ -267,18 +267,21 @@ for s in $steps; do
              python3 benchmarks/gemv_probe.py --shape $spec > "$OUT/ncu_$tag.txt" 2>&1; echo "ncu $spec rc=$?"
            grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issued Warp|Eligible Warps|No Eligible|Warp Cycles Per Issued|Executed Instructions  |Grid Size" "$OUT/ncu_$tag.txt" | head -14
            grep -E "stalled" "$OUT/ncu_$tag.txt" | sort -k3 -g -r | head -6; done ;;
-  s68) EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1 timeout -s INT -k 10 200 python3 -m pytest -m gpu \
+  s68) EXL2_GEMV_GROUP_SELECT=1 timeout -s INT -k 10 200 python3 -m pytest -m gpu \
          tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py -q -n 8 -p no:cacheprovider -rfE \
          -k "group or real_sizes or mixed or golden_greedy_decode_matches_cpu" > "$OUT/gpu_select.txt" 2>&1
        echo "one-body group + own-width tests rc=$?"; tail -3 "$OUT/gpu_select.txt"
-       AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1;EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=1 \
-EXL2_GEMV_MIXED_OWN=1;EXL2_GEMV_GROUP_SELECT=0" TAG=_select BENCH_TIMEOUT=90 \
+       AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1;EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1" \
+         TAG=_select BENCH_TIMEOUT=90 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
   s69) timeout 120 python3 benchmarks/kernels.py --only norm --budget 100 --json "$OUT/norm.json" > "$OUT/norm.txt" 2>&1
        echo "norm sweep rc=$?"; grep -E "rms_norm_gather|norm alone" "$OUT/norm.txt" | head -30 ;;
-  s70) AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1;\
-EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1 EXL2_GEMV_MIXED_OWN=1" TAG=_table BENCH_TIMEOUT=150 \
+  s70) AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1;EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1" \
+         TAG=_table BENCH_TIMEOUT=140 \
          BENCH_ARGS="--mixed table --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
+  s72) timeout 200 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
+       nvidia-smi --query-gpu=name --format=csv,noheader | head -1
+       grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"; bash "$0" ncumix ;;
   s71) timeout 120 python3 benchmarks/barrier_probe.py > "$OUT/barrier.txt" 2>&1; echo "barrier probe rc=$?"
        cat "$OUT/barrier.txt" ;;
   ncumma) for shape in ${NCU_SHAPES:-gate down}; do

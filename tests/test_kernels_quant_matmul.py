@@ -12,7 +12,7 @@ from exl2.formats import exl2 as fmt
 from exl2.formats.gptq import dequantize_gptq, pack_gptq
 from exl2.kernels import qweight
 from exl2.kernels import quant_matmul as qm
-from exl2.kernels.matmul_launch import MatmulConfig, class_args
+from exl2.kernels.matmul_launch import MatmulConfig
 from exl2.kernels import dequant
 from exl2.kernels import dot as dot_k
 from exl2.kernels import gemv as gemv_k
@@ -146,25 +146,6 @@ def test_gemv_matches_twin(m, split):
     _check_close(y, ref)
     _check_close(y2, ref)
     _check_close(y3, ref)
-
-
-@needs_triton
-@pytest.mark.parametrize("split", [1, 3])
-def test_mixed_gemv_compiled_for_its_own_widths(split, monkeypatch):
-    """`EXL2_GEMV_MIXED_OWN`: a mixed matrix's kernel holds the loops of its own widths only (HAS flags), and the gemv
-    and the tensor-core dot still equal the twin."""
-    from exl2.kernels import matmul_launch
-
-    monkeypatch.setattr(matmul_launch, "MIXED_OWN", True)
-    w = Exl2Weight.from_tensors(rand_exl2([(8, 32), (4, 96), (2, 64)], 64, seed=4, device=DEV), "L", device=DEV)
-    assert {k for k, v in class_args(w)[1].items() if v} == {"HAS8", "HAS4", "HAS2"}
-    x = torch.randn(2, w.k, dtype=torch.float16, device=DEV)
-    with force_triton():
-        y = gemv_k.gemv(x, w, MatmulConfig(bs=2, bn=32, split=split))
-        yd = dot_k.dot(x, w, MatmulConfig(bm=16, bs=1, bn=32, split=split))
-    ref = qweight.matmul_torch(x, w)
-    _check_close(y, ref)
-    _check_close(yd, ref)
 
 
 @needs_triton

@@ -56,13 +56,13 @@ GEMV_NARROW = env_choice("EXL2_GEMV_NARROW", 1, range(0, 2)) == 1
 # iteration of decoding instead.
 GEMV_RPF = env_choice("EXL2_GEMV_RPF", 0, range(0, 2)) == 1
 _GEMV_RPF = tl.constexpr(GEMV_RPF)
-# EXL2_GEMV_GROUP_SELECT=1 (off): a grouped gemv of mixed widths inlines its member body once, the member's pointers
-# picked at run time, where it inlined one copy a member (2-3) of every width's pipelined loop: the 5/4/3-bit q/k/v
-# kernel's code 97 KB -> 33 KB (sm_90). ncu found that kernel stalled most on instruction fetch (no_instruction
-# 4.2 a issue, its top stall; +11 % instructions but +41 % time against 4-bit; H100, benchmarks/RESULTS.md session
-# 32). The Gluon group kernel (batches 2-16, `mma_dot.mma_group(one_body=...)`) takes the same switch. Not yet
-# measured on a GPU.
-GEMV_GROUP_SELECT = env_choice("EXL2_GEMV_GROUP_SELECT", 0, range(0, 2)) == 1
+# EXL2_GEMV_GROUP_SELECT (on; 0 turns it off): a grouped gemv of mixed widths inlines its member body once, the
+# member's pointers picked at run time, where it inlined one copy a member (2-3) of every width's pipelined loop: the
+# 5/4/3-bit q/k/v kernel's code 97 KB -> 33 KB (sm_90). ncu found that kernel stalled most on instruction fetch
+# (no_instruction 4.2 a issue, its top stall; H100, benchmarks/RESULTS.md session 32). H100, session 33: the 5/4/3
+# body 369 -> 382 tok/s at batch 1 and 4,177-4,203 -> 4,333 at batch 16; the option-table body 393 -> 396-400 and
+# 4,173 -> 4,153-4,157. The Gluon group kernel (batches 2-16, `mma_dot.mma_group(one_body=...)`) takes the switch.
+GEMV_GROUP_SELECT = env_choice("EXL2_GEMV_GROUP_SELECT", 1, range(0, 2)) == 1
 
 
 @triton.jit

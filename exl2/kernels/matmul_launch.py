@@ -62,22 +62,16 @@ class MatmulConfig:
     num_stages: int = 2
 
 
-# EXL2_GEMV_MIXED_OWN=1 (off): a mixed-width matrix's gemv/dot kernel is compiled for the widths it has instead of
-# all six: the gemv's code 59 KB -> 31 KB for a 5/4/3-bit matrix (sm_90), as the grouped gemv's mixed kernel was
-# found waiting on instruction fetch (benchmarks/RESULTS.md session 32), at the price of a compile per combination
-# of widths on first use. Not yet measured.
-MIXED_OWN = env_choice("EXL2_GEMV_MIXED_OWN", 0, range(0, 2)) == 1
-
-
 def class_args(w: QuantWeight) -> tuple[list[int], dict[str, bool]]:
     """(first step, steps, first word) per width and the kernels' HAS flags. A matrix of one width gets a kernel
     for that width alone; every mixed matrix shares the one kernel with all widths (an absent width has 0 steps,
     so its loop is empty): real EXL2 models mix widths in many combinations, and compiling a kernel per
-    combination took minutes on first use (unless `MIXED_OWN`)."""
+    combination took minutes on first use, and compiling a mixed matrix for its own widths alone (59 -> 31 KB of
+    code for 5/4/3 bits) did not decode faster (H100, benchmarks/RESULTS.md session 33)."""
     cached = w._cache.get("class_args")
     if cached is None:
         args, flags = [], {}
-        every = len(w.classes) > 1 and not MIXED_OWN
+        every = len(w.classes) > 1
         for bits in WIDTHS:
             c = w.class_of(bits)
             args += [c.first_step, c.n_steps, c.first_word] if c else [0, 0, 0]
