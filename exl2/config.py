@@ -39,7 +39,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     model_dir: Path = Field(validation_alias=AliasChoices("model_dir", "model_directory"))
-    max_seq_len: int = Field(4096, ge=512, le=131072)
+    # the engine caps it at what the model's RoPE covers (with -rs/-ra/-ry it may exceed the native context)
+    max_seq_len: int = Field(4096, ge=512, le=1 << 20)
     gpu_split: Optional[Union[list[float], Literal["auto"]]] = None
     # shard every layer over the GPUs gpu_split lists (budget above 0), or over every visible GPU (runtime.tp)
     tensor_parallel: bool = False
@@ -53,6 +54,9 @@ class EngineConfig(BaseModel):
     device: Optional[str] = None
     max_batch_size: int = Field(16, ge=1, le=256)
     cache_size: Optional[int] = Field(None, ge=512)   # tokens of KV cache all requests share; default max_seq_len
+    # prompt tokens a generator step prefills at most (TabbyAPI's chunk_size): smaller chunks need less activation
+    # memory and let running replies go on between a long prompt's chunks; larger ones prefill faster
+    chunk_size: int = Field(2048, ge=256, le=16384)
     # Speculative decoding (a request decoding alone): guesses from n-grams of its own text or from a small model
     # with the same tokenizer, checked num_draft_tokens at a time.
     ngram_draft: bool = False

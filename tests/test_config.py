@@ -17,7 +17,8 @@ def test_cache_modes(code, mode):
 
 
 @pytest.mark.parametrize("bad,field", [
-    ({"max_seq_len": 100}, "max_seq_len"), ({"max_seq_len": 200000}, "max_seq_len"),
+    ({"max_seq_len": 100}, "max_seq_len"), ({"max_seq_len": 2_000_000}, "max_seq_len"),
+    ({"chunk_size": 100}, "chunk_size"), ({"chunk_size": 20000}, "chunk_size"),
     ({"gpu_split": []}, "gpu_split"), ({"gpu_split": [0]}, "gpu_split"), ({"gpu_split": "some"}, "gpu_split"),
     ({"kv_cache_mode": "q5"}, "kv_cache_mode"), ({"kv_cache_mode": 7}, "kv_cache_mode"), ({"bogus": 1}, "bogus"),
 ])
@@ -66,3 +67,32 @@ def test_rope_yarn_is_not_combined_with_scale_or_alpha(other):
     assert len(errs) == 1 and errs[0]["loc"] == ("rope_yarn",)   # named, so the CLI can say which flag
     msg = errs[0]["msg"].removeprefix("Value error, ")
     assert msg.startswith("rope_yarn cannot be combined with rope_scale or rope_alpha") and "." not in msg
+
+
+def test_long_contexts_and_chunk_size_validate():
+    c = EngineConfig(model_dir="/m", max_seq_len=262144, chunk_size=512)
+    assert (c.max_seq_len, c.chunk_size) == (262144, 512)
+    assert EngineConfig(model_dir="/m").chunk_size == 2048
+
+
+def test_chunk_size_reaches_the_generator_and_keeps_the_reply():
+    """A prompt prefilled in 256-token chunks decodes the same greedy tokens as one prefilled whole."""
+    from pathlib import Path
+
+    from exl2.config import SamplingSettings
+    from exl2.engine import Engine
+
+    model = Path(__file__).parent / "fixtures" / "golden" / "b4.0_hb6"
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(700)]
+    replies = []
+    for chunk in (256, 2048):
+        engine = Engine(EngineConfig(model_dir=model, max_seq_len=1024, device="cpu", max_batch_size=1,
+                                     chunk_size=chunk))
+        try:
+            assert engine.dynamic.chunk == chunk
+            *_, (_, result) = engine.generator.stream(prompt, SamplingSettings(temperature=0.0), max_new_tokens=6,
+                                                        ignore_eos=True)
+            replies.append(result.token_ids)
+        finally:
+            engine.close()
+    assert replies[0] == replies[1] and len(replies[0]) == 6

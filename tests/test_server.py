@@ -526,7 +526,7 @@ def test_bad_requests_are_400_in_openai_shape(app):
                  dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
                      "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}),
                  dict(logit_bias={"abc": 1.0}), dict(logit_bias={"99999999": 1.0}), dict(top_logprobs=3),
-                 dict(stop=["a", "b", "c", "d", "e"])]
+                 dict(stop=[f"s{i}" for i in range(65)])]
         params = []
         for extra in cases:
             with pytest.raises(openai.BadRequestError) as e:
@@ -535,7 +535,10 @@ def test_bad_requests_are_400_in_openai_shape(app):
             params.append(e.value.body["param"])
         assert params == ["n", "response_format", "response_format", "logit_bias", "logit_bias", "top_logprobs",
                           "stop"]
-        assert "at most 4" in e.value.body["message"]
+        assert "at most 64" in e.value.body["message"]
+        many = await c.chat.completions.create(model="tiny", messages=hi, max_tokens=2,
+                                               stop=[f"s{i}" for i in range(8)])
+        assert many.choices[0].finish_reason in ("stop", "length")
         with pytest.raises(openai.BadRequestError) as e:
             await c.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, n=17)
         assert e.value.body["param"] == "n" and "16" in e.value.body["message"]
@@ -1430,6 +1433,9 @@ def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, 
         r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha", "num_experts_per_token": 1})
         assert r.status_code == 200, r.text
         assert built[-1].config.experts_per_token == 1
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha", "chunk_size": 512})
+        assert r.status_code == 200, r.text
+        assert built[-1].config.chunk_size == 512
         r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha", "prompt_template": "chatml"})
         assert r.status_code == 200, r.text
         assert built[-1].config.prompt_template == "chatml"     # bundled: the engine resolves it
@@ -1437,6 +1443,7 @@ def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, 
         for body, param in (({"max_seq_len": 100}, "max_seq_len"), ({"cache_mode": "FP8"}, "cache_mode"),
                             ({"vision": True}, "vision"),
                             ({"num_experts_per_token": 0}, "num_experts_per_token"),
+                            ({"chunk_size": 64}, "chunk_size"),
                             ({"draft": {"draft_model_name": "beta", "draft_rope_alpha": -2.0}},
                              "draft_model.draft_rope_alpha"),
                             ({"max_seq_len": 2048, "cache_size": 1024}, None)):

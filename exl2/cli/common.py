@@ -22,6 +22,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-l", "--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None,
                    help="context length to allocate (default 4096, or the model's context if shorter); longer "
                         "than the model's context needs -rs/-ra/-ry, else it is capped with a warning")
+    p.add_argument("--chunk-size", "--chunk_size", dest="chunk_size", type=int, default=None,
+                   help="prompt tokens prefilled in one forward at most (default 2048; smaller needs less memory)")
     p.add_argument("-cm", "--cache-mode", "--cache_mode", dest="cache_mode", default="fp16",
                    choices=["fp16", "q8", "q6", "q4", "q3", "q2"],
                    help="KV cache storage: fp16 or quantized (q8, q6 = 8-bit keys/4-bit values, q4, q3, q2)")
@@ -148,6 +150,8 @@ def model_settings(args) -> dict:
                     prefill_fp8=args.prefill_fp8)
     if args.max_seq_len is not None:  # left out, EngineConfig's default applies and counts as not asked for
         settings["max_seq_len"] = args.max_seq_len
+    if getattr(args, "chunk_size", None) is not None:
+        settings["chunk_size"] = args.chunk_size
     return settings
 
 
@@ -335,8 +339,11 @@ def load_generator(args):
     max_seq_len = context_length(model.spec, args.max_seq_len)
     if not 1 <= args.num_draft_tokens <= 16:
         raise ConfigError("--draft_tokens must be between 1 and 16.")
+    chunk = args.chunk_size if args.chunk_size is not None else 2048
+    if not 256 <= chunk <= 16384:
+        raise ConfigError("--chunk_size must be between 256 and 16384.")
     with load_bar() if args.draft_model_dir else nullcontext() as hear, reporting(tagged(hear, "draft")):
         draft = make_drafter(model, args.ngram_draft, args.draft_model_dir, max_seq_len, args.cache_mode,
                              args.num_draft_tokens, draft_rope_from_args(args))
     return model_dir, tok, Generator(model, tok, max_seq_len, args.cache_mode, draft=draft,
-                                     num_draft_tokens=args.num_draft_tokens)
+                                     num_draft_tokens=args.num_draft_tokens, chunk=chunk)

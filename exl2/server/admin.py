@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 # The EngineConfig fields that `exl2 serve`'s flags set for every model, so loads through the API inherit them.
 DEFAULT_FIELDS = ("device", "kv_cache_mode", "max_batch_size", "gpu_split", "tensor_parallel", "ngram_draft",
-                  "num_draft_tokens", "flash_attention_enabled", "prefill_fp8")
+                  "num_draft_tokens", "flash_attention_enabled", "prefill_fp8", "chunk_size")
 # EngineConfig field -> the load request's name for it, for error messages
 _REQUEST_NAMES = {"kv_cache_mode": "cache_mode", "draft_model_dir": "draft_model.draft_model_name",
                   "num_draft_tokens": "draft_model.draft_num_tokens", "flash_attention_enabled": "no_flash_attention",
@@ -82,7 +82,7 @@ class DraftLoadRequest(BaseModel):
 
 
 class ModelLoadRequest(BaseModel):
-    """TabbyAPI's load request. Fields it has that change nothing here (chunk_size, fasttensors, skip_queue,
+    """TabbyAPI's load request. Fields it has that change nothing here (fasttensors, skip_queue,
     autosplit_reserve, backend, ...) are ignored; those that would change the model's replies in a way this
     server cannot are refused when set."""
 
@@ -93,6 +93,7 @@ class ModelLoadRequest(BaseModel):
     cache_size: Optional[int] = None
     cache_mode: Optional[Union[str, int]] = None
     max_batch_size: Optional[int] = None
+    chunk_size: Optional[int] = None
     gpu_split_auto: Optional[bool] = None
     gpu_split: Optional[list[float]] = None
     tensor_parallel: Optional[bool] = None
@@ -216,7 +217,8 @@ def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
             del settings["cache_size"]        # the server's default cache is too small for it: max_seq_len's
     for field, key in (("cache_size", "cache_size"), ("cache_mode", "kv_cache_mode"),
                        ("max_batch_size", "max_batch_size"), ("tensor_parallel", "tensor_parallel"),
-                       ("num_experts_per_token", "experts_per_token"), ("prefill_fp8", "prefill_fp8")):
+                       ("num_experts_per_token", "experts_per_token"), ("prefill_fp8", "prefill_fp8"),
+                       ("chunk_size", "chunk_size")):
         if getattr(body, field) is not None:
             settings[key] = getattr(body, field)
     if body.gpu_split:

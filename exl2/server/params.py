@@ -13,7 +13,7 @@ from exl2.server.errors import APIError, first_problem, unsupported
 from exl2.server.schemas import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat,
                                  SamplingFields)
 
-MAX_STOPS = 4
+MAX_STOPS = 64  # OpenAI allows 4; TabbyAPI has no cap and roleplay clients send a stop per character
 MAX_N = 16
 MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5   # OpenAI's bounds
 
