@@ -40,6 +40,7 @@ class Engine:
                                 progress=tagged(progress, "model"))
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = choose_template(self.tokenizer, config.prompt_template)
+        self._named_templates: dict = {}
         self.pooling = Pooling.from_dir(config.model_dir, config.embedding_pooling)
         asked = config.max_seq_len if "max_seq_len" in config.model_fields_set else None  # None: the default
         max_seq_len = context_length(self.model.spec, asked)  # capped at what RoPE covers, with a warning
@@ -148,13 +149,21 @@ class Engine:
             vectors[group] = part
         return EmbeddingResult(vectors, [len(x) for x in ids])
 
+    def named_template(self, name: str, template_dir: Optional[Path] = None) -> ChatTemplate:
+        """The template `name` picks (`choose_template`), compiled once per name and directory; the served one
+        is unchanged (a request's own template)."""
+        key = (name, template_dir)
+        if key not in self._named_templates:
+            self._named_templates[key] = choose_template(self.tokenizer, name, template_dir)
+        return self._named_templates[key]
+
     def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    **variables: Any) -> str:
+                    template: Optional[ChatTemplate] = None, **variables: Any) -> str:
         """The chat template's rendering of `messages` (and `tools`), by default ending where the reply starts,
-        with `continue_final_message` inside the last message (`ChatTemplate.render`); `variables` are extra
-        template inputs (e.g. Qwen3's `enable_thinking`)."""
-        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+        with `continue_final_message` inside the last message (`ChatTemplate.render`); `template` instead of the
+        served one; `variables` are extra template inputs (e.g. Qwen3's `enable_thinking`)."""
+        return (template or self.template).render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, **variables)
 
     def chat(self, messages: list[dict], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 512,

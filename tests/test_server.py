@@ -1029,6 +1029,31 @@ def test_chat_template_kwargs_reach_the_template(thinker_url, thinker, app, engi
     assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.prompt_tokens
 
 
+def test_per_request_prompt_template(app, engine):
+    """TabbyAPI's per-request prompt_template: the reply is the one to the chat rendered with that template (a
+    bundled name here), the served template stays; a path or an unknown name is a 400 naming the field."""
+    from exl2.generation.templates import choose_template
+
+    hi = [{"role": "user", "content": "hi"}]
+    served = engine.template
+    alpaca = choose_template(engine.tokenizer, "alpaca").render(hi, add_generation_prompt=True)
+    assert alpaca != engine.chat_prompt(hi)
+    ref = reference(engine, alpaca, 3, add_bos=False)
+
+    async def go():
+        c = aclient(app)
+        r = await c.chat.completions.create(model="tiny", messages=hi, temperature=0, max_tokens=3,
+                                            extra_body={"prompt_template": "alpaca"})
+        assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.prompt_tokens
+        for name in ("../etc/passwd", "/tmp/x.jinja", "x.jinja", "no-such-template"):
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(model="tiny", messages=hi, max_tokens=2,
+                                                extra_body={"prompt_template": name})
+            assert e.value.body["param"] == "prompt_template", name
+    run(go())
+    assert engine.template is served
+
+
 def test_server_template_variables_and_start_in_reasoning(thinker):
     """The server's default template variables (a request's own replace them) and forced ones (nothing replaces
     them); start_in_reasoning "never" reads a reply as content although the prompt opens <think>, "always" as

@@ -20,12 +20,13 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from exl2.config import SamplingSettings
-from exl2.errors import Exl2Error
+from exl2.errors import ConfigError, Exl2Error
 from exl2.generation.budget import ReasoningBudget, budget_end
 from exl2.generation.chat import parse_tool_calls
 from exl2.generation.constraints import Grammar
 from exl2.generation.generator import GenerationResult
 from exl2.generation.output import TokenLogprob
+from exl2.names import plain_name
 from exl2.server import params
 from exl2.server.errors import APIError, first_problem, from_engine
 from exl2.server.host import host, serving
@@ -366,6 +367,19 @@ def overridden(request: Request, body):
             from None
 
 
+def _request_template(request: Request, engine, name: Optional[str]):
+    """The request's own chat template (TabbyAPI's per-request prompt_template), None for the served one. By name
+    only: a client cannot point the server at a file."""
+    if name is None:
+        return None
+    if not plain_name(name) or name.endswith(".jinja"):
+        raise APIError(400, "prompt_template must be the name of a template, not a path.", param="prompt_template")
+    try:
+        return engine.named_template(name, host(request).config.template_dir)
+    except ConfigError as e:
+        raise APIError(400, str(e), param="prompt_template", code="template_not_found") from None
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = _state(request)
@@ -376,7 +390,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     for job in jobs:  # a grammar holds parse state: one per choice
         job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice) or job.grammar
     messages = template_messages(body.messages)
-    variables = template_variables(body, st.engine.template, st.config.template_vars_default,
+    template = _request_template(request, st.engine, body.prompt_template)
+    variables = template_variables(body, template or st.engine.template, st.config.template_vars_default,
                                    st.config.template_vars_force)
     opening = body.add_generation_prompt
     if body.continue_final_message:
@@ -389,7 +404,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         opening = False
     try:
         prompt = st.engine.chat_prompt(messages, tools, add_generation_prompt=opening,
-                                       continue_final_message=body.continue_final_message, **variables)
+                                       continue_final_message=body.continue_final_message, template=template,
+                                       **variables)
     except Exl2Error as e:
         raise engine_error(e, "messages") from e
     prefix = body.response_prefix or ""

@@ -153,6 +153,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Optional[dict[str, JsonValue]] = None
     template_vars: Optional[dict[str, JsonValue]] = None
     add_generation_prompt: bool = True       # TabbyAPI's: False renders no opening of the assistant's reply
+    # TabbyAPI's: a chat template by name (the server's template directory, a bundled one or one the model's
+    # tokenizer_config.json lists) for this request only; tool-call and reasoning parsing keep the model's settings
+    prompt_template: Optional[str] = None
     response_prefix: Optional[str] = None    # TabbyAPI's: the reply continues this text, which starts its content
     # vLLM's and TabbyAPI's: the reply continues the final (assistant) message instead of starting a new one
     continue_final_message: bool = False
