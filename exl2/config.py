@@ -179,6 +179,9 @@ class SamplingSettings(BaseModel):
     # except the least likely of them (when at least two qualify); newline and special tokens are never dropped
     xtc_probability: float = Field(0.0, ge=0.0, le=1.0)
     xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    # exllamav2's skew: the draw walks the filtered distribution from its likeliest token to the point
+    # u^exp(-skew) of its mass (u uniform): > 0 leans toward less likely tokens, < 0 toward likelier ones; 0 = off
+    skew: float = Field(0.0, ge=-10.0, le=10.0, allow_inf_nan=False)
     # DRY: a token that would extend a repeat of n ≥ dry_allowed_length tokens of the text loses
     # dry_multiplier · dry_base^(n − dry_allowed_length) from its logit; sequence breakers (tokens whose text
     # holds one of these strings; None: exllamav2's punctuation set and the special tokens) end a repeat
@@ -264,7 +267,8 @@ class SamplingSettings(BaseModel):
         those run on the PyTorch path (`generation.truncation`)."""
         return not self.greedy and (
             0.0 < self.top_a or 0.0 < self.tfs < 1.0 or 0.0 < self.typical < 1.0 or self.smoothing_factor > 0.0
-            or self.temperature_last or self.dynamic_temperature or self.xtc_probability > 0.0 or self.mirostat)
+            or self.temperature_last or self.dynamic_temperature or self.xtc_probability > 0.0 or self.mirostat
+            or self.skew != 0.0)
 
 
 class ServerConfig(BaseModel):

@@ -1,6 +1,8 @@
 """Sampler against transformers' logits processors; seeded reproducibility; empirical frequencies."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -134,6 +136,30 @@ def test_empirical_frequencies():
     expected[:3] = (logits[:3].double() / 0.5).softmax(0)
     torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
     assert freq[3:].sum() == 0
+
+
+def test_skew_draws_at_the_skewed_point_of_the_sorted_mass():
+    """exllamav2's skew: the token at u^exp(-skew) of the mass, likeliest first. The likeliest token (p0) is then
+    drawn with probability P(u^exp(-skew) < p0) = p0^exp(skew): 0.5^e ≈ 0.152 for skew 1 (0.5 plain), 0.5^(1/e) ≈
+    0.775 for skew -1; a tiny skew samples the distribution itself."""
+    from exl2.generation.truncation import skewed_draw
+
+    y = torch.tensor([[0.0, float("-inf"), 2.0, 1.0]])
+    p = y.softmax(-1)[0]       # order by likelihood: 2, 3, 0
+    for point, token in ((0.0, 2), (float(p[2]) - 1e-4, 2), (float(p[2]) + 1e-4, 3), (0.999999, 0), (1.0, 0)):
+        assert int(skewed_draw(y, torch.tensor([point]))[0]) == token, point
+    logits = torch.tensor([0.0, -0.5, -1.0, -2.0])
+    probs = logits.double().softmax(0)
+    for skew, top in ((1.0, float(probs[0]) ** math.e), (-1.0, float(probs[0]) ** (1 / math.e))):
+        freq = _frequencies(logits, SamplingSettings(temperature=1.0, skew=skew))
+        assert abs(float(freq[0]) - top) < 0.012, (skew, float(freq[0]), top)
+    freq = _frequencies(logits, SamplingSettings(temperature=1.0, skew=1e-9))
+    torch.testing.assert_close(freq, probs, atol=0.012, rtol=0)
+    # the draw repeats for a seed and counter, and a skew over top-k keeps to the kept tokens
+    s = SamplingSettings(temperature=1.0, top_k=2, skew=3.0)
+    a = sample_rows(logits.expand(64, -1), [s] * 64, [7] * 64, list(range(64)))
+    assert torch.equal(a, sample_rows(logits.expand(64, -1), [s] * 64, [7] * 64, list(range(64))))
+    assert set(a.tolist()) <= {0, 1}
 
 
 def test_fp16_logits():

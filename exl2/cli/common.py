@@ -208,6 +208,8 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
                    default=0.0, help="XTC: chance per token of dropping the most likely choices (default 0 = off)")
     p.add_argument("-xtct", "--xtc-threshold", "--xtc_threshold", dest="xtc_threshold", type=float, default=0.1,
                    help="XTC: probability from which a choice counts as a top choice (default 0.1)")
+    p.add_argument("-skew", "--skew", type=float, default=0.0,
+                   help="skew the draw toward less likely tokens (> 0) or likelier ones (< 0) (default 0 = off)")
     p.add_argument("-drym", "--dry-multiplier", "--dry_multiplier", dest="dry_multiplier", type=float, default=0.0,
                    help="DRY repetition penalty's multiplier (default 0 = off)")
     p.add_argument("-drya", "--dry-allowed-length", "--dry_allowed_length", dest="dry_allowed_length", type=int,
@@ -270,7 +272,7 @@ def sampling_from_args(args, **extra) -> SamplingSettings:
                                 presence_penalty=args.presence_penalty, seed=args.seed, top_a=args.top_a,
                                 typical=args.typical, tfs=args.tfs, smoothing_factor=args.smoothing_factor,
                                 temperature_last=args.temperature_last, xtc_probability=args.xtc_probability,
-                                xtc_threshold=args.xtc_threshold, dry_multiplier=args.dry_multiplier,
+                                xtc_threshold=args.xtc_threshold, skew=args.skew, dry_multiplier=args.dry_multiplier,
                                 dry_allowed_length=args.dry_allowed_length, dry_base=args.dry_base,
                                 dry_range=args.dry_range,
                                 dry_sequence_breakers=sequence_breakers(args.dry_sequence_breakers),

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from exl2.config import SamplingSettings
-from exl2.generation.truncation import NEG_INF, mirostat_update, truncate, xtc_coin
+from exl2.generation.truncation import NEG_INF, mirostat_update, skew_point, skewed_draw, truncate, xtc_coin
 from exl2.kernels.backend import use_triton
 from exl2.kernels.sampling import draw, gumbel_argmax_torch, row_keys
 from exl2.runtime.upload import upload
@@ -281,7 +281,8 @@ def fused_ok(device: torch.device) -> bool:
 def _twin_draw(logits: torch.Tensor, settings: Sequence[SamplingSettings], keys: torch.Tensor,
                seen: Optional[torch.Tensor], counts: Optional[torch.Tensor] = None,
                coins: Optional[Sequence[float]] = None, mus: Optional[list[Optional[float]]] = None,
-               xtc_keep: Optional[torch.Tensor] = None, fused: bool = False) -> torch.Tensor:
+               xtc_keep: Optional[torch.Tensor] = None, fused: bool = False,
+               skew_points: Optional[Sequence[Optional[float]]] = None) -> torch.Tensor:
     """`sample_rows` through `filter_rows` and the draw's PyTorch twin (`fused`: the fused draw with its filters
     off, on the filtered logits: the same noise, in a few launches instead of ~20 tensor operations over [B, V]);
     Mirostat rows' `mus` updated in place."""
@@ -296,6 +297,11 @@ def _twin_draw(logits: torch.Tensor, settings: Sequence[SamplingSettings], keys:
         drawn = gumbel_argmax_torch(y, keys)
         if any(greedy):
             drawn = torch.where(upload(greedy, torch.bool, x.device), x.argmax(dim=-1), drawn)
+    rows = [i for i, pt in enumerate(skew_points or ()) if pt is not None]
+    if rows:   # skewed rows draw by their point in the sorted mass instead of the Gumbel noise
+        idx = upload(rows, torch.int64, y.device)
+        drawn = drawn.index_copy(0, idx, skewed_draw(y[idx], upload([skew_points[i] for i in rows], torch.float32,
+                                                                     y.device)))
     if mus is not None and any(s.mirostat for s in settings):
         mus[:] = mirostat_update(y, drawn, settings, mus)
     return drawn
@@ -329,5 +335,7 @@ def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seed
         return _fused_draw(logits.float().contiguous(), settings, keys, None if seen is None else seen.contiguous(),
                            None if counts is None else counts.float().contiguous())
     coins = [xtc_coin(sd, c) for sd, c in zip(seeds, counters)] if extended else None
+    points = [skew_point(sd, c, s.skew) if s.skew and not s.greedy else None
+              for s, sd, c in zip(settings, seeds, counters)]
     return _twin_draw(logits, settings, keys, seen, counts, coins, mus, xtc_keep,
-                      fused=use_triton(logits) and fused_ok(logits.device))
+                      fused=use_triton(logits) and fused_ok(logits.device), skew_points=points)

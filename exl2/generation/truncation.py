@@ -209,6 +209,22 @@ def truncate(x: torch.Tensor, settings: Sequence[SamplingSettings], coins: Optio
     return y
 
 
+def skew_point(seed: int, counter: int, skew: float) -> float:
+    """Where in the sorted distribution's mass a skewed draw lands (exllamav2's skew): u^exp(-skew) for a uniform
+    u of the row's seed and draw counter (a stream apart from XTC's), so a draw repeats as XTC's does."""
+    return xtc_coin(seed ^ 0x632BE59BD9B4E019, counter) ** math.exp(-skew)
+
+
+def skewed_draw(y: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: for each row of the filtered logits y [B, V], the first token, likeliest first, at which the
+    running probability reaches `points` [B] (float32 in [0, 1))."""
+    p, order = torch.softmax(y.float(), dim=-1).sort(dim=-1, descending=True)
+    cdf = p.cumsum(dim=-1)
+    last = (p > 0).sum(dim=-1, keepdim=True) - 1          # rounding must not land past the kept tokens
+    pos = torch.minimum(torch.searchsorted(cdf, points[:, None].to(cdf.dtype), right=True), last.clamp(min=0))
+    return order.gather(-1, pos).squeeze(-1)
+
+
 def xtc_coin(seed: int, counter: int) -> float:
     """A uniform number in [0, 1) for XTC's choice at a row's draw `counter`, from its seed alone, so that a
     speculative check of the same draw decides the same way (splitmix64 of the pair)."""

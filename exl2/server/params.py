@@ -87,8 +87,6 @@ def check_supported(req: SamplingFields) -> None:
     """Reject fields whose meaning the engine cannot deliver, so a client never gets a silently different reply."""
     if req.n > MAX_N:
         raise APIError(400, f"'n' is at most {MAX_N}.", param="n")
-    if req.skew:
-        raise unsupported("skew", "skew")
     if req.mirostat_mode == 1:
         raise APIError(400, "Only Mirostat 2 is supported: mirostat_mode (mirostat) must be 0 or 2, not 1.",
                        param="mirostat_mode")
@@ -215,6 +213,7 @@ def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, floa
             smoothing_factor=req.smoothing_factor, temperature_last=req.temperature_last, min_temp=req.min_temp,
             max_temp=req.max_temp,
             temp_exponent=req.temp_exponent, xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
+            skew=req.skew,
             dry_multiplier=req.dry_multiplier, dry_base=_or_default(req.dry_base, "dry_base"),
             dry_allowed_length=_or_default(req.dry_allowed_length, "dry_allowed_length"), dry_range=req.dry_range,
             dry_sequence_breakers=dry_sequence_breakers(req.dry_sequence_breakers),

@@ -121,7 +121,7 @@ class SamplingFields(_Body):
     mirostat_mode: int = Field(0, ge=0, le=2, validation_alias=AliasChoices("mirostat_mode", "mirostat"))
     mirostat_tau: float = Field(1.5, gt=0.0)
     mirostat_eta: float = Field(0.3, gt=0.0)
-    skew: float = 0.0                                     # TabbyAPI's; only 0 is accepted (params)
+    skew: float = 0.0                                     # TabbyAPI's and exllamav2's (SamplingSettings.skew)
     # TabbyAPI's classifier-free guidance: ≠ 1 steers the reply away from negative_prompt (default: BOS alone)
     cfg_scale: float = Field(1.0, ge=-100.0, le=100.0)
     negative_prompt: Optional[str] = None
