@@ -14,6 +14,7 @@ from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_
                              load_bar)
 from exl2.errors import ConfigError
 
+_PARSER: argparse.ArgumentParser | None = None   # the serve parser, whose defaults tell which flags were left unset
 KEY_ENV = "EXL2_API_KEY"
 ADMIN_KEY_ENV = "EXL2_ADMIN_KEY"
 
@@ -22,6 +23,11 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve /v1/chat/completions, /v1/completions and /v1/models (streaming, tools, "
                                    "API keys) for one model. See docs/server.md.")
+    global _PARSER
+    _PARSER = p
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TabbyAPI's config.yml: its network, model, draft_model, lora and sampling settings where no "
+                        "flag sets them (docs/server.md)")
     add_model_args(p)
     add_lora_args(p)
     add_draft_args(p)
@@ -171,6 +177,9 @@ def run(args) -> int:
     from exl2.generation.templates import template_file
     from exl2.server.admin import load_defaults_of
 
+    if args.config:
+        from exl2.cli.serve_config import apply_config_file
+        args = apply_config_file(args, _PARSER)
     keys = args.api_keys or _env_keys(KEY_ENV)
     admin_keys = args.admin_keys or _env_keys(ADMIN_KEY_ENV)
     try:
