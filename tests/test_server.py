@@ -1054,6 +1054,38 @@ def test_per_request_prompt_template(app, engine):
     assert engine.template is served
 
 
+def test_choices_say_what_ended_the_reply(app, url, engine):
+    """TabbyAPI's choice extras: eos_reason (stop_string, stop_token, max_new_tokens) and stop_str, the stop string
+    or the stop token's text, on chat and completions, streamed (the last chunk) or not."""
+    ref = reference(engine, "Once upon a time", 8)
+    cut = ref.text.strip()[1:3]
+    stop_id = ref.token_ids[2]
+    assert cut and cut in ref.text
+
+    async def go():
+        c = aclient(app)
+        r = await c.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=8,
+                                       stop=[cut, "never-there"])
+        extra = r.choices[0].model_extra
+        assert (r.choices[0].finish_reason, extra["eos_reason"], extra["stop_str"]) == ("stop", "stop_string", cut)
+        r = await c.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=8,
+                                       extra_body={"stop_token_ids": [stop_id]})
+        extra = r.choices[0].model_extra
+        assert (extra["eos_reason"], extra["stop_str"]) == ("stop_token", engine.tokenizer.decode([stop_id]))
+        r = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            temperature=0, max_tokens=2, extra_body={"ignore_eos": True})
+        extra = r.choices[0].model_extra
+        assert r.choices[0].finish_reason == "length" and extra["eos_reason"] == "max_new_tokens"
+        assert "stop_str" not in extra
+    run(go())
+    chunks = [json.loads(d) for d in sse_data(url, "/v1/completions", {
+        "model": "tiny", "prompt": "Once upon a time", "temperature": 0, "max_tokens": 8, "stop": [cut],
+        "stream": True})[:-1]]
+    last = chunks[-1]["choices"][0]
+    assert (last["finish_reason"], last["eos_reason"], last["stop_str"]) == ("stop", "stop_string", cut)
+    assert all("eos_reason" not in ch["choices"][0] for ch in chunks[:-1])
+
+
 def test_server_template_variables_and_start_in_reasoning(thinker):
     """The server's default template variables (a request's own replace them) and forced ones (nothing replaces
     them); start_in_reasoning "never" reads a reply as content although the prompt opens <think>, "always" as

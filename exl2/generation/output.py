@@ -31,6 +31,11 @@ class GenerationResult:
     time_prefill: float = 0.0              # seconds from admission to the first token
     time_generate: float = 0.0             # seconds from the first token to the end
     logprobs: Optional[list[TokenLogprob]] = None   # one per token id, when the job asked for them
+    # what ended a "stop" reply (TabbyAPI's stop_str and eos_reason): the stop string, or the stop token's text;
+    # eos_reason "stop_string", "stop_token", "end_filter" (a grammar ended it) or (finish_reason "length")
+    # "max_new_tokens"
+    stop_str: Optional[str] = None
+    eos_reason: str = "max_new_tokens"
 
 
 class StopMatcher:
@@ -39,15 +44,16 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.hit: Optional[str] = None     # the stop string found, once one is
 
     def push(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, whether a stop string was hit)."""
         self.pending += text
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0:
-                out, self.pending = self.pending[:i], ""
-                return out, True
+        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
+            i, self.hit = min(found, key=lambda f: f[0])   # the earliest in the text
+            out, self.pending = self.pending[:i], ""
+            return out, True
         keep = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
@@ -129,6 +135,7 @@ class Reply:
         self.ids: list[int] = []
         self.finish_reason: Optional[str] = None   # set once the reply is over: "stop" or "length"
         self._hit = False
+        self.stop_token: Optional[int] = None       # the stop token that ended the reply
         self.min_tokens = min_tokens
         self.unchecked = 0                          # characters streamed before stop strings counted
 
@@ -136,6 +143,7 @@ class Reply:
         """Add a sampled token; returns the new text. A stop token or stop string ends the reply."""
         if token in self.stop_ids:
             self.finish_reason = "stop"
+            self.stop_token = token
             return self._tail()
         self.ids.append(token)
         piece = self.decoder.push(token)
@@ -208,4 +216,11 @@ class Reply:
         for s in self.stop_strings:
             if s in text:
                 text = text[: text.index(s)]
-        return GenerationResult(head + text, list(self.ids), self.finish_reason or "length", prompt_tokens)
+        result = GenerationResult(head + text, list(self.ids), self.finish_reason or "length", prompt_tokens)
+        if self.stop_token is not None:
+            result.stop_str, result.eos_reason = self.tokenizer.decode([self.stop_token]), "stop_token"
+        elif self.matcher.hit is not None:
+            result.stop_str, result.eos_reason = self.matcher.hit, "stop_string"
+        elif result.finish_reason == "stop":
+            result.eos_reason = "end_filter"     # a grammar was complete (or allowed nothing more)
+        return result

@@ -332,6 +332,15 @@ def _usage_head(body, head: dict) -> Optional[dict]:
     return {**head, "choices": []} if body.stream_options and body.stream_options.include_usage else None
 
 
+def _stop_fields(result: GenerationResult) -> dict[str, Any]:
+    """TabbyAPI's extra choice fields: why the reply ended (`eos_reason`) and the stop string or token that ended it
+    (`stop_str`)."""
+    out: dict[str, Any] = {"eos_reason": result.eos_reason}
+    if result.stop_str is not None:
+        out["stop_str"] = result.stop_str
+    return out
+
+
 def _chat_message(result: GenerationResult, tools, thinking: Optional[bool], prefix: str = ""
                   ) -> tuple[dict[str, Any], str]:
     """A finished reply, after the `prefix` it continues (TabbyAPI's response_prefix, part of the reply), as an
@@ -432,16 +441,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         for i, result in enumerate(results):
             message, finish = _chat_message(result, tools, thinking, prefix)
             choices.append({"index": i, "message": message, "finish_reason": finish,
-                            "logprobs": _chat_logprobs(st.engine.tokenizer, result.logprobs)})
+                            "logprobs": _chat_logprobs(st.engine.tokenizer, result.logprobs), **_stop_fields(result)})
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(results, body.n)}
 
     head["object"] = "chat.completion.chunk"
     holdbacks = [ToolCallHoldback() for _ in jobs] if tools else None
     splitters = [ReasoningSplitter(thinking) for _ in jobs] if thinking is not None else None
 
-    def chunk(i: int, delta: dict, finish: Optional[str] = None, logprobs: Optional[dict] = None) -> str:
+    def chunk(i: int, delta: dict, finish: Optional[str] = None, logprobs: Optional[dict] = None,
+              extra: Optional[dict] = None) -> str:
         return json.dumps({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
-                                                "finish_reason": finish}]}, ensure_ascii=False)
+                                                "finish_reason": finish, **(extra or {})}]}, ensure_ascii=False)
 
     def prelude(i: int):
         yield chunk(i, {"role": "assistant", "content": ""})
@@ -469,7 +479,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 reason = "tool_calls"
             elif holdbacks[i].rest():
                 yield chunk(i, {"content": holdbacks[i].rest()})
-        yield chunk(i, {}, reason)
+        yield chunk(i, {}, reason, None, _stop_fields(result))
 
     return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
 
@@ -503,8 +513,9 @@ async def completions(body: CompletionRequest, request: Request):
         if ranked:
             results = best_of(results, body.best_of, body.n)
         shown = body.logprobs is not None
-        return {**head, "choices": [choice(i, echo(i) + r.text, r.finish_reason,
-                                           _completion_logprobs(st.engine.tokenizer, r.logprobs) if shown else None)
+        return {**head, "choices": [{**choice(i, echo(i) + r.text, r.finish_reason,
+                                              _completion_logprobs(st.engine.tokenizer, r.logprobs) if shown
+                                              else None), **_stop_fields(r)}
                                     for i, r in enumerate(results)],
                 "usage": usage}
 
@@ -524,6 +535,7 @@ async def completions(body: CompletionRequest, request: Request):
         yield chunk(i, text, None, lp)
 
     def finish(i: int, result):
-        yield chunk(i, "", result.finish_reason)
+        yield json.dumps({**head, "choices": [{**choice(i, "", result.finish_reason), **_stop_fields(result)}]},
+                         ensure_ascii=False)
 
     return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
