@@ -82,6 +82,30 @@ def test_chat_tool_renders_the_template(engine, server):
     _check_progress(progress, len(ref.token_ids), 10)
 
 
+def test_structured_output_and_repetition_penalty(engine, server):
+    """json_schema holds the reply to JSON matching the schema (chat and generate); repetition_penalty reaches the
+    sampler (the greedy reply equals the engine's with the same penalty)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+              "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}}}
+    msgs = [{"role": "user", "content": "Plan a trip."}]
+    out = asyncio.run(_call(server, "chat", {"messages": msgs, "max_tokens": 120, "temperature": 1.0, "seed": 1,
+                                             "json_schema": schema})).structured_content
+    value = json.loads(out["text"])
+    assert set(value) == {"city", "days"} and isinstance(value["days"], int) and len(value["city"]) <= 10
+    assert out["finish_reason"] == "stop"
+    out = asyncio.run(_call(server, "generate", {"prompt": "Data:", "max_tokens": 60, "temperature": 0.8,
+                                                 "seed": 4, "json_schema": {}})).structured_content
+    if out["finish_reason"] == "stop":     # the tiny model may pad with whitespace until max_tokens
+        assert isinstance(json.loads(out["text"]), dict)
+    else:
+        assert out["text"].lstrip().startswith("{")
+    prompt = "one one one one one"
+    out = asyncio.run(_call(server, "generate", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                 "repetition_penalty": 1.5})).structured_content
+    ref = engine.generate(prompt, SamplingSettings(temperature=0, repetition_penalty=1.5), 12)
+    assert out["text"] == ref.text and ref.text != engine.generate(prompt, GREEDY, 12).text
+
+
 def test_tokenize_detokenize_and_model_info(engine, server):
     text = "Tokens, please: 12345 ünïcode"
     ids = engine.tokenizer.encode(text)
@@ -114,6 +138,9 @@ def test_embed_tool(engine, server):
     ("embed", {"texts": ["word " * 600]}, r"^Input 0 is \d+ tokens long but the context holds 512 tokens\.$"),
     ("embed", {"texts": ["x"], "dimensions": 100000}, r"^dimensions must be between 1 and"),
     ("embed", {"texts": []}, r"^Invalid texts: "),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "json_schema": {"type": "nonsense"}},
+     r"^The output format is invalid: "),
+    ("generate", {"prompt": "x", "repetition_penalty": 0}, r"^Invalid repetition_penalty: "),
 ])
 def test_user_errors_are_one_sentence_tool_errors(server, name, args, match):
     with pytest.raises(ToolError, match=match) as e:

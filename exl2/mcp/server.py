@@ -47,6 +47,10 @@ TopP = Annotated[float, Field(description="nucleus sampling cutoff in (0, 1]; 1 
 TopK = Annotated[int, Field(description="keep only the k most likely tokens; 0 = off")]
 MinP = Annotated[float, Field(description="drop tokens below min_p times the top probability; 0 = off")]
 Seed = Annotated[Optional[int], Field(description="random seed for reproducible sampling")]
+RepetitionPenalty = Annotated[float, Field(description="penalty on tokens already in the text, > 0; 1 = off")]
+JsonSchema = Annotated[Optional[dict[str, Any]],
+                       Field(description="structured output: the reply is JSON matching this JSON schema "
+                                         "({} = any JSON object)")]
 
 
 def one_sentence(e: ValidationError) -> str:
@@ -77,10 +81,21 @@ class ArgumentErrors(Middleware):
             raise
 
 
+def reply_grammar(engine, schema: Optional[dict[str, Any]]):
+    """The structured-output grammar of a tool call's json_schema (None: free text); a schema the engine cannot
+    use is a ToolError."""
+    if schema is None:
+        return None
+    try:
+        return engine.json_grammar(schema or None)
+    except Exl2Error as e:
+        raise ToolError(str(e)) from None
+
+
 async def stream_completion(engine, ctx: Optional[Context], prompt: str, settings: SamplingSettings,
-                            max_tokens: int, stop: list[str], add_bos: Optional[bool]) -> Completion:
+                            max_tokens: int, stop: list[str], add_bos: Optional[bool], grammar=None) -> Completion:
     """Run one generation through engine.aevents, reporting progress; engine errors become ToolErrors."""
-    events = engine.aevents(prompt, settings, max_tokens, stop, add_bos)
+    events = engine.aevents(prompt, settings, max_tokens, stop, add_bos, grammar)
     sent, chunks, last_t = 0, 0, 0.0
     result = None
     try:
@@ -141,20 +156,25 @@ def build_server(engine, name: Optional[str] = None) -> FastMCP:
     @mcp.tool(annotations=_READ_ONLY)
     async def generate(prompt: str, ctx: Context, max_tokens: MaxTokens = 256, temperature: Temperature = 0.8,
                        top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, seed: Seed = None,
-                       stop: Annotated[Optional[list[str]], Field(description="stop strings")] = None
-                       ) -> Completion:
+                       repetition_penalty: RepetitionPenalty = 1.0,
+                       stop: Annotated[Optional[list[str]], Field(description="stop strings")] = None,
+                       json_schema: JsonSchema = None) -> Completion:
         """Complete a prompt with the local model (no chat template); progress counts the generated tokens."""
-        settings = sampling_settings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-        return await stream_completion(engine, ctx, prompt, settings, max_tokens, stop or [], None)
+        settings = sampling_settings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                     repetition_penalty=repetition_penalty)
+        return await stream_completion(engine, ctx, prompt, settings, max_tokens, stop or [], None,
+                                       reply_grammar(engine, json_schema))
 
     @mcp.tool(annotations=_READ_ONLY)
     async def chat(messages: list[ChatMessage], ctx: Context, max_tokens: MaxTokens = 512,
                    temperature: Temperature = 0.7, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0,
-                   seed: Seed = None,
+                   seed: Seed = None, repetition_penalty: RepetitionPenalty = 1.0,
                    system: Annotated[Optional[str], Field(description="system prompt put before the messages")] = None,
-                   stop: Annotated[Optional[list[str]], Field(description="stop strings")] = None) -> Completion:
+                   stop: Annotated[Optional[list[str]], Field(description="stop strings")] = None,
+                   json_schema: JsonSchema = None) -> Completion:
         """Answer a conversation with the local model through its chat template; progress counts tokens."""
-        settings = sampling_settings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+        settings = sampling_settings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                     repetition_penalty=repetition_penalty)
         msgs = [m.model_dump() for m in messages]
         if not msgs:
             raise ToolError("messages must hold at least one message.")
@@ -166,7 +186,8 @@ def build_server(engine, name: Optional[str] = None) -> FastMCP:
             prompt = engine.chat_prompt(msgs)
         except Exl2Error as e:
             raise ToolError(str(e)) from None
-        return await stream_completion(engine, ctx, prompt, settings, max_tokens, stop or [], False)
+        return await stream_completion(engine, ctx, prompt, settings, max_tokens, stop or [], False,
+                                       reply_grammar(engine, json_schema))
 
     @mcp.tool(annotations=_READ_ONLY)
     def tokenize(text: str) -> dict:
