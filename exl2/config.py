@@ -57,6 +57,9 @@ class EngineConfig(BaseModel):
     # prompt tokens a generator step prefills at most (TabbyAPI's chunk_size): smaller chunks need less activation
     # memory and let running replies go on between a long prompt's chunks; larger ones prefill faster
     chunk_size: int = Field(2048, ge=256, le=16384)
+    # decode steps replayed from CUDA graphs (batch sizes 1, 2, 4, ... up to max_batch_size); False runs them eagerly:
+    # slower, but no capture time or graph memory, and easier to profile or debug (exllamav2's -ng)
+    cuda_graphs: bool = True
     # Speculative decoding (a request decoding alone): guesses from n-grams of its own text or from a small model
     # with the same tokenizer, checked num_draft_tokens at a time.
     ngram_draft: bool = False

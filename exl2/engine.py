@@ -50,7 +50,7 @@ class Engine:
                                  RopeOverride(config.draft_rope_scale, config.draft_rope_alpha))
         self.dynamic = DynamicGenerator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode,
                                         cache_tokens=config.cache_size, max_batch=config.max_batch_size,
-                                        chunk=config.chunk_size,
+                                        chunk=config.chunk_size, use_graphs=config.cuda_graphs,
                                         draft=draft, num_draft_tokens=config.num_draft_tokens,
                                         flash_attention=config.flash_attention_enabled,
                                         adaptive_draft=config.adaptive_draft)

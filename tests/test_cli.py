@@ -207,6 +207,37 @@ def test_rope_flags_reach_engine_config(command):
     assert rope_from_args(args).yarn == 3.0 and rope_from_args(args).context == 8192
 
 
+def test_graph_and_chunk_flags_reach_the_generator(monkeypatch):
+    """-ng and --chunk-size reach EngineConfig and the engine's DynamicGenerator (and the CLI's own generator)."""
+    from exl2 import engine as engine_mod
+    from exl2.cli.common import engine_settings, load_generator
+    from exl2.cli.main import build_parser
+    from exl2.config import EngineConfig
+    from exl2.generation import generator as generator_mod
+
+    seen = []
+
+    class Recording(engine_mod.DynamicGenerator):
+        def __init__(self, *a, **kw):
+            seen.append((kw.get("use_graphs", True), kw.get("chunk")))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(engine_mod, "DynamicGenerator", Recording)
+    monkeypatch.setattr(generator_mod, "DynamicGenerator", Recording)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "-m", str(SRC), "-ng", "--chunk-size", "512", "-l", "512"])
+    config = EngineConfig(**{**engine_settings(args), "device": "cpu"})
+    assert (config.cuda_graphs, config.chunk_size) == (False, 512)
+    engine_mod.Engine(config).close()
+    assert seen[-1] == (False, 512)
+    default = EngineConfig(**{**engine_settings(parser.parse_args(["serve", "-m", str(SRC)])), "device": "cpu"})
+    assert (default.cuda_graphs, default.chunk_size) == (True, 2048)
+    _, _, gen = load_generator(parser.parse_args(["generate", "-m", str(SRC), "-p", "x", "-ng", "--chunk-size",
+                                                  "256", "--device", "cpu", "-l", "512"]))
+    list(gen.stream("x", max_new_tokens=1))
+    assert seen[-1] == (False, 256)
+
+
 @pytest.mark.parametrize("command", [["eval"], ["bench"]])
 def test_rope_flags_on_eval_and_bench(command):
     from exl2.cli.common import rope_from_args

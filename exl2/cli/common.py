@@ -24,6 +24,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "than the model's context needs -rs/-ra/-ry, else it is capped with a warning")
     p.add_argument("--chunk-size", "--chunk_size", dest="chunk_size", type=int, default=None,
                    help="prompt tokens prefilled in one forward at most (default 2048; smaller needs less memory)")
+    p.add_argument("-ng", "--no-graphs", "--no_graphs", dest="no_graphs", action="store_true",
+                   help="run decode steps eagerly instead of from CUDA graphs (slower; for profiling and debugging)")
     p.add_argument("-cm", "--cache-mode", "--cache_mode", dest="cache_mode", default="fp16",
                    choices=["fp16", "q8", "q6", "q4", "q3", "q2"],
                    help="KV cache storage: fp16 or quantized (q8, q6 = 8-bit keys/4-bit values, q4, q3, q2)")
@@ -152,6 +154,8 @@ def model_settings(args) -> dict:
         settings["max_seq_len"] = args.max_seq_len
     if getattr(args, "chunk_size", None) is not None:
         settings["chunk_size"] = args.chunk_size
+    if getattr(args, "no_graphs", False):
+        settings["cuda_graphs"] = False
     return settings
 
 
@@ -348,4 +352,5 @@ def load_generator(args):
         draft = make_drafter(model, args.ngram_draft, args.draft_model_dir, max_seq_len, args.cache_mode,
                              args.num_draft_tokens, draft_rope_from_args(args))
     return model_dir, tok, Generator(model, tok, max_seq_len, args.cache_mode, draft=draft,
-                                     num_draft_tokens=args.num_draft_tokens, chunk=chunk)
+                                     num_draft_tokens=args.num_draft_tokens, chunk=chunk,
+                                     use_graphs=not args.no_graphs)

@@ -23,9 +23,10 @@ __all__ = ["GenerationResult", "Generator", "StopMatcher"]
 class Generator:
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: Optional[int] = None,
                  cache_mode: str = "fp16", worker: Optional[BatchWorker] = None, draft: Optional[Drafter] = None,
-                 num_draft_tokens: int = 4, chunk: int = 2048):
+                 num_draft_tokens: int = 4, chunk: int = 2048, use_graphs: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens, self.chunk = draft, num_draft_tokens, chunk
+        self.use_graphs = use_graphs
         self.max_seq_len = max_seq_len or min(model.spec.max_position, 4096)
         self.cache_mode = cache_mode
         self.worker = worker
@@ -58,7 +59,8 @@ class Generator:
         if self._dynamic is None or self._dynamic.max_batch < rows:
             self._dynamic = DynamicGenerator(self.model, self.tokenizer, self.max_seq_len, self.cache_mode,
                                              cache_tokens=rows * self.max_seq_len, max_batch=rows, draft=self.draft,
-                                             num_draft_tokens=self.num_draft_tokens, chunk=self.chunk)
+                                             num_draft_tokens=self.num_draft_tokens, chunk=self.chunk,
+                                             use_graphs=self.use_graphs)
         return self._dynamic.stream(job)
 
     def stream(self, prompt: str | list[int], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
