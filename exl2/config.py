@@ -289,6 +289,10 @@ class ServerConfig(BaseModel):
     # whether a chat reply starts inside a think block (TabbyAPI's start_in_reasoning): "auto" reads it from the
     # rendered prompt (it ends with an open <think>), "always" / "never" for templates that open it elsewhere
     start_in_reasoning: Literal["auto", "always", "never"] = "auto"
+    # the tags around reasoning (TabbyAPI's reasoning_start_token / reasoning_end_token), both or neither; None:
+    # the pair the chat template writes (<think>…</think>, Magistral's [THINK]…[/THINK]), else <think>…</think>
+    reasoning_start_token: Optional[str] = Field(None, min_length=1)
+    reasoning_end_token: Optional[str] = Field(None, min_length=1)
     # chat-template variables for every chat request (TabbyAPI's template_vars_default / template_vars_force): a
     # request's template_vars / chat_template_kwargs replace the defaults, never the forced ones
     template_vars_default: dict[str, Any] = Field(default_factory=dict)
@@ -321,6 +325,8 @@ class ServerConfig(BaseModel):
     def _inline_loading(self):
         if self.inline_model_loading and self.model_dir_root is None:
             raise ValueError("inline_model_loading loads models by name from model_dir_root, which is not set")
+        if (self.reasoning_start_token is None) != (self.reasoning_end_token is None):
+            raise ValueError("reasoning_start_token and reasoning_end_token go together: give both or neither")
         return self
 
     @field_validator("template_vars_default", "template_vars_force")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from exl2.config import SamplingSettings
-from exl2.generation.budget import CLOSE, OPEN, ReasoningBudget, budget_end
+from exl2.generation.budget import CLOSE, OPEN, ReasoningBudget, ThinkTags, budget_end
 from exl2.generation.dynamic import DynamicGenerator, Job
 
 import test_dynamic
@@ -25,6 +25,18 @@ def test_the_budget_counts_inside_the_block():
     early = ReasoningBudget(5, [9], inside=True)
     assert early.step("done" + CLOSE[:3], 1) is None and early.step(CLOSE[3:] + " answer", 2) is None and early.done
     assert OPEN == "<think>"
+    tags = ThinkTags("[THINK]", "[/THINK]")
+    other = ReasoningBudget(2, [9], tags=tags)
+    assert other.step("<think>x", 1) is None and other.start is None      # not its tags
+    assert other.step("[THI", 2) is None and other.step("NK]a", 3) is None and other.start == 3
+    assert other.step(" b", 4) is None and other.step(" c", 5) == [9]
+    closed = ReasoningBudget(5, [9], inside=True, tags=tags)
+    assert closed.step("ok [/THINK] fine", 1) is None and closed.done
+
+
+def test_budget_end_writes_the_closing_tag(tok):
+    assert tok.decode(budget_end(tok, "", ThinkTags("[THINK]", "[/THINK]"))).strip() == "[/THINK]"
+    assert tok.decode(budget_end(tok, "Time is up.")).strip() == "Time is up.\n</think>"
 
 
 def _reference(model, ids, before, forced, after):

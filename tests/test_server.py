@@ -1008,6 +1008,43 @@ def test_reasoning_parser_setting(thinker, fake_app):
     assert (msg.choices[0].message.reasoning_content, msg.choices[0].message.content) == ("Hm.", "3")
 
 
+def test_other_reasoning_tags():
+    """Magistral's [THINK]…[/THINK]: found in its template (parser on, tags taken from it), or set by the server
+    (reasoning_start_token / reasoning_end_token); the split is the <think> one's with the other tags, chunked
+    any way."""
+    from exl2.generation.budget import ThinkTags
+
+    tags = ThinkTags("[THINK]", "[/THINK]")
+    text = "[THINK]\nLet me see.\n[/THINK]\n\nIt is 3."
+    assert split_reasoning(text, False, tags) == ("Let me see.", "It is 3.")
+    assert split_reasoning(text) == (None, text)           # not <think>: plain content
+    for cut in range(len(text) + 1):
+        splitter = ReasoningSplitter(False, tags)
+        r1, c1 = splitter.push(text[:cut])
+        r2, c2 = splitter.push(text[cut:])
+        r3, c3 = splitter.finish()
+        assert (r1 + r2 + r3, c1 + c2 + c3) == ("Let me see.", "It is 3."), cut
+
+    magistral = FakeEngine()
+    magistral.template = ChatTemplate("{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}"
+                                      "{# the model may write [THINK]...[/THINK] first #}")
+    magistral.chat_prompt = lambda messages, tools=None, **v: magistral.template.render(messages, tools, **v)
+    magistral.reply = "[THINK]Hm.[/THINK]3"
+    app = create_app(magistral, ServerConfig())
+    assert app.state.exl2.reasoning is True and app.state.exl2.tags == tags
+    msg = run(aclient(app).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}]))
+    assert (msg.choices[0].message.reasoning_content, msg.choices[0].message.content) == ("Hm.", "3")
+
+    plain = FakeEngine()
+    plain.reply = "<reasoning>Hm.</reasoning>3"
+    app = create_app(plain, ServerConfig(reasoning_parser=True, reasoning_start_token="<reasoning>",
+                                         reasoning_end_token="</reasoning>"))
+    msg = run(aclient(app).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}]))
+    assert (msg.choices[0].message.reasoning_content, msg.choices[0].message.content) == ("Hm.", "3")
+    with pytest.raises(ValueError, match="give both or neither"):
+        ServerConfig(reasoning_start_token="<r>")
+
+
 # ---- chat template variables ------------------------------------------------------------------------------------
 
 def test_chat_template_kwargs_reach_the_template(thinker_url, thinker, app, engine):

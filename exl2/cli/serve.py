@@ -61,7 +61,12 @@ def register(sub) -> None:
     p.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser",
                    action=argparse.BooleanOptionalAction, default=None,
                    help="return chat replies' <think>...</think> block as reasoning_content, apart from content "
-                        "(default: on when the model's chat template mentions <think>)")
+                        "(default: on when the model's chat template mentions <think> or [THINK])")
+    p.add_argument("--reasoning-start-token", "--reasoning_start_token", dest="reasoning_start_token", default=None,
+                   metavar="TAG", help="the tag that opens a reply's reasoning, with --reasoning-end-token (default: "
+                                       "the chat template's pair, <think> or [THINK], else <think>)")
+    p.add_argument("--reasoning-end-token", "--reasoning_end_token", dest="reasoning_end_token", default=None,
+                   metavar="TAG", help="the tag that closes a reply's reasoning (default: </think> or [/THINK])")
     p.add_argument("--cors-origin", "--cors_origin", dest="cors_origins", action="append", default=[],
                    metavar="ORIGIN", help="let browser apps on this origin call the API, e.g. http://localhost:3000 "
                                           "(repeatable; '*' = any origin; default: no CORS headers)")
@@ -188,6 +193,8 @@ def run(args) -> int:
                                      lora_dir=args.lora_dir, inline_model_loading=args.inline_model_loading,
                                      model_name=args.model_name, max_tokens=args.max_tokens,
                                      reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins),
+                                     reasoning_start_token=args.reasoning_start_token,
+                                     reasoning_end_token=args.reasoning_end_token,
                                      kobold=args.kobold, sampler_override=args.sampler_override,
                                      sampler_override_dir=args.sampler_override_dir,
                                      template_dir=args.template_dir, start_in_reasoning=args.start_in_reasoning,

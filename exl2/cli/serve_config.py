@@ -64,6 +64,8 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("model", "chunk_size"): ("chunk_size", _integer),
     ("model", "max_batch_size"): ("max_batch_size", _integer),
     ("model", "prompt_template"): ("prompt_template", _text),
+    ("model", "reasoning_start_token"): ("reasoning_start_token", _text),
+    ("model", "reasoning_end_token"): ("reasoning_end_token", _text),
     ("draft_model", "draft_rope_scale"): ("draft_rope_scale", _number),
     ("draft_model", "draft_num_tokens"): ("num_draft_tokens", _integer),
     ("sampling", "override_preset"): ("sampler_override", _text),

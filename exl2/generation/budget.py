@@ -5,9 +5,25 @@ message, then the closing tag) instead of what the model would sample, so that i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
-OPEN, CLOSE = "<think>", "</think>"
+
+class ThinkTags(NamedTuple):
+    """The tags around a reply's reasoning: `<think>…</think>` (Qwen3, DeepSeek-R1, QwQ) or another model's pair."""
+
+    open: str
+    close: str
+
+
+DEFAULT_TAGS = ThinkTags("<think>", "</think>")
+# pairs a chat template may use, first match wins (Magistral writes [THINK]…[/THINK])
+KNOWN_TAGS = (DEFAULT_TAGS, ThinkTags("[THINK]", "[/THINK]"), ThinkTags("<|begin_of_thought|>", "<|end_of_thought|>"))
+OPEN, CLOSE = DEFAULT_TAGS
+
+
+def template_tags(source: str) -> Optional[ThinkTags]:
+    """The think tags a chat template's source writes (None: it knows none of `KNOWN_TAGS`)."""
+    return next((t for t in KNOWN_TAGS if t.open in source), None)
 
 
 @dataclass
@@ -21,6 +37,7 @@ class ReasoningBudget:
     inside: bool = False
     start: Optional[int] = None      # reply tokens before the block began (0 when the prompt opened it)
     done: bool = False               # the block was closed, by the model or by the budget
+    tags: ThinkTags = DEFAULT_TAGS
     _tail: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -33,25 +50,26 @@ class ReasoningBudget:
         if self.done:
             return None
         tail = self._tail + text
+        opening, closing = self.tags
         if self.start is None:
-            at = tail.find(OPEN)
+            at = tail.find(opening)
             if at < 0:
-                self._tail = tail[-(len(OPEN) - 1):]
+                self._tail = tail[-(len(opening) - 1):]
                 return None
             self.start = reply_tokens
-            tail = tail[at + len(OPEN):]
-        if CLOSE in tail:
+            tail = tail[at + len(opening):]
+        if closing in tail:
             self.done = True
             return None
-        self._tail = tail[-(len(CLOSE) - 1):]
+        self._tail = tail[-(len(closing) - 1):]
         if reply_tokens - self.start >= self.tokens:
             self.done = True
             return list(self.end_ids)
         return None
 
 
-def budget_end(tokenizer, message: str = "") -> list[int]:
+def budget_end(tokenizer, message: str = "", tags: ThinkTags = DEFAULT_TAGS) -> list[int]:
     """The tokens that end a think block: `message` (a last thought, e.g. that time is up), then the closing tag
     on a line of its own, as the templates write it."""
-    text = (message.rstrip() + "\n" if message.strip() else "\n") + CLOSE + "\n\n"
+    text = (message.rstrip() + "\n" if message.strip() else "\n") + tags.close + "\n\n"
     return tokenizer.encode(text, add_bos=False)

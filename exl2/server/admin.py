@@ -31,7 +31,7 @@ from exl2.server.auth import permission
 from exl2.server.errors import APIError, unsupported
 from exl2.names import plain_name
 from exl2.server.host import (ModelHost, ServerState, close_slot, free_memory, host, no_model, reasoning_on,
-                              serve_state, serving)
+                              serve_state, serving, think_tags)
 from exl2.server.overrides import Overrides, find_preset, preset_names
 
 log = logging.getLogger("exl2.server")
@@ -506,7 +506,8 @@ def _switch_template(h: ModelHost, choice: Optional[str], param: str) -> dict:
         template = st.engine.set_template(template_file(h.config.template_dir, choice), h.config.template_dir)
     except ConfigError as e:
         raise APIError(400, str(e), param=param, code="template_not_found") from None
-    h.restate(dataclasses.replace(st, reasoning=reasoning_on(h.config, template)))
+    h.restate(dataclasses.replace(st, reasoning=reasoning_on(h.config, template),
+                                  tags=think_tags(h.config, template)))
     log.info("chat template: %s", template_label(template))
     return {"prompt_template": template_label(template)}
 

@@ -21,7 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError, Exl2Error
-from exl2.generation.budget import ReasoningBudget, budget_end
+from exl2.generation.budget import DEFAULT_TAGS, ReasoningBudget, ThinkTags, budget_end
 from exl2.generation.chat import parse_tool_calls
 from exl2.generation.constraints import Grammar
 from exl2.generation.generator import GenerationResult
@@ -341,15 +341,15 @@ def _stop_fields(result: GenerationResult) -> dict[str, Any]:
     return out
 
 
-def _chat_message(result: GenerationResult, tools, thinking: Optional[bool], prefix: str = ""
-                  ) -> tuple[dict[str, Any], str]:
+def _chat_message(result: GenerationResult, tools, thinking: Optional[bool], prefix: str = "",
+                  tags: ThinkTags = DEFAULT_TAGS) -> tuple[dict[str, Any], str]:
     """A finished reply, after the `prefix` it continues (TabbyAPI's response_prefix, part of the reply), as an
     assistant message with its finish_reason. With the reasoning parser on (`thinking`: whether the reply started
     inside a think block; None: off) the block is `reasoning_content`; tool calls are parsed from the rest when
     tools were given."""
     text, message = prefix + result.text, {"role": "assistant"}
     if thinking is not None:
-        reasoning, text = split_reasoning(text, thinking)
+        reasoning, text = split_reasoning(text, thinking, tags)
         message["reasoning_content"] = reasoning or None
         if reasoning is not None and not text:
             text = None                   # it only thought (e.g. stopped by max_tokens): no answer yet
@@ -419,13 +419,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise engine_error(e, "messages") from e
     prefix = body.response_prefix or ""
     mode = st.config.start_in_reasoning
-    starts_thinking = opens_thinking(prompt) if mode == "auto" else mode == "always"
+    starts_thinking = opens_thinking(prompt, st.tags) if mode == "auto" else mode == "always"
     for job in jobs:
         job.prompt = prompt + prefix
         if body.reasoning_budget_tokens is not None:   # one each: a budget follows its own reply
             job.budget = ReasoningBudget(body.reasoning_budget_tokens,
-                                         budget_end(st.engine.tokenizer, body.reasoning_budget_message or ""),
-                                         inside=starts_thinking)
+                                         budget_end(st.engine.tokenizer, body.reasoning_budget_message or "",
+                                                    st.tags),
+                                         inside=starts_thinking, tags=st.tags)
     # A grammar (structured output, a forced tool_choice) holds from the reply's first token, so such a reply cannot
     # think first, even where the prompt opens a think block: it is all content.
     constrained = any(job.grammar is not None for job in jobs)
@@ -439,14 +440,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             return Response(status_code=499)
         choices = []
         for i, result in enumerate(results):
-            message, finish = _chat_message(result, tools, thinking, prefix)
+            message, finish = _chat_message(result, tools, thinking, prefix, st.tags)
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": _chat_logprobs(st.engine.tokenizer, result.logprobs), **_stop_fields(result)})
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(results, body.n)}
 
     head["object"] = "chat.completion.chunk"
     holdbacks = [ToolCallHoldback() for _ in jobs] if tools else None
-    splitters = [ReasoningSplitter(thinking) for _ in jobs] if thinking is not None else None
+    splitters = [ReasoningSplitter(thinking, st.tags) for _ in jobs] if thinking is not None else None
 
     def chunk(i: int, delta: dict, finish: Optional[str] = None, logprobs: Optional[dict] = None,
               extra: Optional[dict] = None) -> str:

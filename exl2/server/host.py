@@ -20,6 +20,7 @@ from fastapi import Request
 from exl2.config import ServerConfig
 from exl2.server.errors import APIError
 from exl2.server.overrides import startup_overrides
+from exl2.generation.budget import DEFAULT_TAGS, ThinkTags, template_tags
 from exl2.server.reasoning import template_thinks
 
 log = logging.getLogger("exl2.server")
@@ -34,19 +35,31 @@ class ServerState:
     name: str
     created: int
     reasoning: bool = False         # split think blocks from the answer (`reasoning_content`)
+    tags: ThinkTags = DEFAULT_TAGS  # ... written between these tags
 
 
 def serve_state(engine, config: ServerConfig, name: Optional[str] = None) -> ServerState:
-    """How `engine` is served: its id (`name`, default the model directory's name) and whether the reasoning
-    parser is on (ServerConfig.reasoning_parser; None: when the chat template knows `<think>`)."""
+    """How `engine` is served: its id (`name`, default the model directory's name), whether the reasoning
+    parser is on (ServerConfig.reasoning_parser; None: when the chat template knows think tags) and its tags."""
     return ServerState(engine, config, name or engine.model_name, int(time.time()),
-                       reasoning_on(config, engine.template))
+                       reasoning_on(config, engine.template), think_tags(config, engine.template))
+
+
+def think_tags(config: ServerConfig, template) -> ThinkTags:
+    """The reasoning tags: the server's (reasoning_start_token / _end_token), else the template's, else
+    `<think>…</think>`."""
+    if config.reasoning_start_token is not None:
+        return ThinkTags(config.reasoning_start_token, config.reasoning_end_token)
+    return template_tags(template.source) or DEFAULT_TAGS
 
 
 def reasoning_on(config: ServerConfig, template) -> bool:
     """Whether the reasoning parser runs for chats rendered with `template`: ServerConfig.reasoning_parser, or
     where that is None, whether the template knows `<think>`."""
-    return template_thinks(template) if config.reasoning_parser is None else config.reasoning_parser
+    if config.reasoning_parser is not None:
+        return config.reasoning_parser
+    return template_thinks(template) or (config.reasoning_start_token is not None
+                                         and config.reasoning_start_token in template.source)
 
 
 class Slot:

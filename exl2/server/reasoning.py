@@ -1,6 +1,7 @@
 """Reasoning output: a reply's `<think>…</think>` block as `reasoning_content`, the rest as `content`.
 
-Reasoning models (Qwen3, DeepSeek-R1/V3, QwQ) think inside `<think>…</think>` before answering; clients (like
+Reasoning models (Qwen3, DeepSeek-R1/V3, QwQ) think inside `<think>…</think>` (Magistral: `[THINK]…[/THINK]`;
+`budget.ThinkTags`) before answering; clients (like
 those of vLLM and TabbyAPI) expect the thinking apart, so they can show or hide it and never take it for the
 answer. Some templates end the prompt with `<think>` themselves, so the reply only closes the block:
 whether a reply starts inside one is read from the rendered prompt. Streamed or not, a reply goes through the same
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from exl2.generation.budget import CLOSE, OPEN
+from exl2.generation.budget import CLOSE, DEFAULT_TAGS, OPEN, ThinkTags, template_tags
 from exl2.generation.chat import ChatTemplate
 
 __all__ = ["CLOSE", "OPEN", "ReasoningSplitter", "opens_thinking", "split_reasoning", "template_thinks"]
@@ -19,12 +20,12 @@ _START, _THINK, _AFTER, _CONTENT = range(4)
 
 def template_thinks(template: ChatTemplate) -> bool:
     """Whether the chat template knows think blocks: the default for the server's reasoning parser."""
-    return OPEN in template.source
+    return template_tags(template.source) is not None
 
 
-def opens_thinking(prompt: str) -> bool:
-    """Whether the rendered prompt leaves the reply inside a think block (it ends with an open `<think>`)."""
-    return prompt.rstrip().endswith(OPEN)
+def opens_thinking(prompt: str, tags: ThinkTags = DEFAULT_TAGS) -> bool:
+    """Whether the rendered prompt leaves the reply inside a think block (it ends with an open tag)."""
+    return prompt.rstrip().endswith(tags.open)
 
 
 def _tag_prefix_len(text: str, tag: str) -> int:
@@ -44,7 +45,8 @@ class ReasoningSplitter:
     block is content, unchanged.
     """
 
-    def __init__(self, thinking: bool = False) -> None:
+    def __init__(self, thinking: bool = False, tags: ThinkTags = DEFAULT_TAGS) -> None:
+        self.open, self.close = tags
         self.state = _THINK if thinking else _START
         self.found = thinking            # a think block was opened (by the prompt or the reply)
         self.buf = ""                    # received, not yet sent
@@ -57,26 +59,26 @@ class ReasoningSplitter:
         while self.buf:
             if self.state == _START:
                 head = self.buf.lstrip()
-                if head.startswith(OPEN):
-                    self.buf, self.state, self.found = head[len(OPEN):], _THINK, True
-                elif OPEN.startswith(head):          # whitespace or a partial `<think>` so far
+                if head.startswith(self.open):
+                    self.buf, self.state, self.found = head[len(self.open):], _THINK, True
+                elif self.open.startswith(head):          # whitespace or a partial `<think>` so far
                     break
                 else:
                     self.state = _CONTENT
             elif self.state == _THINK:
                 if not self.said:
                     self.buf = self.buf.lstrip()
-                    if self.buf.startswith(OPEN):      # the reply repeats the prompt's `<think>`
-                        self.buf = self.buf[len(OPEN):]
+                    if self.buf.startswith(self.open):      # the reply repeats the prompt's `<think>`
+                        self.buf = self.buf[len(self.open):]
                         continue
-                    if OPEN.startswith(self.buf):
+                    if self.open.startswith(self.buf):
                         break
-                end = self.buf.find(CLOSE)
+                end = self.buf.find(self.close)
                 if end >= 0:
                     reasoning += self.buf[:end].rstrip()
-                    self.buf, self.state = self.buf[end + len(CLOSE):], _AFTER
+                    self.buf, self.state = self.buf[end + len(self.close):], _AFTER
                     continue
-                out = self.buf[:len(self.buf) - _tag_prefix_len(self.buf, CLOSE)].rstrip()
+                out = self.buf[:len(self.buf) - _tag_prefix_len(self.buf, self.close)].rstrip()
                 reasoning += out
                 self.buf = self.buf[len(out):]
                 self.said = self.said or bool(out)
@@ -100,9 +102,10 @@ class ReasoningSplitter:
         return "", rest
 
 
-def split_reasoning(text: str, thinking: bool = False) -> tuple[Optional[str], str]:
+def split_reasoning(text: str, thinking: bool = False, tags: ThinkTags = DEFAULT_TAGS
+                    ) -> tuple[Optional[str], str]:
     """A whole reply as (reasoning or None when there was no think block, content)."""
-    splitter = ReasoningSplitter(thinking)
+    splitter = ReasoningSplitter(thinking, tags)
     r1, c1 = splitter.push(text)
     r2, c2 = splitter.finish()
     return (r1 + r2 if splitter.found else None), c1 + c2
