@@ -187,7 +187,7 @@ def test_convert_says_cohere_is_not_supported_yet(dirs):
             call()
 
 
-@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("name", [*NEW, "qwen2_moe"])
 def test_engine_chat_is_transformers_greedy(tmp_path, name):
     """The whole serving path (tokenizer, chat template, dynamic generator, paged cache, sampler) at temperature 0
     replies with transformers' greedy continuation of the same prompt ids (the golden model's tokenizer and template
@@ -211,6 +211,41 @@ def test_engine_chat_is_transformers_greedy(tmp_path, name):
     got = engine.chat(messages, SamplingSettings(temperature=0), steps).token_ids
     want = greedy.tolist()
     assert got and got == want[:len(got)] and (len(got) == steps or want[len(got)] in engine.model.spec.eos_token_ids)
+
+
+def test_qwen2_moe_converts_and_loads(tmp_path):
+    """Qwen2-MoE to EXL2: the routed and shared experts quantized, the shared expert's gate and the router kept
+    as they are; the converted model's logits stay near the source's (6 bpw on a random tiny model: measured 8.9 %
+    relative error, bound 15 %). An input width EXL2 cannot pack is refused before any work."""
+    import shutil
+
+    from safetensors import safe_open
+    from test_cli import SRC
+
+    from exl2.cli.main import main
+    from exl2.quantize.pipeline import Converter, ConvertSettings
+
+    src = build_tiny("qwen2_moe", tmp_path / "src", vocab_size=1024)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SRC / f, src)
+    out = tmp_path / "out"
+    assert main(["convert", "-i", str(src), "-o", str(tmp_path / "work"), "-cf", str(out), "-b", "6.0", "-r", "4",
+                 "-l", "64", "-mr", "4", "-ml", "64"]) == 0
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        keys = set(f.keys())
+    p = "model.layers.0.mlp"
+    assert {f"{p}.shared_expert.down_proj.q_weight", f"{p}.experts.3.up_proj.q_weight", f"{p}.gate.weight",
+            f"{p}.shared_expert_gate.weight"} <= keys
+    ids = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, ref = load_model(out, "cpu")(ids), load_model(src, "cpu")(ids)
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.15
+
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "shared_expert_intermediate_size": 48}))
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size is 48"):
+        Converter(ConvertSettings(in_dir=str(src), out_dir=str(tmp_path / "work2"), bits=4.0))
+    assert not (tmp_path / "work2").exists() or not any((tmp_path / "work2").iterdir())
 
 
 def test_convert_rejects_cohere_before_any_work(dirs, tmp_path):

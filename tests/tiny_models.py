@@ -153,6 +153,26 @@ def _arch_qwen3_moe():
     )
 
 
+def _arch_qwen2_moe():
+    from transformers import Qwen2MoeConfig
+
+    # Qwen2-MoE: q/k/v biases, a shared expert scaled by its sigmoid gate, layer 1 dense; norm_topk_prob False.
+    return Qwen2MoeConfig(
+        **_cfg(
+            num_hidden_layers=3,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+    )
+
+
 def _arch_gemma():
     from transformers import GemmaConfig
 
@@ -389,6 +409,7 @@ ARCHS: dict[str, Callable] = {
     "qwen2": _arch_qwen2,
     "qwen3": _arch_qwen3,
     "qwen3_moe": _arch_qwen3_moe,
+    "qwen2_moe": _arch_qwen2_moe,
     "gemma": _arch_gemma,
     "gemma2": _arch_gemma2,
     "gemma3": _arch_gemma3,

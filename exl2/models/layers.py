@@ -130,13 +130,14 @@ class MoE(nn.Module):
     """Routed experts (+ optional shared expert). Routing rules follow the source architectures exactly."""
 
     def __init__(self, spec, router_weight: torch.Tensor, experts: list[GatedMLP], shared: GatedMLP | None,
-                 score_bias: torch.Tensor | None = None):
+                 score_bias: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None):
         super().__init__()
         self.spec = spec
         self.router_weight = nn.Parameter(router_weight, requires_grad=False)
         self.score_bias = nn.Parameter(score_bias, requires_grad=False) if score_bias is not None else None
         self.experts = nn.ModuleList(experts)
         self.shared = shared
+        self.shared_gate = nn.Parameter(shared_gate, requires_grad=False) if shared_gate is not None else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (expert ids [N, k], weights [N, k]) for flattened tokens x [N, H]."""
@@ -182,7 +183,10 @@ class MoE(nn.Module):
             else:
                 out.index_add_(0, rows, self.experts[e](flat[rows]) * we)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(flat, self.shared_gate.to(flat.dtype)))
+            out = out + shared
         return out.view(shape)
 
 

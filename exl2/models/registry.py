@@ -17,6 +17,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen3ForCausalLM": "llama",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen3_moe",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
@@ -267,17 +268,25 @@ def _mixtral(arch: str, cfg: dict) -> ModelSpec:
 
 
 def _qwen3_moe(arch: str, cfg: dict) -> ModelSpec:
+    """Qwen3-MoE, and Qwen1.5/Qwen2-MoE: q/k/v biases instead of q/k norms, and an always-on shared expert whose
+    output a sigmoid gate scales."""
     c = _common(arch, cfg)
     n = c["num_layers"]
+    qwen2 = arch == "Qwen2MoeForCausalLM"
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if qwen2 else 0
     moe = MoESpec(num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                   expert_dim=cfg["moe_intermediate_size"], router="softmax",
-                  norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), style="qwen")
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), style="qwen", shared_dim=shared,
+                  shared_gate=shared > 0)
     step = cfg.get("decoder_sparse_step", 1)
     dense_only = set(cfg.get("mlp_only_layers") or [])
     is_moe = [i not in dense_only and moe.num_experts > 0 and (i + 1) % step == 0 for i in range(n)]
-    windows = _layer_windows(cfg, n, "Qwen3ForCausalLM")
-    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"]), activation=_act(cfg), moe=moe, qk_norm=True,
-                     qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+    windows = _layer_windows(cfg, n, "Qwen2ForCausalLM" if qwen2 else "Qwen3ForCausalLM")
+    if qwen2:   # the q/k/v biases are on unless the config says otherwise (transformers' qkv_bias)
+        bias = dict(qkv_bias=bool(cfg.get("qkv_bias", True)), o_bias=False)
+    else:
+        bias = dict(qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)))
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"]), activation=_act(cfg), moe=moe, qk_norm=not qwen2, **bias,
                      layers=tuple(LayerSpec(sliding_window=w, moe=m) for w, m in zip(windows, is_moe)))
 
 

@@ -20,6 +20,7 @@ class MoESpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_dim: int = 0              # intermediate size of the always-on shared expert(s), 0 if none
+    shared_gate: bool = False        # the shared expert's output scaled by sigmoid(x · g) (Qwen2-MoE)
     style: str = "mixtral"           # mixtral | qwen | deepseek | llama4
 
 

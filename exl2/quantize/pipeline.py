@@ -106,6 +106,26 @@ def validate(s: ConvertSettings) -> ConvertSettings:
     return s
 
 
+def check_input_widths(spec) -> None:
+    """EXL2 packs each matrix's input rows in groups of 32 (the format and exllamav2's kernels need it): a model
+    with a projection whose input width is not a multiple of 32 is refused before any work."""
+    widths = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size}
+    if spec.mla is not None:
+        widths.update(kv_lora_rank=spec.mla.kv_lora_rank, attention_output=spec.num_heads * spec.mla.v_head_dim)
+        if spec.mla.q_lora_rank:
+            widths["q_lora_rank"] = spec.mla.q_lora_rank
+    else:
+        widths["attention_output"] = spec.num_heads * spec.head_dim
+    if spec.moe is not None:
+        widths.update(moe_intermediate_size=spec.moe.expert_dim, shared_expert_intermediate_size=spec.moe.shared_dim)
+    widths.update({f"layer {i} intermediate_size": layer.dense_dim for i, layer in enumerate(spec.layers)
+                   if layer.dense_dim})
+    bad = next(((name, w) for name, w in widths.items() if w and w % 32), None)
+    if bad is not None:
+        raise ConfigError(f"{spec.arch} cannot be converted to EXL2: its {bad[0]} is {bad[1]}, and EXL2 needs every "
+                          "projection's input width to be a multiple of 32.")
+
+
 def read_measurement(path: Path | str) -> dict:
     """The `measurement` dict of a measurement.json written by exllamav2 or by us."""
     try:
@@ -171,6 +191,7 @@ class Converter:
         if self.spec.parallel_block:
             raise ConfigError(f"Converting {self.spec.arch} is not supported yet: its layers run attention and MLP "
                               "side by side, and the quantizer works one block after the other.")
+        check_input_widths(self.spec)
         self.model = SourceModel(self.s.in_dir, self.spec, self.device, self.dtype)
         self.slots = model_slots(self.spec)
         self._tokenizer = None
