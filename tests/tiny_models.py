@@ -372,6 +372,22 @@ def _arch_deepseek_v3_no_qlora():
     )
 
 
+def _arch_deepseek_v2():
+    from transformers import DeepseekV2Config
+
+    # DeepSeek-V2: softmax router, group-limited greedy (4 groups of 2, the best 1: both experts from it, which an
+    # unlimited top-2 would often not pick), routed_scaling_factor applied without
+    # renormalisation; q_lora as V2 (V2-Lite has none: deepseek_v3_no_qlora covers that attention).
+    cfg = _deepseek().to_dict()
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "moe_intermediate_size", "num_experts_per_tok",
+            "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    return DeepseekV2Config(**{k: cfg[k] for k in keep if k in cfg}, n_routed_experts=8, n_shared_experts=1,
+                            n_group=4, topk_group=1, topk_method="group_limited_greedy", routed_scaling_factor=2.5,
+                            norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
 def _arch_llama4():
     from transformers import Llama4TextConfig
 
@@ -421,6 +437,7 @@ ARCHS: dict[str, Callable] = {
     "phi3_longrope": _arch_phi3_longrope,
     "deepseek_v3": _arch_deepseek_v3,
     "deepseek_v3_no_qlora": _arch_deepseek_v3_no_qlora,
+    "deepseek_v2": _arch_deepseek_v2,
     "llama4": _arch_llama4,
 }
 

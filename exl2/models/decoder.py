@@ -191,9 +191,11 @@ class MLAttention(nn.Module):
         else:
             q = self.q_proj(x)
         q = q.view(b, t, h, -1)
-        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        # slices, not split(): the quantizer's sensitivity pass differentiates through here, and autograd refuses
+        # in-place writes (the rotation below) into the views of a multi-output split
+        q_nope, q_pe = q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         ckv = self.kv_a_proj(x)
-        c, k_pe = ckv.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        c, k_pe = ckv[..., :m.kv_lora_rank], ckv[..., m.kv_lora_rank:]
         kv = self.kv_b_proj(self.kv_a_norm(c)).view(b, t, h, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k_pe = k_pe.view(b, t, 1, m.qk_rope_head_dim)

@@ -149,6 +149,19 @@ class MoE(nn.Module):
             if m.norm_topk_prob:
                 w = w / w.sum(-1, keepdim=True)
             return idx, w
+        if m.router == "softmax_grouped":   # DeepSeek-V2: groups ranked by their best expert
+            probs = torch.softmax(logits, dim=-1)
+            if m.n_group > 1:
+                n = x.shape[0]
+                best = probs.view(n, m.n_group, -1).amax(dim=-1)
+                gidx = best.topk(m.topk_group, dim=-1, sorted=False)[1]
+                keep = torch.zeros_like(best).scatter_(1, gidx, 1).bool()
+                per = probs.shape[1] // m.n_group
+                probs = probs.masked_fill(~keep[:, :, None].expand(n, m.n_group, per).reshape(n, -1), 0.0)
+            w, idx = torch.topk(probs, m.top_k, dim=-1, sorted=False)
+            if m.norm_topk_prob and m.top_k > 1:   # DeepSeek's own rule: renormalised weights are not scaled
+                return idx, w / (w.sum(-1, keepdim=True) + 1e-20)
+            return idx, w * m.routed_scaling_factor
         if m.router == "sigmoid_grouped":
             scores = logits.sigmoid()
             choice = scores + self.score_bias.float() if self.score_bias is not None else scores

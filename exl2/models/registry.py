@@ -25,6 +25,7 @@ _FAMILIES: dict[str, str] = {
     "GraniteForCausalLM": "granite",
     "CohereForCausalLM": "cohere",
     "DeepseekV3ForCausalLM": "deepseek",
+    "DeepseekV2ForCausalLM": "deepseek",
     "Llama4ForCausalLM": "llama4",
 }
 # multimodal wrappers run as their text decoder (config.json's text_config; exl2.formats.safetensors_io unwraps the
@@ -351,7 +352,8 @@ def _deepseek(arch: str, cfg: dict) -> ModelSpec:
                   qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
                   v_head_dim=cfg["v_head_dim"])
     qk_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    rope = _rope(cfg, qk_head, interleaved=bool(cfg.get("rope_interleave", True)), dim=mla.qk_rope_head_dim)
+    v2 = arch == "DeepseekV2ForCausalLM"   # V2 rotates consecutive pairs always and routes by softmax
+    rope = _rope(cfg, qk_head, interleaved=v2 or bool(cfg.get("rope_interleave", True)), dim=mla.qk_rope_head_dim)
     scale = qk_head ** -0.5
     rp = rope.params
     if rope.rope_type == "yarn" and rp.get("mscale_all_dim"):
@@ -359,10 +361,13 @@ def _deepseek(arch: str, cfg: dict) -> ModelSpec:
         factor = rp["factor"]
         m = 0.1 * rp["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
         scale = scale * m * m
+    grouped = not v2 or cfg.get("topk_method", "greedy") == "group_limited_greedy"
     moe = MoESpec(num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
-                  expert_dim=cfg["moe_intermediate_size"], router="sigmoid_grouped",
-                  norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), n_group=cfg.get("n_group", 1),
-                  topk_group=cfg.get("topk_group", 1), routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+                  expert_dim=cfg["moe_intermediate_size"], router="softmax_grouped" if v2 else "sigmoid_grouped",
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2)),
+                  n_group=(cfg.get("n_group") or 1) if grouped else 1,
+                  topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
+                  routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
                   shared_dim=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0), style="deepseek")
     k_dense = cfg.get("first_k_dense_replace", 0)
     c["head_dim"] = qk_head

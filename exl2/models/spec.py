@@ -14,7 +14,7 @@ class MoESpec:
     num_experts: int
     top_k: int
     expert_dim: int
-    router: str = "softmax"          # softmax | sigmoid_grouped (DeepSeek-V3) | sigmoid_input (Llama 4)
+    router: str = "softmax"          # softmax | softmax_grouped (DeepSeek-V2) | sigmoid_grouped (V3) | sigmoid_input
     norm_topk_prob: bool = True
     n_group: int = 1
     topk_group: int = 1
