@@ -106,6 +106,50 @@ def test_structured_output_and_repetition_penalty(engine, server):
     assert out["text"] == ref.text and ref.text != engine.generate(prompt, GREEDY, 12).text
 
 
+def test_http_transport_takes_api_keys(engine):
+    """With api_keys the Streamable HTTP transport answers only requests bearing one (401 otherwise)."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    app = build_server(engine, api_keys=["k1", "k2"]).http_app()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{port}/mcp"
+
+        async def tools(key):
+            async with Client(url, auth=key) as client:
+                return sorted(t.name for t in await client.list_tools())
+
+        assert "generate" in asyncio.run(tools("k2"))
+        hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                 "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                            "clientInfo": {"name": "t", "version": "1"}}}
+        head = {"Accept": "application/json, text/event-stream"}
+        assert httpx.post(url, json=hello, headers=head).status_code == 401
+        assert httpx.post(url, json=hello, headers={**head, "Authorization": "Bearer nope"}).status_code == 401
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+
+def test_api_key_with_stdio_is_one_sentence(capsys):
+    assert main(["mcp", "serve", "--api-key", "k"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "protects the HTTP transport" in err[0]
+
+
 def test_tokenize_detokenize_and_model_info(engine, server):
     text = "Tokens, please: 12345 ünïcode"
     ids = engine.tokenizer.encode(text)

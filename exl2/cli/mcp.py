@@ -39,6 +39,10 @@ def register(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     s.add_argument("--name", default=None, help="server name shown to clients (default: exl2 (MODEL))")
+    s.add_argument("--api-key", "--api_key", dest="api_keys", action="append", default=[], metavar="KEY",
+                   help="with --transport http: answer only requests bearing this key (Authorization: Bearer KEY; "
+                        "repeatable); without any, comma-separated keys are read from $EXL2_API_KEY; no key at all = "
+                        "no authentication")
     s.set_defaults(func=run_serve)
 
     a = mcp_sub.add_parser("agent", help="answer a prompt, calling the tools of MCP servers",
@@ -87,14 +91,22 @@ def run_serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"Invalid --port {args.port}: use 1 to 65535.")
+    keys = [k.strip() for k in args.api_keys] or \
+        [k.strip() for k in os.environ.get("EXL2_API_KEY", "").split(",") if k.strip()]
+    if any(not k for k in keys):
+        raise ConfigError("--api-key must not be empty.")
+    if args.api_keys and args.transport == "stdio":
+        raise ConfigError("--api-key protects the HTTP transport; with stdio the client that launches the server "
+                          "is the only one talking to it.")
     if args.transport == "stdio":
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the protocol: nothing else may go there
             engine = load_engine(args)
         build_server(engine, args.name).run("stdio", show_banner=False)
         return 0
     engine = load_engine(args)
-    server = build_server(engine, args.name)
-    print(f"exl2 MCP server for {engine.model_name} on http://{args.host}:{args.port}/mcp", file=sys.stderr)
+    server = build_server(engine, args.name, keys)
+    auth = f" (API key required: {len(keys)} accepted)" if keys else " (no API key: anyone who can reach it may use it)"
+    print(f"exl2 MCP server for {engine.model_name} on http://{args.host}:{args.port}/mcp{auth}", file=sys.stderr)
     server.run("http", show_banner=False, host=args.host, port=args.port)
     return 0
 

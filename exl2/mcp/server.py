@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Sequence
 
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 from fastmcp import Context, FastMCP
+from fastmcp.server.auth.providers.jwt import StaticTokenVerifier
 from fastmcp.exceptions import ToolError
 from fastmcp.exceptions import ValidationError as ArgumentError
 from fastmcp.server.middleware import Middleware
@@ -145,13 +146,15 @@ def weight_format(model) -> str:
     return "unknown"
 
 
-def build_server(engine, name: Optional[str] = None) -> FastMCP:
-    """A FastMCP server whose tools run on `engine` (concurrent calls go to the engine as they come)."""
+def build_server(engine, name: Optional[str] = None, api_keys: Sequence[str] = ()) -> FastMCP:
+    """A FastMCP server whose tools run on `engine` (concurrent calls go to the engine as they come). With
+    `api_keys`, its HTTP transport answers only requests bearing one of them (`Authorization: Bearer KEY`)."""
+    auth = StaticTokenVerifier({k: {"client_id": "exl2", "scopes": []} for k in api_keys}) if api_keys else None
     mcp = FastMCP(name or f"exl2 ({engine.model_name})",
                   instructions=f"Local language model {engine.model_name} served by exl2: plain completion "
                                "(generate), chat through the model's template (chat), embedding vectors (embed), "
                                "and its tokenizer.",
-                  middleware=[ArgumentErrors()])
+                  middleware=[ArgumentErrors()], auth=auth)
 
     @mcp.tool(annotations=_READ_ONLY)
     async def generate(prompt: str, ctx: Context, max_tokens: MaxTokens = 256, temperature: Temperature = 0.8,
