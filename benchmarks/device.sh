@@ -73,8 +73,9 @@
 # with 16 steps and 8 warps, and defaults. s66 (session 32): benchmarks/int8_gemv.py from DRAM on an H200 (then
 # s62), from L2 elsewhere. ncumix: ncu of the grouped q/k/v and gate/up
 # gemvs, 4-bit against the mixed body, both with the 64-column launch (EXL2_GEMV_NARROW=0). s68 (for session 33):
-# the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1, then the mixed body with it off and on (session 33 made it
-# the default and removed the own-widths switch it also tried). s69: the norm-gather's launch settings on the decode step's input (4 partials).
+# the grouped-gemv GPU tests with EXL2_GEMV_GROUP_SELECT=1, then the mixed body with it off and on (session 33 made
+# it the default and removed the own-widths switch it also tried). s69: the norm-gather's launch settings on the
+# decode step's input (4 partials).
 # s70: the option-table body (`--mixed table`, several width mixes a projection): a first run to compile its many
 # kernels, then the one-body switch off and on, twice. s72 (for session 34): the target table (any GPU), then ncumix.
 # s71: benchmarks/barrier_probe.py (a kernel boundary against a grid barrier, a phase of a dependent chain).

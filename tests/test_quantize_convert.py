@@ -147,6 +147,44 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     shutil.rmtree(tmp_path / "w", ignore_errors=True)
 
 
+def test_status_output_and_calibration_rope(tmp_path, capsys):
+    """-so: every stdout line is a JSON event (stages with their progress, then messages) and nothing else; -rs/-ra
+    set the RoPE of the calibration forwards (a measurement made with other RoPE is not reused) while the output's
+    config.json keeps the model's own."""
+    from tiny_models import build_tiny
+
+    from exl2.errors import ConfigError
+
+    src = build_tiny("llama", tmp_path / "src", vocab_size=1024)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SRC / f, src)
+    work = tmp_path / "work"
+    args = ["convert", "-i", str(src), "-o", str(work), "-cf", str(tmp_path / "out"), "-b", "6.0", "-r", "4", "-l",
+            "64", "-mr", "4", "-ml", "64"]
+    capsys.readouterr()
+    assert main(args + ["-so", "-rs", "2.0"]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert {"stage", "progress", "stage_end", "message"} <= set(kinds)
+    for stage in {e["stage"] for e in events if e["event"] == "stage"}:
+        ends = [e for e in events if e["event"] == "stage_end" and e["stage"] == stage]
+        assert ends and ends[-1]["done"] == ends[-1]["total"], stage
+    assert events[-1]["event"] == "message" and events[-1]["text"].startswith("done in")
+    assert json.loads((tmp_path / "out" / "config.json").read_text()).get("rope_scaling") is None
+
+    plain = pipeline.Converter(pipeline.ConvertSettings(in_dir=str(src), out_dir=str(tmp_path / "w2")),
+                               Reporter(quiet=True))
+    scaled = pipeline.Converter(pipeline.ConvertSettings(in_dir=str(src), out_dir=str(tmp_path / "w3"),
+                                                         rope_alpha=2.0), Reporter(quiet=True))
+    (_, a), (_, b) = plain.model.rope(1, 32, 0), scaled.model.rope(1, 32, 0)
+    assert not torch.allclose(a[0], b[0])                       # other angles for the calibration forwards
+    with pytest.raises(ConfigError, match="different rope_scale"):
+        pipeline.convert(pipeline.ConvertSettings(in_dir=str(src), out_dir=str(work),
+                                                  compile_full=str(tmp_path / "out"), bits=6.0, rows=4, length=64,
+                                                  measurement_rows=4, measurement_length=64, rope_scale=3.0),
+                         Reporter(quiet=True))
+
+
 @pytest.fixture(scope="module")
 def src_model():
     ids = load_file(str(SRC / "reference_logits_fp16_hf.safetensors"))["input_ids"]

@@ -33,6 +33,12 @@ def register(sub) -> None:
     p.add_argument("-fst", "--fast_safetensors", action="store_true", help=argparse_suppress())
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="seed for the built-in calibration set and sampling (default 0)")
+    p.add_argument("-rs", "--rope_scale", type=float, default=None,
+                   help="linear RoPE scaling for the calibration forwards (the output keeps config.json's)")
+    p.add_argument("-ra", "--rope_alpha", type=float, default=None,
+                   help="NTK RoPE alpha for the calibration forwards (the output keeps config.json's)")
+    p.add_argument("-so", "--status_output", action="store_true",
+                   help="progress as JSON lines on stdout (stage, done, total; messages, warnings), no bars")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or messages")
     p.set_defaults(func=run)
 
@@ -45,15 +51,16 @@ def argparse_suppress():
 
 def run(args) -> int:
     from exl2.quantize.pipeline import ConvertSettings, convert
-    from exl2.quantize.progress import Reporter
+    from exl2.quantize.progress import Reporter, StatusReporter
 
     settings = ConvertSettings(
         in_dir=args.in_dir, out_dir=args.out_dir, compile_full=args.compile_full, bits=args.bits,
         head_bits=args.head_bits, cal_dataset=args.cal_dataset, rows=args.rows, length=args.length,
         measurement_rows=args.measurement_rows, measurement_length=args.measurement_length,
         measurement=args.measurement, output_measurement=args.output_measurement, shard_size=args.shard_size,
-        no_resume=args.no_resume, device=args.device, seed=args.seed)
-    ui = Reporter(quiet=args.quiet)
+        no_resume=args.no_resume, device=args.device, seed=args.seed, rope_scale=args.rope_scale,
+        rope_alpha=args.rope_alpha)
+    ui = StatusReporter() if args.status_output else Reporter(quiet=args.quiet)
     if not 2.0 <= args.bits <= 8.0:
         ui.warn(f"-b {args.bits} is outside the useful range of 2 to 8 bits per weight")
     try:

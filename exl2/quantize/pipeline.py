@@ -18,6 +18,7 @@ import torch
 from exl2.errors import ConfigError, ModelLoadError
 from exl2.formats.writer import atomic_write_text
 from exl2.models.registry import read_config, spec_from_config
+from exl2.models.rope import RopeOverride
 from exl2.quantize import job as J
 from exl2.quantize.blocks import SourceModel, Slot, slots as model_slots
 from exl2.quantize.calibration import builtin_calibration, random_rows, user_calibration
@@ -35,7 +36,8 @@ STATE_SAVE_BYTES = 512 * 2 ** 20                  # states larger than this are 
 SAVE_SECONDS = 120.0
 
 # Settings that invalidate a measurement when changed, and those that only invalidate the quant pass/compile.
-_MEASURE_KEYS = ("in_dir", "cal_dataset", "measurement_rows", "measurement_length", "measurement", "seed")
+_MEASURE_KEYS = ("in_dir", "cal_dataset", "measurement_rows", "measurement_length", "measurement", "seed",
+                 "rope_scale", "rope_alpha")
 _QUANT_KEYS = ("bits", "head_bits", "rows", "length")
 _COMPILE_KEYS = ("compile_full", "shard_size")
 
@@ -62,6 +64,9 @@ class ConvertSettings:
     seed: int = 0
     tokens_per_batch: Optional[int] = None
     objective: str = "auto"
+    # RoPE of the calibration forwards (exllamav2's -rs/-ra; the output's config.json keeps the model's own)
+    rope_scale: Optional[float] = None
+    rope_alpha: Optional[float] = None
 
     def job_settings(self) -> dict:
         d = asdict(self)
@@ -187,7 +192,7 @@ class Converter:
         self.dtype = torch.float32
         self.tpb = self.s.tokens_per_batch or (16384 if self.device.type == "cuda" else 8192)
         cfg = read_config(self.s.in_dir)
-        self.spec = spec_from_config(cfg)
+        self.spec = spec_from_config(cfg, RopeOverride(self.s.rope_scale, self.s.rope_alpha))
         if self.spec.parallel_block:
             raise ConfigError(f"Converting {self.spec.arch} is not supported yet: its layers run attention and MLP "
                               "side by side, and the quantizer works one block after the other.")

@@ -1,6 +1,7 @@
 """Progress bars (rich) with time left per stage, and one-line messages; silent when `quiet`."""
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -42,3 +43,34 @@ class Reporter:
         with Progress(*columns, console=self._console) as bar:
             task = bar.add_task(description, total=total, completed=done)
             yield lambda n=1: bar.advance(task, n)
+
+
+class StatusReporter(Reporter):
+    """`exl2 convert -so`: progress for a program driving the converter, as one JSON object a line on stdout
+    (`{"event": "stage" | "progress" | "stage_end", "stage", "done", "total"}`, `{"event": "message" |
+    "warning", "text"}`), no bars."""
+
+    def __init__(self, out=None):
+        super().__init__(quiet=True)
+        self.out = out
+
+    def _emit(self, **obj) -> None:
+        print(json.dumps(obj), file=self.out or sys.stdout, flush=True)
+
+    def info(self, msg: str) -> None:
+        self._emit(event="message", text=msg)
+
+    def warn(self, msg: str) -> None:
+        self._emit(event="warning", text=msg)
+
+    @contextmanager
+    def stage(self, description: str, total: int, done: int = 0) -> Iterator[Callable[[int], None]]:
+        name, count = description.strip(), [done]
+        self._emit(event="stage", stage=name, done=done, total=total)
+
+        def tick(n: int = 1) -> None:
+            count[0] += n
+            self._emit(event="progress", stage=name, done=count[0], total=total)
+
+        yield tick
+        self._emit(event="stage_end", stage=name, done=count[0], total=total)
