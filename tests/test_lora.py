@@ -387,17 +387,41 @@ def test_zero_bias_tensors_are_accepted(model, tmp_path):
     assert LoraAdapter.from_dir(d, model).targets == 1
 
 
-def test_moe_experts_and_tensor_parallel_models_are_refused(model, tmp_path):
+def test_lora_on_moe_experts_equals_merged_weights(tmp_path):
+    """An adapter over MoE experts (PEFT's per-expert paths, with the shared expert and attention too) gives the
+    logits of the model with `scale · B @ A` merged into those experts' weights; a module the model lacks is a
+    one-sentence error."""
     from tiny_models import build_tiny
-    from exl2.runtime.tp.model import build_tensor_parallel
 
-    moe = load_model(build_tiny("qwen3_moe", tmp_path / "moe"), "cpu")
-    d = make_adapter(tmp_path / "expert", ["model.layers.0.mlp.experts.3.gate_proj"], shape=lambda m: (64, 32))
+    from exl2.runtime.lora import _linear_index
+
+    moe = load_model(build_tiny("qwen2_moe", tmp_path / "moe"), "cpu")
+    index = _linear_index(moe)
+    shapes = {"gate_proj": (64, 32), "up_proj": (64, 32), "down_proj": (32, 64), "q_proj": (64, 64)}
+    mods = ["model.layers.0.mlp.experts.3.gate_proj", "model.layers.0.mlp.experts.3.down_proj",
+            "model.layers.2.mlp.experts.5.up_proj", "model.layers.0.self_attn.q_proj",
+            "model.layers.2.mlp.shared_expert.gate_proj"]
+    d = make_adapter(tmp_path / "expert", mods,
+                     shape=lambda m: (64, 64) if "shared" in m else shapes[m.rsplit(".", 1)[-1]])
+    adapter = LoraAdapter.from_dir(d, moe, scaling=0.7)
+    assert adapter.targets == len(mods)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    ref = merged(moe, [(d, 0.7 * 8.0 / 4)], rows=lambda hf: [(n, s, e) for n, _, s, e in index[hf]])
+    set_loras(moe, [adapter])
+    with torch.no_grad():
+        got, want = moe(ids), ref(ids)
+    close(got, want)
+    set_loras(moe, [])
+    with torch.no_grad():
+        assert (moe(ids) - want).abs().max() > 1e-3 * want.abs().max()   # the adapter changed the logits
+    bad = make_adapter(tmp_path / "bad", ["model.layers.0.mlp.experts.9.gate_proj"], shape=lambda m: (64, 32))
     with pytest.raises(ConfigError) as e:
-        LoraAdapter.from_dir(d, moe)
-    assert "expert" in one_sentence(e)
-    attn = make_adapter(tmp_path / "moe_attn", ["model.layers.0.self_attn.q_proj"], shape=lambda m: (64, 128))
-    assert LoraAdapter.from_dir(attn, moe).targets == 1  # the rest of an MoE model takes LoRA
+        LoraAdapter.from_dir(bad, moe)
+    assert "does not have" in one_sentence(e)
+
+
+def test_tensor_parallel_models_are_refused(model, tmp_path):
+    from exl2.runtime.tp.model import build_tensor_parallel
 
     ad = LoraAdapter.from_dir(make_adapter(tmp_path / "tp", ALL[:2]), model)
     tp = build_tensor_parallel(TensorSource(GOLDEN), spec_from_config(read_config(GOLDEN)), ["cpu", "cpu"],

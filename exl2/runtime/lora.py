@@ -53,16 +53,13 @@ class LoraAdapter:
         if rank <= 0:
             raise ConfigError(f"LoRA adapter {name!r} has rank r={rank}; it must be at least 1.")
         pairs = _pairs(tensors, name)
-        index, experts = _linear_index(model)
+        index = _linear_index(model)
         rslora = bool(cfg.get("use_rslora", False))
         dtype = model.dtype
         parts: list[tuple[str, LoraWeights]] = []
         for module, (a, b) in sorted(pairs.items()):
             found = index.get(module)
-            if found is None or any(id(lin) in experts for _, lin, _, _ in found):
-                if ".experts." in f"{module}." or found is not None:
-                    raise ConfigError(f"LoRA adapter {name!r} changes the MoE expert module {module!r}, and LoRA on "
-                                      "expert linears is not supported.")
+            if found is None:
                 raise ConfigError(f"LoRA adapter {name!r} changes the module {module!r}, which this model does not "
                                   "have.")
             r = a.shape[0]  # PEFT's rank_pattern gives some modules another rank than r
@@ -212,20 +209,17 @@ def _pairs(tensors: dict[str, torch.Tensor], name: str) -> dict[str, tuple[torch
     return out
 
 
-def _linear_index(model: nn.Module) -> tuple[dict[str, list[tuple[str, Linear, int, int]]], set[int]]:
-    """({HF module path: [(module name in the model, Linear, first output row, end row)]} over the linears the
-    loader built (those with `source`) but the output head, the ids of the MoE experts' linears)."""
-    from exl2.models.layers import MoE
-
-    experts = {id(sub) for mod in model.modules() if isinstance(mod, MoE)
-               for sub in mod.experts.modules() if isinstance(sub, Linear)}
+def _linear_index(model: nn.Module) -> dict[str, list[tuple[str, Linear, int, int]]]:
+    """{HF module path: [(module name in the model, Linear, first output row, end row)]} over the linears the
+    loader built (those with `source`) but the output head; MoE experts' linears included (an expert is a module
+    of its own in PEFT's paths, e.g. `mlp.experts.3.gate_proj`, Mixtral's `block_sparse_moe.experts.3.w1`)."""
     head = getattr(model, "lm_head", None)
     index: dict[str, list[tuple[str, Linear, int, int]]] = {}
     for mod_name, mod in model.named_modules():
         if isinstance(mod, Linear) and mod.source is not None and mod is not head:
             prefix, start, end = mod.source
             index.setdefault(prefix, []).append((mod_name, mod, start, end))
-    return index, experts
+    return index
 
 
 def _device_of(lin: Linear) -> torch.device:
