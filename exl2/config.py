@@ -313,6 +313,10 @@ class ServerConfig(BaseModel):
     # the chat templates (`NAME.jinja`) /v1/template/list shows and prompt_template names load (TabbyAPI's templates/)
     template_dir: Optional[Path] = None
     kobold: bool = False                     # also serve TabbyAPI's KoboldAI API under /api (server/kobold.py)
+    # TabbyAPI's logging switches: each completion request's prompt, and its sampling settings (those not at their
+    # defaults) with max_tokens and stop strings, as INFO lines of the exl2.server logger
+    log_prompt: bool = False
+    log_generation_params: bool = False
 
     @field_validator("api_keys", "admin_keys")
     @classmethod

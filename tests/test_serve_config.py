@@ -71,7 +71,8 @@ def test_tabbyapi_config_fills_the_flags(tmp_path, caplog):
     assert args.lora_dir == f"{tmp_path}/loras" and args.loras == [str(tmp_path / "loras" / "style")]
     assert args.lora_scaling == [0.5]
     warned = " ".join(r.getMessage() for r in caplog.records)
-    assert "network.api_servers" in warned and "logging.log_prompt" in warned and "model.max_seq_len" not in warned
+    assert "network.api_servers" in warned and "model.max_seq_len" not in warned
+    assert args.log_prompt is True and "logging.log_prompt" not in warned
 
 
 def test_command_line_flags_win_over_the_file(tmp_path):

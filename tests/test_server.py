@@ -6,6 +6,7 @@ whose reply is canned text in the Hermes, Llama-3.1 and plain forms.
 """
 import asyncio
 import json
+import logging
 import re
 import socket
 import threading
@@ -1121,6 +1122,28 @@ def test_choices_say_what_ended_the_reply(app, url, engine):
     last = chunks[-1]["choices"][0]
     assert (last["finish_reason"], last["eos_reason"], last["stop_str"]) == ("stop", "stop_string", cut)
     assert all("eos_reason" not in ch["choices"][0] for ch in chunks[:-1])
+
+
+def test_logging_switches(fake, caplog):
+    """log_prompt / log_generation_params: each request's prompt and its non-default settings as INFO lines; off
+    by default."""
+    hi = [{"role": "user", "content": "hi"}]
+
+    def ask(config):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="exl2.server"):
+            run(aclient(create_app(fake, config)).chat.completions.create(
+                model="x", messages=hi, max_tokens=7, temperature=0.3, stop=["END"], n=2))
+            run(aclient(create_app(fake, config)).completions.create(model="x", prompt="Once", max_tokens=3))
+        return [r.getMessage() for r in caplog.records]
+
+    quiet = ask(ServerConfig())
+    assert not any(m.startswith(("prompt:", "generation params:")) for m in quiet)
+    lines = ask(ServerConfig(log_prompt=True, log_generation_params=True))
+    assert lines.count('prompt: "PROMPT"') == 1 and 'prompt: "Once"' in lines
+    params = [json.loads(m.split(": ", 1)[1]) for m in lines if m.startswith("generation params:")]
+    assert params[0]["temperature"] == 0.3 and params[0]["max_tokens"] == 7 and params[0]["stop"] == ["END"]
+    assert params[0]["n"] == 2 and params[1]["max_tokens"] == 3
 
 
 def test_server_template_variables_and_start_in_reasoning(thinker):

@@ -67,6 +67,10 @@ def register(sub) -> None:
                                        "the chat template's pair, <think> or [THINK], else <think>)")
     p.add_argument("--reasoning-end-token", "--reasoning_end_token", dest="reasoning_end_token", default=None,
                    metavar="TAG", help="the tag that closes a reply's reasoning (default: </think> or [/THINK])")
+    p.add_argument("--log-prompt", "--log_prompt", dest="log_prompt", action="store_true",
+                   help="log each completion request's prompt (TabbyAPI's log_prompt)")
+    p.add_argument("--log-generation-params", "--log_generation_params", dest="log_generation_params",
+                   action="store_true", help="log each completion request's sampling settings, max_tokens and stops")
     p.add_argument("--cors-origin", "--cors_origin", dest="cors_origins", action="append", default=[],
                    metavar="ORIGIN", help="let browser apps on this origin call the API, e.g. http://localhost:3000 "
                                           "(repeatable; '*' = any origin; default: no CORS headers)")
@@ -194,6 +198,7 @@ def run(args) -> int:
                                      model_name=args.model_name, max_tokens=args.max_tokens,
                                      reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins),
                                      reasoning_start_token=args.reasoning_start_token,
+                                     log_prompt=args.log_prompt, log_generation_params=args.log_generation_params,
                                      reasoning_end_token=args.reasoning_end_token,
                                      kobold=args.kobold, sampler_override=args.sampler_override,
                                      sampler_override_dir=args.sampler_override_dir,

@@ -70,6 +70,8 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("draft_model", "draft_num_tokens"): ("num_draft_tokens", _integer),
     ("sampling", "override_preset"): ("sampler_override", _text),
     ("lora", "lora_dir"): ("lora_dir", _text),
+    ("logging", "log_prompt"): ("log_prompt", _flag),
+    ("logging", "log_generation_params"): ("log_generation_params", _flag),
 }
 
 

@@ -160,6 +160,23 @@ def _usage(results: list[GenerationResult], n: int) -> dict[str, Any]:
             "total_time": total_time}
 
 
+def log_jobs(config, jobs: list[Job]) -> None:
+    """ServerConfig.log_prompt / log_generation_params: a request's prompts and settings, one line each (the
+    prompts of a request's several choices are the same: logged once a distinct prompt)."""
+    if config.log_prompt:
+        seen: list = []
+        for job in jobs:
+            if job.prompt not in seen:
+                seen.append(job.prompt)
+                log.info("prompt: %s", json.dumps(job.prompt, ensure_ascii=False))
+    if config.log_generation_params:
+        job = jobs[0]
+        given = job.settings.model_dump(exclude_defaults=True, exclude={"seed"})
+        log.info("generation params: %s", json.dumps({**given, "max_tokens": job.max_new_tokens,
+                                                       "stop": job.stop_strings, "n": len(jobs)},
+                                                      ensure_ascii=False, default=str))
+
+
 def log_metrics(results: list[GenerationResult]) -> None:
     """One line per finished request for whoever runs the server (TabbyAPI logs the same): its jobs' prompt and
     generated tokens, speeds and times."""
@@ -432,6 +449,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     constrained = any(job.grammar is not None for job in jobs)
     thinking = (starts_thinking and not constrained) if st.reasoning else None
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": st.name}
+    log_jobs(st.config, jobs)
 
     if not body.stream:
         try:
@@ -498,6 +516,7 @@ async def completions(body: CompletionRequest, request: Request):
     echoes = [p if isinstance(p, str) else st.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
     head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": st.name}
+    log_jobs(st.config, jobs)
 
     def echo(i: int) -> str:
         return echoes[i // body.n] if echoes else ""
