@@ -132,45 +132,24 @@ def _arch_qwen3():
     return Qwen3Config(**_cfg(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
 
 
+# Layers 0 and 2 are MoE, layer 1 is dense (mlp_only_layers); norm_topk_prob False keeps the raw softmax mass of the
+# chosen experts (Mixtral covers the renormalising branch).
+_QWEN_MOE = dict(num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                 num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
 def _arch_qwen3_moe():
     from transformers import Qwen3MoeConfig
 
-    # Layers 0 and 2 are MoE, layer 1 is dense (mlp_only_layers); norm_topk_prob False keeps the raw
-    # softmax mass of the chosen experts (Mixtral covers the renormalising branch).
-    return Qwen3MoeConfig(
-        **_cfg(
-            num_hidden_layers=3,
-            head_dim=32,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        )
-    )
+    return Qwen3MoeConfig(**_cfg(head_dim=32, **_QWEN_MOE))
 
 
 def _arch_qwen2_moe():
     from transformers import Qwen2MoeConfig
 
-    # Qwen2-MoE: q/k/v biases, a shared expert scaled by its sigmoid gate, layer 1 dense; norm_topk_prob False.
-    return Qwen2MoeConfig(
-        **_cfg(
-            num_hidden_layers=3,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=64,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        )
-    )
+    # Qwen2-MoE: q/k/v biases instead of q/k norms, and a shared expert scaled by its sigmoid gate.
+    return Qwen2MoeConfig(**_cfg(shared_expert_intermediate_size=64, **_QWEN_MOE))
 
 
 def _arch_gemma():
