@@ -44,6 +44,10 @@ lora:
       scaling: 0.5
 sampling:
   override_preset: safe_defaults
+embeddings:
+  embedding_model_dir: {root}/emb
+  embedding_model_name: Qwen3-Embedding-0.6B
+  embeddings_device: cpu
 """
 
 
@@ -70,8 +74,10 @@ def test_tabbyapi_config_fills_the_flags(tmp_path, caplog):
     assert args.num_draft_tokens == 3 and args.sampler_override == "safe_defaults"
     assert args.lora_dir == f"{tmp_path}/loras" and args.loras == [str(tmp_path / "loras" / "style")]
     assert args.lora_scaling == [0.5]
+    assert args.embedding_model == str(tmp_path / "emb" / "Qwen3-Embedding-0.6B")
     warned = " ".join(r.getMessage() for r in caplog.records)
-    assert "network.api_servers" in warned and "model.max_seq_len" not in warned
+    assert "network.api_servers" in warned and "embeddings.embeddings_device" in warned
+    assert "model.max_seq_len" not in warned and "embeddings.embedding_model_name" not in warned
     assert args.log_prompt is True and "logging.log_prompt" not in warned
 
 

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from exl2.cli.main import main
@@ -1144,6 +1145,25 @@ def test_logging_switches(fake, caplog):
     params = [json.loads(m.split(": ", 1)[1]) for m in lines if m.startswith("generation params:")]
     assert params[0]["temperature"] == 0.3 and params[0]["max_tokens"] == 7 and params[0]["stop"] == ["END"]
     assert params[0]["n"] == 2 and params[1]["max_tokens"] == 3
+
+
+def test_embedding_model_beside_the_served_one(fake, engine):
+    """An embedding model loaded beside the served one answers /v1/embeddings (its vectors, its name) and is
+    listed by /v1/models; chat still goes to the served model."""
+    app = create_app(fake, ServerConfig(), embedder=engine)
+
+    async def go():
+        c = aclient(app)
+        r = await c.embeddings.create(model=engine.model_name, input=["first text", "a second one"])
+        want = engine.embed(["first text", "a second one"])
+        assert r.model == engine.model_name and len(r.data) == 2
+        assert torch.allclose(torch.tensor([d.embedding for d in r.data]), want.vectors, atol=1e-5)
+        ids = [m.id for m in (await c.models.list()).data]
+        assert ids == [fake.model_name, engine.model_name]
+        fake.reply = "ok"
+        chat = await c.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
+        assert chat.choices[0].message.content == "ok"
+    run(go())
 
 
 def test_server_template_variables_and_start_in_reasoning(thinker):

@@ -80,6 +80,9 @@ def register(sub) -> None:
     p.add_argument("--sampler-override-dir", "--sampler_override_dir", dest="sampler_override_dir", default=None,
                    metavar="DIR", help="the presets /v1/sampling/override/switch can put in force by name")
     add_template_arg(p)
+    p.add_argument("--embedding-model", "--embedding_model", dest="embedding_model", default=None, metavar="DIR",
+                   help="an embedding model (e.g. Qwen3-Embedding) loaded beside the served one to answer "
+                        "/v1/embeddings (TabbyAPI's embedding_model_dir / embedding_model_name)")
     p.add_argument("--embedding-pooling", "--embedding_pooling", dest="embedding_pooling", default=None,
                    choices=["last", "mean", "cls"],
                    help="how /v1/embeddings pools the final hidden states (default: the model's sentence-transformers "
@@ -173,6 +176,21 @@ def _name_values(items: list[str], flag: str) -> dict:
     return out
 
 
+def _load_embedder(args):
+    """The --embedding-model Engine: the served model's device and pooling flag, the default context (4096 tokens,
+    or the model's if shorter), no drafts or adapters."""
+    from exl2.config import EngineConfig
+    from exl2.engine import Engine
+
+    try:
+        config = EngineConfig(model_dir=args.embedding_model, device=args.device, max_batch_size=1,
+                              embedding_pooling=args.embedding_pooling)
+    except ValueError as e:
+        raise ConfigError(f"Invalid --embedding-model setting {_one_sentence(e)}.") from None
+    with load_bar() as progress:
+        return Engine(config, progress)
+
+
 def run(args) -> int:
     try:
         import uvicorn
@@ -243,7 +261,8 @@ def run(args) -> int:
         else:
             with load_bar() as progress:
                 engine = Engine(engine_config, progress)
-        app = create_app(engine, server_config, load_defaults)
+        embedder = _load_embedder(args) if args.embedding_model else None
+        app = create_app(engine, server_config, load_defaults, embedder)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         if engine is None:

@@ -104,6 +104,8 @@ def _file_settings(data: dict) -> tuple[dict[str, Any], list[str]]:
         for key, value in (keys or {}).items():
             name = f"{section}.{key}"
             if value is None or (section, key) in {("model", "model_name"), ("draft_model", "draft_model_dir"),
+                                                   ("embeddings", "embedding_model_dir"),
+                                                   ("embeddings", "embedding_model_name"),
                                                    ("draft_model", "draft_model_name"), ("lora", "loras"),
                                                    ("model", "gpu_split_auto"), ("network", "disable_auth"),
                                                    ("model", "rope_alpha"), ("draft_model", "draft_rope_alpha")}:
@@ -136,7 +138,7 @@ def _joined(data: dict, section: str, root_key: str, name_key: str) -> str | Non
     name = keys.get(name_key)
     if not name:
         return None
-    root = keys.get(root_key) or ("models" if section == "model" else None)
+    root = keys.get(root_key) or ("models" if section in ("model", "embeddings") else None)
     return str(Path(root) / str(name)) if root else str(name)
 
 
@@ -157,6 +159,7 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser)
         settings["gpu_split"] = "auto"
     settings["model_dir"] = _joined(data, "model", "model_dir", "model_name")
     settings["draft_model_dir"] = _joined(data, "draft_model", "draft_model_dir", "draft_model_name")
+    settings["embedding_model"] = _joined(data, "embeddings", "embedding_model_dir", "embedding_model_name")
     loras = (data.get("lora") or {}).get("loras") or []
     if loras:
         root = Path((data.get("lora") or {}).get("lora_dir") or "loras")

@@ -44,6 +44,10 @@ def _models_router() -> APIRouter:
         h = host(request)
         st = h.state
         data = [card(st)] if st is not None else []
+        embedder = request.app.state.exl2_embedder
+        if embedder is not None:
+            data.append({"id": embedder.model_name, "object": "model", "created": st.created if st else 0,
+                         "owned_by": "exl2", "max_model_len": _context_length(embedder)})
         if h.config.inline_model_loading:
             data += [c for c in admin.model_cards(h.config) if st is None or c["id"] != st.name]
         return {"object": "list", "data": data}
@@ -77,17 +81,19 @@ def _models_router() -> APIRouter:
     return router
 
 
-def create_app(engine, config: ServerConfig, load_defaults: Optional[dict] = None) -> FastAPI:
+def create_app(engine, config: ServerConfig, load_defaults: Optional[dict] = None, embedder=None) -> FastAPI:
     """A FastAPI app serving `engine` (None: no model until an admin loads one); `config` supplies the API and
     admin keys, the model id, the default max_tokens, the reasoning parser's setting (None: on when the chat
     template knows `<think>`), the CORS origins and the model directory. `load_defaults` are the EngineConfig
     fields models loaded through the API inherit (default: `engine`'s device, cache mode, batch size and
-    placement; see admin.DEFAULT_FIELDS)."""
+    placement; see admin.DEFAULT_FIELDS). `embedder`: an Engine of its own that answers /v1/embeddings (TabbyAPI's
+    embedding model) instead of the served model."""
     app = FastAPI(title="exl2", summary="OpenAI-compatible API for one model loaded by the exl2 engine")
     state = serve_state(engine, config, config.model_name) if engine is not None else None
     if load_defaults is None:
         load_defaults = admin.load_defaults_of(engine) if engine is not None else {}
     app.state.exl2_host = ModelHost(app, config, state, dict(load_defaults))   # also sets app.state.exl2
+    app.state.exl2_embedder = embedder
     install_handlers(app)
     app.add_middleware(Leases)
     if config.cors_origins:

@@ -1,5 +1,6 @@
-"""OpenAI's `/v1/embeddings` on the served model (`Engine.embed`): meant for decoder embedding models such as
-Qwen3-Embedding, which the server loads like any model; any causal LM answers too, with its pooled hidden states."""
+"""OpenAI's `/v1/embeddings` on the served model (`Engine.embed`), or on an embedding model loaded beside it
+(`exl2 serve --embedding-model`): meant for decoder embedding models such as Qwen3-Embedding; any causal LM answers
+too, with its pooled hidden states."""
 from __future__ import annotations
 
 import asyncio
@@ -36,16 +37,21 @@ def _inputs(body: EmbeddingRequest) -> list[str | list[int]]:
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request):
     """One vector per input: floats, or with `encoding_format: "base64"` their little-endian float32 bytes."""
-    st = serving(request)
+    embedder = request.app.state.exl2_embedder
+    if embedder is not None:     # an embedding model of its own (exl2 serve --embedding-model)
+        engine, name = embedder, embedder.model_name
+    else:
+        st = serving(request)
+        engine, name = st.engine, st.name
     items = _inputs(body)
-    vocab = st.engine.tokenizer.vocab_size
+    vocab = engine.tokenizer.vocab_size
     for i, item in enumerate(items):
         bad = next((t for t in item if not 0 <= t < vocab), None) if isinstance(item, list) else None
         if bad is not None:
             raise APIError(400, f"Token id {bad} of input {i} is outside the vocabulary (0 to {vocab - 1}).",
                            param="input")
     try:
-        result = await asyncio.to_thread(st.engine.embed, items, body.dimensions)
+        result = await asyncio.to_thread(engine.embed, items, body.dimensions)
     except ContextLengthError as e:
         raise APIError(400, str(e), param="input", code="context_length_exceeded") from None
     except ConfigError as e:
@@ -57,5 +63,5 @@ async def embeddings(body: EmbeddingRequest, request: Request):
             else v.tolist()
         data.append({"object": "embedding", "index": i, "embedding": emb})
     tokens = sum(result.tokens)
-    return {"object": "list", "data": data, "model": st.name,
+    return {"object": "list", "data": data, "model": name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
