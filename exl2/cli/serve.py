@@ -81,8 +81,9 @@ def register(sub) -> None:
                    metavar="DIR", help="the presets /v1/sampling/override/switch can put in force by name")
     add_template_arg(p)
     p.add_argument("--embedding-model", "--embedding_model", dest="embedding_model", default=None, metavar="DIR",
-                   help="an embedding model (e.g. Qwen3-Embedding) loaded beside the served one to answer "
-                        "/v1/embeddings (TabbyAPI's embedding_model_dir / embedding_model_name)")
+                   help="an embedding model loaded beside the served one to answer /v1/embeddings: a decoder "
+                        "embedding model (Qwen3-Embedding) or a BERT/RoBERTa/XLM-R sentence-transformers model "
+                        "(bge, e5, MiniLM) (TabbyAPI's embedding_model_dir / embedding_model_name)")
     p.add_argument("--embedding-pooling", "--embedding_pooling", dest="embedding_pooling", default=None,
                    choices=["last", "mean", "cls"],
                    help="how /v1/embeddings pools the final hidden states (default: the model's sentence-transformers "
@@ -177,11 +178,17 @@ def _name_values(items: list[str], flag: str) -> dict:
 
 
 def _load_embedder(args):
-    """The --embedding-model Engine: the served model's device and pooling flag, the default context (4096 tokens,
-    or the model's if shorter), no drafts or adapters."""
+    """The --embedding-model: a BERT-family encoder (`EncoderEmbedder`), else an Engine over the decoder embedding
+    model (the default context, 4096 tokens or the model's if shorter; no drafts or adapters); on the served
+    model's device, with its pooling flag."""
     from exl2.config import EngineConfig
     from exl2.engine import Engine
+    from exl2.models.encoder import is_encoder_dir
 
+    if is_encoder_dir(args.embedding_model):
+        from exl2.generation.encoder_embeddings import EncoderEmbedder
+
+        return EncoderEmbedder.from_dir(args.embedding_model, args.device, args.embedding_pooling)
     try:
         config = EngineConfig(model_dir=args.embedding_model, device=args.device, max_batch_size=1,
                               embedding_pooling=args.embedding_pooling)

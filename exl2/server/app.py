@@ -47,7 +47,8 @@ def _models_router() -> APIRouter:
         embedder = request.app.state.exl2_embedder
         if embedder is not None:
             data.append({"id": embedder.model_name, "object": "model", "created": st.created if st else 0,
-                         "owned_by": "exl2", "max_model_len": _context_length(embedder)})
+                         "owned_by": "exl2", "max_model_len": getattr(embedder, "max_seq_len", None)
+                         or _context_length(embedder)})
         if h.config.inline_model_loading:
             data += [c for c in admin.model_cards(h.config) if st is None or c["id"] != st.name]
         return {"object": "list", "data": data}
