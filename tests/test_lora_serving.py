@@ -276,7 +276,8 @@ def test_lora_flags_reach_every_command(adapters, tmp_path):
     from exl2.cli.main import build_parser
 
     parser = build_parser()
-    for command in (["generate", "-p", "x"], ["chat"], ["serve"]):
+    for command in (["generate", "-p", "x"], ["chat"], ["serve"], ["mcp", "serve"],
+                    ["mcp", "agent", "--server", "x", "-p", "y"]):
         args = parser.parse_args([*command, "-m", str(MODEL), "--lora", str(adapters / "one"),
                                   "--lora", str(adapters / "two"), "--lora_scaling", "0.25"])
         assert lora_specs(args) == [LoraSpec(path=adapters / "one", scaling=0.25),

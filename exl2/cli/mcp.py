@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from exl2.cli.common import (add_draft_args, add_model_args, add_sampling_args, add_template_arg, engine_settings,
-                             flag_error, load_bar,
-                             sampling_from_args)
+from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, add_template_arg,
+                             engine_settings, flag_error, load_bar, sampling_from_args)
 from exl2.errors import ConfigError, ContextLengthError
 
 # Launchers whose first real argument names the server better than the launcher does (`python weather.py`).
@@ -34,6 +33,7 @@ def register(sub) -> None:
     add_model_args(s)
     add_template_arg(s)
     add_draft_args(s)
+    add_lora_args(s)
     s.add_argument("--transport", choices=["stdio", "http"], default="stdio",
                    help="stdio (default; the client launches this command) or http (Streamable HTTP at /mcp)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default 127.0.0.1)")
@@ -56,6 +56,7 @@ def register(sub) -> None:
     add_model_args(a)
     add_template_arg(a)
     add_draft_args(a)
+    add_lora_args(a)
     a.add_argument("--server", dest="servers", action="append", required=True, metavar="SPEC",
                    help="MCP server: URL, command line or JSON config file (repeatable)")
     a.add_argument("-p", "--prompt", required=True, help="the user's request")
