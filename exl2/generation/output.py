@@ -219,7 +219,7 @@ class Reply:
         result = GenerationResult(head + text, list(self.ids), self.finish_reason or "length", prompt_tokens)
         if self.stop_token is not None:
             result.stop_str, result.eos_reason = self.tokenizer.decode([self.stop_token]), "stop_token"
-        elif self.matcher.hit is not None:
+        elif self.matcher.hit is not None and result.finish_reason == "stop":
             result.stop_str, result.eos_reason = self.matcher.hit, "stop_string"
         elif result.finish_reason == "stop":
             result.eos_reason = "end_filter"     # a grammar was complete (or allowed nothing more)
