@@ -175,5 +175,5 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser)
         if value is not None and dest in out and out[dest] == parser.get_default(dest):
             out[dest] = value
     if ignored:
-        log.warning("config file %s: %s change nothing in exl2 and are ignored.", path, ", ".join(ignored))
+        log.warning("config file %s: ignored, as they change nothing in exl2: %s.", path, ", ".join(ignored))
     return argparse.Namespace(**out)
