@@ -1129,6 +1129,7 @@ def test_logging_switches(fake, caplog):
     """log_prompt / log_generation_params: each request's prompt and its non-default settings as INFO lines; off
     by default."""
     hi = [{"role": "user", "content": "hi"}]
+    fake.reply = "fine"          # the module's fake may have been left endless by the disconnect tests
 
     def ask(config):
         caplog.clear()
