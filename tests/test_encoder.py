@@ -98,6 +98,7 @@ def test_vectors_follow_sentence_transformers(tmp_path, pooling, normalize):
 def test_server_answers_embeddings_with_an_encoder(tmp_path):
     import asyncio
 
+    import openai
     from test_server import FakeEngine, aclient
 
     from exl2.config import ServerConfig
@@ -113,6 +114,14 @@ def test_server_answers_embeddings_with_an_encoder(tmp_path):
         assert r.model == "bert" and torch.allclose(torch.tensor([x.embedding for x in r.data]),
                                                     emb.embed(["the old man", "a boy"]).vectors, atol=1e-6)
         assert [m.id for m in (await c.models.list()).data] == ["fake-model", "bert"]
+        # no chat model loaded (an admin loads one later): the embedding model still answers
+        alone = aclient(create_app(None, ServerConfig(model_dir_root=tmp_path), embedder=emb))
+        r = await alone.embeddings.create(model="bert", input="a boy")
+        assert len(r.data) == 1 and r.model == "bert"
+        with pytest.raises(openai.APIStatusError) as e:
+            await aclient(create_app(None, ServerConfig(model_dir_root=tmp_path))).embeddings.create(
+                model="x", input="a boy")
+        assert e.value.status_code == 503
     asyncio.run(go())
 
 

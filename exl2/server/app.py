@@ -108,7 +108,7 @@ def create_app(engine, config: ServerConfig, load_defaults: Optional[dict] = Non
     app.include_router(admin.router(auth, Depends(admin_key_check(config))))
     app.include_router(completions.router, dependencies=[auth, Depends(admin.inline_load), Depends(acquire)])
     app.include_router(tokens.router, dependencies=engine_routes)
-    app.include_router(embeddings.router, dependencies=engine_routes)
+    app.include_router(embeddings.router, dependencies=[auth, Depends(embeddings.acquire_unless_embedder)])
     if config.kobold:
         app.include_router(kobold.router(auth, Depends(acquire), _context_length))
     app.include_router(kobold.discovery_router(auth, _context_length))

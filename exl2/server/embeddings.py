@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 
 from exl2.errors import ConfigError, ContextLengthError
 from exl2.server.errors import APIError
-from exl2.server.host import serving
+from exl2.server.host import acquire, serving
 from exl2.server.schemas import EmbeddingRequest
 
 router = APIRouter()
@@ -32,6 +32,13 @@ def _inputs(body: EmbeddingRequest) -> list[str | list[int]]:
         raise APIError(400, f"input holds {len(items)} items; at most {MAX_INPUTS} are embedded per request.",
                        param="input")
     return items
+
+
+async def acquire_unless_embedder(request: Request) -> None:
+    """The route's dependency: with an embedding model of its own the served model is not needed (none may be
+    loaded yet); otherwise the served model is pinned as for the other engine routes (`host.acquire`)."""
+    if request.app.state.exl2_embedder is None:
+        await acquire(request)
 
 
 @router.post("/v1/embeddings")
