@@ -13,7 +13,7 @@ from exl2.generation.budget import ReasoningBudget
 from exl2.generation.chat import ChatTemplate, tool_call_format
 from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, tool_call_grammar
 from exl2.generation.dynamic import DynamicGenerator
-from exl2.generation.embeddings import EmbeddingResult, Pooling, batches, check_inputs, embed
+from exl2.generation.embeddings import EmbeddingResult, Pooling, batches, check_inputs, embed, input_ids
 from exl2.generation.generator import GenerationResult, Generator
 from exl2.generation.job import Event
 from exl2.generation.speculative import make_drafter
@@ -136,7 +136,7 @@ class Engine:
         """Embedding vectors of texts (tokenized as the model's tokenizer post-processes a document) or token id
         lists: the final hidden states pooled as `self.pooling` says (`generation.embeddings`), the first
         `dimensions` components where given. Runs between the generator's steps, so requests may be generating."""
-        ids = [self.tokenizer.encode_document(x) if isinstance(x, str) else [int(t) for t in x] for x in inputs]
+        ids = input_ids(self.tokenizer, inputs)
         check_inputs(ids, self.model.spec.hidden_size, dimensions, self.dynamic.max_seq_len)
         if not ids:
             return EmbeddingResult(torch.empty(0, dimensions or self.model.spec.hidden_size), [])

@@ -57,16 +57,23 @@ class EmbeddingResult:
     tokens: list[int]
 
 
+def input_ids(tokenizer, inputs: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    """Texts tokenized as the model's tokenizer post-processes a document (`Tokenizer.encode_document`: how
+    embedding models were trained to see a text); token id lists as they are."""
+    return [tokenizer.encode_document(x) if isinstance(x, str) else [int(t) for t in x] for x in inputs]
+
+
 @torch.inference_mode()
 def embed(model, inputs: Sequence[Sequence[int]], pooling: Pooling, dimensions: Optional[int] = None,
-          max_len: Optional[int] = None, batch_tokens: int = BATCH_TOKENS) -> torch.Tensor:
+          max_len: Optional[int] = None, batch_tokens: int = BATCH_TOKENS, pooled=None) -> torch.Tensor:
     """[N, H] float32 vectors of the token id lists `inputs` (on the CPU). `dimensions` keeps the first that many
     components (Matryoshka-trained models), normalised again where the pooling normalises. An empty input, one
-    longer than `max_len`, or a `dimensions` outside 1..H is a one-sentence error."""
+    longer than `max_len`, or a `dimensions` outside 1..H is a one-sentence error. `pooled(model, rows, mode)`
+    runs one forward of a batch (default: a decoder's, `_pooled`)."""
     check_inputs(inputs, model.spec.hidden_size, dimensions, max_len)
     out = torch.empty(len(inputs), model.spec.hidden_size, dtype=torch.float32)
     for batch in batches([len(x) for x in inputs], batch_tokens):
-        out[batch] = _pooled(model, [inputs[i] for i in batch], pooling.mode).float().cpu()
+        out[batch] = (pooled or _pooled)(model, [inputs[i] for i in batch], pooling.mode).float().cpu()
     if dimensions is not None:
         out = out[:, :dimensions].contiguous()
     return torch.nn.functional.normalize(out, dim=-1) if pooling.normalize else out
@@ -105,8 +112,14 @@ def _pooled(model, rows: list[Sequence[int]], mode: PoolingMode) -> torch.Tensor
     lengths = torch.tensor([len(r) for r in rows], device=model.device)
     if mode == "last":
         return model(ids, last_only=lengths - 1, hidden=True)[:, 0]
-    states = model(ids, hidden=True).float()
+    return pool(model(ids, hidden=True).float(), lengths, mode)
+
+
+def pool(states: torch.Tensor, lengths: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
+    """[B, H]: right-padded rows' final hidden states [B, T, H] pooled over their `lengths` real tokens."""
     if mode == "cls":
         return states[:, 0]
-    mask = (torch.arange(width, device=model.device)[None, :] < lengths[:, None]).to(states.dtype)
+    if mode == "last":
+        return states[torch.arange(states.shape[0], device=states.device), lengths - 1]
+    mask = (torch.arange(states.shape[1], device=states.device)[None, :] < lengths[:, None]).to(states.dtype)
     return (states * mask[..., None]).sum(1) / lengths[:, None].to(states.dtype)

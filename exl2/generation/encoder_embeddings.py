@@ -2,7 +2,7 @@
 or multilingual-e5, served beside a chat model (`exl2 serve --embedding-model`). Inputs are tokenized as the
 model's tokenizer post-processes a document ([CLS] … [SEP]), batched right-padded under an attention mask, and
 pooled as the model's `1_Pooling/config.json` says (mean, or the [CLS] state), L2-normalised where its modules.json
-has a Normalize step."""
+has a Normalize step: `generation.embeddings.embed` with the encoder's forward."""
 from __future__ import annotations
 
 import threading
@@ -11,9 +11,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from exl2.generation.embeddings import EmbeddingResult, Pooling, PoolingMode, batches, check_inputs
+from exl2.generation.embeddings import EmbeddingResult, Pooling, PoolingMode, embed, input_ids, pool
 from exl2.generation.tokenizer import Tokenizer
 from exl2.models.encoder import Encoder, load_encoder
+
+
+def _encoder_pooled(model: Encoder, rows: list[Sequence[int]], mode: PoolingMode) -> torch.Tensor:
+    """One right-padded forward of `rows` under the padding mask; each row's pooled final hidden state [B, H]."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=model.device)
+    lengths = torch.tensor([len(r) for r in rows], device=model.device)
+    return pool(model(ids, lengths).float(), lengths, mode)
 
 
 class EncoderEmbedder:
@@ -35,29 +43,7 @@ class EncoderEmbedder:
 
     def embed(self, inputs: Sequence[str | Sequence[int]], dimensions: Optional[int] = None) -> EmbeddingResult:
         """One vector per text (or token id list), `dimensions` components where given."""
-        ids = [self.tokenizer.encode_document(x) if isinstance(x, str) else [int(t) for t in x] for x in inputs]
-        hidden = self.model.spec.hidden_size
-        check_inputs(ids, hidden, dimensions, self.max_seq_len)
-        out = torch.empty(len(ids), hidden, dtype=torch.float32)
-        for group in batches([len(x) for x in ids]):
-            rows = [ids[i] for i in group]
-            with self._lock:
-                out[group] = self._pooled(rows)
-        if dimensions is not None:
-            out = out[:, :dimensions].contiguous()
-        if self.pooling.normalize:
-            out = torch.nn.functional.normalize(out, dim=-1)
-        return EmbeddingResult(out, [len(x) for x in ids])
-
-    def _pooled(self, rows: list[list[int]]) -> torch.Tensor:
-        dev = self.model.device
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=dev)
-        lengths = torch.tensor([len(r) for r in rows], device=dev)
-        states = self.model(ids, lengths).float()
-        if self.pooling.mode == "cls":
-            return states[:, 0].cpu()
-        if self.pooling.mode == "last":
-            return states[torch.arange(len(rows), device=dev), lengths - 1].cpu()
-        mask = (torch.arange(width, device=dev)[None, :] < lengths[:, None]).float()
-        return ((states * mask[..., None]).sum(1) / lengths[:, None].float()).cpu()
+        ids = input_ids(self.tokenizer, inputs)
+        with self._lock:
+            vectors = embed(self.model, ids, self.pooling, dimensions, self.max_seq_len, pooled=_encoder_pooled)
+        return EmbeddingResult(vectors, [len(x) for x in ids])
