@@ -24,6 +24,10 @@ def rope_factor_problem(name: str, value: Optional[float]) -> Optional[str]:
     return None
 
 
+# prompt tokens one generator step prefills at most: EngineConfig.chunk_size and the CLI generator's --chunk-size
+CHUNK_DEFAULT, CHUNK_MIN, CHUNK_MAX = 2048, 256, 16384
+
+
 class LoraSpec(BaseModel):
     """A LoRA adapter to apply at runtime: its PEFT directory and the factor its update is scaled by."""
 
@@ -56,7 +60,7 @@ class EngineConfig(BaseModel):
     cache_size: Optional[int] = Field(None, ge=512)   # tokens of KV cache all requests share; default max_seq_len
     # prompt tokens a generator step prefills at most (TabbyAPI's chunk_size): smaller chunks need less activation
     # memory and let running replies go on between a long prompt's chunks; larger ones prefill faster
-    chunk_size: int = Field(2048, ge=256, le=16384)
+    chunk_size: int = Field(CHUNK_DEFAULT, ge=CHUNK_MIN, le=CHUNK_MAX)
     # decode steps replayed from CUDA graphs (batch sizes 1, 2, 4, ... up to max_batch_size); False runs them eagerly:
     # slower, but no capture time or graph memory, and easier to profile or debug (exllamav2's -ng)
     cuda_graphs: bool = True

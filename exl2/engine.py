@@ -164,7 +164,7 @@ class Engine:
         with `continue_final_message` inside the last message (`ChatTemplate.render`); `template` instead of the
         served one; `variables` are extra template inputs (e.g. Qwen3's `enable_thinking`)."""
         return (template or self.template).render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message, **variables)
+                                                  continue_final_message=continue_final_message, **variables)
 
     def chat(self, messages: list[dict], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 512,
              grammar: Optional[Grammar] = None) -> GenerationResult:

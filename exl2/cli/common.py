@@ -3,16 +3,25 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from exl2.config import LoraSpec, SamplingSettings
+from exl2.config import CHUNK_DEFAULT, CHUNK_MAX, CHUNK_MIN, LoraSpec, SamplingSettings
 from exl2.errors import ConfigError
 
 if TYPE_CHECKING:
     from exl2.models.rope import RopeOverride
+
+
+KEY_ENV = "EXL2_API_KEY"     # the API keys of `exl2 serve` and `exl2 mcp serve --transport http`, comma-separated
+
+
+def env_keys(var: str) -> list[str]:
+    """The comma-separated keys in environment variable `var` (keeps them out of `ps`)."""
+    return [k.strip() for k in os.environ.get(var, "").split(",") if k.strip()]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -345,9 +354,9 @@ def load_generator(args):
     max_seq_len = context_length(model.spec, args.max_seq_len)
     if not 1 <= args.num_draft_tokens <= 16:
         raise ConfigError("--draft_tokens must be between 1 and 16.")
-    chunk = args.chunk_size if args.chunk_size is not None else 2048
-    if not 256 <= chunk <= 16384:
-        raise ConfigError("--chunk_size must be between 256 and 16384.")
+    chunk = args.chunk_size if args.chunk_size is not None else CHUNK_DEFAULT
+    if not CHUNK_MIN <= chunk <= CHUNK_MAX:
+        raise ConfigError(f"--chunk_size must be between {CHUNK_MIN} and {CHUNK_MAX}.")
     with load_bar() if args.draft_model_dir else nullcontext() as hear, reporting(tagged(hear, "draft")):
         draft = make_drafter(model, args.ngram_draft, args.draft_model_dir, max_seq_len, args.cache_mode,
                              args.num_draft_tokens, draft_rope_from_args(args))

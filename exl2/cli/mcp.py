@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, add_template_arg,
-                             engine_settings, flag_error, load_bar, sampling_from_args)
+from exl2.cli.common import (KEY_ENV, add_draft_args, add_lora_args, add_model_args, add_sampling_args,
+                             add_template_arg, engine_settings, env_keys, flag_error, load_bar, sampling_from_args)
 from exl2.errors import ConfigError, ContextLengthError
 
 # Launchers whose first real argument names the server better than the launcher does (`python weather.py`).
@@ -92,8 +92,7 @@ def run_serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"Invalid --port {args.port}: use 1 to 65535.")
-    keys = [k.strip() for k in args.api_keys] or \
-        [k.strip() for k in os.environ.get("EXL2_API_KEY", "").split(",") if k.strip()]
+    keys = [k.strip() for k in args.api_keys] or env_keys(KEY_ENV)
     if any(not k for k in keys):
         raise ConfigError("--api-key must not be empty.")
     if args.api_keys and args.transport == "stdio":

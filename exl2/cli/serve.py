@@ -5,17 +5,15 @@ import argparse
 import errno
 import json
 import logging
-import os
 import socket
 import sys
 from types import SimpleNamespace
 
-from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_template_arg, engine_settings,
-                             load_bar)
+from exl2.cli.common import (KEY_ENV, add_draft_args, add_lora_args, add_model_args, add_template_arg,
+                             engine_settings, env_keys, load_bar)
 from exl2.errors import ConfigError
 
 _PARSER: argparse.ArgumentParser | None = None   # the serve parser, whose defaults tell which flags were left unset
-KEY_ENV = "EXL2_API_KEY"
 ADMIN_KEY_ENV = "EXL2_ADMIN_KEY"
 
 
@@ -127,10 +125,6 @@ def _log_to_stderr() -> None:
     logger.setLevel(logging.INFO)
 
 
-def _env_keys(var: str) -> list[str]:
-    return [k.strip() for k in os.environ.get(var, "").split(",") if k.strip()]
-
-
 def _one_sentence(e: Exception) -> str:
     """A pydantic ValidationError as 'field: message'."""
     errs = getattr(e, "errors", lambda: [])()
@@ -214,8 +208,8 @@ def run(args) -> int:
     if args.config:
         from exl2.cli.serve_config import apply_config_file
         args = apply_config_file(args, _PARSER)
-    keys = args.api_keys or _env_keys(KEY_ENV)
-    admin_keys = args.admin_keys or _env_keys(ADMIN_KEY_ENV)
+    keys = args.api_keys or env_keys(KEY_ENV)
+    admin_keys = args.admin_keys or env_keys(ADMIN_KEY_ENV)
     try:
         server_config = ServerConfig(host=args.host, port=args.port, api_keys=tuple(keys),
                                      admin_keys=tuple(admin_keys), model_dir_root=args.model_dir_root,
@@ -223,8 +217,8 @@ def run(args) -> int:
                                      model_name=args.model_name, max_tokens=args.max_tokens,
                                      reasoning_parser=args.reasoning_parser, cors_origins=tuple(args.cors_origins),
                                      reasoning_start_token=args.reasoning_start_token,
-                                     log_prompt=args.log_prompt, log_generation_params=args.log_generation_params,
                                      reasoning_end_token=args.reasoning_end_token,
+                                     log_prompt=args.log_prompt, log_generation_params=args.log_generation_params,
                                      kobold=args.kobold, sampler_override=args.sampler_override,
                                      sampler_override_dir=args.sampler_override_dir,
                                      template_dir=args.template_dir, start_in_reasoning=args.start_in_reasoning,

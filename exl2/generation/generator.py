@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
-from exl2.config import SamplingSettings
+from exl2.config import CHUNK_DEFAULT, SamplingSettings
 from exl2.generation.budget import ReasoningBudget
 from exl2.generation.constraints import Grammar
 from exl2.generation.dynamic import DynamicGenerator, Event, Job
@@ -23,7 +23,7 @@ __all__ = ["GenerationResult", "Generator", "StopMatcher"]
 class Generator:
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: Optional[int] = None,
                  cache_mode: str = "fp16", worker: Optional[BatchWorker] = None, draft: Optional[Drafter] = None,
-                 num_draft_tokens: int = 4, chunk: int = 2048, use_graphs: bool = True):
+                 num_draft_tokens: int = 4, chunk: int = CHUNK_DEFAULT, use_graphs: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens, self.chunk = draft, num_draft_tokens, chunk
         self.use_graphs = use_graphs

@@ -50,12 +50,11 @@ class StatusReporter(Reporter):
     (`{"event": "stage" | "progress" | "stage_end", "stage", "done", "total"}`, `{"event": "message" |
     "warning", "text"}`), no bars."""
 
-    def __init__(self, out=None):
+    def __init__(self):
         super().__init__(quiet=True)
-        self.out = out
 
     def _emit(self, **obj) -> None:
-        print(json.dumps(obj), file=self.out or sys.stdout, flush=True)
+        print(json.dumps(obj), flush=True)
 
     def info(self, msg: str) -> None:
         self._emit(event="message", text=msg)
