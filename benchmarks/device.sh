@@ -271,7 +271,7 @@ for s in $steps; do
   s68) EXL2_GEMV_GROUP_SELECT=1 timeout -s INT -k 10 200 python3 -m pytest -m gpu \
          tests/test_gpu_e2e.py tests/test_kernels_quant_matmul.py -q -n 8 -p no:cacheprovider -rfE \
          -k "group or real_sizes or mixed or golden_greedy_decode_matches_cpu" > "$OUT/gpu_select.txt" 2>&1
-       echo "one-body group + own-width tests rc=$?"; tail -3 "$OUT/gpu_select.txt"
+       echo "one-body group tests rc=$?"; tail -3 "$OUT/gpu_select.txt"
        AB_SPECS="EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1;EXL2_GEMV_GROUP_SELECT=0;EXL2_GEMV_GROUP_SELECT=1" \
          TAG=_select BENCH_TIMEOUT=90 \
          BENCH_ARGS="--mixed --modes fp16 --contexts 128 --prefill 64 --batch 2,16" bash "$0" envab ;;
