@@ -79,6 +79,8 @@
 # s70: the option-table body (`--mixed table`, several width mixes a projection): a first run to compile its many
 # kernels, then the one-body switch off and on, twice. s72 (for session 34): the target table (any GPU), then ncumix.
 # s71: benchmarks/barrier_probe.py (a kernel boundary against a grid barrier, a phase of a dependent chain).
+# s73 (session 34): the encoder's and speculative decoding's GPU tests (batched drafts: draft and verify graphs at
+# batch 4), then benchmarks/serving.py's check-step table at batches 1-8.
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -283,6 +285,11 @@ for s in $steps; do
   s72) timeout 200 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
        nvidia-smi --query-gpu=name --format=csv,noheader | head -1
        grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"; bash "$0" ncumix ;;
+  s73) timeout -s INT -k 10 200 python3 -m pytest -m gpu tests/test_encoder.py tests/test_gpu_e2e.py -k "encoder or speculative" \
+         -q -p no:cacheprovider -rfE > "$OUT/gpu_spec.txt" 2>&1; echo "encoder/speculative GPU tests rc=$?"
+       tail -4 "$OUT/gpu_spec.txt"
+       timeout 200 python3 benchmarks/serving.py --batches 1 --new 32 > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"
+       grep -A20 "^speculative" "$OUT/serving.txt" ;;
   s71) timeout 120 python3 benchmarks/barrier_probe.py > "$OUT/barrier.txt" 2>&1; echo "barrier probe rc=$?"
        cat "$OUT/barrier.txt" ;;
   ncumma) for shape in ${NCU_SHAPES:-gate down}; do

@@ -64,11 +64,12 @@ class EngineConfig(BaseModel):
     # decode steps replayed from CUDA graphs (batch sizes 1, 2, 4, ... up to max_batch_size); False runs them eagerly:
     # slower, but no capture time or graph memory, and easier to profile or debug (exllamav2's -ng)
     cuda_graphs: bool = True
-    # Speculative decoding (a request decoding alone): guesses from n-grams of its own text or from a small model
-    # with the same tokenizer, checked num_draft_tokens at a time.
+    # Speculative decoding (while at most max_draft_batch requests decode): guesses from n-grams of each request's
+    # own text or from a small model with the same tokenizer, checked num_draft_tokens at a time.
     ngram_draft: bool = False
     draft_model_dir: Optional[Path] = None
     num_draft_tokens: int = Field(4, ge=1, le=16)
+    max_draft_batch: int = Field(4, ge=1, le=256)
     # drafting pauses for a while where its guesses are rarely kept (a check then costs more than it saves);
     # False drafts every step (TabbyAPI's dynamic_draft is the same idea)
     adaptive_draft: bool = Field(True, validation_alias=AliasChoices("adaptive_draft", "dynamic_draft"))

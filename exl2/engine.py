@@ -47,13 +47,16 @@ class Engine:
         with reporting(tagged(progress, "draft")):
             draft = make_drafter(self.model, config.ngram_draft, config.draft_model_dir, max_seq_len,
                                  config.kv_cache_mode, config.num_draft_tokens,
-                                 RopeOverride(config.draft_rope_scale, config.draft_rope_alpha))
+                                 RopeOverride(config.draft_rope_scale, config.draft_rope_alpha),
+                                 cache_tokens=config.cache_size,
+                                 max_batch=min(config.max_draft_batch, config.max_batch_size))
         self.dynamic = DynamicGenerator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode,
                                         cache_tokens=config.cache_size, max_batch=config.max_batch_size,
                                         chunk=config.chunk_size, use_graphs=config.cuda_graphs,
                                         draft=draft, num_draft_tokens=config.num_draft_tokens,
                                         flash_attention=config.flash_attention_enabled,
-                                        adaptive_draft=config.adaptive_draft)
+                                        adaptive_draft=config.adaptive_draft,
+                                        max_draft_batch=config.max_draft_batch)
         if config.loras:
             self.dynamic.set_loras([self.load_lora(spec) for spec in config.loras])
         self.worker = BatchWorker(self.dynamic)

@@ -7,7 +7,7 @@ from exl2.config import EngineConfig, SamplingSettings
 from exl2.engine import Engine
 from exl2.errors import ConfigError
 from exl2.generation.dynamic import DynamicGenerator, Job
-from exl2.generation.speculative import ModelDraft, NgramDraft, make_drafter
+from exl2.generation.speculative import ModelDraft, NgramDraft, PerJobDraft, make_drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.runtime.loader import load_model
 
@@ -63,14 +63,14 @@ def test_speculation_respects_limits_stops_and_batching(model, tok):
     stop = tok.decode(ref[5:7])
     r = gen.generate([Job(ids, GREEDY, 12, stop_strings=[stop])])[0]
     assert r.finish_reason == "stop" and stop not in r.text and tok.decode(ref).startswith(r.text)
-    # several jobs at once decode plainly; a job left alone speculates again; outputs unchanged
+    # several jobs at once check their drafts together; outputs unchanged
     jobs = [Job(tok.encode(p), GREEDY, 12) for p in PROMPTS[:3]] + [Job(ids, GREEDY, 40)]
     out = gen.generate(jobs)
     assert [r.token_ids for r in out] == [greedy_reference(model, j.ids, j.max_new_tokens) for j in jobs]
     assert jobs[-1].accepted > 0
 
 
-class _Oracle:
+class _Oracle(PerJobDraft):
     """Guesses a known reply: every guess is right exactly when the verify step draws what plain decoding drew."""
 
     def __init__(self, prompt: list[int], reply: list[int]):
@@ -79,9 +79,6 @@ class _Oracle:
     def propose(self, job_id, tokens, k):
         done = len(tokens) - len(self.prompt)
         return self.reply[done:done + k]
-
-    def forget(self, job_id):
-        pass
 
 
 def test_sampled_speculation_is_plain_sampling(model, tok):
@@ -151,14 +148,11 @@ def test_a_draft_model_with_a_shorter_context_gets_an_ntk_alpha(tmp_path):
         EngineConfig(model_dir=GOLDEN / "b6.0_hb6", draft_rope_alpha=-1.0)
 
 
-class _Wrong:
+class _Wrong(PerJobDraft):
     """A drafter whose guesses are never right: token 0 every time (the golden model never predicts it here)."""
 
     def propose(self, job_id, tokens, k):
         return [0] * k
-
-    def forget(self, job_id):
-        pass
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
@@ -178,3 +172,80 @@ def test_drafting_pauses_where_guesses_are_never_kept(model, tok, adaptive):
         assert checks <= 1 + 40 // (SPEC_PAUSE + 1) + 1
     else:
         assert checks >= 30
+
+
+class _Counting:
+    """Wraps a drafter, noting how many jobs each call drafted for."""
+
+    def __init__(self, inner):
+        self.inner, self.batches = inner, []
+
+    def propose_batch(self, requests):
+        self.batches.append(sum(1 for r in requests if r[2] > 0))
+        return self.inner.propose_batch(requests)
+
+    def forget(self, job_id):
+        self.inner.forget(job_id)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "small", "self"])
+def test_a_batch_checks_its_drafts_together(model, tok, small, drafter):
+    """Several jobs decoding at once draft and check together (one forward of B × (1 + k) tokens), near their ends
+    too (max_new_tokens of 1 to 30, guesses running past them); greedy output stays exactly plain decoding."""
+    inner = {"ngram": lambda: NgramDraft(), "small": lambda: ModelDraft(small, 600, page_size=16, max_batch=4),
+             "self": lambda: ModelDraft(model, 600, page_size=16, max_batch=4)}[drafter]()
+    draft = _Counting(inner)
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16, draft=draft, num_draft_tokens=3)
+    jobs = [Job(tok.encode(p * 3), GREEDY, n) for p, n in zip(PROMPTS, (30, 1, 7, 20))]
+    out = gen.generate(jobs)
+    assert [r.token_ids for r in out] == [greedy_reference(model, j.ids, j.max_new_tokens) for j in jobs]
+    assert max(draft.batches) >= 3 and sum(j.accepted for j in jobs) > 0
+    if drafter == "self":  # right every time: a check yields 1 + k tokens, as long as the reply has room
+        assert all(j.accepted == j.drafted for j in jobs)
+        assert jobs[0].accepted >= 20
+    assert not gen.active and gen.pool.available() == gen.pool.num_pages
+    if isinstance(inner, ModelDraft):  # every sequence forgotten: all its pages back
+        assert not inner.seqs and len(inner.free) == inner.scratch
+
+
+def test_sampled_batch_speculation_is_plain_sampling(model, tok):
+    """Seeded sampling with penalties, two jobs checked together with guesses of their own plain replies: the
+    replies are plain decoding's and every guess is kept."""
+    hot = [SamplingSettings(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=3),
+           SamplingSettings(temperature=1.0, frequency_penalty=0.3, seed=11)]
+    prompts = [tok.encode(PROMPTS[2] * 3), tok.encode(PROMPTS[1] * 3)]
+    plain = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16).generate(
+        [Job(ids, s, 16) for ids, s in zip(prompts, hot)])
+    replies = {tuple(ids): r.token_ids for ids, r in zip(prompts, plain)}
+
+    class Oracle(PerJobDraft):
+        def propose(self, job_id, tokens, k):
+            ids = next(p for p in prompts if list(tokens[:len(p)]) == p)
+            done = len(tokens) - len(ids)
+            return replies[tuple(ids)][done:done + k]
+
+    gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16, draft=Oracle(), num_draft_tokens=4)
+    jobs = [Job(ids, s, 16) for ids, s in zip(prompts, hot)]
+    assert [r.token_ids for r in gen.generate(jobs)] == [r.token_ids for r in plain]
+    assert all(j.drafted > 0 and j.accepted == j.drafted for j in jobs)
+
+
+def test_batches_past_max_draft_batch_decode_plainly(model, tok):
+    draft = _Counting(NgramDraft())
+    gen = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16, draft=draft, max_draft_batch=2)
+    jobs = [Job(tok.encode(p * 3), GREEDY, n) for p, n in zip(PROMPTS[1:4], (16, 4, 16))]
+    out = gen.generate(jobs)
+    assert [r.token_ids for r in out] == [greedy_reference(model, j.ids, j.max_new_tokens) for j in jobs]
+    assert draft.batches and max(draft.batches) <= 2     # drafting starts once the short job has left
+    assert jobs[1].drafted == 0
+
+
+def test_a_draft_model_short_of_pages_drafts_for_fewer_jobs(model, tok):
+    """A draft cache with room for about one sequence: the least recently drafted idle sequence gives its pages up,
+    a job that finds none gets no guesses that step; output stays exact and no page is lost."""
+    inner = ModelDraft(model, 200, page_size=16, cache_tokens=100, max_batch=2)
+    gen = DynamicGenerator(model, tok, 200, max_batch=2, page_size=16, draft=inner, num_draft_tokens=3)
+    jobs = [Job(tok.encode(p * 3), GREEDY, 16) for p in PROMPTS[1:3]]
+    assert [r.token_ids for r in gen.generate(jobs)] == [greedy_reference(model, j.ids, 16) for j in jobs]
+    assert sum(j.accepted for j in jobs) > 0
+    assert not inner.seqs and len(inner.free) == inner.scratch

@@ -35,6 +35,9 @@ MAX_SKIPS = 4  # how often younger jobs may start before a waiting one (exllamav
 # so drafting loses where fewer than ~0.5 guesses a check are kept: with `adaptive_draft`, a job whose recent checks
 # kept fewer than SPEC_MIN_KEPT on average decodes plainly for SPEC_PAUSE steps, then tries drafts again.
 SPEC_MIN_KEPT, SPEC_PAUSE = 0.5, 16
+# Drafts are checked for batches of up to MAX_DRAFT_BATCH jobs: a check feeds (1 + k)·B tokens, which past a few
+# rows costs more than the plain step's B, so a large batch gains less than its guesses save.
+MAX_DRAFT_BATCH = 4
 # New prompts prefill together while the padded forward has at most PAD_SLACK x their tokens + PAD_TOKENS.
 PAD_SLACK, PAD_TOKENS = 1.5, 64
 
@@ -60,9 +63,11 @@ class DynamicGenerator:
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: int, cache_mode: str = "fp16",
                  cache_tokens: Optional[int] = None, max_batch: int = 16, page_size: int = 256, chunk: int = 2048,
                  use_graphs: bool = True, draft: Optional[Drafter] = None, num_draft_tokens: int = 4,
-                 overlap: Optional[bool] = None, flash_attention: bool = True, adaptive_draft: bool = True):
+                 overlap: Optional[bool] = None, flash_attention: bool = True, adaptive_draft: bool = True,
+                 max_draft_batch: int = MAX_DRAFT_BATCH):
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens, self.adaptive_draft = draft, num_draft_tokens, adaptive_draft
+        self.max_draft_batch = min(max_draft_batch, max_batch)
         self.max_seq_len, self.max_batch, self.chunk, self.page_size = max_seq_len, max_batch, chunk, page_size
         self.pages_per_seq = -(-max_seq_len // page_size)
         num_pages = max(-(-(cache_tokens or 0) // page_size), self.pages_per_seq)
@@ -71,15 +76,19 @@ class DynamicGenerator:
         self.cache = paged_cache_for(model, num_pages + 1, page_size, cache_mode)
         for shard in getattr(self.cache, "shards", [self.cache]):  # EngineConfig.flash_attention_enabled
             shard.prefill_backend = "auto" if flash_attention else "triton"
-        model.prepare_rope(self.pages_per_seq * page_size)
+        # a check feeds up to num_draft_tokens positions past a job's end (never kept): extra scratch columns
+        self.spec_pages = -(-num_draft_tokens // page_size) if draft is not None else 0
+        model.prepare_rope((self.pages_per_seq + self.spec_pages) * page_size)
         self.graphs = self.verify_graphs = None
         if use_graphs and model.device.type == "cuda" and graph_safe(model):
             sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch) + (max_batch,)
             self.graphs = DecodeGraphs(model, self.cache, self.pages_per_seq, batch_sizes=sizes,
                                        scratch_page=self.scratch)
-            if draft is not None:  # one sequence checks its drafts: the last token + num_draft_tokens guesses
-                self.verify_graphs = DecodeGraphs(model, self.cache, self.pages_per_seq, batch_sizes=(1,),
-                                                  scratch_page=self.scratch, tokens=num_draft_tokens + 1)
+            if draft is not None:  # each sequence checks its drafts: the last token + num_draft_tokens guesses
+                checks = tuple(b for b in sizes if b < self.max_draft_batch) + (self.max_draft_batch,)
+                self.verify_graphs = DecodeGraphs(model, self.cache, self.pages_per_seq + self.spec_pages,
+                                                  batch_sizes=checks, scratch_page=self.scratch,
+                                                  tokens=num_draft_tokens + 1)
         self.queue: deque[Job] = deque()
         self.active: list[Job] = []
         self._decode_table: tuple = ((), None)
@@ -233,8 +242,9 @@ class DynamicGenerator:
         other = job.guide or job.guided
         return job.pending is not None and (other is None or other.pending is not None)
 
-    def _table(self, jobs: list[Job]) -> torch.Tensor:
-        rows = [j.pages + [self.scratch] * (self.pages_per_seq - len(j.pages)) for j in jobs]
+    def _table(self, jobs: list[Job], extra: int = 0) -> torch.Tensor:
+        """Block tables [B, pages_per_seq + extra], the columns past each job's pages on the scratch page."""
+        rows = [j.pages + [self.scratch] * (self.pages_per_seq + extra - len(j.pages)) for j in jobs]
         return torch.tensor(rows, dtype=torch.int32, device=self.model.device)
 
     def _publish(self, job: Job) -> None:
@@ -305,14 +315,19 @@ class DynamicGenerator:
                 elif rows:
                     self._accept([group[i] for i in rows], logits[rows], events)
         running = [j for j in self.active if self._ready(j)]
-        if len(running) == 1 and self.draft is not None and not running[0].host_sampling and \
-                running[0].logprobs is None and self._speculate(running[0], events):
+        if self._drafts(running) and self._speculate(running, events):
             return events
         if running and self.overlap and not any(j.host_sampling for j in running):
             self._inflight = self._launch(running)
         elif running:
             self._accept(running, self._decode(running, *self._feed(running)), events)
         return events
+
+    def _drafts(self, jobs: list[Job]) -> bool:
+        """Whether this decode step checks drafts: a drafter, at most max_draft_batch jobs, and none that samples
+        on the host (`Job.host_sampling`) or wants log-probabilities."""
+        return self.draft is not None and 0 < len(jobs) <= self.max_draft_batch and \
+            not any(j.host_sampling or j.logprobs is not None for j in jobs)
 
     def _feed(self, jobs: list[Job]) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids [B, 1] a decode step feeds (each job's pending token) and their positions [B]."""
@@ -354,7 +369,7 @@ class DynamicGenerator:
     def _can_chain(self, step: "_Step") -> bool:
         """Whether the next step can be launched before `step`'s tokens are read: same batch (nobody waiting to
         join, prefilling, cancelled or at its last token), no grammar, no speculation."""
-        if self.queue and len(self.active) < self.max_batch or (self.draft is not None and len(step.jobs) == 1):
+        if self.queue and len(self.active) < self.max_batch or self._drafts(step.jobs):
             return False
         if len(self.active) != len(step.jobs) or any(j.done for j in step.jobs):
             return False
@@ -645,64 +660,74 @@ class DynamicGenerator:
             r.logprobs = list(job.token_logprobs)
         return r
 
-    def _speculate(self, job: Job, events: list[Event]) -> bool:
-        """Decode a lone job with drafts: feed its last token and the drafter's guesses in one forward, keep the
+    def _speculate(self, jobs: list[Job], events: list[Event]) -> bool:
+        """Decode with drafts: feed each job's last token and num_draft_tokens guesses in one forward, keep the
         guesses the model's own sampler agrees with, plus the model's token after them. Each position draws what
         plain decoding would draw there (same stream position, same seen tokens), so the output is plain
-        decoding's, token for token.
-        False when there is nothing to guess (plain decoding then)."""
-        if self.adaptive_draft and job.spec_pause > 0:
-            job.spec_pause -= 1
+        decoding's, token for token. Rows whose drafter guessed fewer are padded with guesses that are checked
+        all the same; a job near its end keeps no more than its reply has room for.
+        False when no job has anything to guess (plain decoding then)."""
+        k = self.num_draft_tokens
+        rooms = [j.max_new_tokens - len(j.reply.ids) - 1 for j in jobs]
+        asks = []
+        for job, room in zip(jobs, rooms):
+            paused = self.adaptive_draft and job.spec_pause > 0
+            if paused:
+                job.spec_pause -= 1
+            asks.append(0 if paused else min(k, room))
+        proposals = self.draft.propose_batch([(j.id, j.tokens, a) for j, a in zip(jobs, asks)])
+        if not any(proposals):
             return False
-        room = job.max_new_tokens - len(job.reply.ids) - 1  # every fed guess needs a reserved cache slot
-        k = min(self.num_draft_tokens, room)
-        drafts = self.draft.propose(job.id, job.tokens, k)[:k] if k > 0 else []
-        if not drafts:
-            return False
-        dev = self.model.device
-        if self.verify_graphs is not None and k == self.num_draft_tokens:
-            fed = [job.pending] + drafts + [drafts[-1]] * (k - len(drafts))  # padding guesses are just checked
-            logits = self.verify_graphs.step(torch.tensor([fed], dtype=torch.long, device=dev),
-                                             torch.tensor([job.length], dtype=torch.long, device=dev),
-                                             self._table([job]), lazy=True)[0]
-            drafts = fed[1:]
+        dev, n = self.model.device, k + 1
+        fed = [[j.pending] + (d[:a] + [(d[:a] or [j.pending])[-1]] * k)[:k]
+               for j, d, a in zip(jobs, proposals, asks)]
+        ids = torch.tensor(fed, dtype=torch.long, device=dev)
+        pos = torch.tensor([j.length for j in jobs], dtype=torch.long, device=dev)
+        table = self._table(jobs, self.spec_pages)
+        if self.verify_graphs is not None:
+            logits = self.verify_graphs.step(ids, pos, table, lazy=True)
         else:
-            self.cache.bind(self._table([job])[:, :len(job.pages)])
-            fed = torch.tensor([[job.pending] + drafts], dtype=torch.long, device=dev)
-            logits = self.model(fed, self.cache, job.length)[0]
+            self.cache.bind(table)
+            logits = self.model(ids, self.cache, pos, fresh=False)
         # Position i's token only counts if the guesses before it were all kept, so its draw can assume them:
         # every position is sampled at once, from the stream position plain decoding would use for it.
-        n = len(drafts) + 1
-        draws = [self._drawn(job) + i for i in range(n)]
-        seen, counts = self._seen_rows([job], logits.shape[-1], extra=n)
-        for i in range(1, n):
-            if seen is not None:
-                seen[i, drafts[:i]] = True
-            if counts is not None:
-                ids = torch.tensor(drafts[:i], dtype=torch.long, device=dev)
-                counts[i].index_put_((ids,), torch.ones(i, device=dev), accumulate=True)
+        rows = [j for j in jobs for _ in range(n)]
+        draws = [self._drawn(j) + i for j in jobs for i in range(n)]
+        seen, counts = self._seen_rows(jobs, logits.shape[-1], extra=n)
+        for b, row in enumerate(fed):
+            for i in range(1, n):
+                if seen is not None:
+                    seen[b * n + i, row[1:i + 1]] = True
+                if counts is not None:
+                    guessed = torch.tensor(row[1:i + 1], dtype=torch.long, device=dev)
+                    counts[b * n + i].index_put_((guessed,), torch.ones(i, device=dev), accumulate=True)
         # the verify rows mask end tokens as plain decoding would at their draws (min_new_tokens, ignore_eos)
-        keep = self._xtc_keep(logits.shape[-1]) if job.settings.xtc_probability > 0 else None
-        picks = sample_rows(self._ban_stops([job] * n, logits.float()[:n], draws), [job.settings] * n,
-                            [job.seed] * n, draws, seen, counts, xtc_keep=keep)
-        choices = picks.tolist()
-        kept = next((i for i, d in enumerate(drafts) if choices[i] != d), len(drafts))
-        text = ""
-        for token in choices[:kept + 1]:
-            text += self._push(job, token)
-            if job.reply.finish_reason is not None:
-                break
-        if job.slot is not None:
-            self.seen.add([job.slot] * (kept + 1), picks[:kept + 1])
-        job.drafted += len(drafts)
-        job.accepted += kept
-        if self.adaptive_draft:
-            job.spec_kept = kept if job.spec_kept is None else 0.7 * job.spec_kept + 0.3 * kept
-            if job.spec_kept < SPEC_MIN_KEPT:   # not paying: plain steps for a while, then a fresh start
-                job.spec_pause, job.spec_kept = SPEC_PAUSE, None
-        job.length += 1 + kept  # the last token and the kept guesses now hold valid cache entries
-        self._publish(job)
-        self._emit(job, text, events)
+        keep = self._xtc_keep(logits.shape[-1]) if any(j.settings.xtc_probability > 0 for j in jobs) else None
+        flat = logits.float().reshape(len(jobs) * n, -1)
+        picks = sample_rows(self._ban_stops(rows, flat, draws), [j.settings for j in rows], [j.seed for j in rows],
+                            draws, seen, counts, xtc_keep=keep)
+        choices = picks.view(len(jobs), n).tolist()
+        for b, (job, row, room, ask) in enumerate(zip(jobs, fed, rooms, asks)):
+            drafts, picked = row[1:], choices[b]
+            kept = min(next((i for i, d in enumerate(drafts) if picked[i] != d), k), room)
+            text = ""
+            for token in picked[:kept + 1]:
+                text += self._push(job, token)
+                if job.reply.finish_reason is not None:
+                    break
+            if job.slot is not None:
+                self.seen.add([job.slot] * (kept + 1), picks[b * n:b * n + kept + 1])
+            guessed = len(proposals[b][:ask])
+            if guessed:
+                job.drafted += guessed
+                job.accepted += min(kept, guessed)
+                if self.adaptive_draft:
+                    job.spec_kept = kept if job.spec_kept is None else 0.7 * job.spec_kept + 0.3 * kept
+                    if job.spec_kept < SPEC_MIN_KEPT:   # not paying: plain steps for a while, then a fresh start
+                        job.spec_pause, job.spec_kept = SPEC_PAUSE, None
+            job.length += 1 + kept  # the last token and the kept guesses now hold valid cache entries
+            self._publish(job)
+            self._emit(job, text, events)
         return True
 
     # ---- conveniences --------------------------------------------------------------------------------------

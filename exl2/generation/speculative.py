@@ -8,6 +8,8 @@ a small draft model with the same vocabulary.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -21,15 +23,31 @@ from exl2.runtime.paged_cache import paged_cache_for
 log = logging.getLogger("exl2.speculative")
 
 
+Request = tuple[int, Sequence[int], int]   # (job id, its prompt and reply so far, how many guesses at most)
+
+
 class Drafter(Protocol):
-    def propose(self, job_id: int, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k guesses at the tokens after `tokens` (a job's prompt and reply so far)."""
+    def propose_batch(self, requests: Sequence[Request]) -> list[list[int]]:
+        """For each request, up to k guesses at the tokens after its tokens (one list per request, maybe empty)."""
 
     def forget(self, job_id: int) -> None:
         """The job has ended."""
 
 
-class NgramDraft:
+class PerJobDraft:
+    """A drafter that guesses for one job at a time (`propose`), with nothing to gain from a batch."""
+
+    def propose(self, job_id: int, tokens: Sequence[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_batch(self, requests: Sequence[Request]) -> list[list[int]]:
+        return [self.propose(*r) if r[2] > 0 else [] for r in requests]
+
+    def forget(self, job_id: int) -> None:
+        pass
+
+
+class NgramDraft(PerJobDraft):
     """The tokens that followed the latest earlier occurrence of the sequence's last n tokens (longest n first)."""
 
     def __init__(self, max_n: int = 4, min_n: int = 1):
@@ -46,59 +64,128 @@ class NgramDraft:
                         return follow
         return []
 
-    def forget(self, job_id: int) -> None:
-        pass
+
+# A sequence whose draft cache lags by more than this many tokens (a new prompt) catches up alone, CATCH_UP_CHUNK
+# tokens a forward; shorter lags (the last step's token and kept guesses) catch up together, right-padded.
+CATCH_UP_ALONE, CATCH_UP_CHUNK = 32, 2048
+
+
+@dataclass
+class _Sequence:
+    pages: list[int] = field(default_factory=list)   # page i holds positions [i·page_size, (i+1)·page_size)
+    cached: list[int] = field(default_factory=list)  # the tokens whose keys/values those pages hold, in order
 
 
 class ModelDraft:
-    """A small model drafts greedily. Its cache follows one sequence at a time: the one being decoded alone;
-    a different sequence (or tokens that differ from what it cached) is re-fed from where they part."""
+    """A small model drafts greedily for up to `max_batch` sequences at once (one batched forward a guess), each in
+    its own pages of a paged cache sized like the model's (`cache_tokens`). A sequence's pages follow its tokens:
+    where they part from what is cached (a rejected guess), it is re-fed from there. When pages run short, the
+    least recently drafted sequences not in the batch give theirs up; a sequence that still finds none gets no
+    guesses that step (decoding stays exact, only slower)."""
 
-    def __init__(self, model: DecoderModel, max_seq_len: int, cache_mode: str = "fp16", page_size: int = 256):
-        self.model = model
-        pages = -(-max_seq_len // page_size)
+    def __init__(self, model: DecoderModel, max_seq_len: int, cache_mode: str = "fp16", page_size: int = 256,
+                 cache_tokens: Optional[int] = None, max_batch: int = 1):
+        self.model, self.page_size = model, page_size
+        per_seq = -(-max_seq_len // page_size)
+        pages = max(-(-(cache_tokens or 0) // page_size), per_seq) + max_batch
+        self.free = list(range(pages - 1, -1, -1))
+        self.scratch = pages  # where the padding of shorter rows lands
         self.cache = paged_cache_for(model, pages + 1, page_size, cache_mode)
-        self.table = torch.arange(pages, dtype=torch.int32, device=model.device).view(1, -1)
-        model.prepare_rope(pages * page_size)
+        self.width = -(-(max_seq_len + CATCH_UP_ALONE) // page_size)  # block-table columns: room for the padding
+        model.prepare_rope(self.width * page_size)
         self.graphs = None
         if model.device.type == "cuda" and graph_safe(model):
-            self.graphs = DecodeGraphs(model, self.cache, pages, batch_sizes=(1,), scratch_page=pages)
-        self.job_id: Optional[int] = None
-        self.cached: list[int] = []   # the tokens whose keys/values the draft cache holds, in order
+            sizes = tuple(b for b in (1, 2, 4, 8, 16) if b < max_batch) + (max_batch,)
+            self.graphs = DecodeGraphs(model, self.cache, self.width, batch_sizes=sizes, scratch_page=self.scratch)
+        self.seqs: OrderedDict[int, _Sequence] = OrderedDict()   # least recently drafted first
 
     def propose(self, job_id: int, tokens: Sequence[int], k: int) -> list[int]:
-        if job_id != self.job_id:
-            self.job_id, self.cached = job_id, []
-        same = 0
-        for a, b in zip(self.cached, tokens):
-            if a != b:
-                break
-            same += 1
-        same = min(same, len(tokens) - 1)  # the last token is always fed: its logits give the first guess
+        return self.propose_batch([(job_id, tokens, k)])[0]
+
+    def propose_batch(self, requests: Sequence[Request]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in requests]
+        busy = {r[0] for r in requests}
+        rows = []   # (request index, sequence, tokens, cached prefix kept)
+        for i, (job_id, tokens, k) in enumerate(requests):
+            seq = self._sequence(job_id, len(tokens) + k - 1, busy) if k > 0 and tokens else None
+            if seq is None:
+                continue
+            same = 0
+            for a, b in zip(seq.cached, tokens):
+                if a != b:
+                    break
+                same += 1
+            same = min(same, len(tokens) - 1)  # the last token is always fed: its logits give the first guess
+            del seq.cached[same:]
+            rows.append((i, seq, tokens, same))
+        if not rows:
+            return out
         dev = self.model.device
+        table = torch.tensor([s.pages + [self.scratch] * (self.width - len(s.pages)) for _, s, _, _ in rows],
+                             dtype=torch.int32, device=dev)
         with torch.inference_mode():
-            self.cache.bind(self.table)
-            part = torch.tensor([list(tokens[same:])], dtype=torch.long, device=dev)
-            logits = self.model(part, self.cache, same, last_only=True)[:, -1]
-            self.cached = list(tokens)
-            drafts = [int(logits.argmax(-1))]
-            while len(drafts) < k:
-                pos = len(self.cached)
-                ids = torch.tensor([[drafts[-1]]], dtype=torch.long, device=dev)
+            picks = [self._catch_up(rows, table).argmax(-1)]
+            pos = [len(t) for _, _, t, _ in rows]
+            for _ in range(max(requests[i][2] for i, *_ in rows) - 1):
+                ids, at = picks[-1][:, None], torch.tensor(pos, dtype=torch.long, device=dev)
                 if self.graphs is not None:
-                    logits = self.graphs.step(ids, torch.tensor([pos], device=dev), self.table, max_len=pos + 1,
-                                              lazy=True)
+                    logits = self.graphs.step(ids, at, table, max_len=max(pos) + 1, lazy=True)
                 else:
-                    self.cache.bind(self.table)
-                    logits = self.model(ids, self.cache, pos, last_only=True)[:, -1]
-                self.cached.append(drafts[-1])
-                drafts.append(int(logits.argmax(-1)))
-        return drafts
+                    self.cache.bind(table)
+                    logits = self.model(ids, self.cache, at, last_only=True, fresh=False)[:, -1]
+                picks.append(logits.argmax(-1))
+                pos = [p + 1 for p in pos]
+            guesses = torch.stack(picks, 1).tolist()
+        for (i, seq, tokens, _), row in zip(rows, guesses):
+            k = requests[i][2]
+            seq.cached = list(tokens) + row[:k - 1]   # every guess but the last was fed
+            out[i] = row[:k]
+        return out
+
+    def _catch_up(self, rows: list, table: torch.Tensor) -> torch.Tensor:
+        """Feed each row's tokens past its cached prefix; the logits [rows, V] after each row's last token."""
+        dev = self.model.device
+        last: list[Optional[torch.Tensor]] = [None] * len(rows)
+        short = []
+        for r, (_, _, tokens, same) in enumerate(rows):
+            if len(tokens) - same <= CATCH_UP_ALONE:
+                short.append(r)
+                continue
+            self.cache.bind(table[r:r + 1])
+            for start in range(same, len(tokens), CATCH_UP_CHUNK):
+                part = torch.tensor([list(tokens[start:start + CATCH_UP_CHUNK])], dtype=torch.long, device=dev)
+                last[r] = self.model(part, self.cache, start, last_only=True)[0, -1]
+        if short:
+            width = max(len(rows[r][2]) - rows[r][3] for r in short)
+            fed = [list(rows[r][2][rows[r][3]:]) for r in short]
+            part = torch.tensor([f + [f[-1]] * (width - len(f)) for f in fed], dtype=torch.long, device=dev)
+            starts = [rows[r][3] for r in short]
+            self.cache.bind(table[short] if len(short) < len(rows) else table)
+            logits = self.model(part, self.cache, torch.tensor(starts, dtype=torch.long, device=dev),
+                                last_only=torch.tensor([len(f) - 1 for f in fed], dtype=torch.long, device=dev),
+                                fresh=not any(starts))[:, -1]
+            for j, r in enumerate(short):
+                last[r] = logits[j]
+        return torch.stack(last)
+
+    def _sequence(self, job_id: int, positions: int, busy: set) -> Optional[_Sequence]:
+        """The job's sequence (made the most recently drafted) with pages for `positions` positions; None when
+        there are not enough pages even after taking back those of sequences outside the batch."""
+        seq = self.seqs.pop(job_id, None) or _Sequence()
+        self.seqs[job_id] = seq
+        while len(seq.pages) * self.page_size < positions:
+            if not self.free:
+                idle = next((j for j in self.seqs if j not in busy), None)
+                if idle is None:
+                    return None
+                self.free.extend(self.seqs.pop(idle).pages)
+            seq.pages.append(self.free.pop())
+        return seq
 
     def forget(self, job_id: int) -> None:
-        if job_id == self.job_id:
-            self.job_id, self.cached = None, []
-
+        seq = self.seqs.pop(job_id, None)
+        if seq is not None:
+            self.free.extend(seq.pages)
 
 
 def draft_rope(draft_model_dir, length: int, rope: Optional[RopeOverride] = None) -> Optional[RopeOverride]:
@@ -119,10 +206,11 @@ def draft_rope(draft_model_dir, length: int, rope: Optional[RopeOverride] = None
 
 
 def make_drafter(model: DecoderModel, ngram: bool = False, draft_model_dir=None, max_seq_len: int = 4096,
-                 cache_mode: str = "fp16", num_draft_tokens: int = 4,
-                 rope: Optional[RopeOverride] = None) -> Optional[Drafter]:
+                 cache_mode: str = "fp16", num_draft_tokens: int = 4, rope: Optional[RopeOverride] = None,
+                 cache_tokens: Optional[int] = None, max_batch: int = 1) -> Optional[Drafter]:
     """The drafter the settings ask for (None: no speculative decoding); `rope`: the draft model's RoPE
-    override (`draft_rope`)."""
+    override (`draft_rope`); a draft model's cache holds `cache_tokens` (default max_seq_len) and drafts for up to
+    `max_batch` sequences at once."""
     if ngram and draft_model_dir:
         raise ConfigError("Choose n-gram drafting or a draft model, not both.")
     if ngram:
@@ -136,4 +224,5 @@ def make_drafter(model: DecoderModel, ngram: bool = False, draft_model_dir=None,
     if abs(draft.spec.vocab_size - model.spec.vocab_size) > 1024:
         raise ConfigError(f"The draft model's vocabulary ({draft.spec.vocab_size} tokens) does not match the "
                           f"model's ({model.spec.vocab_size}); a draft model must share the tokenizer.")
-    return ModelDraft(draft, max_seq_len + num_draft_tokens, cache_mode)
+    return ModelDraft(draft, length, cache_mode, cache_tokens=cache_tokens and cache_tokens + num_draft_tokens,
+                      max_batch=max_batch)
