@@ -1820,7 +1820,8 @@ def test_serve_with_a_model_root_and_no_model(monkeypatch, capsys, tmp_path):
     apps = []
     monkeypatch.setattr(uv.Server, "run", lambda self, sockets=None: apps.append(self.config.app))
     assert main(["serve", "--model-dir-root", str(GOLDEN), "--device", "cpu", "--port", "0", "-l", "1024",
-                 "--admin-key", ADMIN, "--admin_key", "sk-admin-2", "-cm", "q8", "--chunk-size", "512", "-ng"]) == 0
+                 "--admin-key", ADMIN, "--admin_key", "sk-admin-2", "-cm", "q8", "--chunk-size", "512", "-ng",
+                 "--max-draft-batch", "2"]) == 0
     assert "Serving no model yet" in capsys.readouterr().err
     app = apps[-1]
     h = app.state.exl2_host
@@ -1829,6 +1830,7 @@ def test_serve_with_a_model_root_and_no_model(monkeypatch, capsys, tmp_path):
     assert h.load_defaults["device"] == "cpu" and h.load_defaults["max_seq_len"] == 1024
     assert h.load_defaults["kv_cache_mode"] == "q8"
     assert h.load_defaults["chunk_size"] == 512 and h.load_defaults["cuda_graphs"] is False
+    assert h.load_defaults["max_draft_batch"] == 2
 
     async def go():
         c = http(app)

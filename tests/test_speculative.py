@@ -100,8 +100,10 @@ def test_engine_settings(tmp_path):
     with pytest.raises(ValueError):
         EngineConfig(model_dir=GOLDEN / "b6.0_hb6", ngram_draft=True, draft_model_dir=GOLDEN / "b3.0_hb6")
     engine = Engine(EngineConfig(model_dir=GOLDEN / "b6.0_hb6", max_seq_len=512, device="cpu",
-                                 draft_model_dir=GOLDEN / "b3.0_hb6", num_draft_tokens=3))
+                                 draft_model_dir=GOLDEN / "b3.0_hb6", num_draft_tokens=3, max_draft_batch=2,
+                                 max_batch_size=8))
     assert isinstance(engine.dynamic.draft, ModelDraft) and engine.dynamic.num_draft_tokens == 3
+    assert engine.dynamic.max_draft_batch == 2
     ids = engine.tokenizer.encode(PROMPTS[0] * 4)
     assert engine.generate(PROMPTS[0] * 4, GREEDY, 10).token_ids == greedy_reference(engine.model, ids, 10)
     with pytest.raises(ConfigError):

@@ -109,11 +109,14 @@ def add_gpu_args(p: argparse.ArgumentParser, also: str = "") -> None:
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngram", "--ngram", dest="ngram_draft", action="store_true",
-                   help="speculative decoding from n-grams of the text itself (a request decoding alone)")
+                   help="speculative decoding from n-grams of each request's own text")
     p.add_argument("-dm", "--draft_model_dir", "--draft-model", dest="draft_model_dir", default=None,
                    help="speculative decoding with this small draft model (same tokenizer)")
     p.add_argument("-dn", "--draft_tokens", "--num-draft-tokens", dest="num_draft_tokens", type=int, default=4,
                    help="tokens guessed and checked per step when drafting (default 4)")
+    p.add_argument("--max-draft-batch", "--max_draft_batch", dest="max_draft_batch", type=int, default=4,
+                   help="draft while at most this many requests decode at once (default 4; larger batches "
+                        "decode plainly)")
     p.add_argument("--draft-rope-scale", "--draft_rope_scale", dest="draft_rope_scale", type=float, default=None,
                    help="the draft model's linear RoPE scale (default: its own, or an NTK alpha where its native "
                         "context is shorter than the model's)")
@@ -172,7 +175,8 @@ def engine_settings(args) -> dict:
     """The EngineConfig fields the shared model, draft, LoRA and template flags set."""
     settings = model_settings(args)
     settings.update(ngram_draft=args.ngram_draft, draft_model_dir=args.draft_model_dir,
-                    num_draft_tokens=args.num_draft_tokens, draft_rope_scale=args.draft_rope_scale,
+                    num_draft_tokens=args.num_draft_tokens, max_draft_batch=args.max_draft_batch,
+                    draft_rope_scale=args.draft_rope_scale,
                     draft_rope_alpha=args.draft_rope_alpha, prompt_template=getattr(args, "prompt_template", None))
     loras = lora_specs(args)
     if loras:
