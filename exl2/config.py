@@ -69,7 +69,7 @@ class EngineConfig(BaseModel):
     ngram_draft: bool = False
     draft_model_dir: Optional[Path] = None
     num_draft_tokens: int = Field(4, ge=1, le=16)
-    max_draft_batch: int = Field(4, ge=1, le=256)
+    max_draft_batch: int = Field(8, ge=1, le=256)   # and fewer guesses past 3 (DynamicGenerator.check_guesses)
     # drafting pauses for a while where its guesses are rarely kept (a check then costs more than it saves);
     # False drafts every step (TabbyAPI's dynamic_draft is the same idea)
     adaptive_draft: bool = Field(True, validation_alias=AliasChoices("adaptive_draft", "dynamic_draft"))

@@ -229,7 +229,7 @@ def test_a_change_drops_the_captured_graphs(monkeypatch, adapters):
     graphs.graphs[1], graphs.short[1] = ("graph",), ("short graph",)   # as a capture leaves them
     verify = SimpleNamespace(resets=0)
     verify.reset = lambda: setattr(verify, "resets", verify.resets + 1)
-    gen.graphs, gen.verify_graphs = graphs, verify
+    gen.graphs, gen.verify_graphs = graphs, {4: verify}
     gen.set_loras([])
     assert graphs.graphs == {} and graphs.short == {} and verify.resets == 1
 

@@ -251,3 +251,13 @@ def test_a_draft_model_short_of_pages_drafts_for_fewer_jobs(model, tok):
     assert [r.token_ids for r in gen.generate(jobs)] == [greedy_reference(model, j.ids, 16) for j in jobs]
     assert sum(j.accepted for j in jobs) > 0
     assert not inner.seqs and len(inner.free) == inner.scratch
+
+
+def test_a_check_keeps_to_the_small_batch_rows(model, tok):
+    """B sequences check min(k, CHECK_ROWS / B - 1) guesses each, so a check stays within the small-batch matmuls'
+    16 rows; batches past max_draft_batch (or too large for one guess each) decode plainly."""
+    gen = DynamicGenerator(model, tok, 512, max_batch=16, page_size=16, draft=NgramDraft(), num_draft_tokens=4)
+    assert gen.check_guesses == {1: 4, 2: 4, 4: 3, 8: 1} and gen.max_draft_batch == 8
+    gen = DynamicGenerator(model, tok, 512, max_batch=16, page_size=16, draft=NgramDraft(), num_draft_tokens=8,
+                           max_draft_batch=3)
+    assert gen.check_guesses == {1: 8, 2: 7, 3: 4} and gen.max_draft_batch == 3

@@ -35,9 +35,11 @@ MAX_SKIPS = 4  # how often younger jobs may start before a waiting one (exllamav
 # so drafting loses where fewer than ~0.5 guesses a check are kept: with `adaptive_draft`, a job whose recent checks
 # kept fewer than SPEC_MIN_KEPT on average decodes plainly for SPEC_PAUSE steps, then tries drafts again.
 SPEC_MIN_KEPT, SPEC_PAUSE = 0.5, 16
-# Drafts are checked for batches of up to MAX_DRAFT_BATCH jobs: a check feeds (1 + k)·B tokens, which past a few
-# rows costs more than the plain step's B, so a large batch gains less than its guesses save.
-MAX_DRAFT_BATCH = 4
+# A check of B sequences feeds B·(1 + k) rows. Up to CHECK_ROWS rows the small-batch matmuls take them for little more
+# than a plain step (H100: 1.13-1.21x at B = 2, 1.16x at B = 4, k = 2), past it the step costs about 3x (B = 2, k = 8;
+# B = 4, k = 4; B = 8, k = 2): benchmarks/serving.py, RESULTS.md session 34. So a batch checks
+# min(num_draft_tokens, CHECK_ROWS / B - 1) guesses a sequence, and batches past MAX_DRAFT_BATCH decode plainly.
+CHECK_ROWS, MAX_DRAFT_BATCH = 16, 8
 # New prompts prefill together while the padded forward has at most PAD_SLACK x their tokens + PAD_TOKENS.
 PAD_SLACK, PAD_TOKENS = 1.5, 64
 
@@ -67,7 +69,11 @@ class DynamicGenerator:
                  max_draft_batch: int = MAX_DRAFT_BATCH):
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens, self.adaptive_draft = draft, num_draft_tokens, adaptive_draft
-        self.max_draft_batch = min(max_draft_batch, max_batch)
+        # batch size (rounded up to these) -> guesses a sequence a check feeds
+        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < max_draft_batch) + (max_draft_batch,)
+        self.check_guesses = {b: g for b in buckets if b <= max_batch and (g := min(num_draft_tokens,
+                                                                                   CHECK_ROWS // b - 1)) >= 1}
+        self.max_draft_batch = max(self.check_guesses, default=0)
         self.max_seq_len, self.max_batch, self.chunk, self.page_size = max_seq_len, max_batch, chunk, page_size
         self.pages_per_seq = -(-max_seq_len // page_size)
         num_pages = max(-(-(cache_tokens or 0) // page_size), self.pages_per_seq)
@@ -79,16 +85,17 @@ class DynamicGenerator:
         # a check feeds up to num_draft_tokens positions past a job's end (never kept): extra scratch columns
         self.spec_pages = -(-num_draft_tokens // page_size) if draft is not None else 0
         model.prepare_rope((self.pages_per_seq + self.spec_pages) * page_size)
-        self.graphs = self.verify_graphs = None
+        self.graphs = None
+        self.verify_graphs: dict[int, DecodeGraphs] = {}   # guesses a sequence -> the check steps' graphs
         if use_graphs and model.device.type == "cuda" and graph_safe(model):
             sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch) + (max_batch,)
             self.graphs = DecodeGraphs(model, self.cache, self.pages_per_seq, batch_sizes=sizes,
                                        scratch_page=self.scratch)
-            if draft is not None:  # each sequence checks its drafts: the last token + num_draft_tokens guesses
-                checks = tuple(b for b in sizes if b < self.max_draft_batch) + (self.max_draft_batch,)
-                self.verify_graphs = DecodeGraphs(model, self.cache, self.pages_per_seq + self.spec_pages,
-                                                  batch_sizes=checks, scratch_page=self.scratch,
-                                                  tokens=num_draft_tokens + 1)
+            if draft is not None:  # each sequence checks its drafts: its last token and its guesses
+                for g in set(self.check_guesses.values()):
+                    sizes = tuple(b for b, n in self.check_guesses.items() if n == g)
+                    self.verify_graphs[g] = DecodeGraphs(model, self.cache, self.pages_per_seq + self.spec_pages,
+                                                         batch_sizes=sizes, scratch_page=self.scratch, tokens=g + 1)
         self.queue: deque[Job] = deque()
         self.active: list[Job] = []
         self._decode_table: tuple = ((), None)
@@ -181,7 +188,7 @@ class DynamicGenerator:
                 self._inflight.done.synchronize()
             self._inflight = None
         lora.set_loras(self.model, adapters)   # checks everything before it changes anything
-        for graphs in (self.graphs, self.verify_graphs):
+        for graphs in (self.graphs, *self.verify_graphs.values()):
             if graphs is not None:
                 graphs.reset()
         self.pool.forget_prefixes()
@@ -661,13 +668,13 @@ class DynamicGenerator:
         return r
 
     def _speculate(self, jobs: list[Job], events: list[Event]) -> bool:
-        """Decode with drafts: feed each job's last token and num_draft_tokens guesses in one forward, keep the
+        """Decode with drafts: feed each job's last token and k guesses in one forward (`check_guesses`), keep the
         guesses the model's own sampler agrees with, plus the model's token after them. Each position draws what
         plain decoding would draw there (same stream position, same seen tokens), so the output is plain
         decoding's, token for token. Rows whose drafter guessed fewer are padded with guesses that are checked
         all the same; a job near its end keeps no more than its reply has room for.
         False when no job has anything to guess (plain decoding then)."""
-        k = self.num_draft_tokens
+        k = self.check_guesses[next(b for b in sorted(self.check_guesses) if b >= len(jobs))]
         rooms = [j.max_new_tokens - len(j.reply.ids) - 1 for j in jobs]
         asks = []
         for job, room in zip(jobs, rooms):
@@ -684,8 +691,8 @@ class DynamicGenerator:
         ids = torch.tensor(fed, dtype=torch.long, device=dev)
         pos = torch.tensor([j.length for j in jobs], dtype=torch.long, device=dev)
         table = self._table(jobs, self.spec_pages)
-        if self.verify_graphs is not None:
-            logits = self.verify_graphs.step(ids, pos, table, lazy=True)
+        if k in self.verify_graphs:
+            logits = self.verify_graphs[k].step(ids, pos, table, lazy=True)
         else:
             self.cache.bind(table)
             logits = self.model(ids, self.cache, pos, fresh=False)
