@@ -184,9 +184,11 @@ class SamplingSettings(BaseModel):
     max_temp: float = Field(1.0, ge=0.0, le=10.0)
     temp_exponent: float = Field(1.0, gt=0.0)
     # XTC ("exclude top choices"): with this probability a draw drops every token of probability ≥ the threshold
-    # except the least likely of them (when at least two qualify); newline and special tokens are never dropped
+    # except the least likely of them (when at least two qualify); the tokens of xtc_ignore_tokens are never dropped
+    # (None: those whose text holds a newline, and the special tokens)
     xtc_probability: float = Field(0.0, ge=0.0, le=1.0)
     xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    xtc_ignore_tokens: Optional[tuple[int, ...]] = None
     # exllamav2's skew: the draw walks the filtered distribution from its likeliest token to the point
     # u^exp(-skew) of its mass (u uniform): > 0 leans toward less likely tokens, < 0 toward likelier ones; 0 = off
     skew: float = Field(0.0, ge=-10.0, le=10.0, allow_inf_nan=False)
@@ -197,6 +199,7 @@ class SamplingSettings(BaseModel):
     dry_base: float = Field(1.75, ge=1.0)
     dry_allowed_length: int = Field(2, ge=1)
     dry_range: int = Field(0, ge=0)                    # tokens of the text DRY looks back over; 0: all of it
+    dry_max_ngram: int = Field(20, ge=1, le=1024)      # the longest repeat DRY measures (longer ones count as this)
     dry_sequence_breakers: Optional[tuple[str, ...]] = None
     # Mirostat 2.0: truncates to the tokens of surprise ≤ μ and steers μ (starting at 2·tau) toward tau by eta
     mirostat_mode: int = 0
@@ -205,6 +208,13 @@ class SamplingSettings(BaseModel):
     # classifier-free guidance (exllamav2's cfg_scale): sample from s·log p(token | prompt) + (1 − s)·log p(token |
     # negative prompt); 1 = off, > 1 steers away from the negative prompt (default: the BOS token alone)
     cfg_scale: float = Field(1.0, ge=-100.0, le=100.0, allow_inf_nan=False)
+
+    @field_validator("xtc_ignore_tokens")
+    @classmethod
+    def _xtc_ignore(cls, v: Optional[tuple[int, ...]]) -> Optional[tuple[int, ...]]:
+        if v is not None and any(t < 0 for t in v):    # () stays (): XTC may then drop any token
+            raise ValueError("xtc_ignore_tokens must be token ids (non-negative integers)")
+        return v
 
     @field_validator("banned_tokens", "allowed_tokens")
     @classmethod

@@ -286,10 +286,11 @@ def test_sampler_flags_reach_sampling_settings(command):
         *command, "--smoothing-factor", "0.1", "--dynamic-temperature", "0.2,2,0.5", "--temperature-last",
         "--top-a", "0.1", "--typical", "0.7", "--tfs", "0.95", "--xtc-probability", "0.5", "--xtc-threshold", "0.3",
         "--dry-multiplier", "1", "--dry-allowed-length", "4", "--dry-base", "1.5", "--dry-range", "128",
-        "--dry-sequence-breakers", r"\n,:,end", "--mirostat", "2", "--mirostat-tau", "3", "--mirostat-eta", "0.2"]))
+        "--dry-max-ngram", "8", "--dry-sequence-breakers", r"\n,:,end", "--mirostat", "2", "--mirostat-tau", "3", "--mirostat-eta", "0.2"]))
     assert (long.min_temp, long.max_temp, long.temp_exponent, long.temperature_last) == (0.2, 2.0, 0.5, True)
     assert long.dry_sequence_breakers == ("\n", ":", "end") and (long.mirostat_tau, long.mirostat_eta) == (3.0, 0.2)
     assert (long.dry_multiplier, long.dry_allowed_length, long.dry_base, long.dry_range) == (1.0, 4, 1.5, 128)
+    assert long.dry_max_ngram == 8 and short.dry_max_ngram == 20
     ranged = sampling_from_args(parser.parse_args([*command, "-repp", "1.2", "--repetition-range", "512",
                                                    "--repetition-decay", "128"]))
     assert (ranged.repetition_range, ranged.repetition_decay) == (512, 128) and ranged.ranged_penalty

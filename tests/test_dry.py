@@ -190,8 +190,8 @@ def test_apply_dry_skips_ids_past_logits():
 
 
 def test_apply_dry_batches_rows_like_one_row_at_a_time():
-    """Many rows at once (different lengths, settings, ranges and breaker masks; some with nothing to penalize)
-    subtract exactly what the brute-force reference gives each row alone."""
+    """Many rows at once (different lengths, settings, ranges, longest n-grams and breaker masks; some with nothing
+    to penalize) subtract exactly what the brute-force reference gives each row alone."""
     rng = random.Random(7)
     V = 9
     for trial in range(60):
@@ -200,11 +200,13 @@ def test_apply_dry_batches_rows_like_one_row_at_a_time():
             history = [rng.randrange(V) for _ in range(rng.randint(0, 40))]
             brk = torch.tensor([rng.random() < 0.2 for _ in range(V)])
             s = SamplingSettings(dry_multiplier=rng.choice([0.0, 0.5, 1.3]), dry_base=rng.choice([1.5, 2.0]),
-                                 dry_allowed_length=rng.randint(1, 3), dry_range=rng.choice([0, 0, 12]))
+                                 dry_allowed_length=rng.randint(1, 3), dry_range=rng.choice([0, 0, 12]),
+                                 dry_max_ngram=rng.choice([2, 3, 20]))
             rows.append((r, history, s, brk))
             h = history[-s.dry_range:] if s.dry_range else history
             if s.dry_multiplier:
-                for t, p in reference(h, brk.tolist(), s.dry_multiplier, s.dry_base, s.dry_allowed_length).items():
+                for t, p in reference(h, brk.tolist(), s.dry_multiplier, s.dry_base, s.dry_allowed_length,
+                                      max_ngram=s.dry_max_ngram).items():
                     want[r, t] -= p
         got = apply_dry(torch.zeros(5, V), rows)
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), trial
@@ -225,3 +227,14 @@ def test_token_history_follows_a_growing_and_taken_back_token_list():
     assert h.sync(tokens).tolist() == tokens
     tokens.append(9)
     assert h.sync(tokens).tolist() == tokens
+
+
+def test_each_row_keeps_its_own_longest_ngram():
+    """Two rows with one history (a repeat of 5 tokens) and dry_max_ngram 2 and 20: batched together, the first
+    row's match is capped at 2 (penalty 1 · 1.75^0), the second's is the full 5 (1.75^3)."""
+    h = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]
+    rows = [(i, h, SamplingSettings(dry_multiplier=1.0, dry_max_ngram=n), torch.zeros(9, dtype=torch.bool))
+            for i, n in enumerate((2, 20))]
+    got = apply_dry(torch.zeros(2, 9), rows)
+    assert got[0, 6].item() == pytest.approx(-1.0) and got[1, 6].item() == pytest.approx(-1.75 ** 3)
+    assert got[:, :6].abs().sum() == 0 and got[:, 7:].abs().sum() == 0

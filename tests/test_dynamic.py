@@ -448,7 +448,11 @@ def test_extended_samplers_through_the_generator_match_an_uncached_loop(model, t
     for s, r in zip(kinds, out):
         assert r.token_ids == reference(s), s
     assert jobs[2].mirostat_mu is not None and jobs[2].mirostat_mu != 2 * 2.5
-    assert torch.equal(gen._xtc_keep(tok.vocab_size).cpu(), keep)
+    assert torch.equal(gen._xtc_keep(jobs[3:4], tok.vocab_size).cpu(), keep)
+    assert gen._xtc_keep(jobs[:3], tok.vocab_size) is None     # no job of these uses XTC
+    own = Job(ids, kinds[3].model_copy(update={"xtc_ignore_tokens": (5, 7)}), 4)
+    rows = gen._xtc_keep([jobs[3], own], tok.vocab_size).cpu()  # a job naming its own: only those are kept
+    assert torch.equal(rows[0], keep) and rows[1].nonzero().flatten().tolist() == [5, 7]
     assert out[0].token_ids != greedy_reference(model, ids, 12)  # DRY changed the greedy reply
 
 

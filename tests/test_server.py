@@ -1909,7 +1909,8 @@ def test_tabby_samplers_reach_the_engine():
     fields = dict(top_a=0.2, tfs=0.9, typical_p=0.8, smoothing_factor=0.3, temperature_last=True, dynatemp_low=0.5,
                   dynatemp_high=1.5, dynatemp_exponent=2.0, xtc_probability=0.4, xtc_threshold=0.2,
                   dry_multiplier=0.8, dry_base=2.0, dry_allowed_length=3, dry_penalty_last_n=64,
-                  dry_sequence_breakers=["\n", ":"], mirostat=2, mirostat_tau=4.0, mirostat_eta=0.2, skew=0.5)
+                  dry_sequence_breakers=["\n", ":"], mirostat=2, mirostat_tau=4.0, mirostat_eta=0.2, skew=0.5,
+                  dry_max_ngram=6, xtc_ignore_tokens=[3, 9])
     canonical = dict(fields, typical=0.8, min_temp=0.5, max_temp=1.5, temp_exponent=2.0, dry_range=64,
                      mirostat_mode=2, mirostat_tau=5.0, mirostat_eta=0.25)
     for key in ("typical_p", "dynatemp_low", "dynatemp_high", "dynatemp_exponent", "dry_penalty_last_n", "mirostat"):
@@ -1928,7 +1929,8 @@ def test_tabby_samplers_reach_the_engine():
     expected = dict(top_a=0.2, tfs=0.9, typical=0.8, smoothing_factor=0.3, temperature_last=True, min_temp=0.5,
                     max_temp=1.5, temp_exponent=2.0, xtc_probability=0.4, xtc_threshold=0.2, dry_multiplier=0.8,
                     dry_base=2.0, dry_allowed_length=3, dry_range=64, dry_sequence_breakers=("\n", ":"),
-                    mirostat_mode=2, mirostat_tau=4.0, mirostat_eta=0.2, skew=0.5)
+                    mirostat_mode=2, mirostat_tau=4.0, mirostat_eta=0.2, skew=0.5, dry_max_ngram=6,
+                    xtc_ignore_tokens=(3, 9))
     assert {k: getattr(via_alias, k) for k in expected} == expected
     assert {k: getattr(by_name, k) for k in expected} == dict(expected, mirostat_tau=5.0, mirostat_eta=0.25)
     assert via_alias.dynamic_temperature and via_alias.dry and via_alias.mirostat

@@ -167,6 +167,10 @@ def test_sample_rows_never_lets_xtc_drop_the_kept_tokens():
     keep[top] = True
     assert (sample_rows(x.expand(n, -1), [s] * n, [2] * n, list(range(n))) != top).all()
     assert (sample_rows(x.expand(n, -1), [s] * n, [2] * n, list(range(n)), xtc_keep=keep) == top).any()
+    rows = torch.zeros(n, 16, dtype=torch.bool)   # per row: the odd rows keep the top token, the even rows nothing
+    rows[1::2, top] = True
+    drawn = sample_rows(x.expand(n, -1), [s] * n, [2] * n, list(range(n)), xtc_keep=rows)
+    assert (drawn[0::2] != top).all() and (drawn[1::2] == top).any()
 
 
 def test_chain_order_and_temperature_last():

@@ -235,6 +235,8 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.8) -> N
                    help="DRY: the penalty's growth per token of repeat (default 1.75)")
     p.add_argument("-dryr", "--dry-range", "--dry_range", dest="dry_range", type=int, default=0,
                    help="DRY: tokens of the text it looks back over (default 0 = all)")
+    p.add_argument("--dry-max-ngram", "--dry_max_ngram", dest="dry_max_ngram", type=int, default=20,
+                   help="DRY: the longest repeat it measures (default 20)")
     p.add_argument("--dry-sequence-breakers", "--dry_sequence_breakers", dest="dry_sequence_breakers", default=None,
                    metavar="S,S,...", help="DRY: strings that end a repeat, separated by commas (escapes such as "
                                            "\\n are decoded); default: punctuation, newline and special tokens")
@@ -291,7 +293,7 @@ def sampling_from_args(args, **extra) -> SamplingSettings:
                                 temperature_last=args.temperature_last, xtc_probability=args.xtc_probability,
                                 xtc_threshold=args.xtc_threshold, skew=args.skew, dry_multiplier=args.dry_multiplier,
                                 dry_allowed_length=args.dry_allowed_length, dry_base=args.dry_base,
-                                dry_range=args.dry_range,
+                                dry_range=args.dry_range, dry_max_ngram=args.dry_max_ngram,
                                 dry_sequence_breakers=sequence_breakers(args.dry_sequence_breakers),
                                 mirostat_mode=args.mirostat_mode, mirostat_tau=args.mirostat_tau,
                                 mirostat_eta=args.mirostat_eta, **dynamic_temperature(args.dynamic_temperature),

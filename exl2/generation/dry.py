@@ -93,23 +93,22 @@ def dry_penalties(history: Sequence[int], breakers: torch.Tensor, multiplier: fl
     """
     if multiplier == 0 or breakers.numel() == 0:
         return _empty()
-    _, ids, pens = _batch_penalties([(history, breakers, multiplier, base, allowed_length, dry_range)],
-                                    breakers.numel(), max_ngram)
+    _, ids, pens = _batch_penalties([(history, breakers, multiplier, base, allowed_length, dry_range, max_ngram)],
+                                    breakers.numel())
     return ids, pens
 
 
-# one row of DRY's input: (history, breaker mask, multiplier, base, allowed length, range)
-_Row = tuple[Sequence[int], torch.Tensor, float, float, int, int]
+# one row of DRY's input: (history, breaker mask, multiplier, base, allowed length, range, longest n-gram)
+_Row = tuple[Sequence[int], torch.Tensor, float, float, int, int, int]
 
 
-def _batch_penalties(rows: Sequence[_Row], vocab: int, max_ngram: int = 20
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch_penalties(rows: Sequence[_Row], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row indices, token ids, penalties) of several rows' DRY penalties at once (ids below `vocab`, sorted
     within a row): the histories right-aligned in one [B, L] tensor (padding -1, which matches nothing), then one
     pass per n-gram length over all positions, so a batch costs one set of tensor operations and a 32k-token
     history milliseconds."""
     hists, brks = [], []
-    for history, breakers, _, _, _, dry_range in rows:
+    for history, breakers, _, _, _, dry_range, _ in rows:
         if not isinstance(history, torch.Tensor):
             history = list(history)  # frombuffer: several times faster than torch.tensor for long lists
             history = torch.frombuffer(array("q", history), dtype=torch.int64) if history else torch.empty(0)
@@ -134,8 +133,9 @@ def _batch_penalties(rows: Sequence[_Row], vocab: int, max_ngram: int = 20
     alive = torch.ones(b, L - 1, dtype=torch.bool)
     length = torch.zeros(b, L - 1, dtype=torch.long)
     going = torch.ones(b, dtype=torch.bool)
-    for k in range(min(max_ngram, L - 1)):
-        going &= ~brk[:, L - 1 - k]          # a breaker among the text's last tokens ends every match there
+    longest = torch.tensor([r[6] for r in rows])
+    for k in range(min(int(longest.max()), L - 1)):
+        going &= ~brk[:, L - 1 - k] & (k < longest)   # a breaker among the last tokens ends every match there
         alive[:, :k] = False                 # positions with nothing k tokens back
         alive[:, k:] &= (prev[:, : L - 1 - k] == h[:, L - 1 - k: L - k]) & going[:, None]
         if not alive.any():
@@ -168,8 +168,8 @@ def apply_dry(logits: torch.Tensor,
     rows = [r for r in rows if r[2].dry_multiplier > 0 and r[3].numel()]
     if not rows:
         return logits
-    local, ids, pens = _batch_penalties([(h, brk, s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_range)
-                                         for _, h, s, brk in rows], logits.shape[1])
+    local, ids, pens = _batch_penalties([(h, brk, s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_range,
+                                          s.dry_max_ngram) for _, h, s, brk in rows], logits.shape[1])
     if not ids.numel():
         return logits
     dev = logits.device

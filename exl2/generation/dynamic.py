@@ -490,7 +490,7 @@ class DynamicGenerator:
         settings = [j.settings for j in jobs]
         mirostat = any(s.mirostat for s in settings)
         mus = [j.mirostat_mu for j in jobs] if mirostat else None
-        xtc_keep = self._xtc_keep(logits.shape[-1]) if any(s.xtc_probability > 0 for s in settings) else None
+        xtc_keep = self._xtc_keep(jobs, logits.shape[-1])
         logits = self._healed(jobs, self._ban_stops(jobs, logits, draws), draws)
         picks = sample_rows(self._dry(jobs, logits), settings, [j.seed for j in jobs],
                             draws, *self._seen_rows(jobs, logits.shape[-1]), mus=mus, xtc_keep=xtc_keep)
@@ -528,16 +528,27 @@ class DynamicGenerator:
             job.history = TokenHistory()
         return job.history.sync(job.tokens)
 
-    def _xtc_keep(self, vocab: int) -> torch.Tensor:
-        """bool [vocab] on the model's device: the tokens XTC never drops (those whose text has a newline, and the
-        special tokens), as exllamav2 keeps them; made once."""
+    def _xtc_keep(self, jobs: list[Job], vocab: int) -> Optional[torch.Tensor]:
+        """What XTC never drops, on the model's device: bool [vocab] (exllamav2's set: the tokens whose text has a
+        newline, and the special tokens; made once), or [B, vocab] where a job names its own (`xtc_ignore_tokens`);
+        None when no job uses XTC."""
+        if not any(j.settings.xtc_probability > 0 for j in jobs):
+            return None
         if self._xtc_mask is None or self._xtc_mask.shape[0] != vocab:
             newline = sequence_breakers(self.tokenizer, ("\n",))[:vocab]   # tokens whose text holds one
             keep = torch.zeros(vocab, dtype=torch.bool)
             keep[:newline.numel()] = newline
             keep[[i for i in self.tokenizer.special_ids if 0 <= i < vocab]] = True
             self._xtc_mask = keep.to(self.model.device)
-        return self._xtc_mask
+        own = [(i, j.settings.xtc_ignore_tokens) for i, j in enumerate(jobs)
+               if j.settings.xtc_ignore_tokens is not None]
+        if not own:
+            return self._xtc_mask
+        rows = self._xtc_mask.expand(len(jobs), vocab).clone()
+        for i, ids in own:
+            rows[i] = False
+            rows[i, [t for t in ids if t < vocab]] = True
+        return rows
 
     @staticmethod
     def _logprob_tensors(jobs: list[Job], logits: torch.Tensor, picks: torch.Tensor) -> Optional[tuple]:
@@ -709,7 +720,7 @@ class DynamicGenerator:
                     guessed = torch.tensor(row[1:i + 1], dtype=torch.long, device=dev)
                     counts[b * n + i].index_put_((guessed,), torch.ones(i, device=dev), accumulate=True)
         # the verify rows mask end tokens as plain decoding would at their draws (min_new_tokens, ignore_eos)
-        keep = self._xtc_keep(logits.shape[-1]) if any(j.settings.xtc_probability > 0 for j in jobs) else None
+        keep = self._xtc_keep(rows, logits.shape[-1])
         flat = logits.float().reshape(len(jobs) * n, -1)
         picks = sample_rows(self._ban_stops(rows, flat, draws), [j.settings for j in rows], [j.seed for j in rows],
                             draws, seen, counts, xtc_keep=keep)

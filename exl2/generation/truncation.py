@@ -166,8 +166,8 @@ def mirostat_update(y: torch.Tensor, picks: torch.Tensor, settings: Sequence[Sam
 def xtc(y: torch.Tensor, settings: Sequence[SamplingSettings], live: Sequence[bool], coins: Sequence[float],
         keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exclude Top Choices: in rows whose coin falls under their xtc_probability, drop every token of probability
-    ≥ xtc_threshold except the least likely of them, when at least two qualify; `keep` (bool [V]) marks tokens
-    never dropped (newlines, special tokens)."""
+    ≥ xtc_threshold except the least likely of them, when at least two qualify; `keep` (bool [V], or [B, V] per
+    row) marks tokens never dropped (by default newlines and special tokens)."""
     on = [g and s.xtc_probability > 0.0 and c < s.xtc_probability for s, g, c in zip(settings, live, coins)]
     if not any(on):
         return y
@@ -177,7 +177,7 @@ def xtc(y: torch.Tensor, settings: Sequence[SamplingSettings], live: Sequence[bo
     least = torch.where(above, probs, 2.0).argmin(dim=-1, keepdim=True)
     drop = above.scatter(-1, least, False) & (above.sum(-1, keepdim=True) >= 2) & _rows(on, dev)
     if keep is not None:
-        drop &= ~keep[: y.shape[-1]].to(dev)
+        drop &= ~keep[..., : y.shape[-1]].to(dev)
     return y.masked_fill(drop, NEG_INF)
 
 

@@ -213,7 +213,7 @@ def sampling(req: SamplingFields, choice: int = 0, bias: Optional[dict[int, floa
             smoothing_factor=req.smoothing_factor, temperature_last=req.temperature_last, min_temp=req.min_temp,
             max_temp=req.max_temp,
             temp_exponent=req.temp_exponent, xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
-            skew=req.skew,
+            xtc_ignore_tokens=req.xtc_ignore_tokens, skew=req.skew, dry_max_ngram=req.dry_max_ngram,
             dry_multiplier=req.dry_multiplier, dry_base=_or_default(req.dry_base, "dry_base"),
             dry_allowed_length=_or_default(req.dry_allowed_length, "dry_allowed_length"), dry_range=req.dry_range,
             dry_sequence_breakers=dry_sequence_breakers(req.dry_sequence_breakers),

@@ -112,10 +112,12 @@ class SamplingFields(_Body):
     temp_exponent: float = Field(1.0, gt=0.0, validation_alias=AliasChoices("temp_exponent", "dynatemp_exponent"))
     xtc_probability: float = Field(0.0, ge=0.0, le=1.0)
     xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    xtc_ignore_tokens: Optional[list[int]] = None          # tokens XTC never drops (default: newlines, specials)
     dry_multiplier: float = Field(0.0, ge=0.0)
     dry_base: float = Field(0.0, ge=0.0)                  # 0: the engine's default (params); else at least 1
     dry_allowed_length: int = Field(0, ge=0)              # 0: the engine's default
     dry_range: int = Field(0, ge=0, validation_alias=AliasChoices("dry_range", "dry_penalty_last_n"))
+    dry_max_ngram: int = Field(20, ge=1, le=1024)
     # a list, or a string: a JSON list (SillyTavern sends one) or comma-separated; parsed in params
     dry_sequence_breakers: Optional[Union[list[str], str]] = None
     mirostat_mode: int = Field(0, ge=0, le=2, validation_alias=AliasChoices("mirostat_mode", "mirostat"))
