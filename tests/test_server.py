@@ -665,6 +665,62 @@ def test_tool_calls_streamed(fake_url, fake):
     assert len(ids) == 2
 
 
+def test_legacy_function_calling(fake_app, fake_url, fake):
+    """OpenAI's deprecated `functions` / `function_call`: the functions reach the template as tools, a call comes
+    back as the message's one `function_call` (finish_reason 'function_call'), streamed too; a named
+    function_call forces that call; earlier `function_call` turns and `function` results render as a tool call and
+    its result; mixing both APIs is a 400."""
+    functions = [TOOLS[0]["function"]]
+    history = [{"role": "user", "content": "1+2?"},
+               {"role": "assistant", "content": None,
+                "function_call": {"name": "add", "arguments": '{"a": 1, "b": 2}'}},
+               {"role": "function", "name": "add", "content": "3"},
+               {"role": "user", "content": "and 2+2?"}]
+
+    async def go(reply, messages=history[:1], **kw):
+        fake.reply = reply
+        return await aclient(fake_app).chat.completions.create(model="fake-model", messages=messages,
+                                                               functions=functions, **kw)
+
+    r = run(go("Let me add.\n" + CALL))
+    choice = r.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.content == "Let me add." and choice.message.function_call.name == "add"
+    assert json.loads(choice.message.function_call.arguments) == {"a": 1, "b": 2}
+    assert fake.rendered[-1][1] == [{"type": "function", "function": TOOLS[0]["function"]}]
+
+    run(go(CALL, function_call={"name": "add"}))
+    assert fake.forced[-1] == "add"
+    r = run(go(CALL, function_call="none"))
+    assert fake.rendered[-1][1] is None and r.choices[0].message.content == CALL
+
+    r = run(go("It is 4.", messages=history))
+    messages = fake.rendered[-1][0]
+    assert r.choices[0].message.content == "It is 4." and r.choices[0].finish_reason == "stop"
+    call = messages[1]["tool_calls"][0]
+    assert call["function"] == {"name": "add", "arguments": {"a": 1, "b": 2}}
+    assert messages[2] == {"role": "tool", "content": "3", "name": "add", "tool_call_id": call["id"]}
+
+    c = openai.OpenAI(base_url=f"{fake_url}/v1", api_key="unused", max_retries=0)
+    fake.reply = "Let me add.\n" + CALL
+    chunks = list(c.chat.completions.create(model="fake-model", messages=history[:1], functions=functions,
+                                            stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Let me add.\n"
+    calls = [ch.choices[0].delta.function_call for ch in chunks if ch.choices[0].delta.function_call]
+    assert len(calls) == 1 and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+
+    for bad in (dict(tools=TOOLS), dict(function_call={"name": "add"}, tool_choice="auto")):
+        with pytest.raises(openai.BadRequestError) as e:
+            run(go(CALL, **bad))
+        assert e.value.body["param"] in ("functions", "function_call")
+    with pytest.raises(openai.BadRequestError) as e:
+        fake.reply = CALL
+        run(aclient(fake_app).chat.completions.create(model="fake-model", messages=history[:1],
+                                                      function_call="auto"))
+    assert e.value.body["param"] == "function_call"
+
+
 def test_error_in_one_choice_ends_the_stream(fake_url, fake):
     fake.reply, fake.fail_seed = "Some plain text that takes a while to send.", 1
     fake.opened = fake.closes = 0

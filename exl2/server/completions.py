@@ -33,7 +33,8 @@ from exl2.server.host import host, serving
 from exl2.server.messages import template_messages, template_variables
 from exl2.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from exl2.server.schemas import ChatCompletionRequest, CompletionRequest
-from exl2.server.tools import ToolCallHoldback, content_before_calls, openai_tool_calls, template_tools
+from exl2.server.tools import (ToolCallHoldback, as_function_call, content_before_calls, from_functions,
+                               openai_tool_calls, template_tools)
 
 log = logging.getLogger("exl2.server")
 router = APIRouter()
@@ -359,11 +360,11 @@ def _stop_fields(result: GenerationResult) -> dict[str, Any]:
 
 
 def _chat_message(result: GenerationResult, tools, thinking: Optional[bool], prefix: str = "",
-                  tags: ThinkTags = DEFAULT_TAGS) -> tuple[dict[str, Any], str]:
+                  tags: ThinkTags = DEFAULT_TAGS, legacy: bool = False) -> tuple[dict[str, Any], str]:
     """A finished reply, after the `prefix` it continues (TabbyAPI's response_prefix, part of the reply), as an
     assistant message with its finish_reason. With the reasoning parser on (`thinking`: whether the reply started
     inside a think block; None: off) the block is `reasoning_content`; tool calls are parsed from the rest when
-    tools were given."""
+    tools were given (`legacy`: as the pre-tools API's one `function_call`)."""
     text, message = prefix + result.text, {"role": "assistant"}
     if thinking is not None:
         reasoning, text = split_reasoning(text, thinking, tags)
@@ -371,6 +372,9 @@ def _chat_message(result: GenerationResult, tools, thinking: Optional[bool], pre
         if reasoning is not None and not text:
             text = None                   # it only thought (e.g. stopped by max_tokens): no answer yet
     calls = parse_tool_calls(text, tools) if tools and text else []
+    if calls and legacy:
+        return {**message, "content": content_before_calls(text),
+                "function_call": as_function_call(openai_tool_calls(calls))}, "function_call"
     if calls:
         return {**message, "content": content_before_calls(text), "tool_calls": openai_tool_calls(calls)}, \
             "tool_calls"
@@ -409,7 +413,7 @@ def _request_template(request: Request, engine, name: Optional[str]):
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = _state(request)
-    body = overridden(request, body)
+    body, legacy = from_functions(overridden(request, body))
     params.check_supported(body)
     jobs = _jobs(body, st.engine, [""], False, "messages", st.config.max_tokens)   # checks every field first
     tools = template_tools(body.tools, body.tool_choice)
@@ -458,7 +462,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             return Response(status_code=499)
         choices = []
         for i, result in enumerate(results):
-            message, finish = _chat_message(result, tools, thinking, prefix, st.tags)
+            message, finish = _chat_message(result, tools, thinking, prefix, st.tags, legacy)
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": _chat_logprobs(st.engine.tokenizer, result.logprobs), **_stop_fields(result)})
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(results, body.n)}
@@ -492,7 +496,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             yield chunk(i, _delta(reasoning, out))
         if holdbacks:
             calls = parse_tool_calls(holdbacks[i].text, tools)
-            if calls:
+            if calls and legacy:
+                yield chunk(i, {"function_call": as_function_call(openai_tool_calls(calls))})
+                reason = "function_call"
+            elif calls:
                 for k, call in enumerate(openai_tool_calls(calls)):
                     yield chunk(i, {"tool_calls": [{"index": k, **call}]})
                 reason = "tool_calls"

@@ -101,8 +101,6 @@ def check_supported(req: SamplingFields) -> None:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
         if (req.top_logprobs or 0) > MAX_TOP_LOGPROBS:
             raise APIError(400, f"top_logprobs is at most {MAX_TOP_LOGPROBS}.", param="top_logprobs")
-        if req.functions:
-            raise unsupported("functions", "The deprecated 'functions' field (send 'tools')")
     if isinstance(req, CompletionRequest):
         if (req.logprobs or 0) > MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"logprobs is at most {MAX_COMPLETION_LOGPROBS}.", param="logprobs")

@@ -36,10 +36,11 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]   # function: the pre-tools API
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
+    function_call: Optional[FunctionCall] = None  # the pre-tools API's one call of an assistant message
     tool_call_id: Optional[str] = None
     reasoning_content: Optional[str] = None     # an earlier reply's thinking, as this server returned it
 
@@ -150,7 +151,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None             # accepted; the model decides how many calls it makes
-    functions: Optional[list[dict[str, Any]]] = None       # the pre-tools API: rejected with a pointer to `tools`
+    # OpenAI's deprecated function calling, read as tools (`tools.from_functions`); its replies keep its form
+    functions: Optional[list[FunctionDef]] = None
+    function_call: Optional[Union[Literal["none", "auto"], NamedFunction]] = None
     # Extra chat-template variables (e.g. Qwen3's {"enable_thinking": false}): vLLM's name and TabbyAPI's.
     chat_template_kwargs: Optional[dict[str, JsonValue]] = None
     template_vars: Optional[dict[str, JsonValue]] = None

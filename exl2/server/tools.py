@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 from exl2.generation.chat import CALL_MARKERS
 from exl2.server.errors import APIError
-from exl2.server.schemas import NamedToolChoice, Tool
+from exl2.server.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool, ToolCall
 
 MARKERS = CALL_MARKERS   # where a call starts, in every format parse_tool_calls reads
 
@@ -43,6 +43,46 @@ def template_tools(tools: Optional[list[Tool]], choice: ToolChoice) -> Optional[
         fn.setdefault("parameters", {"type": "object", "properties": {}})   # templates read it unconditionally
         out.append({"type": "function", "function": fn})
     return out
+
+
+def from_functions(body: ChatCompletionRequest) -> tuple[ChatCompletionRequest, bool]:
+    """The request with OpenAI's deprecated function calling in the tools form: `functions` as tools,
+    `function_call` as tool_choice, an assistant message's `function_call` as its one tool call and a `function`
+    message as the result of the call before it. True when the request lists `functions` (its replies then
+    carry `function_call` too: `as_function_call`)."""
+    legacy = [m for m in body.messages if m.role == "function" or m.function_call is not None]
+    if not body.functions and body.function_call is None and not legacy:
+        return body, False
+    if body.functions and body.tools:
+        raise APIError(400, "Send tools or the deprecated functions, not both.", param="functions")
+    if body.function_call is not None and not body.functions:
+        raise APIError(400, "function_call needs the functions it chooses from.", param="function_call")
+    if body.function_call is not None and body.tool_choice is not None:
+        raise APIError(400, "Send tool_choice or the deprecated function_call, not both.", param="function_call")
+    messages, last = [], None
+    for i, m in enumerate(body.messages):
+        if m.function_call is not None:
+            if m.role != "assistant" or m.tool_calls:
+                raise APIError(400, "Only an assistant message without tool_calls can carry a function_call.",
+                               param=f"messages[{i}].function_call")
+            last = f"call_{i}_0"
+            m = m.model_copy(update={"function_call": None,
+                                     "tool_calls": [ToolCall(id=last, function=m.function_call)]})
+        elif m.role == "function":
+            m = ChatMessage(role="tool", content=m.content, name=m.name, tool_call_id=last)
+        messages.append(m)
+    update: dict[str, Any] = {"messages": messages, "function_call": None, "functions": None}
+    if body.functions:
+        update["tools"] = [Tool(function=f) for f in body.functions]
+        choice = body.function_call
+        update["tool_choice"] = NamedToolChoice(function=choice) if not isinstance(choice, (str, type(None))) \
+            else choice
+    return body.model_copy(update=update), bool(body.functions)
+
+
+def as_function_call(calls: list[dict]) -> dict:
+    """The first of OpenAI tool_calls as the pre-tools API's `function_call` (it has one call a message)."""
+    return dict(calls[0]["function"])
 
 
 def call_id() -> str:
