@@ -231,14 +231,14 @@ def _arch_granite():
     )
 
 
-def _cohere(**kw):
+def _cohere(config_class=None, **kw):
     from transformers import CohereConfig
 
     base = _cfg(layer_norm_eps=1e-5, tie_word_embeddings=True, logit_scale=0.25,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     base.pop("rms_norm_eps")
     base.update(kw)
-    return CohereConfig(**base)
+    return (config_class or CohereConfig)(**base)
 
 
 def _arch_cohere():
@@ -251,6 +251,37 @@ def _arch_cohere_qk_norm():
     # Command-R+ style per-head LayerNorms on q and k (weights [heads, head_dim]); with attention biases on q, k,
     # v and o; untied head (lm_head.weight in the file).
     return _cohere(use_qk_norm=True, attention_bias=True, tie_word_embeddings=False)
+
+
+def _arch_cohere2():
+    from transformers import Cohere2Config
+
+    # Command R7B / Command A: Command-R's parallel LayerNorm blocks (tied, logit_scale 0.25) where
+    # sliding_window_pattern 2 makes layers 0 and 2 sliding (window 16) and rotated, and layer 1 global and NoPE;
+    # attention biases on q, k, v and o; head_dim 32 != H/nh (config.json's head_dim is the one used).
+    return _cohere(num_hidden_layers=3, head_dim=32, sliding_window=16, sliding_window_pattern=2,
+                   attention_bias=True, config_class=Cohere2Config)
+
+
+def _glm(config_class, **kw):
+    # GLM-4: fused gate_up_proj, q/k/v biases (o has none), RoPE on the first half of each head in GPT-J pairs.
+    return config_class(**_cfg(attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                     "partial_rotary_factor": 0.5}, **kw))
+
+
+def _arch_glm():
+    from transformers import GlmConfig
+
+    # glm-4-9b-chat-hf: pre-norm Llama blocks otherwise; head_dim 16, so 8 dims (4 pairs) rotate.
+    return _glm(GlmConfig, head_dim=16)
+
+
+def _arch_glm4():
+    from transformers import Glm4Config
+
+    # GLM-4-0414: four norms per layer (post_self_attn_layernorm on the attention output, post_attention_layernorm
+    # before the MLP, post_mlp_layernorm on its output); head_dim 32 != H/nh, 16 dims rotate; 3 layers.
+    return _glm(Glm4Config, head_dim=32, num_hidden_layers=3)
 
 
 def _arch_mistral3():
@@ -411,6 +442,9 @@ ARCHS: dict[str, Callable] = {
     "granite": _arch_granite,
     "cohere": _arch_cohere,
     "cohere_qk_norm": _arch_cohere_qk_norm,
+    "cohere2": _arch_cohere2,
+    "glm": _arch_glm,
+    "glm4": _arch_glm4,
     "mistral3": _arch_mistral3,
     "phi3": _arch_phi3,
     "phi3_longrope": _arch_phi3_longrope,

@@ -34,6 +34,12 @@ def last_rows(normed: torch.Tensor, last_only: bool | torch.Tensor) -> torch.Ten
     return normed[:, -1:] if last_only else normed
 
 
+def put_rows(x: torch.Tensor, inject: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Write rows [n, H] over the positions (flat indices into x's [B, T]) of x [B, T, H], in place: the
+    embeddings of a prompt's images in place of their tokens' (generation.images)."""
+    x.view(-1, x.shape[-1]).index_copy_(0, inject[0], inject[1].to(x.dtype))
+
+
 def _summed(y, like: torch.Tensor) -> torch.Tensor:
     """y, or the sum of a `SplitSum` in like's dtype (for the paths that add a module's output themselves)."""
     return y.total(like.dtype) if isinstance(y, SplitSum) else y
@@ -215,13 +221,15 @@ class DecoderLayer(nn.Module):
         layer = spec.layers[idx]
         self.layer = layer
         p = f"model.layers.{idx}"
-        eps, off = spec.norm_eps, spec.norm_offset
         self.input_layernorm = make_norm(spec, w.tensor(f"{p}.input_layernorm.weight"))
-        if not spec.parallel_block:  # a parallel block's attention and MLP both read input_layernorm's output
+        if spec.sandwich_norm:  # attributes named for Gemma's roles, tensors as the architecture names them
+            after_attn, before_mlp, after_mlp = (make_norm(spec, w.tensor(f"{p}.{name}.weight"))
+                                                 for name in spec.sandwich_names)
+            self.post_attention_layernorm = after_attn
+            self.pre_feedforward_layernorm = before_mlp
+            self.post_feedforward_layernorm = after_mlp
+        elif not spec.parallel_block:  # a parallel block's attention and MLP both read input_layernorm's output
             self.post_attention_layernorm = make_norm(spec, w.tensor(f"{p}.post_attention_layernorm.weight"))
-        if spec.sandwich_norm:
-            self.pre_feedforward_layernorm = RMSNorm(w.tensor(f"{p}.pre_feedforward_layernorm.weight"), eps, off)
-            self.post_feedforward_layernorm = RMSNorm(w.tensor(f"{p}.post_feedforward_layernorm.weight"), eps, off)
         attn_cls = MLAttention if spec.mla is not None else Attention
         self.self_attn = attn_cls(spec, layer, idx, w, f"{p}.self_attn")
         self.mlp = build_mlp(spec, layer, w, f"{p}.{spec.mlp_key}")
@@ -490,12 +498,14 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
                 last_only: bool | torch.Tensor = False, fresh: bool | None = None,
-                hidden: bool = False) -> torch.Tensor:
+                hidden: bool = False, inject: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared).
         `last_only`: only the last position's logits [B, 1, V]; a [B] tensor: the logits at those positions of each
         row (right-padded rows of different lengths).
         `fresh`: whether every row starts at 0, when a tensor `start` hides it (saves the cache a GPU read).
-        `hidden`: the final norm's output [B, T, H] (the model's dtype) instead of logits (embeddings)."""
+        `hidden`: the final norm's output [B, T, H] (the model's dtype) instead of logits (embeddings).
+        `inject` (flat positions [n] into [B, T], rows [n, H]): embeddings that replace those positions' token
+        embeddings (images in a prompt: generation.images)."""
         q_pos = self.positions(ids, start)
         note = getattr(cache, "note_positions", None)
         fresh = (start == 0) if isinstance(start, int) else fresh
@@ -503,6 +513,8 @@ class DecoderModel(nn.Module):
             note(q_pos, fresh)
         tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
         x, delta = self.embed(ids).contiguous(), None
+        if inject is not None:
+            put_rows(x, inject)
         if self.is_split:
             return self._forward_split(x, q_pos, tables, cache, fresh, last_only, hidden)
         for i, layer in enumerate(self.layers):

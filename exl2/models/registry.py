@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.rope import ROPE_TYPES, RopeOverride, RopeSpec
-from exl2.models.spec import LayerSpec, MLASpec, MoESpec, ModelSpec
+from exl2.models.spec import GLM4_SANDWICH, LayerSpec, MLASpec, MoESpec, ModelSpec
 
 _FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -24,6 +24,9 @@ _FAMILIES: dict[str, str] = {
     "Phi3ForCausalLM": "llama",
     "GraniteForCausalLM": "granite",
     "CohereForCausalLM": "cohere",
+    "Cohere2ForCausalLM": "cohere2",
+    "GlmForCausalLM": "glm",
+    "Glm4ForCausalLM": "glm",
     "DeepseekV3ForCausalLM": "deepseek",
     "DeepseekV2ForCausalLM": "deepseek",
     "Llama4ForCausalLM": "llama4",
@@ -237,14 +240,53 @@ def _cohere(arch: str, cfg: dict) -> ModelSpec:
     (interleaved) RoPE, logits × logit_scale, tied head; `use_qk_norm` (Command-R+) adds per-head LayerNorms
     (weights [heads, head_dim]) on q and k before RoPE."""
     c = _common(arch, cfg)
+    layers = tuple(LayerSpec() for _ in range(c["num_layers"]))
+    return _cohere_spec(c, cfg, 500000.0, layers, qk_norm=bool(cfg.get("use_qk_norm", False)))
+
+
+def _cohere2(arch: str, cfg: dict) -> ModelSpec:
+    """Command R7B / Command A: Command-R's layers (no q/k norms) with sliding-window attention on the layers
+    `layer_types` marks (else every `sliding_window_pattern`-th layer is global, the others slide), and RoPE only
+    on the sliding layers: the global ones are NoPE. transformers rotates exactly where the layer has a window."""
+    cfg = {"max_position_embeddings": 8192, "sliding_window": 4096, **cfg}   # Cohere2Config's defaults
+    c = _common(arch, cfg)
+    n = c["num_layers"]
+    if not cfg.get("layer_types"):
+        pattern = cfg.get("sliding_window_pattern", 4)
+        cfg = {**cfg, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                      for i in range(n)]}
+    layers = tuple(LayerSpec(sliding_window=w, use_rope=w is not None) for w in _layer_windows(cfg, n, arch))
+    return _cohere_spec(c, cfg, 10000.0, layers, qk_norm=False)
+
+
+def _cohere_spec(c: dict, cfg: dict, default_theta: float, layers: tuple[LayerSpec, ...],
+                 qk_norm: bool) -> ModelSpec:
+    """What Command-R and Command R7B share: LayerNorm, parallel blocks, interleaved RoPE, logit_scale, tied head."""
     c["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
     c["norm_eps"] = float(cfg.get("layer_norm_eps") or 1e-5)
     bias = bool(cfg.get("attention_bias", False))
     logit_scale = cfg.get("logit_scale", 0.0625)
-    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"], 500000.0, interleaved=True),
-                     layers=tuple(LayerSpec() for _ in range(c["num_layers"])), activation=_act(cfg),
-                     qkv_bias=bias, o_bias=bias, qk_norm=bool(cfg.get("use_qk_norm", False)), norm_type="layernorm",
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"], default_theta, interleaved=True), layers=layers,
+                     activation=_act(cfg), qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, norm_type="layernorm",
                      parallel_block=True, logit_scale=1.0 if logit_scale is None else float(logit_scale))
+
+
+# GlmConfig's and Glm4Config's defaults for the keys config.json leaves out (or sets to null)
+_GLM_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 2, "max_position_embeddings": 131072,
+                 "rms_norm_eps": 1.5625e-7, "partial_rotary_factor": 0.5, "attention_bias": True,
+                 "eos_token_id": [151329, 151336, 151338]}
+
+
+def _glm(arch: str, cfg: dict) -> ModelSpec:
+    """GLM-4 (glm-4-9b-chat-hf) and GLM-4-0414: Llama layers with q/k/v biases (o has none), a fused gate_up_proj,
+    and GPT-J (interleaved) RoPE on the first `partial_rotary_factor` of each head. GLM-4-0414 also norms the
+    attention and MLP outputs before each residual add: Gemma 2's sandwich under other tensor names."""
+    cfg = {**_GLM_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    c = _common(arch, cfg)
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"], interleaved=True),
+                     layers=tuple(LayerSpec() for _ in range(c["num_layers"])), activation=_act(cfg),
+                     qkv_bias=bool(cfg["attention_bias"]), sandwich_norm=arch == "Glm4ForCausalLM",
+                     sandwich_names=GLM4_SANDWICH)
 
 
 def _act(cfg: dict) -> str:
@@ -405,6 +447,6 @@ def _llama4(arch: str, cfg: dict) -> ModelSpec:
 
 
 _BUILDERS: dict[str, Callable[[str, dict], ModelSpec]] = {
-    "llama": _llama, "granite": _granite, "cohere": _cohere, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
-    "gemma": _gemma, "deepseek": _deepseek, "llama4": _llama4,
+    "llama": _llama, "granite": _granite, "cohere": _cohere, "cohere2": _cohere2, "glm": _glm, "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe, "gemma": _gemma, "deepseek": _deepseek, "llama4": _llama4,
 }

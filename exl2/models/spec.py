@@ -49,6 +49,12 @@ class LayerSpec:
     temperature_tuning: bool = False       # Llama 4 attention temperature on NoPE layers
 
 
+# The sandwich norms' tensor names in a layer, by role: on the attention output, on the MLP input, on the MLP output.
+# The decoder keeps Gemma's names for the roles as its attributes; GLM-4-0414 stores the same three under others.
+GEMMA_SANDWICH = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+GLM4_SANDWICH = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     arch: str
@@ -70,7 +76,8 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3, Gemma 3; Cohere: LayerNorm)
-    sandwich_norm: bool = False            # Gemma 2/3: norms after attention and MLP too
+    sandwich_norm: bool = False            # Gemma 2/3, GLM-4-0414: norms after attention and MLP too
+    sandwich_names: tuple[str, str, str] = GEMMA_SANDWICH   # their tensor names (see GEMMA_SANDWICH)
     norm_type: str = "rms"                 # rms | layernorm (Cohere: mean-centred, weight only, no bias)
     parallel_block: bool = False           # Cohere: x + attn(n(x)) + mlp(n(x)), one norm per layer
     embed_scale: float = 1.0
@@ -80,7 +87,7 @@ class ModelSpec:
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
     tie_embeddings: bool = False
-    fused_qkv: bool = False                # Phi-3 qkv_proj / gate_up_proj in the source files
+    fused_qkv: bool = False                # Phi-3 qkv_proj in the source files (a gate_up_proj is found by name)
     local_rope: Optional[RopeSpec] = None
     moe: Optional[MoESpec] = None
     mla: Optional[MLASpec] = None

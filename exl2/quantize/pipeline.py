@@ -155,16 +155,16 @@ def decoder_numel(model: SourceModel, slots: list[Slot]) -> int:
     """Parameter count of the 2·L decoder blocks (projections with outputs padded to 32, plus their norms) (§3.7)."""
     src, spec = model.src, model.spec
     total = 0
+    after_attn, before_mlp, after_mlp = spec.sandwich_names
     for s in slots:
         p = f"model.layers.{s.layer}."
         if s.kind == "attn":
             prefixes = [p + "self_attn.", p + "input_layernorm."]
             if spec.sandwich_norm:
-                prefixes.append(p + "post_attention_layernorm.")
+                prefixes.append(p + after_attn + ".")
         else:
-            prefixes = [p + spec.mlp_key + "."]
-            prefixes += [p + "pre_feedforward_layernorm.", p + "post_feedforward_layernorm."] if spec.sandwich_norm \
-                else [p + "post_attention_layernorm."]
+            norms = [before_mlp, after_mlp] if spec.sandwich_norm else ["post_attention_layernorm"]
+            prefixes = [p + spec.mlp_key + "."] + [p + n + "." for n in norms]
         for name in src.keys():
             if name.startswith(tuple(prefixes)):
                 shape = src.shape(name)
