@@ -94,6 +94,9 @@ class EngineConfig(BaseModel):
     # the chat template: a bundled name (chatml, alpaca), a name tokenizer_config.json lists (tool_use, rag), or a
     # .jinja file's path; None = the model's own (ChatML where it has none). generation.templates
     prompt_template: Optional[str] = None
+    # load the model's vision tower so chat messages may hold images (Mistral 3.1/3.2); off by default, as
+    # TabbyAPI's `vision`, since the tower takes memory that text-only use does not need
+    vision: bool = False
 
     @field_validator("rope_scale", "rope_alpha", "rope_yarn", "draft_rope_scale", "draft_rope_alpha")
     @classmethod

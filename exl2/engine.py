@@ -15,7 +15,9 @@ from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, to
 from exl2.generation.dynamic import DynamicGenerator
 from exl2.generation.embeddings import EmbeddingResult, Pooling, batches, check_inputs, embed, input_ids
 from exl2.generation.generator import GenerationResult, Generator
+from exl2.generation.images import ImageTokens
 from exl2.generation.job import Event
+from exl2.generation.multimodal import VisionPrompts, has_vision_tower, no_vision, split_images
 from exl2.generation.speculative import make_drafter
 from exl2.generation.templates import choose_template
 from exl2.generation.tokenizer import Tokenizer
@@ -61,6 +63,14 @@ class Engine:
             self.dynamic.set_loras([self.load_lora(spec) for spec in config.loras])
         self.worker = BatchWorker(self.dynamic)
         self.generator = Generator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode, self.worker)
+        self.vision: Optional[VisionPrompts] = None
+        if config.vision:
+            from exl2.models.vision import PixtralVision
+
+            tower = PixtralVision.from_dir(config.model_dir, self.model.device, self.model.dtype)
+            if tower is None:
+                raise no_vision(self.model_name, None)
+            self.vision = VisionPrompts(tower, self.model.spec.vocab_size)
 
     @property
     def model_name(self) -> str:
@@ -169,10 +179,34 @@ class Engine:
         return (template or self.template).render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                   continue_final_message=continue_final_message, **variables)
 
+    def chat_input(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False,
+                   template: Optional[ChatTemplate] = None, suffix: str = "", **variables: Any
+                   ) -> tuple[Union[str, list[int]], tuple[ImageTokens, ...]]:
+        """`chat_prompt` (then `suffix`, e.g. the start of the reply) for messages that may hold images (content
+        parts {"type": "image", "image": bytes | path | data URI | URL | PIL image} or OpenAI's image_url parts):
+        the text and no images when they hold none, else the token ids with each image's tokens in place and the
+        images (for `aevent_stream`'s `images`). Encoding an image waits for the GPU: call it off the event
+        loop."""
+        plain, sources = split_images(messages)
+        text = self.chat_prompt(plain, tools, add_generation_prompt, continue_final_message, template,
+                                **variables) + suffix
+        return self.image_prompt(text, sources) if sources else (text, ())
+
+    def image_prompt(self, text: str, sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
+        """A rendered chat prompt whose template put one image token where each of `sources` goes, as token ids
+        with each image's tokens in place, and the images (encoded once per distinct image)."""
+        if self.vision is None:
+            raise no_vision(self.model_name, False if has_vision_tower(self.config.model_dir) else None)
+        return self.vision.splice(self.tokenizer.encode(text, add_bos=False), sources)
+
     def chat(self, messages: list[dict], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 512,
              grammar: Optional[Grammar] = None) -> GenerationResult:
-        return self.generator.generate(self.chat_prompt(messages), settings, max_new_tokens, add_bos=False,
-                                       grammar=grammar)
+        """One reply to `messages`, which may hold images (`chat_input`)."""
+        prompt, images = self.chat_input(messages)
+        job = self.generator.job(prompt, settings, max_new_tokens, add_bos=False, grammar=grammar)
+        job.images = images
+        return self.worker.run_all([job])[0]
 
     def json_grammar(self, schema: Optional[dict] = None) -> Grammar:
         """Replies that are JSON matching `schema` (None: any JSON object); one grammar per request."""
@@ -244,11 +278,14 @@ class Engine:
                             logprobs: Optional[int] = None, *, stop_token_ids: Sequence[int] = (),
                             min_new_tokens: int = 0, ignore_eos: bool = False,
                             negative_prompt: str | list[int] | None = None,
-                            budget: Optional[ReasoningBudget] = None) -> AsyncIterator[Event]:
+                            budget: Optional[ReasoningBudget] = None,
+                            images: Sequence[ImageTokens] = ()) -> AsyncIterator[Event]:
         """`aevents` as the generator's Event objects (text, the new tokens' log-probabilities, the result);
-        `budget` (`generation.budget`) closes a think block after so many tokens."""
+        `budget` (`generation.budget`) closes a think block after so many tokens; `images`: those whose tokens
+        the prompt's ids hold (`chat_input`)."""
         job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar,
                                  logprobs, min_new_tokens, ignore_eos, negative_prompt, budget)
+        job.images = tuple(images)
         events = self.worker.astream(job)
         try:
             async for event in events:

@@ -32,6 +32,7 @@ model:
   max_batch_size: 8
   prompt_template: chatml
   inline_model_loading: true
+  vision: true
 draft_model:
   draft_model_dir: {root}
   draft_model_name: tiny-draft
@@ -69,7 +70,7 @@ def test_tabbyapi_config_fills_the_flags(tmp_path, caplog):
     assert args.model_dir_root == str(tmp_path) and args.model_dir == str(tmp_path / "Llama-3-8B-exl2")
     assert (args.max_seq_len, args.cache_size, args.cache_mode, args.gpu_split) == (8192, 16384, "q4", "auto")
     assert (args.rope_scale, args.rope_alpha, args.chunk_size, args.max_batch_size) == (1.0, None, 1024, 8)
-    assert args.prompt_template == "chatml" and args.inline_model_loading is True
+    assert args.prompt_template == "chatml" and args.inline_model_loading is True and args.vision is True
     assert args.draft_model_dir == str(tmp_path / "tiny-draft") and args.draft_rope_alpha == 2.5
     assert args.num_draft_tokens == 3 and args.sampler_override == "safe_defaults"
     assert args.lora_dir == f"{tmp_path}/loras" and args.loras == [str(tmp_path / "loras" / "style")]
@@ -104,7 +105,6 @@ def test_explicit_gpu_split_and_an_empty_file(tmp_path):
     ("model:\n  cache_mode: Q5\n", "model.cache_mode must be one of FP16"),
     ("model:\n  gpu_split: 20\n", "model.gpu_split must be a list of GB per GPU"),
     ("model:\n  rope_alpha: high\n", "model.rope_alpha must be a number or auto"),
-    ("model:\n  vision: true\n", "does not support"),
     ("lora:\n  loras: [style]\n", "list of {name, scaling} entries"),
 ])
 def test_bad_config_files_are_one_sentence(tmp_path, capsys, text, words):

@@ -64,6 +64,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("model", "chunk_size"): ("chunk_size", _integer),
     ("model", "max_batch_size"): ("max_batch_size", _integer),
     ("model", "prompt_template"): ("prompt_template", _text),
+    ("model", "vision"): ("vision", _flag),
     ("model", "reasoning_start_token"): ("reasoning_start_token", _text),
     ("model", "reasoning_end_token"): ("reasoning_end_token", _text),
     ("draft_model", "draft_rope_scale"): ("draft_rope_scale", _number),
@@ -150,9 +151,6 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser)
     settings, ignored = _file_settings(data)
     model = data.get("model") or {}
     draft = data.get("draft_model") or {}
-    if model.get("vision"):
-        raise ConfigError("The config file's model.vision asks for image input, which exl2 does not support; set it "
-                          "to false.")
     settings["rope_alpha"] = _alpha(model.get("rope_alpha"), "model.rope_alpha")
     settings["draft_rope_alpha"] = _alpha(draft.get("draft_rope_alpha"), "draft_model.draft_rope_alpha")
     if model.get("gpu_split_auto") and "gpu_split" not in settings:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import takewhile
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -17,6 +18,7 @@ import torch
 
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError, ContextLengthError, ModelLoadError
+from exl2.generation.images import split as split_images
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
 from exl2.generation.dry import TokenHistory, apply_dry, sequence_breakers
@@ -307,9 +309,14 @@ class DynamicGenerator:
                                                                   device=self.model.device)
             if width <= 0 or width * len(rows) > budget:
                 break
+            inject = {}
+            if any(j.images for j in group):   # image tokens: their embeddings go in place of token 0's
+                rows, found = split_images(rows, [j.images for j in group], self.model.spec.vocab_size,
+                                           self.model.device)
+                inject = {"inject": found} if found is not None else {}
             part = torch.tensor(rows, dtype=torch.long, device=self.model.device)
             self.cache.bind(self._table(group)[:, :max(len(j.pages) for j in group)])
-            logits = self.model(part, self.cache, start, last_only=last)[:, -1]
+            logits = self.model(part, self.cache, start, last_only=last, **inject)[:, -1]
             budget -= width * len(rows)
             for job, end in zip(group, ends):
                 job.length = end
@@ -693,7 +700,9 @@ class DynamicGenerator:
             if paused:
                 job.spec_pause -= 1
             asks.append(0 if paused else min(k, room))
-        proposals = self.draft.propose_batch([(j.id, j.tokens, a) for j, a in zip(jobs, asks)])
+        vocab = self.model.spec.vocab_size   # a guess copied from a prompt's image tokens is no token to feed
+        proposals = [list(takewhile(lambda t: 0 <= t < vocab, d))
+                     for d in self.draft.propose_batch([(j.id, j.tokens, a) for j, a in zip(jobs, asks)])]
         if not any(proposals):
             return False
         dev, n = self.model.device, k + 1

@@ -74,6 +74,7 @@ CATCH_UP_ALONE, CATCH_UP_CHUNK = 32, 2048
 class _Sequence:
     pages: list[int] = field(default_factory=list)   # page i holds positions [i·page_size, (i+1)·page_size)
     cached: list[int] = field(default_factory=list)  # the tokens whose keys/values those pages hold, in order
+    images: Optional[bool] = None   # whether its prompt holds image tokens (aliases), which a draft model cannot read
 
 
 class ModelDraft:
@@ -106,9 +107,12 @@ class ModelDraft:
         out: list[list[int]] = [[] for _ in requests]
         busy = {r[0] for r in requests}
         rows = []   # (request index, sequence, tokens, cached prefix kept)
+        vocab = self.model.spec.vocab_size
         for i, (job_id, tokens, k) in enumerate(requests):
             seq = self._sequence(job_id, len(tokens) + k - 1, busy) if k > 0 and tokens else None
-            if seq is None:
+            if seq is not None and seq.images is None:
+                seq.images = any(t >= vocab for t in tokens)
+            if seq is None or seq.images:
                 continue
             same = 0
             for a, b in zip(seq.cached, tokens):

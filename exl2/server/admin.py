@@ -24,6 +24,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from exl2.config import EngineConfig, LoraSpec, ServerConfig
 from exl2.errors import ConfigError, Exl2Error
+from exl2.generation.multimodal import has_vision_tower
 from exl2.generation.templates import template_file, template_names
 from exl2.models.rope import ntk_alpha
 from exl2.runtime.loader import native_context
@@ -40,7 +41,7 @@ T = TypeVar("T")
 # The EngineConfig fields that `exl2 serve`'s flags set for every model, so loads through the API inherit them.
 DEFAULT_FIELDS = ("device", "kv_cache_mode", "max_batch_size", "gpu_split", "tensor_parallel", "ngram_draft",
                   "num_draft_tokens", "max_draft_batch", "flash_attention_enabled", "prefill_fp8", "chunk_size",
-                  "cuda_graphs")
+                  "cuda_graphs", "vision")
 # EngineConfig field -> the load request's name for it, for error messages
 _REQUEST_NAMES = {"kv_cache_mode": "cache_mode", "draft_model_dir": "draft_model.draft_model_name",
                   "num_draft_tokens": "draft_model.draft_num_tokens", "flash_attention_enabled": "no_flash_attention",
@@ -109,8 +110,7 @@ class ModelLoadRequest(BaseModel):
     override_base_seq_len: Optional[int] = Field(None, ge=1)
     draft_model: Optional[DraftLoadRequest] = Field(None, validation_alias=AliasChoices("draft_model", "draft"))
     prompt_template: Optional[str] = None   # a name in --template-dir, bundled or the model's own list
-    # refused when set
-    vision: Optional[bool] = None
+    vision: Optional[bool] = None           # load the vision tower (images in chat messages)
 
 
 class TemplateSwitchRequest(BaseModel):
@@ -179,8 +179,6 @@ def _cuda_gpus(device: Optional[str]) -> int:
 
 
 def _refuse_unsupported(body: ModelLoadRequest) -> None:
-    if body.vision:
-        raise unsupported("vision", "Vision input")
     d = body.draft_model
     if d is not None:
         if d.draft_gpu_split:
@@ -222,6 +220,11 @@ def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
                        ("chunk_size", "chunk_size")):
         if getattr(body, field) is not None:
             settings[key] = getattr(body, field)
+    if body.vision is not None:
+        if body.vision and not has_vision_tower(settings["model_dir"]):
+            raise APIError(400, f"{body.name} has no vision tower, so it cannot be loaded with vision.",
+                           param="vision")
+        settings["vision"] = body.vision
     if body.gpu_split:
         settings["gpu_split"] = body.gpu_split
     elif body.gpu_split_auto and settings.get("gpu_split") is None and _cuda_gpus(settings.get("device")) > 1:

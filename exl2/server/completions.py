@@ -25,6 +25,7 @@ from exl2.generation.budget import DEFAULT_TAGS, ReasoningBudget, ThinkTags, bud
 from exl2.generation.chat import parse_tool_calls
 from exl2.generation.constraints import Grammar
 from exl2.generation.generator import GenerationResult
+from exl2.generation.multimodal import split_images
 from exl2.generation.output import TokenLogprob
 from exl2.names import plain_name
 from exl2.server import params
@@ -59,6 +60,7 @@ class Job:
     ignore_eos: bool = False
     negative_prompt: Optional[str] = None    # classifier-free guidance's (settings.cfg_scale)
     budget: Optional[ReasoningBudget] = None  # chat: close the think block after so many tokens
+    images: tuple = ()                       # chat: the images whose tokens `prompt` (ids then) holds
 
     async def events(self, engine) -> AsyncIterator[Event]:
         """(new text, result or None, the new tokens' log-probability records: empty when none) from the
@@ -66,7 +68,8 @@ class Job:
         stream = engine.aevent_stream(self.prompt, self.settings, self.max_new_tokens, self.stop_strings,
                                       self.add_bos, self.grammar, self.logprobs, stop_token_ids=self.stop_token_ids,
                                       min_new_tokens=self.min_new_tokens, ignore_eos=self.ignore_eos,
-                                      negative_prompt=self.negative_prompt, budget=self.budget)
+                                      negative_prompt=self.negative_prompt, budget=self.budget,
+                                      **({"images": self.images} if self.images else {}))
         try:
             async for event in stream:
                 yield event.text, event.result, event.logprobs
@@ -419,7 +422,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     tools = template_tools(body.tools, body.tool_choice)
     for job in jobs:  # a grammar holds parse state: one per choice
         job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice) or job.grammar
-    messages = template_messages(body.messages)
+    messages = template_messages(body.messages, images=getattr(st.engine, "vision", None) is not None)
     template = _request_template(request, st.engine, body.prompt_template)
     variables = template_variables(body, template or st.engine.template, st.config.template_vars_default,
                                    st.config.template_vars_force)
@@ -432,17 +435,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             raise APIError(400, "continue_final_message needs the last message to be the assistant's.",
                            param="messages")
         opening = False
+    prefix = body.response_prefix or ""
+    messages, sources = split_images(messages)
+    images: tuple = ()
     try:
         prompt = st.engine.chat_prompt(messages, tools, add_generation_prompt=opening,
                                        continue_final_message=body.continue_final_message, template=template,
                                        **variables)
+        if sources:   # encoding the images runs the vision tower: off the event loop
+            ids, images = await asyncio.to_thread(st.engine.image_prompt, prompt + prefix, sources)
     except Exl2Error as e:
         raise engine_error(e, "messages") from e
-    prefix = body.response_prefix or ""
     mode = st.config.start_in_reasoning
     starts_thinking = opens_thinking(prompt, st.tags) if mode == "auto" else mode == "always"
     for job in jobs:
-        job.prompt = prompt + prefix
+        job.prompt, job.images = (ids, images) if images else (prompt + prefix, ())
         if body.reasoning_budget_tokens is not None:   # one each: a budget follows its own reply
             job.budget = ReasoningBudget(body.reasoning_budget_tokens,
                                          budget_end(st.engine.tokenizer, body.reasoning_budget_message or "",

@@ -10,19 +10,32 @@ from exl2.server.errors import APIError, unsupported
 from exl2.server.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 
 
-def _text(content: Optional[Union[str, list[ContentPart]]], param: str) -> str:
-    """Content as one string: templates expect a string, and text parts are all this engine can read."""
+def _text(content: Optional[Union[str, list[ContentPart]]], param: str, images: bool = False
+          ) -> Union[str, list[dict[str, Any]]]:
+    """Content as one string (templates expect a string), or with `images` and image_url parts in it, the list of
+    text and image parts (`Engine.chat_input` puts each image in place)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
+    texts, parts = [], []
     for i, part in enumerate(content):
+        if part.type == "image_url" and images:
+            ref = (part.model_extra or {}).get("image_url")
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if not isinstance(url, str) or not url:
+                raise APIError(400, "An image_url content part needs an image_url.url.", param=f"{param}[{i}]")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         if part.type != "text":
-            raise unsupported(f"{param}[{i}].type", f"Message content of type '{part.type}' (only text)")
+            what = "text, and images for a model loaded with its vision tower" if part.type == "image_url" else "text"
+            raise unsupported(f"{param}[{i}].type", f"Message content of type '{part.type}' (only {what})")
         if part.text is None:
             raise APIError(400, "A text content part needs a 'text' string.", param=f"{param}[{i}].text")
         texts.append(part.text)
+        parts.append({"type": "text", "text": part.text})
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
     return "\n".join(texts)
 
 
@@ -53,13 +66,14 @@ def _arguments(raw: Union[str, dict[str, Any]], param: str) -> dict[str, Any]:
     return Arguments(value)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The conversation as chat-template input: text content, 'developer' read as 'system' (HF templates do
-    not know it), assistant tool calls with dict arguments and thinking, tool results with their call id."""
+def template_messages(messages: list[ChatMessage], images: bool = False) -> list[dict[str, Any]]:
+    """The conversation as chat-template input: text content (with `images`, image_url parts kept in place),
+    'developer' read as 'system' (HF templates do not know it), assistant tool calls with dict arguments and
+    thinking, tool results with their call id."""
     out = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                               "content": _text(m.content, f"messages[{i}].content")}
+                               "content": _text(m.content, f"messages[{i}].content", images)}
         if m.name:
             msg["name"] = m.name
         if m.tool_calls:

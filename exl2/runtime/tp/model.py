@@ -9,7 +9,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from exl2.models.decoder import DecoderLayer, DecoderModel, KVCache, WeightProvider, last_rows, on_device
+from exl2.models.decoder import (DecoderLayer, DecoderModel, KVCache, WeightProvider, last_rows, on_device,
+                                 put_rows)
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import share_inputs
 from exl2.runtime.load_progress import report
@@ -79,7 +80,7 @@ class TensorParallelModel(DecoderModel):
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
                 last_only: bool | torch.Tensor = False, fresh: bool | None = None,
-                hidden: bool = False) -> torch.Tensor:
+                hidden: bool = False, inject: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """As DecoderModel.forward; ids on the first device, logits (or hidden states) there."""
         q_pos = self.positions(ids, start)
         fresh = (start == 0) if isinstance(start, int) else fresh
@@ -92,7 +93,10 @@ class TensorParallelModel(DecoderModel):
                 note(pos, fresh)
         local = [self.tables_on(tables, d) for d in self.devices]
         with on_device(self.devices[0]):
-            xs = self.collectives.broadcast(self.embed(ids).contiguous())
+            x = self.embed(ids).contiguous()
+            if inject is not None:
+                put_rows(x, inject)
+            xs = self.collectives.broadcast(x)
         for i, layer in enumerate(self.layers):
             ropes = [self.layer_rope(t, i) for t in local]
             xs = layer(xs, positions, ropes, caches, self.collectives, self.devices)

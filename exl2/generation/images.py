@@ -1,0 +1,99 @@
+"""Images in prompts: each image's embeddings stand in the token list under ids past the vocabulary (aliases).
+
+A vision model (exl2.models.vision) turns an image into rows of embeddings, one per image token, and the layout of
+tokens around them. Every distinct image (by content) gets its own run of alias ids, so prompts stay plain token
+lists: the prompt cache tells two images apart by their ids, and a conversation that sends the same image again
+finds its pages cached. A job carries the embeddings of its images (`Job.images`), and a prefill whose tokens
+include aliases takes those rows (`split`) in place of the embedding table's; sampled tokens are always real ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+# the most encoded images kept for reuse; the least recently used go first (sent again, one is encoded again,
+# under new ids, so its prompt pages are not reused)
+KEEP_IMAGES = 64
+
+
+def image_key(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """One image in a prompt: its token layout with aliases for its image tokens, which run from `base` on, one
+    per row of `features` [n, H]."""
+
+    ids: tuple[int, ...]
+    base: int
+    features: torch.Tensor
+
+
+class ImageAliases:
+    """Alias ids for image embeddings, from `first_id` (the model's vocabulary size) up; ids are never reused.
+    Encoded images are kept by key for reuse (KEEP_IMAGES); thread-safe (requests add, the generator reads)."""
+
+    def __init__(self, first_id: int, keep: int = KEEP_IMAGES):
+        self.first, self.next, self.keep = first_id, first_id, keep
+        self.images: OrderedDict[str, ImageTokens] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: str) -> Optional[ImageTokens]:
+        with self.lock:
+            found = self.images.get(key)
+            if found is not None:
+                self.images.move_to_end(key)
+            return found
+
+    def add(self, key: str, token_ids: Sequence[int], image_token_id: int, features: torch.Tensor) -> ImageTokens:
+        """Register an encoded image: `token_ids` its layout, whose `image_token_id` tokens take `features`' rows
+        in order."""
+        count = sum(1 for t in token_ids if t == image_token_id)
+        if count != features.shape[0]:
+            raise ValueError(f"The image has {features.shape[0]} embeddings for {count} image tokens.")
+        with self.lock:
+            base = self.next
+            self.next += count
+            aliases = iter(range(base, base + count))
+            image = ImageTokens(tuple(next(aliases) if t == image_token_id else t for t in token_ids), base, features)
+            self.images[key] = image
+            while len(self.images) > self.keep:
+                self.images.popitem(last=False)
+        return image
+
+
+def split(rows: Sequence[Sequence[int]], images: Sequence[Sequence[ImageTokens]], first_alias: int,
+          device: torch.device) -> tuple[list[list[int]], Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    """Token rows ready for a forward: aliases replaced by token 0, and (flat positions [n] into the right-padded
+    [B, T] batch, embeddings [n, H]) to put in their place (`DecoderModel.forward`'s `inject`), row b's aliases
+    looked up among images[b]; None when no row holds an alias."""
+    if not any(t >= first_alias for r in rows for t in r):
+        return [list(r) for r in rows], None
+    width = max(len(r) for r in rows)
+    plain, where, parts = [], [], []
+    for b, (row, own) in enumerate(zip(rows, images)):
+        line, j = list(row), 0
+        while j < len(line):
+            if line[j] < first_alias:
+                j += 1
+                continue
+            image = next((im for im in own if im.base <= line[j] < im.base + im.features.shape[0]), None)
+            if image is None:
+                raise KeyError(f"Token {line[j]} is an image token of no image this prompt carries.")
+            end = j + 1
+            while end < len(line) and line[end] == line[j] + (end - j) < image.base + image.features.shape[0]:
+                end += 1
+            start = line[j] - image.base     # a run of one image's aliases: one slice of its rows
+            parts.append(image.features[start:start + end - j])
+            where.extend(range(b * width + j, b * width + end))
+            line[j:end] = [0] * (end - j)
+            j = end
+        plain.append(line)
+    index = torch.tensor(where, dtype=torch.long, device=device)
+    return plain, (index, torch.cat(parts).to(device))

@@ -1,0 +1,144 @@
+"""Images in chat prompts, end to end on CPU: the tiny random Mistral 3 of test_vision.py (Pixtral tower,
+projector, Mistral decoder, word-level tokenizer) against transformers' Mistral3ForConditionalGeneration. The
+prompt's image tokens become alias ids (generation.images) whose embeddings the prefill injects; logits and greedy
+replies must be transformers' (float32: max |Δlogit| ≤ 1e-4 · max |logit|), the prompt cache must tell images apart
+and reuse the same image's pages, and the OpenAI server must take image_url parts."""
+import asyncio
+import base64
+import io
+import json
+
+import openai
+import pytest
+import torch
+
+from test_vision import IMG, MERGE, PATCH, _build, _hf_pixels, _mistral3_config, _noise
+
+from exl2.config import EngineConfig, SamplingSettings
+from exl2.engine import Engine
+from exl2.errors import ConfigError
+from exl2.generation.dynamic import DynamicGenerator, Job
+from exl2.generation.images import split
+
+GREEDY = SamplingSettings(temperature=0)
+# renders text parts as their words and each image part as one [IMG], which the engine expands
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}w3 {% if m.content is string %}{{ m.content }} {% else %}"
+            "{% for p in m.content %}{% if p.type == 'text' %}{{ p.text }} {% else %}[IMG] {% endif %}{% endfor %}"
+            "{% endif %}w4 {% endfor %}{% if add_generation_prompt %}w5{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mistral3_chat")
+    config = _mistral3_config()
+    config.tie_word_embeddings = False    # as the published Mistral Small 3.1/3.2: lm_head in the files
+    model = _build(config, out, seed=3)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return out, model
+
+
+@pytest.fixture(scope="module")
+def engine(built):
+    return Engine(EngineConfig(model_dir=built[0], device="cpu", max_seq_len=512, vision=True))
+
+
+def _messages(image, text="w30 w31"):
+    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image", "image": image},
+                                         {"type": "text", "text": "w40"}]}]
+
+
+def _hf_ids(ids: list[int], vocab: int) -> torch.Tensor:
+    return torch.tensor([[IMG if t >= vocab else t for t in ids]])
+
+
+def test_logits_and_greedy_reply_are_transformers(built, engine):
+    d, hf = built
+    image = _noise(45, 70, seed=5)
+    ids, images = engine.chat_input(_messages(image))
+    vocab = engine.model.spec.vocab_size
+    assert len(images) == 1 and sum(t >= vocab for t in ids) == images[0].features.shape[0] > 4
+    pixels, sizes = _hf_pixels(d, image, PATCH * MERGE)
+    with torch.no_grad():
+        ref = hf(input_ids=_hf_ids(ids, vocab), pixel_values=pixels, image_sizes=sizes).logits.float()
+        plain, inject = split([ids], [images], vocab, engine.model.device)
+        ours = engine.model(torch.tensor(plain), inject=inject)
+    assert (ours - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    with torch.no_grad():   # without the image's embeddings the logits are not the same: the test can fail
+        assert (engine.model(torch.tensor(plain)) - ref).abs().max().item() > 1e-2 * ref.abs().max().item()
+
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(8):
+            logits = hf(input_ids=_hf_ids(seq, vocab), pixel_values=pixels, image_sizes=sizes).logits
+            seq.append(int(logits[0, -1].argmax()))
+    assert engine.chat(_messages(image), GREEDY, 8).token_ids == seq[len(ids):]
+
+
+def test_the_prompt_cache_tells_images_apart(built, engine):
+    """Same text, two images: different alias ids, so the second prompt reuses only the pages before the image;
+    the first image again: its aliases are the same and its pages are reused, with the same reply."""
+    gen = DynamicGenerator(engine.model, engine.tokenizer, 512, page_size=4)
+    a, b = _noise(45, 70, seed=5), _noise(45, 70, seed=6)
+    first, first_images = engine.chat_input(_messages(a))
+    other, other_images = engine.chat_input(_messages(b))
+    again, again_images = engine.chat_input(_messages(a))
+    assert again == first and other != first and again_images[0] is first_images[0]
+
+    def run(ids, images):
+        job = Job(ids, GREEDY, 6)
+        job.images = images
+        return gen.generate([job])[0]
+
+    r1, r2, r3 = run(first, first_images), run(other, other_images), run(again, again_images)
+    start = next(i for i, t in enumerate(first) if t >= engine.model.spec.vocab_size)
+    assert r2.cached_tokens <= start and r3.cached_tokens >= len(first) - 4
+    assert r3.token_ids == r1.token_ids == engine.chat(_messages(a), GREEDY, 6).token_ids
+    assert r2.token_ids == engine.chat(_messages(b), GREEDY, 6).token_ids
+
+
+def test_image_errors_are_one_sentence(built, engine, tmp_path):
+    with pytest.raises(ConfigError, match="neither a data URI"):
+        engine.chat_input(_messages(str(tmp_path / "missing.png")))
+    text_only = Engine(EngineConfig(model_dir=built[0], device="cpu", max_seq_len=512))
+    with pytest.raises(ConfigError, match="without its vision tower"):
+        text_only.chat_input(_messages(_noise(30, 30)))
+    assert text_only.chat_input([{"role": "user", "content": "w30"}])[1] == ()
+
+
+def _data_uri(image) -> str:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_the_server_takes_image_url_parts(built, engine):
+    from exl2.server.app import ServerConfig, create_app
+
+    image = _noise(100, 33, seed=7)
+    want = engine.chat(_messages(image), GREEDY, 6)
+    client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="k", max_retries=0,
+                                http_client=_asgi(create_app(engine, ServerConfig(model_name="tiny"))))
+    parts = [{"type": "text", "text": "w30 w31"}, {"type": "image_url", "image_url": {"url": _data_uri(image)}},
+             {"type": "text", "text": "w40"}]
+
+    async def go():
+        r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                                 max_tokens=6, temperature=0)
+        bad = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": bad}],
+                                                 max_tokens=2)
+        return r, e.value
+
+    r, err = asyncio.run(go())
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == want.prompt_tokens
+    assert "base64" in err.body["message"]
+
+
+def _asgi(app):
+    import httpx
+
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
