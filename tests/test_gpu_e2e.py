@@ -278,10 +278,9 @@ def test_dynamic_batch_through_lazy_graphs_matches_one_at_a_time():
     assert sum(g == w for g, w in zip(got, want)) >= 4
 
 
-def test_speculative_decoding_through_verify_graphs():
-    """A model drafting for itself on the GPU: its guesses are checked 5 tokens at a time by a captured graph
-    (tokens=5, positions from a tensor, chunked attention over the cache). Same tolerance as above: at least 4 of 5
-    greedy sequences identical to plain decoding; most guesses kept."""
+def _self_drafting(max_batch: int):
+    """The golden 4.0 bpw model drafting for itself on the GPU: (its five repeated-text prompts' plain greedy
+    replies, the jobs, a DynamicGenerator with a ModelDraft of a second copy drafting up to `max_batch`)."""
     from exl2.config import SamplingSettings
     from exl2.generation.dynamic import DynamicGenerator, Job
     from exl2.generation.speculative import ModelDraft
@@ -294,9 +293,16 @@ def test_speculative_decoding_through_verify_graphs():
                                            "Paris is ")]
     plain = DynamicGenerator(model, tok, 512, max_batch=1, page_size=16)
     want = [plain.generate([Job(p, greedy, 32)])[0].token_ids for p in prompts]
-    spec = DynamicGenerator(model, tok, 512, max_batch=1, page_size=16,
-                            draft=ModelDraft(load_model(GOLDEN / "b4.0_hb6", "cuda"), 600, page_size=16))
-    jobs = [Job(p, greedy, 32) for p in prompts]
+    draft = ModelDraft(load_model(GOLDEN / "b4.0_hb6", "cuda"), 600, page_size=16, max_batch=max_batch)
+    spec = DynamicGenerator(model, tok, 512, max_batch=max_batch, page_size=16, draft=draft)
+    return want, [Job(p, greedy, 32) for p in prompts], spec
+
+
+def test_speculative_decoding_through_verify_graphs():
+    """A model drafting for itself on the GPU: its guesses are checked 5 tokens at a time by a captured graph
+    (tokens=5, positions from a tensor, chunked attention over the cache). Same tolerance as above: at least 4 of 5
+    greedy sequences identical to plain decoding; most guesses kept."""
+    want, jobs, spec = _self_drafting(1)
     got = [spec.generate([j])[0].token_ids for j in jobs]
     assert 1 in spec.verify_graphs[4].graphs
     assert sum(g == w for g, w in zip(got, want)) >= 4
@@ -304,26 +310,13 @@ def test_speculative_decoding_through_verify_graphs():
 
 
 def test_batched_speculative_decoding_through_graphs():
-    """Four sequences drafting together on the GPU: the draft model decodes them as one batch (its decode graphs at
-    batch 4), the model checks 4 × 4 tokens (3 guesses each: CHECK_ROWS) in one captured graph. At least 4 of 5 greedy sequences identical to
-    plain decoding (graph and eager kernels may round a near-tie differently); most guesses kept."""
-    from exl2.config import SamplingSettings
-    from exl2.generation.dynamic import DynamicGenerator, Job
-    from exl2.generation.speculative import ModelDraft
-    from exl2.generation.tokenizer import Tokenizer
-
-    model = load_model(GOLDEN / "b4.0_hb6", "cuda")
-    tok = Tokenizer.from_dir(GOLDEN / "b4.0_hb6")
-    greedy = SamplingSettings(temperature=0)
-    prompts = [tok.encode(p * 3) for p in ("Hello there. ", "Once upon a time ", "The rain in Spain ", "def f(x): ",
-                                           "Paris is ")]
-    plain = DynamicGenerator(model, tok, 512, max_batch=1, page_size=16)
-    want = [plain.generate([Job(p, greedy, 32)])[0].token_ids for p in prompts]
-    draft = ModelDraft(load_model(GOLDEN / "b4.0_hb6", "cuda"), 600, page_size=16, max_batch=4)
-    spec = DynamicGenerator(model, tok, 512, max_batch=4, page_size=16, draft=draft)
-    jobs = [Job(p, greedy, 32) for p in prompts]
+    """Four sequences drafting together on the GPU: the draft model decodes them as one batch (its decode graphs
+    at batch 4), the model checks 4 × 4 tokens (3 guesses each: CHECK_ROWS) in one captured graph. At least 4 of 5
+    greedy sequences identical to plain decoding (graph and eager kernels may round a near-tie differently); most
+    guesses kept."""
+    want, jobs, spec = _self_drafting(4)
     got = [r.token_ids for r in spec.generate(jobs)]
-    assert spec.check_guesses[4] == 3 and 4 in spec.verify_graphs[3].graphs and 4 in draft.graphs.graphs
+    assert spec.check_guesses[4] == 3 and 4 in spec.verify_graphs[3].graphs and 4 in spec.draft.graphs.graphs
     assert sum(g == w for g, w in zip(got, want)) >= 4
     assert sum(j.accepted for j in jobs) >= 0.8 * sum(j.drafted for j in jobs)
 

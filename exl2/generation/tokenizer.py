@@ -18,7 +18,8 @@ _REPLACEMENT = "\ufffd"
 _MAX_PENDING = 8
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object file's contents; {} when the file is missing or holds no object."""
     if not path.is_file():
         return {}
     try:
@@ -224,7 +225,7 @@ class Tokenizer:
         d = Path(model_dir)
         if not d.is_dir():
             raise ModelLoadError(f"Model directory {d} does not exist.")
-        config = _read_json(d / "tokenizer_config.json")
+        config = read_json(d / "tokenizer_config.json")
         if (d / "tokenizer.json").is_file():
             backend = _HFBackend(d / "tokenizer.json")
         elif (d / "tokenizer.model").is_file():
@@ -237,7 +238,7 @@ class Tokenizer:
             raise ModelLoadError(f"{d} has no tokenizer.json or tokenizer.model.")
         gen_ids: dict[str, list[int]] = {}
         # generation_config.json overrides config.json, but every EOS id either lists is a stop token.
-        for src in (_read_json(d / "config.json"), _read_json(d / "generation_config.json")):
+        for src in (read_json(d / "config.json"), read_json(d / "generation_config.json")):
             for name in ("bos", "eos", "pad"):
                 ids = _ids(src.get(f"{name}_token_id"))
                 if name == "eos":
@@ -254,7 +255,7 @@ class Tokenizer:
         if template is None and jinja.is_file():
             template = jinja.read_text(encoding="utf-8")
         if template is None:  # processor-style repos (Mistral 3, Gemma 3) keep it in chat_template.json
-            template = _pick_template(_read_json(d / "chat_template.json").get("chat_template"))
+            template = _pick_template(read_json(d / "chat_template.json").get("chat_template"))
         return cls(backend, config, gen_ids, template)
 
     @property

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,8 @@ import numpy as np
 import PIL.Image
 import torch
 
-from exl2.errors import ConfigError, ModelLoadError
+from exl2.errors import ConfigError
+from exl2.generation.tokenizer import read_json
 
 # PixtralImageProcessor's class defaults, used where the model directory has no preprocessor config
 DEFAULT_LONGEST_EDGE = 1024
@@ -77,17 +77,6 @@ def load_image(source: bytes | str | Path) -> PIL.Image.Image:
     except (PIL.UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise ConfigError(f"The image data ({len(data)} bytes) is not an image format Pillow can decode.") from None
     return to_rgb(image)
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object file's contents; {} when the file is missing."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise ModelLoadError(f"{path} is not valid JSON.") from None
-    return data if isinstance(data, dict) else {}
 
 
 def _longest_edge(size) -> int:

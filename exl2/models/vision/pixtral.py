@@ -21,7 +21,8 @@ from safetensors import safe_open
 from torch import nn
 
 from exl2.errors import ConfigError, ModelLoadError
-from exl2.models.vision.image import ImageProcessing, read_json
+from exl2.generation.tokenizer import read_json
+from exl2.models.vision.image import ImageProcessing
 from exl2.runtime.weights import WeightLoader
 
 TOWER = "vision_tower"
