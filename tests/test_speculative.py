@@ -37,6 +37,35 @@ def test_ngram_draft_finds_the_latest_repeat():
     assert d.propose(0, [1, 2, 3, 4], 4) == []
 
 
+def _latest_repeat(tokens, k, max_n=4, min_n=1):
+    """NgramDraft's rule written out directly: the tokens after the latest earlier occurrence of the last n tokens."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_draft_follows_a_growing_and_taken_back_text():
+    """The array-backed search against the rule written out, on random texts that grow a few tokens a step (as a
+    job's do), are sometimes taken back (banned strings) and are sometimes another job's."""
+    import random
+
+    rng = random.Random(3)
+    d = NgramDraft()
+    texts = {1: [], 2: []}
+    for step in range(600):
+        job = rng.choice((1, 2))
+        t = texts[job]
+        if t and rng.random() < 0.1:
+            del t[rng.randrange(len(t)):]
+        t += [rng.randrange(6) for _ in range(rng.randint(1, 4))]
+        k = rng.randint(1, 5)
+        assert d.propose(job, t, k) == _latest_repeat(t, k), step
+    d.forget(1)
+    assert 1 not in d.texts and 2 in d.texts
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "small", "self"])
 def test_greedy_output_is_exactly_plain_decoding(model, tok, small, drafter):
     draft = {"ngram": lambda: NgramDraft(), "small": lambda: ModelDraft(small, 600, page_size=16),
