@@ -142,3 +142,26 @@ def _asgi(app):
     import httpx
 
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def test_the_chat_console_attaches_images(built, engine, tmp_path, monkeypatch, capsys):
+    """`exl2 chat --vision`: /image FILE puts the picture before the next message, whose reply is the engine's for
+    the same messages; later turns send it again (under the same ids); a missing file or
+    /image without --vision is one error line and the session goes on."""
+    from exl2.cli import main
+
+    path = tmp_path / "picture.png"
+    _noise(45, 70, seed=9).save(path)
+    want = engine.chat([{"role": "user", "content": [{"type": "image", "image": str(path)},
+                                                     {"type": "text", "text": "w30 w31"}]}], GREEDY, 6)
+    stdin = f"/image {tmp_path / 'nothing.png'}\n/image {path}\nw30 w31\nw40\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    args = ["chat", "-m", str(built[0]), "--device", "cpu", "--temperature", "0", "-maxr", "6", "-l", "512"]
+    assert main.main([*args, "--vision"]) == 0
+    out, err = capsys.readouterr()
+    replies = [r for r in out.split("\n\n") if r.strip()]
+    assert replies[0].strip() == want.text.strip() and len(replies) == 2
+    assert "nothing.png" in err and "Traceback" not in err
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nw30\n"))
+    assert main.main(args) == 0
+    assert "start exl2 chat with --vision" in capsys.readouterr().err

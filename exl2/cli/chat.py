@@ -5,10 +5,11 @@ import sys
 from typing import Callable, Optional
 
 from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_sampling_args, add_template_arg,
-                             load_generator,
-                             sampling_from_args)
+                             load_generator, sampling_from_args)
+from exl2.errors import ConfigError
 
-HELP = "Commands: /clear forgets the conversation, /exit quits (Ctrl-D too)."
+HELP = ("Commands: /image FILE attaches an image to your next message (with --vision), /clear forgets the "
+        "conversation, /exit quits (Ctrl-D too).")
 
 
 def register(sub) -> None:
@@ -29,6 +30,8 @@ def register(sub) -> None:
     p.add_argument("-maxr", "--max_response_tokens", "--max-response-tokens", dest="max_response_tokens", type=int,
                    default=512, help="maximum tokens per reply (default 512); the conversation leaves this much of "
                                      "the context free for the reply, at most half of it")
+    p.add_argument("--vision", action="store_true",
+                   help="load the model's vision tower, so /image can attach pictures (Mistral 3.1/3.2, Pixtral)")
     p.add_argument("-amnesia", "--amnesia", dest="amnesia", action="store_true",
                    help="forget the conversation after every reply: each turn sees only the system prompt and "
                         "its own message")
@@ -37,6 +40,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from exl2.generation.multimodal import split_images
     from exl2.generation.templates import choose_template
 
     settings = sampling_from_args(args)
@@ -46,9 +50,18 @@ def run(args) -> int:
     system = _system_messages(args)
     budget = reply_budget(args.max_response_tokens, gen.max_seq_len)
     history: list[dict] = []
+    vision = _vision(args, model_dir, gen) if args.vision else None
+    attached: list[str] = []     # images for the next message (/image)
+    prompt_images: list = []     # the images of the prompt `encode` made last
 
     def encode(messages: list[dict]) -> list[int]:
-        return tok.encode(template.render(messages, add_generation_prompt=True), add_bos=False)
+        plain, sources = split_images(messages)
+        ids = tok.encode(template.render(plain, add_generation_prompt=True), add_bos=False)
+        prompt_images[:] = ()
+        if sources:
+            ids, images = vision.splice(ids, sources)
+            prompt_images[:] = images
+        return ids
 
     if interactive:
         print(f"exl2 chat: {model_dir.name} ({gen.model.spec.arch}). {HELP}", file=sys.stderr)
@@ -67,8 +80,18 @@ def run(args) -> int:
             if interactive:
                 print("(conversation cleared)", file=sys.stderr)
             continue
+        if text.startswith("/image"):
+            _attach(text[len("/image"):].strip(), vision, attached)
+            continue
         user = {"role": "user", "content": text}
-        dropped, ids = fit_prompt(encode, system, history, user, gen.max_seq_len - budget)
+        if attached:
+            user["content"] = [*({"type": "image", "image": path} for path in attached), {"type": "text", "text": text}]
+            attached.clear()
+        try:
+            dropped, ids = fit_prompt(encode, system, history, user, gen.max_seq_len - budget)
+        except ConfigError as e:   # an attached image that cannot be read
+            print(f"error: {e}", file=sys.stderr)
+            continue
         if dropped is None:
             print(f"error: This message makes a prompt of {len(ids)} tokens, but the context holds "
                   f"{gen.max_seq_len} tokens with {budget} kept for the reply; send a shorter one (or raise -l or "
@@ -80,7 +103,7 @@ def run(args) -> int:
         if interactive:
             sys.stdout.write("Assistant> ")
         result = None
-        for chunk, r in gen.stream(ids, settings, args.max_response_tokens):
+        for chunk, r in gen.stream(ids, settings, args.max_response_tokens, images=prompt_images):
             result = r or result
             if chunk:
                 sys.stdout.write(chunk)
@@ -92,6 +115,30 @@ def run(args) -> int:
         if not args.amnesia:
             history += [user, {"role": "assistant", "content": result.text.strip()}]
     return 0
+
+
+def _vision(args, model_dir, gen):
+    """The model's vision tower with its image ids (generation.multimodal), or a ConfigError naming why not."""
+    from exl2.generation.multimodal import VisionPrompts, no_vision
+    from exl2.models.vision import PixtralVision
+
+    tower = PixtralVision.from_dir(model_dir, gen.model.device, gen.model.dtype)
+    if tower is None:
+        raise no_vision(model_dir.name, None)
+    return VisionPrompts(tower, gen.model.spec.vocab_size)
+
+
+def _attach(path: str, vision, attached: list[str]) -> None:
+    """/image FILE: queue a picture for the next message, or say in one line why not."""
+    from pathlib import Path
+
+    if vision is None:
+        print("error: /image needs the model's vision tower: start exl2 chat with --vision.", file=sys.stderr)
+    elif not path or not Path(path).expanduser().is_file():
+        print(f"error: /image needs an image file; {path or 'none'!r} is not one.", file=sys.stderr)
+    else:
+        attached.append(str(Path(path).expanduser()))
+        print(f"(image attached to your next message: {path})", file=sys.stderr)
 
 
 def _system_messages(args) -> list[dict]:

@@ -67,10 +67,13 @@ class Generator:
                stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
                stop_token_ids: Sequence[int] = (), grammar: Optional[Grammar] = None,
                logprobs: Optional[int] = None, min_new_tokens: int = 0, ignore_eos: bool = False,
-               negative_prompt: str | list[int] | None = None) -> Iterator[tuple[str, Optional[GenerationResult]]]:
-        """Yield (new text, None) while generating and finally ("", result)."""
+               negative_prompt: str | list[int] | None = None, images: Sequence = ()
+               ) -> Iterator[tuple[str, Optional[GenerationResult]]]:
+        """Yield (new text, None) while generating and finally ("", result); `images`: the images.ImageTokens
+        whose tokens the prompt's ids hold."""
         job = self.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar, logprobs,
                        min_new_tokens, ignore_eos, negative_prompt)
+        job.images = tuple(images)
         for event in self.events(job):
             if event.text:
                 yield event.text, None
