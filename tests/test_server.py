@@ -1649,6 +1649,28 @@ def test_load_swaps_the_engine_and_a_failed_load_keeps_the_old_one(models_root, 
     run(go())
 
 
+def test_loads_inherit_vision_where_the_model_has_a_tower(models_root, built):
+    """A server started with --vision (its engine's config) loads later models with their vision tower where they
+    have one and as text models where not; a request asking for vision on a text model is a 400."""
+    (models_root / "eye").mkdir()
+    (models_root / "eye" / "config.json").write_text('{"vision_config": {"model_type": "pixtral"}}')
+    app = mgmt_app(models_root, LoadedFake(EngineConfig(model_dir="start", device="cpu", vision=True)))
+
+    async def go():
+        c = http(app)
+        got = []
+        for body in ({"name": "eye"}, {"name": "alpha"}, {"name": "eye", "vision": False}):
+            r = await c.post("/v1/model/load", headers=as_admin(), json=body)
+            assert r.status_code == 200, r.text
+            got.append(built[-1].config.vision)
+        r = await c.post("/v1/model/load", headers=as_admin(), json={"name": "alpha", "vision": True})
+        return got, r
+
+    got, refused = run(go())
+    assert got == [True, False, False]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "vision"
+
+
 def test_load_past_the_native_context_gets_tabbyapis_automatic_rope_alpha(models_root, built):
     """TabbyAPI's rope_alpha "auto" (also what a request without RoPE settings gets): a max_seq_len past the
     model's context, or past override_base_seq_len, loads with the NTK alpha for the ratio; RoPE settings of the

@@ -221,10 +221,12 @@ def engine_config(h: ModelHost, body: ModelLoadRequest) -> EngineConfig:
         if getattr(body, field) is not None:
             settings[key] = getattr(body, field)
     if body.vision is not None:
-        if body.vision and not has_vision_tower(settings["model_dir"]):
+        settings["vision"] = body.vision
+    if settings.get("vision") and not has_vision_tower(settings["model_dir"]):
+        if body.vision:
             raise APIError(400, f"{body.name} has no vision tower, so it cannot be loaded with vision.",
                            param="vision")
-        settings["vision"] = body.vision
+        settings["vision"] = False     # the server's --vision: for the models that have a tower
     if body.gpu_split:
         settings["gpu_split"] = body.gpu_split
     elif body.gpu_split_auto and settings.get("gpu_split") is None and _cuda_gpus(settings.get("device")) > 1:
