@@ -290,3 +290,16 @@ def test_a_check_keeps_to_the_small_batch_rows(model, tok):
     gen = DynamicGenerator(model, tok, 512, max_batch=16, page_size=16, draft=NgramDraft(), num_draft_tokens=8,
                            max_draft_batch=3)
     assert gen.check_guesses == {1: 8, 2: 7, 3: 4} and gen.max_draft_batch == 3
+
+
+def test_a_cancelled_job_gives_back_its_draft_pages(model, tok):
+    """Cancelling a drafting job returns its pages in the draft model's cache, not only in the model's."""
+    inner = ModelDraft(model, 600, page_size=16, max_batch=2)
+    gen = DynamicGenerator(model, tok, 512, max_batch=2, page_size=16, draft=inner, num_draft_tokens=3)
+    job = Job(tok.encode(PROMPTS[1] * 3), GREEDY, 40)
+    gen.enqueue(job)
+    while job.drafted == 0:
+        gen.iterate()
+    assert job.id in inner.seqs
+    gen.cancel(job)
+    assert not inner.seqs and len(inner.free) == inner.scratch and gen.pool.available() == gen.pool.num_pages

@@ -174,6 +174,8 @@ class DynamicGenerator:
             job.done = True
         elif job in self.active:
             self._finish(job)
+        if self.draft is not None:   # a draft model's pages for it go back too
+            self.draft.forget(job.id)
 
     def has_work(self) -> bool:
         return bool(self.queue or self.active)
