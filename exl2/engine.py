@@ -255,14 +255,14 @@ class Engine:
                       max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
                       grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, *,
                       stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0, ignore_eos: bool = False,
-                      negative_prompt: str | list[int] | None = None
+                      negative_prompt: str | list[int] | None = None, images: Sequence[ImageTokens] = ()
                       ) -> AsyncIterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) as tokens arrive, then ("", result) with the token ids, finish reason and prompt
         length. Chat prompts from `chat_prompt` pass add_bos=False (the template writes its own BOS). Closing the
-        iterator early cancels the request. The end controls are `generate`'s."""
+        iterator early cancels the request. The end controls are `generate`'s; `images`: `aevent_stream`'s."""
         events = self.aevent_stream(prompt, settings, max_new_tokens, stop_strings, add_bos, grammar, logprobs,
                                     stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
-                                    ignore_eos=ignore_eos, negative_prompt=negative_prompt)
+                                    ignore_eos=ignore_eos, negative_prompt=negative_prompt, images=images)
         try:
             async for event in events:
                 if event.text:

@@ -165,3 +165,29 @@ def test_the_chat_console_attaches_images(built, engine, tmp_path, monkeypatch, 
     monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nw30\n"))
     assert main.main(args) == 0
     assert "start exl2 chat with --vision" in capsys.readouterr().err
+
+
+def test_the_mcp_chat_tool_takes_images(engine):
+    """The MCP chat tool's `images` go before the last user message's text: the reply is Engine.chat's for those
+    messages; images with a last message that is not the user's are a tool error."""
+    from fastmcp import Client
+    from fastmcp.exceptions import ToolError
+
+    from exl2.mcp.server import build_server
+
+    image = _noise(60, 40, seed=11)
+    want = engine.chat([{"role": "user", "content": [{"type": "image", "image": image},
+                                                     {"type": "text", "text": "w30"}]}], GREEDY, 6)
+
+    async def go():
+        async with Client(build_server(engine)) as client:
+            out = await client.call_tool("chat", {"messages": [{"role": "user", "content": "w30"}],
+                                                  "images": [_data_uri(image)], "max_tokens": 6, "temperature": 0})
+            with pytest.raises(ToolError, match="last message"):
+                await client.call_tool("chat", {"messages": [{"role": "assistant", "content": "w30"}],
+                                                "images": [_data_uri(image)], "max_tokens": 2})
+            return out
+
+    out = asyncio.run(go())
+    assert out.structured_content["text"] == want.text
+    assert out.structured_content["prompt_tokens"] == want.prompt_tokens

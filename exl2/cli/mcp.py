@@ -34,6 +34,8 @@ def register(sub) -> None:
     add_template_arg(s)
     add_draft_args(s)
     add_lora_args(s)
+    s.add_argument("--vision", action="store_true",
+                   help="load the model's vision tower, so the chat tool takes images (Mistral 3.1/3.2, Pixtral)")
     s.add_argument("--transport", choices=["stdio", "http"], default="stdio",
                    help="stdio (default; the client launches this command) or http (Streamable HTTP at /mcp)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default 127.0.0.1)")
@@ -78,7 +80,7 @@ def load_engine(args):
     from exl2.engine import Engine
 
     try:
-        config = EngineConfig(**engine_settings(args))
+        config = EngineConfig(**engine_settings(args), vision=getattr(args, "vision", False))  # agent: none
     except ValidationError as e:
         raise flag_error(e) from None
     with load_bar() as progress:

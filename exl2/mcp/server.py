@@ -93,10 +93,13 @@ def reply_grammar(engine, schema: Optional[dict[str, Any]]):
         raise ToolError(str(e)) from None
 
 
-async def stream_completion(engine, ctx: Optional[Context], prompt: str, settings: SamplingSettings,
-                            max_tokens: int, stop: list[str], add_bos: Optional[bool], grammar=None) -> Completion:
-    """Run one generation through engine.aevents, reporting progress; engine errors become ToolErrors."""
-    events = engine.aevents(prompt, settings, max_tokens, stop, add_bos, grammar)
+async def stream_completion(engine, ctx: Optional[Context], prompt: str | list[int], settings: SamplingSettings,
+                            max_tokens: int, stop: list[str], add_bos: Optional[bool], grammar=None,
+                            images: tuple = ()) -> Completion:
+    """Run one generation through engine.aevents, reporting progress; engine errors become ToolErrors. `images`:
+    those whose tokens a chat prompt's ids hold (`Engine.chat_input`)."""
+    events = engine.aevents(prompt, settings, max_tokens, stop, add_bos, grammar,
+                            **({"images": images} if images else {}))
     sent, chunks, last_t = 0, 0, 0.0
     result = None
     try:
@@ -174,7 +177,10 @@ def build_server(engine, name: Optional[str] = None, api_keys: Sequence[str] = (
                    seed: Seed = None, repetition_penalty: RepetitionPenalty = 1.0,
                    system: Annotated[Optional[str], Field(description="system prompt put before the messages")] = None,
                    stop: Annotated[Optional[list[str]], Field(description="stop strings")] = None,
-                   json_schema: JsonSchema = None) -> Completion:
+                   json_schema: JsonSchema = None,
+                   images: Annotated[Optional[list[str]], Field(
+                       description="images for the last user message, before its text: data URIs (base64) or "
+                                   "http(s) URLs; needs a vision model served with --vision")] = None) -> Completion:
         """Answer a conversation with the local model through its chat template; progress counts tokens."""
         settings = sampling_settings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                                      repetition_penalty=repetition_penalty)
@@ -185,12 +191,20 @@ def build_server(engine, name: Optional[str] = None, api_keys: Sequence[str] = (
             if msgs[0]["role"] == "system":
                 raise ToolError("Give the system prompt either as `system` or as a first system message, not both.")
             msgs.insert(0, {"role": "system", "content": system})
+        if images:
+            if msgs[-1]["role"] != "user":
+                raise ToolError("images go with the last message, which must then be the user's.")
+            msgs[-1]["content"] = [*({"type": "image", "image": i} for i in images),
+                                   {"type": "text", "text": msgs[-1]["content"]}]
         try:
-            prompt = engine.chat_prompt(msgs)
+            if images:   # encoding them runs the vision tower: off the event loop
+                prompt, shown = await asyncio.to_thread(engine.chat_input, msgs)
+            else:
+                prompt, shown = engine.chat_prompt(msgs), ()
         except Exl2Error as e:
             raise ToolError(str(e)) from None
         return await stream_completion(engine, ctx, prompt, settings, max_tokens, stop or [], False,
-                                       reply_grammar(engine, json_schema))
+                                       reply_grammar(engine, json_schema), shown)
 
     @mcp.tool(annotations=_READ_ONLY)
     def tokenize(text: str) -> dict:
