@@ -80,7 +80,8 @@
 # kernels, then the one-body switch off and on, twice. s72 (for session 34): the target table (any GPU), then ncumix.
 # s71: benchmarks/barrier_probe.py (a kernel boundary against a grid barrier, a phase of a dependent chain).
 # s73 (session 34): the encoder's and speculative decoding's GPU tests (batched drafts: draft and verify graphs at
-# batch 4), then benchmarks/serving.py's check-step table at batches 1-8.
+# batch 4), then benchmarks/serving.py's check-step table at batches 1-8. s74 (for session 35): the vision GPU test
+# (fp16 Pixtral + injected image rows against transformers) and the speculative ones, then serving.py --ngram.
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -292,6 +293,11 @@ for s in $steps; do
        [ -n "${SKIP_SERVING:-}" ] && exit 0
        timeout 200 python3 benchmarks/serving.py --batches 1 --new 32 > "$OUT/serving.txt" 2>&1; echo "serving rc=$?"
        grep -A20 "^speculative" "$OUT/serving.txt" ;;
+  s74) timeout -s INT -k 10 ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/test_vision_chat.py tests/test_gpu_e2e.py \
+         -k "gpu or speculative" -q -p no:cacheprovider -rfE > "$OUT/gpu_vision.txt" 2>&1
+       echo "vision/speculative GPU tests rc=$?"; tail -4 "$OUT/gpu_vision.txt"
+       timeout 240 python3 benchmarks/serving.py --batches 1,2,4,8 --new 64 --ngram --no-speculative \
+         > "$OUT/serving_ngram.txt" 2>&1; echo "serving --ngram rc=$?"; grep -A8 "^n-gram" "$OUT/serving_ngram.txt" ;;
   s71) timeout 120 python3 benchmarks/barrier_probe.py > "$OUT/barrier.txt" 2>&1; echo "barrier probe rc=$?"
        cat "$OUT/barrier.txt" ;;
   ncumma) for shape in ${NCU_SHAPES:-gate down}; do

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -34,14 +35,20 @@ GUIDED = SamplingSettings(temperature=0, cfg_scale=1.5)
 
 
 def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, seed: int = 0,
-        settings: SamplingSettings = GREEDY, spread: float = 0.0, sizes_seed: int = 0) -> tuple[float, float, float]:
+        settings: SamplingSettings = GREEDY, spread: float = 0.0, sizes_seed: int = 0, repeat: int = 0,
+        jobs_out: Optional[list] = None) -> tuple[float, float, float]:
     """(time to first token of the last request admitted, decode tok/s over all requests, overall tok/s). Prompt
     lengths are drawn from prompt · [1 - spread, 1 + spread] (by `sizes_seed`, so a warm-up can use the measured
-    shapes), their tokens by `seed` (so nothing comes from the prompt cache)."""
+    shapes), their tokens by `seed` (so nothing comes from the prompt cache); `repeat` > 0 makes each prompt one
+    random chunk of that many tokens over and over (text an n-gram drafter finds repeats in). `jobs_out` receives
+    the jobs."""
     lo, hi = max(1, round(prompt * (1 - spread))), max(1, round(prompt * (1 + spread)))
     sizes = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(sizes_seed)).tolist()
     g = torch.Generator().manual_seed(seed)
-    jobs = [Job(torch.randint(10, vocab, (n,), generator=g).tolist(), settings, new) for n in sizes]
+    texts = [torch.randint(10, vocab, (repeat or n,), generator=g).tolist() for n in sizes]
+    jobs = [Job((t * (n // len(t) + 1))[:n], settings, new) for t, n in zip(texts, sizes)]
+    if jobs_out is not None:
+        jobs_out += jobs
     for job in jobs:
         gen.enqueue(job)
     torch.cuda.synchronize()
@@ -67,6 +74,10 @@ def main() -> int:
     p.add_argument("--extended", action="store_true", help="also min-p + DRY + XTC (a roleplay front end's mix)")
     p.add_argument("--cfg", action="store_true", help="also greedy with classifier-free guidance (scale 1.5)")
     p.add_argument("--no-speculative", action="store_true", help="skip the speculative check-step table")
+    p.add_argument("--ngram", action="store_true",
+                   help="also greedy decoding with n-gram drafts, prompts repeating a 32-token chunk: decode tok/s "
+                        "with and without, and the guesses kept (a random model's replies repeat little: run it "
+                        "with a real model's numbers in mind)")
     args = p.parse_args()
     variants = VARIANTS + ([("min-p 0.05, DRY 0.8, XTC 0.5", ROLEPLAY, True)] if args.extended else []) \
         + ([("greedy, CFG 1.5 (two sequences a job)", GUIDED, False)] if args.cfg else [])
@@ -101,6 +112,8 @@ def main() -> int:
             print(f"| {b} | {name} | {'on' if overlap else 'off'} | {ttft * 1e3:.1f} | {decode:,.0f} | "
                   f"{overall:,.0f} |", flush=True)
     gen.overlap = True
+    if args.ngram:
+        ngram_table(gen, model, tok, batches, args, longest)
     if args.no_speculative:
         return 0
     print("\nspeculative decoding: one step checking k guesses per sequence against a plain decode step of the "
@@ -115,6 +128,28 @@ def main() -> int:
             plain = plain or t
             print(f"| {b} | {k + 1} | {t:.3f} | {t / plain:.2f}x | {t / plain - 1:.2f} |", flush=True)
     return 0
+
+
+def ngram_table(plain: DynamicGenerator, model, tok, batches: list[int], args, longest: int) -> None:
+    """Greedy decode tok/s of prompts repeating a 32-token chunk, without drafts and with n-gram drafts checked
+    together (DynamicGenerator.check_guesses), and the share of guesses kept."""
+    from exl2.generation.speculative import NgramDraft
+
+    drafted = DynamicGenerator(model, tok, longest, args.cache_mode, cache_tokens=max(batches) * (longest + 256),
+                               max_batch=max(batches), draft=NgramDraft())
+    vocab = model.spec.vocab_size
+    for b in batches:   # warm-up: compiles and captures the check graphs at the measured shapes
+        run(drafted, b, args.prompt, 8, vocab, seed=3000 + b, spread=args.spread, sizes_seed=b, repeat=32)
+    print("\nn-gram drafting, greedy, prompts repeating a 32-token chunk")
+    print("| batch | plain decode tok/s | drafted decode tok/s | guesses kept / checked |\n| --- | --- | --- | --- |")
+    for b in batches:
+        _, base, _ = run(plain, b, args.prompt, args.new, vocab, seed=4000 + b, spread=args.spread, sizes_seed=b,
+                         repeat=32)
+        jobs: list = []
+        _, fast, _ = run(drafted, b, args.prompt, args.new, vocab, seed=4000 + b, spread=args.spread,
+                         sizes_seed=b, repeat=32, jobs_out=jobs)
+        kept, checked = sum(j.accepted for j in jobs), sum(j.drafted for j in jobs)
+        print(f"| {b} | {base:,.0f} | {fast:,.0f} | {kept:,} / {checked:,} |", flush=True)
 
 
 def verify_step_ms(model, context: int, k: int, cache_mode: str, batch: int = 1, iters: int = 50) -> float:
