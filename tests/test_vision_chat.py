@@ -77,6 +77,28 @@ def test_logits_and_greedy_reply_are_transformers(built, engine):
     assert engine.chat(_messages(image), GREEDY, 8).token_ids == seq[len(ids):]
 
 
+def test_pixtral_12b_layout_is_transformers(tmp_path):
+    """Pixtral-12B (LlavaForConditionalGeneration: a Pixtral tower, no patch merger, a two-layer projector, a
+    Mistral decoder) loads as text plus vision, with transformers' logits for a prompt with an image."""
+    from test_vision import _llava_config
+
+    config = _llava_config()
+    config.tie_word_embeddings = False
+    hf = _build(config, tmp_path, seed=5)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": TEMPLATE}))
+    pixtral = Engine(EngineConfig(model_dir=tmp_path, device="cpu", max_seq_len=512, vision=True))
+    image = _noise(50, 40, seed=13)
+    ids, images = pixtral.chat_input(_messages(image))
+    vocab = pixtral.model.spec.vocab_size
+    pixels, sizes = _hf_pixels(tmp_path, image, PATCH)
+    with torch.no_grad():
+        ref = hf(input_ids=_hf_ids(ids, vocab), pixel_values=pixels, image_sizes=sizes).logits.float()
+        plain, inject = split([ids], [images], vocab, pixtral.model.device)
+        ours = pixtral.model(torch.tensor(plain), inject=inject)
+    assert (ours - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
 def test_the_prompt_cache_tells_images_apart(built, engine):
     """Same text, two images: different alias ids, so the second prompt reuses only the pages before the image;
     the first image again: its aliases are the same and its pages are reused, with the same reply."""
@@ -227,3 +249,12 @@ def test_images_on_the_gpu_match_transformers(tmp_path):
                            .argmax()))
     got = gpu.chat(_messages(image), GREEDY, 8).token_ids
     assert sum(a == b for a, b in zip(got, seq[len(ids):])) >= 6
+
+
+def test_other_llava_models_are_refused_in_one_sentence():
+    from exl2.models.registry import spec_from_config
+
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "vision_config": {"model_type": "clip_vision_model"},
+           "text_config": {"model_type": "llama", "hidden_size": 64}}
+    with pytest.raises(ConfigError, match="Pixtral vision tower on a Mistral text model"):
+        spec_from_config(cfg)

@@ -37,6 +37,7 @@ _TEXT_DECODER_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+    "LlavaForConditionalGeneration": "MistralForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES) + tuple(_TEXT_DECODER_OF)
 
@@ -77,6 +78,11 @@ def spec_from_config(cfg: dict[str, Any], rope: Optional[RopeOverride] = None) -
         if text_type != "mistral":  # Ministral 3 / Mistral Large 3 ("ministral3") scale queries by position
             raise ConfigError(f"Mistral3ForConditionalGeneration with a {text_type!r} text model is not supported; "
                               "supported: Mistral Small 3.1 / 3.2 style (text model_type 'mistral').")
+    if arch == "LlavaForConditionalGeneration":   # only Pixtral-12B's form: a Pixtral tower on a Mistral decoder
+        kinds = ((cfg.get("vision_config") or {}).get("model_type"), (cfg.get("text_config") or {}).get("model_type"))
+        if kinds != ("pixtral", "mistral"):
+            raise ConfigError(f"LlavaForConditionalGeneration is supported with a Pixtral vision tower on a Mistral "
+                              f"text model (Pixtral-12B), not {kinds[0]!r} on {kinds[1]!r}.")
     arch = _TEXT_DECODER_OF.get(arch, arch)
     if arch and arch.endswith("Model") and arch[:-5] + "ForCausalLM" in _FAMILIES:
         arch = arch[:-5] + "ForCausalLM"     # a base model (embedding models: Qwen3Model, MistralModel): same layers
