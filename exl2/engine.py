@@ -65,9 +65,9 @@ class Engine:
         self.generator = Generator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode, self.worker)
         self.vision: Optional[VisionPrompts] = None
         if config.vision:
-            from exl2.models.vision import PixtralVision
+            from exl2.models.vision import load_vision
 
-            tower = PixtralVision.from_dir(config.model_dir, self.model.device, self.model.dtype)
+            tower = load_vision(config.model_dir, self.model.device, self.model.dtype)
             if tower is None:
                 raise no_vision(self.model_name, None)
             self.vision = VisionPrompts(tower, self.model.spec.vocab_size)

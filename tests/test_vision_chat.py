@@ -258,3 +258,27 @@ def test_other_llava_models_are_refused_in_one_sentence():
            "text_config": {"model_type": "llama", "hidden_size": 64}}
     with pytest.raises(ConfigError, match="Pixtral vision tower on a Mistral text model"):
         spec_from_config(cfg)
+
+
+def test_image_blocks_stay_whole_and_see_themselves():
+    """Gemma 3's rule, in the helpers the generator uses: a prefill chunk never ends inside an image's run of
+    aliases (cut back before it, or stretched over it when it starts the chunk), and each image token's last
+    visible key is its run's last; the attention mask then lets it see its image and nothing past it."""
+    from exl2.generation.images import image_limits, image_runs, whole_images
+    from exl2.models.layers import attention_mask
+
+    V = 100
+    ids = [1, 2, 100, 101, 102, 103, 5, 6, 104, 105, 7]   # two runs (one image's rows, split by break token 5, 6)
+    assert image_runs(ids, V) == [(2, 6), (8, 10)]
+    assert whole_images(ids, 0, 4, V) == 2          # ends inside the first run: cut back to where it begins
+    assert whole_images(ids, 2, 2, V) == 4          # the run begins the chunk: stretched to its end
+    assert whole_images(ids, 0, 7, V) == 7 and whole_images(ids, 0, 11, V) == 11
+    limits = image_limits([ids[2:]], [2], V, torch.device("cpu"))
+    assert limits[0].tolist() == [5, 5, 5, 5, 6, 7, 9, 9, 10]
+    assert image_limits([[1, 2, 3]], [0], V, torch.device("cpu")) is None
+    q_pos = torch.arange(2, 11)[None]
+    mask = attention_mask(q_pos, 11, limit=limits)[0]
+    assert mask[0, :6].all() and not mask[0, 6:].any()        # the first image token sees its whole run
+    assert mask[4, :7].all() and not mask[4, 7:].any()        # a text token after it: causal
+    windowed = attention_mask(q_pos, 11, window=2, limit=limits)[0, 0]   # the window still cuts the past off
+    assert windowed.tolist() == [False, True, True, True, True, True] + [False] * 5

@@ -31,7 +31,7 @@ def register(sub) -> None:
                    default=512, help="maximum tokens per reply (default 512); the conversation leaves this much of "
                                      "the context free for the reply, at most half of it")
     p.add_argument("--vision", action="store_true",
-                   help="load the model's vision tower, so /image can attach pictures (Mistral 3.1/3.2, Pixtral)")
+                   help="load the model's vision tower, so /image can attach pictures (Mistral 3, Pixtral, Gemma 3)")
     p.add_argument("-amnesia", "--amnesia", dest="amnesia", action="store_true",
                    help="forget the conversation after every reply: each turn sees only the system prompt and "
                         "its own message")
@@ -120,9 +120,9 @@ def run(args) -> int:
 def _vision(args, model_dir, gen):
     """The model's vision tower with its image ids (generation.multimodal), or a ConfigError naming why not."""
     from exl2.generation.multimodal import VisionPrompts, no_vision
-    from exl2.models.vision import PixtralVision
+    from exl2.models.vision import load_vision
 
-    tower = PixtralVision.from_dir(model_dir, gen.model.device, gen.model.dtype)
+    tower = load_vision(model_dir, gen.model.device, gen.model.dtype)
     if tower is None:
         raise no_vision(model_dir.name, None)
     return VisionPrompts(tower, gen.model.spec.vocab_size)

@@ -18,6 +18,7 @@ import torch
 
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError, ContextLengthError, ModelLoadError
+from exl2.generation.images import image_limits, whole_images
 from exl2.generation.images import split as split_images
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
@@ -298,10 +299,17 @@ class DynamicGenerator:
         self._admit()
         budget = self.chunk
         for group in self._prefill_groups():
+            blocks = self.model.spec.image_blocks and any(j.images for j in group)
             if len(group) == 1:  # a prompt alone, from where it stands, as much of it as the budget allows
                 job = group[0]
                 start = job.length
                 width = min(budget, job.prompt_end - start)
+                if blocks:   # an image's tokens all see each other: one chunk holds the whole image
+                    width = min(whole_images(job.ids, start, width, self.model.spec.vocab_size),
+                                job.prompt_end - start)
+                    if width > budget and budget < self.chunk:
+                        break      # the next step starts with it
+                    budget = max(budget, width)
                 rows, ends, last = [job.ids[start:start + width]], [start + width], True
             else:  # new prompts, sorted by length, right-padded to the longest: each row's own last position
                 start, width = 0, group[-1].prompt_end
@@ -311,13 +319,16 @@ class DynamicGenerator:
                                                                   device=self.model.device)
             if width <= 0 or width * len(rows) > budget:
                 break
-            inject = {}
+            inject, limits = {}, None
             if any(j.images for j in group):   # image tokens: their embeddings go in place of token 0's
-                rows, found = split_images(rows, [j.images for j in group], self.model.spec.vocab_size,
-                                           self.model.device)
+                vocab = self.model.spec.vocab_size
+                if blocks:
+                    limits = image_limits(rows, [start] * len(rows), vocab, self.model.device)
+                rows, found = split_images(rows, [j.images for j in group], vocab, self.model.device)
                 inject = {"inject": found} if found is not None else {}
             part = torch.tensor(rows, dtype=torch.long, device=self.model.device)
             self.cache.bind(self._table(group)[:, :max(len(j.pages) for j in group)])
+            self.cache.limits = limits
             logits = self.model(part, self.cache, start, last_only=last, **inject)[:, -1]
             budget -= width * len(rows)
             for job, end in zip(group, ends):

@@ -97,3 +97,51 @@ def split(rows: Sequence[Sequence[int]], images: Sequence[Sequence[ImageTokens]]
         plain.append(line)
     index = torch.tensor(where, dtype=torch.long, device=device)
     return plain, (index, torch.cat(parts).to(device))
+
+
+def image_runs(row: Sequence[int], first_alias: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive alias ids in `row`: one image's tokens (between its break tokens)."""
+    runs: list[tuple[int, int]] = []
+    j = 0
+    while j < len(row):
+        if row[j] < first_alias:
+            j += 1
+            continue
+        end = j + 1
+        while end < len(row) and row[end] == row[end - 1] + 1:
+            end += 1
+        runs.append((j, end))
+        j = end
+    return runs
+
+
+def image_limits(rows: Sequence[Sequence[int]], starts: Sequence[int], first_alias: int,
+                 device: torch.device) -> Optional[torch.Tensor]:
+    """[B, T] the last key position each query of a prefill sees, for models whose image tokens attend to their
+    whole image (Gemma 3): its own position, or for an image token the run's last (rows right-padded to T, row b
+    starting at position starts[b]); None when no row holds an image token."""
+    width = max(len(r) for r in rows)
+    out = torch.arange(width).repeat(len(rows), 1) + torch.tensor(list(starts))[:, None]
+    found = False
+    for b, row in enumerate(rows):
+        for a, e in image_runs(row, first_alias):
+            out[b, a:e] = starts[b] + e - 1
+            found = True
+    return out.to(device) if found else None
+
+
+def whole_images(ids: Sequence[int], start: int, width: int, first_alias: int) -> int:
+    """`width` for a prefill chunk ids[start:start + width] that does not end inside an image: cut back to where
+    the image begins, or, for an image that begins at `start`, stretched to its end (its tokens must be computed
+    together, as each sees all of them)."""
+    end = start + width
+    if end >= len(ids) or ids[end - 1] < first_alias or ids[end] != ids[end - 1] + 1:
+        return width
+    begin = end - 1
+    while begin > start and ids[begin - 1] >= first_alias and ids[begin] == ids[begin - 1] + 1:
+        begin -= 1
+    if begin > start:
+        return begin - start
+    while end < len(ids) and ids[end] == ids[end - 1] + 1:
+        end += 1
+    return end - start

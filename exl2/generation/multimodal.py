@@ -105,14 +105,10 @@ class VisionPrompts:
         emb = self.vision.encode(load_image(data))
         return self.aliases.add(key, emb.token_ids, emb.image_token_id, emb.features)
 
-    @property
-    def image_token_id(self) -> int:
-        return self.vision.spec.image_token_id
-
     def splice(self, ids: Sequence[int], sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
-        """`ids` (a rendered prompt, one image token where each image goes, in order) with each replaced by its
-        image's layout, and the images."""
-        marks = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        """`ids` (a rendered prompt with the template's image marker where each image goes, in order: [IMG] for
+        Pixtral, <start_of_image> for Gemma 3) with each replaced by its image's layout, and the images."""
+        marks = [i for i, t in enumerate(ids) if t == self.vision.spec.marker_id]
         if len(marks) != len(sources):
             raise ConfigError(f"The chat template placed {len(marks)} image tokens for {len(sources)} images; "
                               "this template cannot show images.")

@@ -317,8 +317,8 @@ def sample_rows(logits: torch.Tensor, settings: Sequence[SamplingSettings], seed
     range: `recent_tokens`), `counts` [B, V] float32 (the reply's token counts) frequency and presence penalties.
     Returns int64 [B] on the logits' device, without waiting for the GPU unless a row
     uses Mirostat: `mus` (one μ per row, None = the start) is then updated in place from the drawn token's
-    probability. XTC never drops the tokens `xtc_keep` (bool [V], or [B, V] per row) marks; its choice per draw comes from the seed
-    and counter (`truncation.xtc_coin`). Rows with samplers beyond temperature, top-k, top-p and min-p
+    probability. XTC never drops the tokens `xtc_keep` (bool [V], or [B, V] per row) marks; its choice per draw
+    comes from the seed and counter (`truncation.xtc_coin`). Rows with samplers beyond temperature, top-k, top-p and min-p
     (`SamplingSettings.extended`) take the whole batch to the PyTorch path."""
     greedy = [s.greedy for s in settings]
     if seen is not None and all(s.repetition_penalty == 1.0 for s in settings):

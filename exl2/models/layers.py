@@ -1,6 +1,8 @@
 """Building blocks of the generic decoder, in plain PyTorch: norms, attention math, MLP and MoE."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,9 +73,11 @@ def make_norm(spec, weight: torch.Tensor) -> nn.Module:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-              window: int | None = None, chunk: int | None = None, softcap: float | None = None) -> torch.Tensor:
+              window: int | None = None, chunk: int | None = None, softcap: float | None = None,
+              limit: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference causal attention. q [B,T,H,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv]; q_pos [T] or [B,T] absolute
-    positions of the queries (key s sits at position s). Returns [B,T,H,Dv]."""
+    positions of the queries (key s sits at position s); `limit` [B,T]: the last key each query sees where that is
+    past itself (an image's tokens see the whole image: `attention_mask`). Returns [B,T,H,Dv]."""
     h, hkv = q.shape[2], k.shape[2]
     if h != hkv:
         k = k.repeat_interleave(h // hkv, dim=2)
@@ -81,18 +85,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    mask = attention_mask(q_pos if q_pos.dim() == 2 else q_pos[None], k.shape[1], window, chunk)
+    mask = attention_mask(q_pos if q_pos.dim() == 2 else q_pos[None], k.shape[1], window, chunk, limit)
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return torch.einsum("bhts,bshd->bthd", probs, v)
 
 
-def attention_mask(q_pos: torch.Tensor, kv_len: int, window: int | None = None, chunk: int | None = None
-                   ) -> torch.Tensor:
-    """Boolean [B, T, S] mask: causal, optionally within a sliding window of `window` keys or the same chunk."""
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                    window: int | None, limit: torch.Tensor) -> torch.Tensor:
+    """`attention` with a `limit` (Gemma 3's image tokens) through SDPA and a boolean mask, so a prefill chunk over
+    a long cached context never holds its float32 scores: shapes as `attention`'s."""
+    mask = attention_mask(q_pos, k.shape[1], window, None, limit)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def attention_mask(q_pos: torch.Tensor, kv_len: int, window: int | None = None, chunk: int | None = None,
+                   limit: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Boolean [B, T, S] mask: causal, optionally within a sliding window of `window` keys or the same chunk.
+    `limit` [B, T] lets a query see keys up to it rather than up to itself (Gemma 3's image tokens attend to their
+    whole image, as transformers' blockwise overlay: OR(causal, block), then AND the window)."""
     kv_pos = torch.arange(kv_len, device=q_pos.device)[None, None, :]
     qp = q_pos[:, :, None]
-    mask = kv_pos <= qp
+    mask = kv_pos <= (qp if limit is None else limit.to(q_pos.device)[:, :, None])
     if window is not None:
         mask &= (qp - kv_pos) < window
     if chunk is not None:

@@ -386,6 +386,7 @@ def _gemma(arch: str, cfg: dict) -> ModelSpec:
         o_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=gemma3,
         sandwich_norm=True,
+        image_blocks=gemma3,
         embed_scale=c["hidden_size"] ** 0.5,
         attn_scale=cfg.get("query_pre_attn_scalar", c["head_dim"]) ** -0.5,
         attn_softcap=None if gemma3 else cfg.get("attn_logit_softcapping"),  # Gemma 3 stores it but never applies it

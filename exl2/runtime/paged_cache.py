@@ -18,7 +18,7 @@ from exl2.errors import ConfigError
 from exl2.kernels import kv_quant
 from exl2.kernels.attention import paged_attention, scatter_columns, varlen_attention, write_kv
 from exl2.kernels.rotary import apply_rotary, rotary_store
-from exl2.models.layers import attention
+from exl2.models.layers import attention, block_attention
 from exl2.models.spec import ModelSpec
 
 KV_MODES = kv_quant.KV_MODES
@@ -80,6 +80,9 @@ class PagedKVCache:
         self.k, self.k_scales = zip(*[self._alloc(self.k_dim, self.k_bits, d) for d in self.layer_devices])
         self.v, self.v_scales = zip(*[self._alloc(self.v_dim, self.v_bits, d) for d in self.layer_devices])
         self.block_table: Optional[torch.Tensor] = None
+        # [B, T] the last key each query of the next prefill sees (image tokens see their whole image: Gemma 3),
+        # set after `bind` for one forward; None: causal
+        self.limits: Optional[torch.Tensor] = None
         self._tables: list = [None] * len(self.devices)  # the bound block table on each device
         self._reset_meta()
 
@@ -102,6 +105,7 @@ class PagedKVCache:
     def bind(self, block_table: torch.Tensor) -> None:
         """Select the sequences of the next forward: row b of the batch uses pages block_table[b]."""
         self.block_table = block_table.to(device=self.device, dtype=torch.int32)
+        self.limits = None
         if len(self.devices) == 1 and self.devices[0] == self.device:
             self._tables[0] = self.block_table
         else:  # one copy per device of the layers (`.to` returns the tensor itself where it already is)
@@ -177,10 +181,15 @@ class PagedKVCache:
                 apply_rotary(q, k, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2])
             write_kv(kf, vf, self.k[layer], self.v[layer], slots, self.k_bits, self.v_bits, self.k_scales[layer],
                      self.v_scales[layer])
-        if chunk is not None:  # Llama 4 chunked attention: not in the kernels, read the pages back
+        limit = self.limits if t > 1 else None
+        if chunk is not None or limit is not None:  # Llama 4 chunks, Gemma 3 images: not in the kernels
             length = int(q_pos[:, -1].max()) + 1
             kk, vv = self._read(layer, True, length), self._read(layer, False, length)
-            out = attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap)
+            if chunk is None and not softcap:
+                out = block_attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, limit.to(q.device))
+            else:
+                out = attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap,
+                                None if limit is None else limit.to(q.device))
             return out if out_index is None else scatter_columns(out.reshape(b * t, *out.shape[2:]), out_index)
         qf = q.reshape(b * t, *q.shape[2:])
         opts = dict(scale=scale, sliding_window=window or 0, softcap=softcap or 0.0)

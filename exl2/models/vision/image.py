@@ -2,7 +2,8 @@
 
 `ImageProcessing` reproduces transformers' PixtralImageProcessor (its PIL backend, which the Mistral 3 processor
 runs): shrink so the longest edge fits, round each side up to whole (merged) patches, resize bicubically in 8-bit
-with PIL, rescale by 1/255 (in float64, then float32) and normalize per channel in float32.
+with PIL, rescale by 1/255 (in float64, then float32) and normalize per channel in float32. `resize_and_normalize`
+is that arithmetic for a given size, which Gemma 3's fixed-size processor shares.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 from urllib.parse import unquote_to_bytes
 
 import numpy as np
@@ -108,11 +110,7 @@ class ImageProcessing:
     @classmethod
     def from_dir(cls, model_dir: Path | str, patch: int) -> "ImageProcessing":
         """preprocessor_config.json, or the image_processor section of a one-file processor_config.json."""
-        d = Path(model_dir)
-        cfg = read_json(d / "preprocessor_config.json")
-        if not cfg:
-            nested = read_json(d / "processor_config.json").get("image_processor")
-            cfg = nested if isinstance(nested, dict) else {}
+        cfg = processor_config(model_dir)
         return cls(
             patch=patch,
             longest_edge=_longest_edge(cfg.get("size")),
@@ -135,15 +133,37 @@ class ImageProcessing:
 
     def __call__(self, image: PIL.Image.Image) -> torch.Tensor:
         """[3, H, W] float32 pixel values."""
-        image = image if image.mode == "RGB" else image.convert("RGB")   # what transformers' convert_to_rgb does
         height, width = self.target_size(image.height, image.width)
-        resized = image.resize((width, height), resample=PIL.Image.Resampling(self.resample))
-        pixels = np.asarray(resized).transpose(2, 0, 1)
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        pixels = pixels.astype(np.float32, copy=False)
-        if self.do_normalize:
-            mean = np.array(self.mean, dtype=np.float32)[:, None, None]
-            std = np.array(self.std, dtype=np.float32)[:, None, None]
-            pixels = (pixels - mean) / std
-        return torch.from_numpy(np.ascontiguousarray(pixels))
+        return resize_and_normalize(image, height, width, self.resample,
+                                    self.rescale_factor if self.do_rescale else None,
+                                    (self.mean, self.std) if self.do_normalize else None)
+
+
+def processor_config(model_dir: Path | str) -> dict:
+    """The image processor's settings: preprocessor_config.json, or the image_processor section of a one-file
+    processor_config.json (newer exports); {} when neither exists."""
+    d = Path(model_dir)
+    cfg = read_json(d / "preprocessor_config.json")
+    if not cfg:
+        nested = read_json(d / "processor_config.json").get("image_processor")
+        cfg = nested if isinstance(nested, dict) else {}
+    return cfg
+
+
+def resize_and_normalize(image: PIL.Image.Image, height: int, width: int, resample: int,
+                         rescale_factor: float | None, mean_std: tuple[Sequence[float], Sequence[float]] | None
+                         ) -> torch.Tensor:
+    """[3, height, width] float32, as transformers' PIL image processors compute it: RGB (convert_to_rgb), resized
+    in 8-bit with PIL, rescaled in float64 then cast to float32, normalized per channel in float32. None skips
+    the rescale or the normalization."""
+    image = image if image.mode == "RGB" else image.convert("RGB")   # what transformers' convert_to_rgb does
+    resized = image.resize((width, height), resample=PIL.Image.Resampling(resample))
+    pixels = np.asarray(resized).transpose(2, 0, 1)
+    if rescale_factor is not None:
+        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    pixels = pixels.astype(np.float32, copy=False)
+    if mean_std is not None:
+        mean = np.array(mean_std[0], dtype=np.float32)[:, None, None]
+        std = np.array(mean_std[1], dtype=np.float32)[:, None, None]
+        pixels = (pixels - mean) / std
+    return torch.from_numpy(np.ascontiguousarray(pixels))

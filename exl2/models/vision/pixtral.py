@@ -79,6 +79,11 @@ class PixtralSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def marker_id(self) -> int:
+        """The token a chat template puts where an image goes: [IMG] itself, which the layout replaces."""
+        return self.image_token_id
+
     @classmethod
     def from_config(cls, cfg: dict) -> Optional["PixtralSpec"]:
         """The spec of a Mistral3ForConditionalGeneration (or Llava with a Pixtral tower); None for other models."""
@@ -157,6 +162,16 @@ class VisionTensors:
             raise KeyError(name)
         handle, key = self._where[name]
         return handle.get_tensor(key)
+
+
+def vision_parts(model_dir: Path, spec_class) -> Optional[tuple]:
+    """(spec, VisionTensors) of `model_dir` when its config.json is `spec_class`'s kind of vision model and its files
+    hold the vision weights; None otherwise (another kind, or a text-only export)."""
+    spec = spec_class.from_config(read_json(model_dir / "config.json"))
+    if spec is None:
+        return None
+    tensors = VisionTensors(model_dir)
+    return (spec, tensors) if len(tensors) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -293,12 +308,10 @@ class PixtralVision:
         its files hold no vision tower (a text-only export). `tokenizer` (anything with token_to_id; default:
         the directory's) supplies the [IMG_BREAK] / [IMG_END] ids."""
         d = Path(model_dir)
-        spec = PixtralSpec.from_config(read_json(d / "config.json"))
-        if spec is None:
+        found = vision_parts(d, PixtralSpec)
+        if found is None:
             return None
-        tensors = VisionTensors(d)
-        if not len(tensors):
-            return None
+        spec, tensors = found
         break_id, end_id = _layout_token_ids(d, tokenizer)
         processing = ImageProcessing.from_dir(d, spec.patch * spec.merge)
         return cls(spec, WeightLoader(tensors, device, dtype), processing, break_id, end_id)
