@@ -5,6 +5,7 @@ EXL2-quantized vision linears load, images decode from bytes, data URIs and path
 vision encoder."""
 import ast
 import base64
+import contextlib
 import io
 import json
 import shutil
@@ -278,14 +279,18 @@ def test_both_checkpoint_layouts(mistral3, tmp_path):
     assert torch.equal(ref.features, got.features) and ref.token_ids == got.token_ids
 
 
-def test_half_precision_tracks_float32(mistral3):
-    d, _ = mistral3
+def half_precision_tracks_float32(vision_class, model_dir) -> None:
+    """bf16 and fp16 encodings of a noise image stay within 5 % of the float32 one's largest value."""
     image = _noise(70, 90, seed=6)
-    ref = PixtralVision.from_dir(d, dtype=torch.float32).encode(image).features
+    ref = vision_class.from_dir(model_dir, dtype=torch.float32).encode(image).features
     for dtype in (torch.bfloat16, torch.float16):
-        got = PixtralVision.from_dir(d, dtype=dtype).encode(image).features
+        got = vision_class.from_dir(model_dir, dtype=dtype).encode(image).features
         assert got.dtype == dtype
         assert (got.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_half_precision_tracks_float32(mistral3):
+    half_precision_tracks_float32(PixtralVision, mistral3[0])
 
 
 def test_other_feature_layer(tmp_path):
@@ -313,12 +318,24 @@ def test_llava_pixtral(tmp_path):
 def test_exl2_quantized_vision_linear(mistral3, tmp_path):
     """An EXL2 projector linear_1 (padded to 32 columns, with bias) loads through the decoder's weight loader:
     the features are those of the HF model holding the dequantized weight."""
-    from exl2.formats.exl2 import dequantize, pack
-
     d, model = mistral3
     tensors = load_file(d / "model.safetensors")
-    prefix = "multi_modal_projector.linear_1"
-    k, n = tensors[f"{prefix}.weight"].shape[1], tensors[f"{prefix}.weight"].shape[0]
+    weight, bias = quantize_linear(tensors, "multi_modal_projector.linear_1")
+    quant = _copy_with(d, tmp_path / "q", {"model.safetensors": tensors})
+    image = _noise(60, 80, seed=10)
+    vision = PixtralVision.from_dir(quant, dtype=torch.float32)
+    assert vision.projector.linear_1.info["format"] == "exl2"
+    emb = vision.encode(image)
+    with holding(model.model.multi_modal_projector.linear_1, weight, bias):
+        _assert_close(emb.features, _hf_features(model, *_hf_pixels(d, image, PATCH * MERGE)))
+
+
+def quantize_linear(tensors: dict, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the dense linear `prefix` (weight [n, k] and bias) in `tensors` by EXL2 tensors (6-bit then 4-bit
+    groups, a random act order, the bias kept); (its dequantized weight [n, k], bias) for the HF model."""
+    from exl2.formats.exl2 import dequantize, pack
+
+    n, k = tensors[f"{prefix}.weight"].shape
     gen = torch.Generator().manual_seed(12)
     groups = [(6, 32), (4, k - 32)]
     codes = torch.cat([torch.randint(0, 1 << b, (rows, n), generator=gen) for b, rows in groups])
@@ -326,20 +343,18 @@ def test_exl2_quantized_vision_linear(mistral3, tmp_path):
                   torch.randperm(k, generator=gen), bias=0.1 * torch.randn(n, generator=gen))
     del tensors[f"{prefix}.weight"], tensors[f"{prefix}.bias"]
     tensors.update({f"{prefix}.{name}": t for name, t in packed.items()})
-    quant = _copy_with(d, tmp_path / "q", {"model.safetensors": tensors})
-    weight = dequantize(tensors, prefix).t()[:n].float()
-    bias = tensors[f"{prefix}.bias"][:n].float()
-    image = _noise(60, 80, seed=10)
-    vision = PixtralVision.from_dir(quant, dtype=torch.float32)
-    assert vision.projector.linear_1.info["format"] == "exl2"
-    emb = vision.encode(image)
-    linear = model.model.multi_modal_projector.linear_1
+    return dequantize(tensors, prefix).t()[:n].float(), tensors[f"{prefix}.bias"][:n].float()
+
+
+@contextlib.contextmanager
+def holding(linear: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor):
+    """An HF linear layer holding `weight` and `bias` inside the block, its own again after."""
     saved = linear.weight.detach().clone(), linear.bias.detach().clone()
     try:
         with torch.no_grad():
             linear.weight.copy_(weight)
             linear.bias.copy_(bias)
-        _assert_close(emb.features, _hf_features(model, *_hf_pixels(d, image, PATCH * MERGE)))
+        yield
     finally:
         with torch.no_grad():
             linear.weight.copy_(saved[0])

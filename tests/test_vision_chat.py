@@ -27,17 +27,24 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}w3 {% if m.content is string 
             "{% endif %}w4 {% endfor %}{% if add_generation_prompt %}w5{% endif %}")
 
 
+def set_template(model_dir, template: str = TEMPLATE) -> None:
+    """Give a tiny model's tokenizer_config.json a chat template."""
+    path = model_dir / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))
+
+
+def _built(config, out, seed: int):
+    """The tiny model `config` describes, saved with its processor, tokenizer and TEMPLATE."""
+    config.tie_word_embeddings = False    # as the published Mistral Small 3.1/3.2: lm_head in the files
+    model = _build(config, out, seed=seed)
+    set_template(out)
+    return model
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("mistral3_chat")
-    config = _mistral3_config()
-    config.tie_word_embeddings = False    # as the published Mistral Small 3.1/3.2: lm_head in the files
-    model = _build(config, out, seed=3)
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return out, model
+    return out, _built(_mistral3_config(), out, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +89,7 @@ def test_pixtral_12b_layout_is_transformers(tmp_path):
     Mistral decoder) loads as text plus vision, with transformers' logits for a prompt with an image."""
     from test_vision import _llava_config
 
-    config = _llava_config()
-    config.tie_word_embeddings = False
-    hf = _build(config, tmp_path, seed=5)
-    cfg_path = tmp_path / "tokenizer_config.json"
-    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": TEMPLATE}))
+    hf = _built(_llava_config(), tmp_path, seed=5)
     pixtral = Engine(EngineConfig(model_dir=tmp_path, device="cpu", max_seq_len=512, vision=True))
     image = _noise(50, 40, seed=13)
     ids, images = pixtral.chat_input(_messages(image))
@@ -228,10 +231,8 @@ def test_images_on_the_gpu_match_transformers(tmp_path):
     text = MistralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=64, vocab_size=256, rms_norm_eps=1e-5, sliding_window=None)
     config = Mistral3Config(text_config=text, vision_config=_vision_config(), image_token_index=IMG,
-                            spatial_merge_size=MERGE, multimodal_projector_bias=True, tie_word_embeddings=False)
-    hf = _build(config, tmp_path, seed=4)
-    cfg_path = tmp_path / "tokenizer_config.json"
-    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": TEMPLATE}))
+                            spatial_merge_size=MERGE, multimodal_projector_bias=True)
+    hf = _built(config, tmp_path, seed=4)
     gpu = Engine(EngineConfig(model_dir=tmp_path, device="cuda", max_seq_len=512, vision=True))
     image = _noise(100, 33, seed=12)
     ids, images = gpu.chat_input(_messages(image))

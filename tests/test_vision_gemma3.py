@@ -10,7 +10,8 @@ import PIL.Image
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_vision import _assert_close, _build, _copy_with, _mistral3_config, _noise
+from test_vision import (_assert_close, _build, _copy_with, _mistral3_config, _noise, half_precision_tracks_float32,
+                         holding, quantize_linear)
 
 from exl2.errors import ConfigError
 from exl2.generation.tokenizer import Tokenizer
@@ -236,47 +237,23 @@ def test_checkpoint_layouts(gemma3, tmp_path):
 
 
 def test_half_precision_tracks_float32(gemma3):
-    d, _ = gemma3
-    image = _noise(70, 90, seed=6)
-    ref = Gemma3Vision.from_dir(d, dtype=torch.float32).encode(image).features
-    for dtype in (torch.bfloat16, torch.float16):
-        got = Gemma3Vision.from_dir(d, dtype=dtype).encode(image).features
-        assert got.dtype == dtype
-        assert (got.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+    half_precision_tracks_float32(Gemma3Vision, gemma3[0])
 
 
 def test_exl2_quantized_vision_linear(gemma3, tmp_path):
     """An EXL2 fc1 in the first SigLIP layer (with bias, published names) loads through the decoder's weight loader:
     the features are those of the HF model holding the dequantized weight."""
-    from exl2.formats.exl2 import dequantize, pack
-
     d, model = gemma3
     tensors = _published(load_file(d / "model.safetensors"))
     prefix = "vision_tower.vision_model.encoder.layers.0.mlp.fc1"
-    n, k = tensors[f"{prefix}.weight"].shape
-    gen = torch.Generator().manual_seed(12)
-    groups = [(6, 32), (4, k - 32)]
-    codes = torch.cat([torch.randint(0, 1 << b, (rows, n), generator=gen) for b, rows in groups])
-    packed = pack(codes, groups, torch.randint(8, 17, (2, n), generator=gen), torch.tensor([0.004, 0.02]),
-                  torch.randperm(k, generator=gen), bias=0.1 * torch.randn(n, generator=gen))
-    del tensors[f"{prefix}.weight"], tensors[f"{prefix}.bias"]
-    tensors.update({f"{prefix}.{name}": t for name, t in packed.items()})
+    weight, bias = quantize_linear(tensors, prefix)
     quant = _copy_with(d, tmp_path / "q", {"model.safetensors": tensors})
     vision = Gemma3Vision.from_dir(quant, dtype=torch.float32)
     assert vision.layers[0].fc1.info["format"] == "exl2"
     image = _noise(60, 80, seed=10)
     emb = vision.encode(image)
-    linear = model.model.vision_tower.encoder.layers[0].mlp.fc1
-    saved = linear.weight.detach().clone(), linear.bias.detach().clone()
-    try:
-        with torch.no_grad():
-            linear.weight.copy_(dequantize(tensors, prefix).t()[:n].float())
-            linear.bias.copy_(tensors[f"{prefix}.bias"][:n].float())
+    with holding(model.model.vision_tower.encoder.layers[0].mlp.fc1, weight, bias):
         _assert_close(emb.features, _hf_features(model, _hf_pixels(d, image)))
-    finally:
-        with torch.no_grad():
-            linear.weight.copy_(saved[0])
-            linear.bias.copy_(saved[1])
 
 
 def test_no_vision_encoder(fixtures, gemma3, tmp_path):

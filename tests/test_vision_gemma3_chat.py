@@ -2,12 +2,11 @@
 and token_type_ids: a prompt's image tokens attend to the whole image (both ways, within the sliding window on
 local layers) while everything else stays causal. float32: max |Δlogit| ≤ 1e-4 · max |logit|; greedy replies
 equal, also when the prefill is chunked smaller than the image (the chunk is stretched over it)."""
-import json
-
 import pytest
 import torch
 
 from test_vision import _noise
+from test_vision_chat import set_template
 from test_vision_gemma3 import BOI, SOFT, TOKENS, _config, _randomize, _save_processor
 
 from exl2.config import EngineConfig, SamplingSettings
@@ -38,8 +37,7 @@ def built(tmp_path_factory):
     model.eval()
     model.save_pretrained(out)
     _save_processor(out)
-    cfg_path = out / "tokenizer_config.json"
-    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": TEMPLATE}))
+    set_template(out, TEMPLATE)
     return out, model
 
 

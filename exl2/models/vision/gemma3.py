@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl2.errors import ConfigError, ModelLoadError
-from exl2.models.vision.image import processor_config, resize_and_normalize
+from exl2.models.vision.image import PixelSettings, processor_config
 from exl2.models.vision.pixtral import (PROJECTOR, TOWER, ImageEmbedding, VisionTensors, _activation, _int,
                                         vision_parts)
 from exl2.runtime.weights import WeightLoader
@@ -100,12 +100,6 @@ class Gemma3VisionSpec:
                               f"{self.patches_per_side}×{self.patches_per_side} patch grid.")
 
 
-def _setting(cfg: dict, key: str, default):
-    """A preprocessor setting; null (as published Gemma 3 configs write unset keys) means the default."""
-    value = cfg.get(key)
-    return default if value is None else value
-
-
 def _square(size, image_size: int) -> int:
     """The preprocessor's `size` ({"height": h, "width": w} or an int) as one side; the tower's when unset."""
     if isinstance(size, dict) and (size.get("height") or size.get("width")):
@@ -117,16 +111,10 @@ def _square(size, image_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class Gemma3ImageProcessing:
+class Gemma3ImageProcessing(PixelSettings):
     """Gemma3ImageProcessor's settings (PIL backend) without pan-and-scan, which Gemma3Processor leaves off."""
 
     size: int
-    resample: int = DEFAULT_RESAMPLE
-    do_rescale: bool = True
-    rescale_factor: float = 1 / 255
-    do_normalize: bool = True
-    mean: tuple[float, ...] = DEFAULT_MEAN
-    std: tuple[float, ...] = DEFAULT_STD
 
     @classmethod
     def from_dir(cls, model_dir: Path | str, image_size: int) -> "Gemma3ImageProcessing":
@@ -136,21 +124,11 @@ class Gemma3ImageProcessing:
         size = _square(cfg.get("size"), image_size)
         if size != image_size:
             raise ConfigError(f"The image processor resizes to {size} pixels but the vision tower takes {image_size}.")
-        return cls(
-            size=size,
-            resample=int(_setting(cfg, "resample", DEFAULT_RESAMPLE)),
-            do_rescale=bool(_setting(cfg, "do_rescale", True)),
-            rescale_factor=float(_setting(cfg, "rescale_factor", 1 / 255)),
-            do_normalize=bool(_setting(cfg, "do_normalize", True)),
-            mean=tuple(float(v) for v in _setting(cfg, "image_mean", DEFAULT_MEAN)),
-            std=tuple(float(v) for v in _setting(cfg, "image_std", DEFAULT_STD)),
-        )
+        return cls(size=size, **PixelSettings.read(cfg, DEFAULT_RESAMPLE, DEFAULT_MEAN, DEFAULT_STD))
 
     def __call__(self, image: PIL.Image.Image) -> torch.Tensor:
         """[3, size, size] float32 pixel values (aspect ratio not kept, as transformers does it)."""
-        return resize_and_normalize(image, self.size, self.size, self.resample,
-                                    self.rescale_factor if self.do_rescale else None,
-                                    (self.mean, self.std) if self.do_normalize else None)
+        return self.pixels(image, self.size, self.size)
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

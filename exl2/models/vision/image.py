@@ -93,34 +93,54 @@ def _longest_edge(size) -> int:
     return DEFAULT_LONGEST_EDGE
 
 
+def setting(cfg: dict, key: str, default):
+    """A preprocessor setting; null (as published configs write unset keys) means the default."""
+    value = cfg.get(key)
+    return default if value is None else value
+
+
+@dataclass(frozen=True, kw_only=True)
+class PixelSettings:
+    """Resampling, rescaling and normalization, as transformers' image processors name them."""
+
+    resample: int
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @staticmethod
+    def read(cfg: dict, resample: int, mean: tuple[float, ...], std: tuple[float, ...]) -> dict:
+        """The fields from a preprocessor config, with these defaults for what it leaves out or null."""
+        return dict(resample=int(setting(cfg, "resample", resample)),
+                    do_rescale=bool(setting(cfg, "do_rescale", True)),
+                    rescale_factor=float(setting(cfg, "rescale_factor", 1 / 255)),
+                    do_normalize=bool(setting(cfg, "do_normalize", True)),
+                    mean=tuple(float(v) for v in setting(cfg, "image_mean", mean)),
+                    std=tuple(float(v) for v in setting(cfg, "image_std", std)))
+
+    def pixels(self, image: PIL.Image.Image, height: int, width: int) -> torch.Tensor:
+        """[3, height, width] float32 pixel values of `image` under these settings."""
+        return resize_and_normalize(image, height, width, self.resample,
+                                    self.rescale_factor if self.do_rescale else None,
+                                    (self.mean, self.std) if self.do_normalize else None)
+
+
 @dataclass(frozen=True)
-class ImageProcessing:
+class ImageProcessing(PixelSettings):
     """PixtralImageProcessor's settings; `patch` is the side the output is rounded up to (patch_size ×
     spatial_merge_size, as the processor passes it), so every merged patch is whole."""
 
     patch: int
     longest_edge: int = DEFAULT_LONGEST_EDGE
-    resample: int = int(PIL.Image.Resampling.BICUBIC)
-    do_rescale: bool = True
-    rescale_factor: float = 1 / 255
-    do_normalize: bool = True
-    mean: tuple[float, ...] = DEFAULT_MEAN
-    std: tuple[float, ...] = DEFAULT_STD
 
     @classmethod
     def from_dir(cls, model_dir: Path | str, patch: int) -> "ImageProcessing":
         """preprocessor_config.json, or the image_processor section of a one-file processor_config.json."""
         cfg = processor_config(model_dir)
-        return cls(
-            patch=patch,
-            longest_edge=_longest_edge(cfg.get("size")),
-            resample=int(cfg.get("resample", PIL.Image.Resampling.BICUBIC)),
-            do_rescale=bool(cfg.get("do_rescale", True)),
-            rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
-            do_normalize=bool(cfg.get("do_normalize", True)),
-            mean=tuple(float(v) for v in cfg.get("image_mean", DEFAULT_MEAN)),
-            std=tuple(float(v) for v in cfg.get("image_std", DEFAULT_STD)),
-        )
+        return cls(patch=patch, longest_edge=_longest_edge(cfg.get("size")),
+                   **PixelSettings.read(cfg, int(PIL.Image.Resampling.BICUBIC), DEFAULT_MEAN, DEFAULT_STD))
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) after resizing: scaled down (floored) to fit the longest edge, then each side rounded
@@ -133,10 +153,7 @@ class ImageProcessing:
 
     def __call__(self, image: PIL.Image.Image) -> torch.Tensor:
         """[3, H, W] float32 pixel values."""
-        height, width = self.target_size(image.height, image.width)
-        return resize_and_normalize(image, height, width, self.resample,
-                                    self.rescale_factor if self.do_rescale else None,
-                                    (self.mean, self.std) if self.do_normalize else None)
+        return self.pixels(image, *self.target_size(image.height, image.width))
 
 
 def processor_config(model_dir: Path | str) -> dict:
