@@ -78,23 +78,18 @@ def split(rows: Sequence[Sequence[int]], images: Sequence[Sequence[ImageTokens]]
     width = max(len(r) for r in rows)
     plain, where, parts = [], [], []
     for b, (row, own) in enumerate(zip(rows, images)):
-        line, j = list(row), 0
-        while j < len(line):
-            if line[j] < first_alias:
-                j += 1
-                continue
-            image = next((im for im in own if im.base <= line[j] < im.base + im.features.shape[0]), None)
-            if image is None:
-                raise KeyError(f"Token {line[j]} is an image token of no image this prompt carries.")
-            end = j + 1
-            while end < len(line) and line[end] == line[j] + (end - j) < image.base + image.features.shape[0]:
-                end += 1
-            start = line[j] - image.base     # a run of one image's aliases: one slice of its rows
-            parts.append(image.features[start:start + end - j])
-            where.extend(range(b * width + j, b * width + end))
-            line[j:end] = [0] * (end - j)
-            j = end
-        plain.append(line)
+        for a, e in image_runs(row, first_alias):
+            j = a
+            while j < e:   # a run may hold two images back to back: one slice of rows per image
+                image = next((im for im in own if im.base <= row[j] < im.base + im.features.shape[0]), None)
+                if image is None:
+                    raise KeyError(f"Token {row[j]} is an image token of no image this prompt carries.")
+                first = row[j] - image.base
+                end = min(e, j + image.features.shape[0] - first)
+                parts.append(image.features[first:first + end - j])
+                where.extend(range(b * width + j, b * width + end))
+                j = end
+        plain.append([0 if t >= first_alias else t for t in row])
     index = torch.tensor(where, dtype=torch.long, device=device)
     return plain, (index, torch.cat(parts).to(device))
 
