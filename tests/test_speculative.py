@@ -210,6 +210,7 @@ class _Counting:
 
     def __init__(self, inner):
         self.inner, self.batches = inner, []
+        self.reads_images = inner.reads_images
 
     def propose_batch(self, requests):
         self.batches.append(sum(1 for r in requests if r[2] > 0))

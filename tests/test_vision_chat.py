@@ -124,6 +124,24 @@ def test_the_prompt_cache_tells_images_apart(built, engine):
     assert r2.token_ids == engine.chat(_messages(b), GREEDY, 6).token_ids
 
 
+def test_a_draft_model_leaves_prompts_with_images_alone(engine):
+    """A draft model cannot read image tokens: a job with an image checks no draft model guesses (n-gram guesses
+    it may), and its reply is plain decoding's."""
+    from exl2.generation.speculative import ModelDraft, NgramDraft
+
+    ids, images = engine.chat_input(_messages(_noise(45, 70, seed=5)))
+
+    def reply(draft):
+        gen = DynamicGenerator(engine.model, engine.tokenizer, 512, page_size=16, draft=draft, adaptive_draft=False)
+        job = Job(ids, GREEDY, 12)
+        job.images = images
+        return gen.generate([job])[0].token_ids, job.drafted
+
+    plain, _ = reply(None)
+    assert reply(ModelDraft(engine.model, 600, page_size=16)) == (plain, 0)
+    assert reply(NgramDraft())[0] == plain
+
+
 def test_image_errors_are_one_sentence(built, engine, tmp_path):
     with pytest.raises(ConfigError, match="neither a data URI"):
         engine.chat_input(_messages(str(tmp_path / "missing.png")))

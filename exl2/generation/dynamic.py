@@ -712,7 +712,8 @@ class DynamicGenerator:
             paused = self.adaptive_draft and job.spec_pause > 0
             if paused:
                 job.spec_pause -= 1
-            asks.append(0 if paused else min(k, room))
+            blind = job.images and not self.draft.reads_images
+            asks.append(0 if paused or blind else min(k, room))
         vocab = self.model.spec.vocab_size   # a guess copied from a prompt's image tokens is no token to feed
         proposals = [list(takewhile(lambda t: 0 <= t < vocab, d))
                      for d in self.draft.propose_batch([(j.id, j.tokens, a) for j, a in zip(jobs, asks)])]

@@ -28,6 +28,8 @@ Request = tuple[int, Sequence[int], int]   # (job id, its prompt and reply so fa
 
 
 class Drafter(Protocol):
+    reads_images: bool   # whether it can guess for prompts holding image tokens (ids past the vocabulary)
+
     def propose_batch(self, requests: Sequence[Request]) -> list[list[int]]:
         """For each request, up to k guesses at the tokens after its tokens (one list per request, maybe empty)."""
 
@@ -37,6 +39,8 @@ class Drafter(Protocol):
 
 class PerJobDraft:
     """A drafter that guesses for one job at a time (`propose`), with nothing to gain from a batch."""
+
+    reads_images = True
 
     def propose(self, job_id: int, tokens: Sequence[int], k: int) -> list[int]:
         raise NotImplementedError
@@ -103,7 +107,6 @@ CATCH_UP_ALONE, CATCH_UP_CHUNK = 32, 2048
 class _Sequence:
     pages: list[int] = field(default_factory=list)   # page i holds positions [i·page_size, (i+1)·page_size)
     cached: list[int] = field(default_factory=list)  # the tokens whose keys/values those pages hold, in order
-    images: Optional[bool] = None   # whether its prompt holds image tokens (aliases), which a draft model cannot read
 
 
 class ModelDraft:
@@ -112,6 +115,8 @@ class ModelDraft:
     where they part from what is cached (a rejected guess), it is re-fed from there. When pages run short, the
     least recently drafted sequences not in the batch give theirs up; a sequence that still finds none gets no
     guesses that step (decoding stays exact, only slower)."""
+
+    reads_images = False   # a prompt's image tokens are the vision model's embeddings, not the draft model's
 
     def __init__(self, model: DecoderModel, max_seq_len: int, cache_mode: str = "fp16", page_size: int = 256,
                  cache_tokens: Optional[int] = None, max_batch: int = 1):
@@ -136,12 +141,9 @@ class ModelDraft:
         out: list[list[int]] = [[] for _ in requests]
         busy = {r[0] for r in requests}
         rows = []   # (request index, sequence, tokens, cached prefix kept)
-        vocab = self.model.spec.vocab_size
         for i, (job_id, tokens, k) in enumerate(requests):
             seq = self._sequence(job_id, len(tokens) + k - 1, busy) if k > 0 and tokens else None
-            if seq is not None and seq.images is None:
-                seq.images = any(t >= vocab for t in tokens)
-            if seq is None or seq.images:
+            if seq is None:
                 continue
             same = 0
             for a, b in zip(seq.cached, tokens):
