@@ -65,12 +65,7 @@ class Engine:
         self.generator = Generator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode, self.worker)
         self.vision: Optional[VisionPrompts] = None
         if config.vision:
-            from exl2.models.vision import load_vision
-
-            tower = load_vision(config.model_dir, self.model.device, self.model.dtype)
-            if tower is None:
-                raise no_vision(self.model_name, None)
-            self.vision = VisionPrompts(tower, self.model.spec.vocab_size)
+            self.vision = VisionPrompts.load(config.model_dir, self.model)
 
     @property
     def model_name(self) -> str:

@@ -40,7 +40,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from exl2.generation.multimodal import split_images
+    from exl2.generation.multimodal import VisionPrompts, split_images, with_images
     from exl2.generation.templates import choose_template
 
     settings = sampling_from_args(args)
@@ -50,7 +50,7 @@ def run(args) -> int:
     system = _system_messages(args)
     budget = reply_budget(args.max_response_tokens, gen.max_seq_len)
     history: list[dict] = []
-    vision = _vision(args, model_dir, gen) if args.vision else None
+    vision = VisionPrompts.load(model_dir, gen.model) if args.vision else None
     attached: list[str] = []     # images for the next message (/image)
     prompt_images: list = []     # the images of the prompt `encode` made last
 
@@ -85,7 +85,7 @@ def run(args) -> int:
             continue
         user = {"role": "user", "content": text}
         if attached:
-            user["content"] = [*({"type": "image", "image": path} for path in attached), {"type": "text", "text": text}]
+            user["content"] = with_images(text, attached)
             attached.clear()
         try:
             dropped, ids = fit_prompt(encode, system, history, user, gen.max_seq_len - budget)
@@ -115,17 +115,6 @@ def run(args) -> int:
         if not args.amnesia:
             history += [user, {"role": "assistant", "content": result.text.strip()}]
     return 0
-
-
-def _vision(args, model_dir, gen):
-    """The model's vision tower with its image ids (generation.multimodal), or a ConfigError naming why not."""
-    from exl2.generation.multimodal import VisionPrompts, no_vision
-    from exl2.models.vision import load_vision
-
-    tower = load_vision(model_dir, gen.model.device, gen.model.dtype)
-    if tower is None:
-        raise no_vision(model_dir.name, None)
-    return VisionPrompts(tower, gen.model.spec.vocab_size)
 
 
 def _attach(path: str, vision, attached: list[str]) -> None:

@@ -65,6 +65,11 @@ def part_source(part: dict) -> Any:
     return ref.get("url") if isinstance(ref, dict) else ref
 
 
+def with_images(text: str, images: Sequence[Any]) -> list[dict]:
+    """A message's content: the images (sources, as `image_bytes` takes them), then the text."""
+    return [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}]
+
+
 def split_images(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
     """(the messages as chat templates take them, each image part reduced to {"type": "image"}; the image sources
     in order). Messages without image parts are passed on unchanged."""
@@ -93,6 +98,17 @@ class VisionPrompts:
 
     def __init__(self, vision, first_alias: int):
         self.vision, self.aliases = vision, ImageAliases(first_alias)
+
+    @classmethod
+    def load(cls, model_dir, model) -> "VisionPrompts":
+        """The vision tower of `model_dir` on `model`'s device and dtype, its aliases past `model`'s vocabulary; a
+        ConfigError naming the model when it has none."""
+        from exl2.models.vision import load_vision
+
+        tower = load_vision(model_dir, model.device, model.dtype)
+        if tower is None:
+            raise no_vision(Path(model_dir).name, None)
+        return cls(tower, model.spec.vocab_size)
 
     def image(self, source: Any) -> ImageTokens:
         from exl2.models.vision import load_image

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from exl2.config import SamplingSettings
 from exl2.errors import Exl2Error
+from exl2.generation.multimodal import with_images
 
 # At most one progress notification per interval: a fast GPU makes hundreds of tokens a second, more than any
 # client wants to render. The final count is always sent.
@@ -194,8 +195,7 @@ def build_server(engine, name: Optional[str] = None, api_keys: Sequence[str] = (
         if images:
             if msgs[-1]["role"] != "user":
                 raise ToolError("images go with the last message, which must then be the user's.")
-            msgs[-1]["content"] = [*({"type": "image", "image": i} for i in images),
-                                   {"type": "text", "text": msgs[-1]["content"]}]
+            msgs[-1]["content"] = with_images(msgs[-1]["content"], images)
         try:
             if images:   # encoding them runs the vision tower: off the event loop
                 prompt, shown = await asyncio.to_thread(engine.chat_input, msgs)
