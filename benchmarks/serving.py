@@ -140,7 +140,9 @@ def ngram_table(plain: DynamicGenerator, model, tok, batches: list[int], args, l
     vocab = model.spec.vocab_size
     for b in batches:   # warm-up: compiles and captures the check graphs at the measured shapes
         run(drafted, b, args.prompt, 8, vocab, seed=3000 + b, spread=args.spread, sizes_seed=b, repeat=32)
-    print("\nn-gram drafting, greedy, prompts repeating a 32-token chunk")
+    print("\nn-gram drafting, greedy, prompts repeating a 32-token chunk (the drafter's own guesses kept / checked;"
+          " a row with fewer guesses is padded with its last one, and padding kept speeds decoding without counting"
+          " here)")
     print("| batch | plain decode tok/s | drafted decode tok/s | guesses kept / checked |\n| --- | --- | --- | --- |")
     for b in batches:
         _, base, _ = run(plain, b, args.prompt, args.new, vocab, seed=4000 + b, spread=args.spread, sizes_seed=b,

@@ -193,7 +193,7 @@ class Engine:
         with each image's tokens in place, and the images (encoded once per distinct image)."""
         if self.vision is None:
             raise no_vision(self.model_name, False if has_vision_tower(self.config.model_dir) else None)
-        return self.vision.splice(self.tokenizer.encode(text, add_bos=False), sources)
+        return self.vision.prompt(text, self.tokenizer, sources)
 
     def chat(self, messages: list[dict], settings: Optional[SamplingSettings] = None, max_new_tokens: int = 512,
              grammar: Optional[Grammar] = None) -> GenerationResult:

@@ -128,7 +128,8 @@ def test_cli_flag(capsys, monkeypatch):
 
 
 def test_decode_graphs_turn_off_for_a_split_model():
-    fake = SimpleNamespace(device=torch.device("cuda", 0), is_split=True, prepare_rope=lambda n: None)
+    fake = SimpleNamespace(device=torch.device("cuda", 0), is_split=True, prepare_rope=lambda n: None,
+                           spec=SimpleNamespace(mrope_section=None))
     cache = SimpleNamespace(page_size=16)
     assert not DecodeGraphs(fake, cache, 4).enabled
     fake.is_split = False

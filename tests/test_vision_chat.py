@@ -8,7 +8,6 @@ import base64
 import io
 import json
 
-import openai
 import pytest
 import torch
 
@@ -158,6 +157,8 @@ def _data_uri(image) -> str:
 
 
 def test_the_server_takes_image_url_parts(built, engine):
+    import openai   # here, not at the top: the GPU machine that runs this file's GPU test has no openai
+
     from exl2.server.app import ServerConfig, create_app
 
     image = _noise(100, 33, seed=7)

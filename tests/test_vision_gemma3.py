@@ -18,7 +18,8 @@ from exl2.generation.tokenizer import Tokenizer
 from exl2.models.vision import Gemma3ImageProcessing, Gemma3Vision, Gemma3VisionSpec
 
 IMAGE, PATCH, TOKENS = 64, 8, 16        # 8×8 patches, pooled 2×2 → 4×4 soft tokens
-BOI, EOI, SOFT, NEWLINES = 5, 6, 7, 8   # <start_of_image>, <end_of_image>, <image_soft_token>, "\n\n"
+BOI, EOI, SOFT, NEWLINES, NEWLINES4 = 5, 6, 7, 8, 9   # <start_of_image>, <end_of_image>, <image_soft_token>, "\n\n",
+                                                      # "\n\n\n\n" (Gemma's tokenizer has such newline runs)
 SIZES = [(45, 70), (100, 33), (301, 199)]   # PIL (width, height)
 MEAN, STD = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
 
@@ -69,18 +70,20 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def _tokenizer():
-    """A word-level tokenizer with Gemma 3's image tokens (at the tiny config's ids) and "\\n\\n" as one token."""
+    """A word-level tokenizer with Gemma 3's image tokens (at the tiny config's ids), and "\\n\\n" and "\\n\\n\\n\\n"
+    as one token each."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    named = {BOI: "<start_of_image>", EOI: "<end_of_image>", SOFT: "<image_soft_token>", NEWLINES: "\n\n"}
+    named = {BOI: "<start_of_image>", EOI: "<end_of_image>", SOFT: "<image_soft_token>", NEWLINES: "\n\n",
+             NEWLINES4: "\n\n\n\n"}
     special = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", **named}
     tok = HFTokenizer(models.WordLevel({special.get(i, f"w{i}"): i for i in range(256)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(named[i], normalized=False) for i in (BOI, EOI, SOFT)])
-    tok.add_tokens([AddedToken("\n\n", normalized=False)])
+    tok.add_tokens([AddedToken(named[i], normalized=False) for i in (NEWLINES4, NEWLINES)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         extra_special_tokens={"boi_token": named[BOI], "eoi_token": named[EOI], "image_token": named[SOFT]})
@@ -184,21 +187,33 @@ def test_features_match_get_image_features(gemma3, size):
     _assert_close(emb.features, ref)
 
 
-def test_token_ids_are_the_processors(gemma3):
-    """The layout Gemma3Processor writes for one <start_of_image>, whether the tokenizer is passed in or read from
-    the directory; transformers' forward accepts it with the pixels (one soft token per feature row)."""
+@pytest.mark.parametrize("text", ["<start_of_image>", "w40\n\n<start_of_image>\n\nw41", "<start_of_image>w42"])
+def test_token_ids_are_the_processors(gemma3, text):
+    """The tokens Gemma3Processor writes for a prompt with one <start_of_image>, whether the tokenizer is passed in
+    or read from the directory: its "\\n\\n"s merge with the prompt's own newlines as in the processor, which
+    expands the text before tokenizing it; transformers' forward accepts them with the pixels (one soft token per
+    feature row)."""
     from transformers import AutoProcessor
+
+    from exl2.generation.multimodal import VisionPrompts
 
     d, model = gemma3
     image = _noise(70, 50, seed=11)
     processor = AutoProcessor.from_pretrained(d)
-    inputs = processor(images=[image], text=["<start_of_image>"], return_tensors="pt")
+    inputs = processor(images=[image], text=[text], return_tensors="pt")
     expected = inputs["input_ids"][0].tolist()
-    assert expected == [NEWLINES, BOI, *[SOFT] * TOKENS, EOI, NEWLINES]
-    for tokenizer in (None, Tokenizer.from_dir(d)):
-        emb = Gemma3Vision.from_dir(d, dtype=torch.float32, tokenizer=tokenizer).encode(image)
-        assert emb.token_ids == expected and emb.image_token_id == SOFT
+    if text == "<start_of_image>":
+        assert expected == [NEWLINES, BOI, *[SOFT] * TOKENS, EOI, NEWLINES]
+    else:
+        assert expected.count(NEWLINES4) == 2 * ("\n\n" in text)
+    tokenizer = Tokenizer.from_dir(d)
+    for given in (None, tokenizer):
+        vision = Gemma3Vision.from_dir(d, dtype=torch.float32, tokenizer=given)
+        emb = vision.encode(image)
+        assert emb.token_ids == [BOI, *[SOFT] * TOKENS, EOI] and emb.image_token_id == SOFT
         assert emb.token_ids.count(SOFT) == emb.features.shape[0]
+        ids, _ = VisionPrompts(vision, 256).prompt(text, tokenizer, [image])
+        assert [SOFT if t >= 256 else t for t in ids] == expected
     assert Gemma3Vision.from_dir(d).spec.marker_id == BOI
     with torch.no_grad():
         model(**inputs)

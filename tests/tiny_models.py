@@ -297,6 +297,18 @@ def _arch_mistral3():
     return Mistral3Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
+def _arch_qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig
+
+    # Qwen2.5-VL used as text: a Qwen2 decoder (q/k/v biases) with M-RoPE sections [2, 3, 3] over head_dim 16's 8
+    # frequencies, under model.language_model.*, next to a tiny vision tower (model.visual.*) that must be ignored.
+    # Text alone has equal (t, h, w) positions: plain RoPE. The image path is tests/test_vision_qwen2vl_chat.py's.
+    text = _cfg(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=_BASE["hidden_size"],
+                  window_size=56, fullatt_block_indexes=[0])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 def _arch_phi3():
     from transformers import Phi3Config
 
@@ -446,6 +458,7 @@ ARCHS: dict[str, Callable] = {
     "glm": _arch_glm,
     "glm4": _arch_glm4,
     "mistral3": _arch_mistral3,
+    "qwen2_5_vl": _arch_qwen2_5_vl,
     "phi3": _arch_phi3,
     "phi3_longrope": _arch_phi3_longrope,
     "deepseek_v3": _arch_deepseek_v3,
@@ -492,7 +505,7 @@ def _auto_class(config):
     """The transformers auto class of `config`: image-text-to-text for the multimodal wrappers (used as text only)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if config.model_type in ("mistral3",) else AutoModelForCausalLM
+    return AutoModelForImageTextToText if config.model_type in ("mistral3", "qwen2_5_vl") else AutoModelForCausalLM
 
 
 def build_tiny(name: str, out_dir: Path, seed: int = 0, vocab_size: int | None = None) -> Path:

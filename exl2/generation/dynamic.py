@@ -18,7 +18,7 @@ import torch
 
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError, ContextLengthError, ModelLoadError
-from exl2.generation.images import image_limits, whole_images
+from exl2.generation.images import image_limits, mrope_positions, rope_span, whole_images
 from exl2.generation.images import split as split_images
 from exl2.generation.job import Event, Job
 from exl2.generation.output import GenerationResult, TokenLogprob
@@ -122,6 +122,8 @@ class DynamicGenerator:
                 f"The prompt is {len(job.ids)} tokens long but the context holds {self.max_seq_len} tokens.")
         if job.settings.token_healing and job.grammar is None:
             self._take_last_token(job)
+        if job.images and self.model.spec.mrope_section is not None:
+            job.rope = mrope_positions(job.ids, job.images, self.model.spec.vocab_size)
         job.max_new_tokens = max(1, min(job.max_new_tokens, self.max_seq_len - len(job.ids)))
         if job.cfg:
             self._make_guide(job)
@@ -319,17 +321,20 @@ class DynamicGenerator:
                                                                   device=self.model.device)
             if width <= 0 or width * len(rows) > budget:
                 break
-            inject, limits = {}, None
+            extra, limits = {}, None
             if any(j.images for j in group):   # image tokens: their embeddings go in place of token 0's
                 vocab = self.model.spec.vocab_size
                 if blocks:
                     limits = image_limits(rows, [start] * len(rows), vocab, self.model.device)
                 rows, found = split_images(rows, [j.images for j in group], vocab, self.model.device)
-                inject = {"inject": found} if found is not None else {}
+                extra = {"inject": found} if found is not None else {}
+                if any(j.rope for j in group):   # M-RoPE: image tokens rotate by their (t, h, w) places
+                    extra["mrope"] = torch.stack([rope_span(j.rope, start, width) for j in group],
+                                                  1).to(self.model.device)
             part = torch.tensor(rows, dtype=torch.long, device=self.model.device)
             self.cache.bind(self._table(group)[:, :max(len(j.pages) for j in group)])
             self.cache.limits = limits
-            logits = self.model(part, self.cache, start, last_only=last, **inject)[:, -1]
+            logits = self.model(part, self.cache, start, last_only=last, **extra)[:, -1]
             budget -= width * len(rows)
             for job, end in zip(group, ends):
                 job.length = end
@@ -367,15 +372,25 @@ class DynamicGenerator:
         if self._decode_table[0] != key:  # pages are reserved up front: the table changes only with the batch
             self._decode_table = (key, self._table(jobs))
         table = self._decode_table[1]
+        shift = self._rope_shift(jobs)
         if self.graphs is not None:
-            logits = self.graphs.step(ids, pos, table, max_len=max(j.length for j in jobs) + 1, lazy=True)
+            logits = self.graphs.step(ids, pos, table, max_len=max(j.length for j in jobs) + 1, lazy=True,
+                                      shift=shift)
         else:
             self.cache.bind(table)
-            logits = self.model(ids, self.cache, pos, last_only=True)[:, -1]
+            logits = self.model(ids, self.cache, pos, last_only=True,
+                                **({} if shift is None else {"rope_shift": shift}))[:, -1]
         for j in jobs:
             j.length += 1
             self._publish(j)
         return logits
+
+    def _rope_shift(self, jobs: list[Job]) -> Optional[torch.Tensor]:
+        """[B] what each job's RoPE positions add to its cache positions (M-RoPE prompts with images: the images
+        took fewer positions than tokens); None when none does."""
+        if not any(j.rope and j.rope[1] for j in jobs):
+            return None
+        return upload([j.rope[1] if j.rope else 0 for j in jobs], torch.long, self.model.device)
 
     def _launch(self, jobs: list[Job], prev: Optional["_Step"] = None) -> "_Step":
         """Queue a decode step and its sampling without waiting for them; `prev`, the step still in flight before
@@ -725,11 +740,13 @@ class DynamicGenerator:
         ids = torch.tensor(fed, dtype=torch.long, device=dev)
         pos = torch.tensor([j.length for j in jobs], dtype=torch.long, device=dev)
         table = self._table(jobs, self.spec_pages)
+        shift = self._rope_shift(jobs)
         if k in self.verify_graphs:
-            logits = self.verify_graphs[k].step(ids, pos, table, lazy=True)
+            logits = self.verify_graphs[k].step(ids, pos, table, lazy=True, shift=shift)
         else:
             self.cache.bind(table)
-            logits = self.model(ids, self.cache, pos, fresh=False)
+            logits = self.model(ids, self.cache, pos, fresh=False,
+                                **({} if shift is None else {"rope_shift": shift}))
         # Position i's token only counts if the guesses before it were all kept, so its draw can assume them:
         # every position is sampled at once, from the stream position plain decoding would use for it.
         rows = [j for j in jobs for _ in range(n)]

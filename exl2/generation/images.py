@@ -33,6 +33,7 @@ class ImageTokens:
     ids: tuple[int, ...]
     base: int
     features: torch.Tensor
+    grid: Optional[tuple[int, int, int]] = None   # (t, h, w) of the rows in row-major order, for M-RoPE (Qwen2-VL)
 
 
 class ImageAliases:
@@ -51,9 +52,10 @@ class ImageAliases:
                 self.images.move_to_end(key)
             return found
 
-    def add(self, key: str, token_ids: Sequence[int], image_token_id: int, features: torch.Tensor) -> ImageTokens:
+    def add(self, key: str, token_ids: Sequence[int], image_token_id: int, features: torch.Tensor,
+            grid: Optional[tuple[int, int, int]] = None) -> ImageTokens:
         """Register an encoded image: `token_ids` its layout, whose `image_token_id` tokens take `features`' rows
-        in order."""
+        in order; `grid` their (t, h, w) arrangement where the model places them in 3-D (M-RoPE)."""
         count = sum(1 for t in token_ids if t == image_token_id)
         if count != features.shape[0]:
             raise ValueError(f"The image has {features.shape[0]} embeddings for {count} image tokens.")
@@ -61,7 +63,8 @@ class ImageAliases:
             base = self.next
             self.next += count
             aliases = iter(range(base, base + count))
-            image = ImageTokens(tuple(next(aliases) if t == image_token_id else t for t in token_ids), base, features)
+            image = ImageTokens(tuple(next(aliases) if t == image_token_id else t for t in token_ids), base, features,
+                                grid)
             self.images[key] = image
             while len(self.images) > self.keep:
                 self.images.popitem(last=False)
@@ -140,3 +143,44 @@ def whole_images(ids: Sequence[int], start: int, width: int, first_alias: int) -
     while end < len(ids) and ids[end] == ids[end - 1] + 1:
         end += 1
     return end - start
+
+
+def mrope_positions(ids: Sequence[int], images: Sequence[ImageTokens],
+                    first_alias: int) -> Optional[tuple[torch.Tensor, int]]:
+    """The 3-D RoPE positions [3, len(ids)] of a prompt for M-RoPE models (Qwen2-VL), and the shift every token
+    after it adds to its index; None when none of its images is laid out in a grid.
+
+    Text tokens advance (t, h, w) together by one. An image's rows (grid (t, h, w), row-major) sit at the next
+    position plus their own (t, h, w) index, and the text after the image goes on from that position plus
+    max(h, w): an image takes fewer positions than tokens, so the shift is negative."""
+    segments, cur, j = [], 0, 0
+    for a, e in image_runs(ids, first_alias):
+        k = a
+        while k < e:
+            image = next((im for im in images if im.base <= ids[k] < im.base + im.features.shape[0]), None)
+            if image is None or image.grid is None:
+                return None
+            t, h, w = image.grid
+            first = ids[k] - image.base
+            end = min(e, k + image.features.shape[0] - first)
+            segments.append(torch.arange(k - j).expand(3, -1) + cur)
+            cur += k - j
+            row = torch.arange(first, first + end - k)
+            segments.append(torch.stack((row // (h * w), row // w % h, row % w)) + cur)
+            cur += max(h, w)
+            j = k = end
+    if not segments:
+        return None
+    segments.append(torch.arange(len(ids) - j).expand(3, -1) + cur)
+    cur += len(ids) - j
+    return torch.cat(segments, 1), cur - len(ids)
+
+
+def rope_span(rope: Optional[tuple[torch.Tensor, int]], start: int, width: int) -> torch.Tensor:
+    """[3, width] M-RoPE positions of a sequence's tokens start..start+width-1 (`mrope_positions`' pair: the
+    prompt's own, then index + shift past it; None, a sequence without images: the indices themselves)."""
+    positions, shift = rope if rope is not None else (torch.empty(3, 0, dtype=torch.long), 0)
+    n = positions.shape[1]
+    inside = positions[:, start:min(start + width, n)]
+    past = torch.arange(max(start, n), max(start + width, n)).expand(3, -1) + shift
+    return torch.cat((inside, past), 1)

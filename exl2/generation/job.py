@@ -42,6 +42,7 @@ class Job:
         self.guided: Optional[Job] = None
         self.budget = budget             # a reasoning budget: the think block is closed after so many tokens
         self.images: tuple = ()          # the images.ImageTokens whose aliases the prompt holds (a vision model's)
+        self.rope = None                 # M-RoPE models, prompts with images: images.mrope_positions' pair
         self.forced: list[int] = []      # tokens to feed next instead of sampling (the budget's end of the block)
         self.cached_tokens = 0           # prompt tokens found in the cache, not computed again
         self.done = False

@@ -119,7 +119,14 @@ class VisionPrompts:
         if found is not None:
             return found
         emb = self.vision.encode(load_image(data))
-        return self.aliases.add(key, emb.token_ids, emb.image_token_id, emb.features)
+        return self.aliases.add(key, emb.token_ids, emb.image_token_id, emb.features, emb.grid)
+
+    def prompt(self, text: str, tokenizer, sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
+        """A rendered chat prompt with the template's image marker where each of `sources` goes, tokenized (after
+        the text the model's processor adds around each marker, where it adds any: Gemma 3's newlines) and
+        `splice`d."""
+        expand = getattr(self.vision, "expand_text", None)
+        return self.splice(tokenizer.encode(expand(text) if expand else text, add_bos=False), sources)
 
     def splice(self, ids: Sequence[int], sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
         """`ids` (a rendered prompt with the template's image marker where each image goes, in order: [IMG] for

@@ -16,6 +16,7 @@ from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, make_norm, softcap, temperature_scale
 from exl2.kernels.attention import scatter_columns
 from exl2.kernels.rotary import apply_rotary
+from exl2.models.rope import positioned, rope_index
 from exl2.models.spec import LayerSpec, ModelSpec
 from exl2.kernels import quant_matmul as qm
 from exl2.kernels.quant_matmul import uses_permuted_input
@@ -82,7 +83,7 @@ class KVCache:
         rotate q and k first (see PagedKVCache.attend)."""
         b, t = q_pos.shape
         if rope is not None:
-            apply_rotary(q, k, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2])
+            apply_rotary(q, k, rope[0], rope[1], rope_index(rope, q_pos), 2 * rope[0].shape[-1], rope[2])
         starts = q_pos[:, 0].tolist()
         for i, s0 in enumerate(starts):
             self.k[layer][i, s0:s0 + t] = k[i]
@@ -144,8 +145,8 @@ class Attention(nn.Module):
         # with a cache and nothing between RoPE and attention, the cache applies it while storing k
         rope_in_cache = rope is not None and cache is not None and not (layer.qk_l2_norm or layer.temperature_tuning)
         if rope is not None and not rope_in_cache:
-            cos, sin, inter = rope
-            apply_rotary(q, k, cos, sin, q_pos, 2 * cos.shape[-1], inter)
+            cos, sin, inter = rope[:3]
+            apply_rotary(q, k, cos, sin, rope_index(rope, q_pos), 2 * cos.shape[-1], inter)
         if layer.qk_l2_norm:
             q, k = l2_norm(q, s.norm_eps), l2_norm(k, s.norm_eps)
         if layer.temperature_tuning:
@@ -205,8 +206,9 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(self.kv_a_norm(c)).view(b, t, h, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k_pe = k_pe.view(b, t, 1, m.qk_rope_head_dim)
-        cos, sin, inter = rope
-        apply_rotary(q_pe, k_pe, cos, sin, q_pos, m.qk_rope_head_dim, inter)  # in place, through the views
+        cos, sin, inter = rope[:3]
+        # in place, through the views
+        apply_rotary(q_pe, k_pe, cos, sin, rope_index(rope, q_pos), m.qk_rope_head_dim, inter)
         k = torch.cat([k_nope, k_pe.expand(b, t, h, m.qk_rope_head_dim)], dim=-1)
         v = v.contiguous()
         o = cache.attend(self.idx, q, k, v, q_pos, self.scale) if cache is not None else \
@@ -467,7 +469,7 @@ class DecoderModel(nn.Module):
         for name, t in tables.items():
             hit = self._tables_by_device.get((name, device))
             if hit is None or hit[0] is not t:
-                hit = (t, (t[0].to(device), t[1].to(device), *t[2:]))
+                hit = (t, tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in t))
                 self._tables_by_device[(name, device)] = hit
             out[name] = hit[1]
         return out
@@ -498,20 +500,26 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
                 last_only: bool | torch.Tensor = False, fresh: bool | None = None,
-                hidden: bool = False, inject: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                hidden: bool = False, inject: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                rope_shift: Optional[torch.Tensor] = None, mrope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared).
         `last_only`: only the last position's logits [B, 1, V]; a [B] tensor: the logits at those positions of each
         row (right-padded rows of different lengths).
         `fresh`: whether every row starts at 0, when a tensor `start` hides it (saves the cache a GPU read).
         `hidden`: the final norm's output [B, T, H] (the model's dtype) instead of logits (embeddings).
         `inject` (flat positions [n] into [B, T], rows [n, H]): embeddings that replace those positions' token
-        embeddings (images in a prompt: generation.images)."""
+        embeddings (images in a prompt: generation.images).
+        M-RoPE models (Qwen2-VL) rotate by other positions than they cache at once a prompt holds an image:
+        `mrope` [3, B, T] gives each token's (t, h, w) position, `rope_shift` [B] what each row adds to its
+        positions instead (text after the images; generation.images.mrope_positions)."""
         q_pos = self.positions(ids, start)
         note = getattr(cache, "note_positions", None)
         fresh = (start == 0) if isinstance(start, int) else fresh
         if note is not None:
             note(q_pos, fresh)
         tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
+        if rope_shift is not None or mrope is not None:
+            tables = positioned(tables, q_pos, rope_shift, mrope, self.spec.mrope_section)
         x, delta = self.embed(ids).contiguous(), None
         if inject is not None:
             put_rows(x, inject)

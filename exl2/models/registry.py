@@ -38,6 +38,8 @@ _TEXT_DECODER_OF = {
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
     "LlavaForConditionalGeneration": "MistralForCausalLM",
+    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES) + tuple(_TEXT_DECODER_OF)
 
@@ -125,6 +127,8 @@ def _rope(cfg: dict, head_dim: int, default_theta: float = 10000.0, layer_type: 
     rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
     if rtype == "su":
         rtype = "longrope"
+    if rtype == "mrope":   # Qwen2-VL's published spelling: default frequencies, split by mrope_section
+        rtype = "default"
     if rtype not in ROPE_TYPES:
         raise ConfigError(f"RoPE type {rtype!r} is not supported; supported types are: {', '.join(ROPE_TYPES)}.")
     theta = rp.get("rope_theta", cfg.get("rope_theta", default_theta))
@@ -227,7 +231,22 @@ def _llama(arch: str, cfg: dict) -> ModelSpec:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
         fused_qkv=arch == "Phi3ForCausalLM",
+        mrope_section=_mrope_section(cfg, c["head_dim"]),
     )
+
+
+def _mrope_section(cfg: dict, head_dim: int) -> Optional[tuple[int, ...]]:
+    """Qwen2-VL / Qwen2.5-VL: how many of the head's head_dim/2 frequencies turn with the temporal, height and
+    width positions of an image token (text tokens have all three equal, which is plain RoPE)."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    sections = rp.get("mrope_section")
+    if sections is None:
+        return None
+    sections = tuple(int(x) for x in sections)
+    if len(sections) != 3 or sum(sections) != head_dim // 2:
+        raise ConfigError(f"mrope_section {list(sections)} must be three counts adding up to head_dim/2 "
+                          f"({head_dim // 2}).")
+    return sections
 
 
 def _granite(arch: str, cfg: dict) -> ModelSpec:

@@ -158,3 +158,33 @@ def _yarn(spec: RopeSpec, p: dict) -> tuple[torch.Tensor, float]:
     extra, inter = 1.0 / pos, 1.0 / (factor * pos)
     keep = 1 - ramp
     return inter * (1 - keep) + extra * keep, float(att)
+
+
+def mrope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               sections: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cos/sin rows [B·T, dim/2] for 3-D positions [3, B, T] (Qwen2-VL's M-RoPE): the first
+    sections[0] frequencies turn with the temporal position, the next sections[1] with the height, the rest with
+    the width; rows of the 1-D tables `cos`/`sin` [positions, dim/2] supply each part."""
+    half = cos.shape[-1]
+    which = torch.repeat_interleave(torch.arange(len(sections), device=positions.device),
+                                    torch.tensor(sections, device=positions.device), output_size=half)
+    index = positions.reshape(len(sections), -1)[which].t()          # [B·T, dim/2]: each frequency's position
+    return cos.gather(0, index.to(cos.device)), sin.gather(0, index.to(sin.device))
+
+
+def rope_index(rope: tuple, q_pos: torch.Tensor) -> torch.Tensor:
+    """The table rows a layer's tokens [B, T] rotate by: their cache positions q_pos, unless the tables carry rows
+    of their own (`positioned`: M-RoPE models, where the two differ once a prompt holds an image)."""
+    return rope[3] if len(rope) > 3 else q_pos
+
+
+def positioned(tables: dict, q_pos: torch.Tensor, shift: Optional[torch.Tensor] = None,
+               mrope: Optional[torch.Tensor] = None, sections: Optional[tuple[int, ...]] = None) -> dict:
+    """`tables` (name → (cos, sin, interleaved)) with the rows each token [B, T] takes as a fourth entry: its
+    position q_pos plus the row's `shift` [B] (text after an image, whose tokens took fewer positions than
+    places), or with 3-D positions `mrope` [3, B, T] per-token rows built for them (M-RoPE `sections`)."""
+    if mrope is None:
+        index = q_pos + shift.to(q_pos.device).view(-1, 1)
+        return {name: (*t[:3], index) for name, t in tables.items()}
+    index = torch.arange(q_pos.numel(), device=q_pos.device).view(q_pos.shape)
+    return {name: (*mrope_rows(t[0], t[1], mrope, sections), t[2], index) for name, t in tables.items()}

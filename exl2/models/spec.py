@@ -78,6 +78,7 @@ class ModelSpec:
     qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3, Gemma 3; Cohere: LayerNorm)
     sandwich_norm: bool = False            # Gemma 2/3, GLM-4-0414: norms after attention and MLP too
     image_blocks: bool = False             # Gemma 3: a prompt's image tokens attend to their whole image
+    mrope_section: Optional[tuple[int, ...]] = None   # Qwen2-VL: frequencies per (t, h, w) position (M-RoPE)
     sandwich_names: tuple[str, str, str] = GEMMA_SANDWICH   # their tensor names (see GEMMA_SANDWICH)
     norm_type: str = "rms"                 # rms | layernorm (Cohere: mean-centred, weight only, no bias)
     parallel_block: bool = False           # Cohere: x + attn(n(x)) + mlp(n(x)), one norm per layer

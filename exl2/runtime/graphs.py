@@ -1,7 +1,8 @@
 """CUDA graphs of the decode step (one token per sequence) at fixed batch sizes; eager elsewhere.
 
-Each graph owns static input tensors (token ids, positions, block table); a step copies the live batch into the
-smallest graph that fits, padding spare rows with a scratch page, and replays it.
+Each graph owns static input tensors (token ids, positions, block table; for M-RoPE models each row's RoPE shift
+as well); a step copies the live batch into the smallest graph that fits, padding spare rows with a scratch page,
+and replays it.
 
 Decode attention splits each sequence's keys over several programs and merges them in a second launch, with the
 split count fixed inside a graph. A batch whose sequences are all short (the caller says so with `max_len`)
@@ -55,32 +56,35 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple] = {}
         self.short: dict[int, tuple] = {}  # one key split: batches of sequences of at most SHORT_CONTEXT tokens
         self.batch_sizes = tuple(sorted(batch_sizes))
+        self.shifted = model.spec.mrope_section is not None   # rows rotate at position + shift (DecoderModel)
         model.prepare_rope(max_pages_per_seq * cache.page_size)
 
     def _inputs(self, bs: int):
         dev = self.model.device
         return (torch.zeros(bs, self.tokens, dtype=torch.long, device=dev),
                 torch.zeros(bs, dtype=torch.long, device=dev),
-                torch.full((bs, self.max_pages), self.scratch, dtype=torch.int32, device=dev))
+                torch.full((bs, self.max_pages), self.scratch, dtype=torch.int32, device=dev),
+                torch.zeros(bs, dtype=torch.long, device=dev) if self.shifted else None)
 
-    def _forward(self, ids, pos, bt):
+    def _forward(self, ids, pos, bt, shift=None):
         self.cache.bind(bt)
+        kw = {} if shift is None else {"rope_shift": shift}
         if self.tokens > 1:  # positions are never 0 here: the sequences have a cached prefix
-            return self.model(ids, self.cache, pos, fresh=False)
-        return self.model(ids, self.cache, pos, last_only=True)[:, -1]
+            return self.model(ids, self.cache, pos, fresh=False, **kw)
+        return self.model(ids, self.cache, pos, last_only=True, **kw)[:, -1]
 
     def capture(self, batch_sizes=None) -> None:
         if not self.enabled:
             return
         for bs in batch_sizes or self.batch_sizes:
-            ids, pos, bt = self._inputs(bs)
+            inputs = self._inputs(bs)
             stream = _warmup_stream(torch.device("cuda", torch.cuda.current_device()))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):
-                    self._forward(ids, pos, bt)
+                    self._forward(*inputs)
             torch.cuda.current_stream().wait_stream(stream)
-            self.graphs[bs] = self._capture_one(ids, pos, bt)
+            self.graphs[bs] = self._capture_one(*inputs)
             if self._wants_short(bs):
                 self.cache.decode_splits = 1
                 try:
@@ -102,16 +106,16 @@ class DecodeGraphs:
         return bool(SHORT_CONTEXT and self.tokens == 1 and c.decode_splits is None and c.v_bits == 16
                     and decode_splits(bs * c.kv_heads, self.model.device) <= SHORT_MAX_SPLITS)
 
-    def _capture_one(self, ids, pos, bt) -> tuple:
+    def _capture_one(self, ids, pos, bt, shift) -> tuple:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.inference_mode():
-            out = self._forward(ids, pos, bt)
-        return graph, ids, pos, bt, out
+            out = self._forward(ids, pos, bt, shift)
+        return graph, ids, pos, bt, shift, out
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor,
-             max_len: int | None = None, lazy: bool = False) -> torch.Tensor:
+             max_len: int | None = None, lazy: bool = False, shift: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] for one new token per sequence (ids [B, 1], positions [B], block table [B, pages]);
-        [B, T, V] for T tokens per sequence.
+        [B, T, V] for T tokens per sequence. `shift` [B]: M-RoPE rows' RoPE shifts (DecoderModel.forward).
         `max_len`, the longest sequence's length including this token when the caller knows it on the host,
         picks the one-split graph for short batches. `lazy` captures the graph of the fitting batch size the first
         time it is needed (a server sees few of them; capturing all costs start-up time and memory)."""
@@ -123,15 +127,22 @@ class DecodeGraphs:
         fit = next((s for s in self.batch_sizes if s >= b and s in self.graphs), None)
         if fit is None:
             with torch.inference_mode():
-                return self._forward(ids, pos, block_table)
+                return self._forward(ids, pos, block_table, shift)
         short = max_len is not None and max_len <= SHORT_CONTEXT and fit in self.short
-        graph, s_ids, s_pos, s_bt, out = (self.short if short else self.graphs)[fit]
+        graph, s_ids, s_pos, s_bt, s_shift, out = (self.short if short else self.graphs)[fit]
         s_ids[:b].copy_(ids)
         s_pos[:b].copy_(pos)
         s_bt[:b, : block_table.shape[1]].copy_(block_table)
+        if s_shift is not None:
+            if shift is None:
+                s_shift.zero_()
+            else:
+                s_shift[:b].copy_(shift)
         if fit > b:
             s_ids[b:].zero_()
             s_pos[b:].zero_()
             s_bt[b:].fill_(self.scratch)
+            if s_shift is not None:
+                s_shift[b:].zero_()
         graph.replay()
         return out[:b]

@@ -19,6 +19,7 @@ from exl2.kernels import kv_quant
 from exl2.kernels.attention import paged_attention, scatter_columns, varlen_attention, write_kv
 from exl2.kernels.rotary import apply_rotary, rotary_store
 from exl2.models.layers import attention, block_attention
+from exl2.models.rope import rope_index
 from exl2.models.spec import ModelSpec
 
 KV_MODES = kv_quant.KV_MODES
@@ -168,17 +169,18 @@ class PagedKVCache:
         slots, seq_lens = self._slots_and_lens(q_pos, slot)
         kf, vf = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
         q_rotated = False
+        r_pos = None if rope is None else rope_index(rope, q_pos)
         if rope is not None and self.k_bits == 16 and self.v_bits == 16:  # RoPE and the cache write: one launch
-            rotary_store(q, k, v, rope[0], rope[1], q_pos, self.k[layer], self.v[layer], slots,
+            rotary_store(q, k, v, rope[0], rope[1], r_pos, self.k[layer], self.v[layer], slots,
                          2 * rope[0].shape[-1], rope[2], keep_k=t > 1)
         elif rope is not None and t == 1 and self.k_bits != 16 and self.v_bits != 16:
             q_rotated = kv_quant.write_kv_quant_pair(
                 kf, vf, (self.k[layer], self.k_scales[layer]), (self.v[layer], self.v_scales[layer]),
                 slots.reshape(-1), self.k_bits, self.v_bits,
-                rope=(q, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2]), hadamard_q=chunk is None)
+                rope=(q, rope[0], rope[1], r_pos, 2 * rope[0].shape[-1], rope[2]), hadamard_q=chunk is None)
         else:
             if rope is not None:
-                apply_rotary(q, k, rope[0], rope[1], q_pos, 2 * rope[0].shape[-1], rope[2])
+                apply_rotary(q, k, rope[0], rope[1], r_pos, 2 * rope[0].shape[-1], rope[2])
             write_kv(kf, vf, self.k[layer], self.v[layer], slots, self.k_bits, self.v_bits, self.k_scales[layer],
                      self.v_scales[layer])
         limit = self.limits if t > 1 else None

@@ -169,16 +169,16 @@ def _tower_prefix(tensors: VisionTensors) -> str:
     return nested if f"{nested}.embeddings.patch_embedding.weight" in tensors else TOWER
 
 
-class TextTokenizer(Protocol):
-    def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]: ...
+class TokenPieces(Protocol):
+    def id_to_piece(self, token_id: int) -> Optional[str]: ...
 
 
 class Gemma3Vision:
     """A SigLIP vision tower with Gemma 3's projector: PIL image → mm_tokens_per_image embedding rows."""
 
     def __init__(self, spec: Gemma3VisionSpec, weights: WeightLoader, prefix: str,
-                 processing: Gemma3ImageProcessing, newlines: list[int]):
-        self.spec, self.processing, self.newlines = spec, processing, newlines
+                 processing: Gemma3ImageProcessing, marker_text: str):
+        self.spec, self.processing, self.marker_text = spec, processing, marker_text
         self.device, self.dtype = weights.device, weights.dtype
         emb = f"{prefix}.embeddings"
         conv = weights.tensor(f"{emb}.patch_embedding.weight")
@@ -201,10 +201,10 @@ class Gemma3Vision:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float16,
-                 tokenizer: Optional[TextTokenizer] = None) -> Optional["Gemma3Vision"]:
+                 tokenizer: Optional[TokenPieces] = None) -> Optional["Gemma3Vision"]:
         """The vision encoder of `model_dir`, or None when its config.json describes no Gemma 3 vision model or
-        its files hold no vision tower (a text-only export). `tokenizer` (default: the directory's) tokenizes the
-        "\\n\\n" around each image."""
+        its files hold no vision tower (a text-only export). `tokenizer` (default: the directory's) spells the
+        <start_of_image> marker, which `expand_text` finds in a rendered prompt."""
         d = Path(model_dir)
         found = vision_parts(d, Gemma3VisionSpec)
         if found is None:
@@ -215,18 +215,26 @@ class Gemma3Vision:
 
             tokenizer = Tokenizer.from_dir(d)
         processing = Gemma3ImageProcessing.from_dir(d, spec.image_size)
-        newlines = tokenizer.encode("\n\n", add_bos=False)
-        return cls(spec, WeightLoader(tensors, device, dtype), _tower_prefix(tensors), processing, newlines)
+        marker = tokenizer.id_to_piece(spec.marker_id)
+        if not marker:
+            raise ModelLoadError(f"The tokenizer in {d} has no token {spec.marker_id} (<start_of_image>), which "
+                                 "images need.")
+        return cls(spec, WeightLoader(tensors, device, dtype), _tower_prefix(tensors), processing, marker)
 
     def preprocess(self, image: PIL.Image.Image) -> torch.Tensor:
         """[3, S, S] float32 normalized pixels (transformers' Gemma3ImageProcessor, no pan-and-scan)."""
         return self.processing(image)
 
+    def expand_text(self, text: str) -> str:
+        """A rendered prompt with "\\n\\n" on both sides of each <start_of_image>, as Gemma3Processor writes it
+        before tokenizing: the tokenizer may merge them with the prompt's own newlines around the marker."""
+        return text.replace(self.marker_text, f"\n\n{self.marker_text}\n\n")
+
     def token_layout(self) -> list[int]:
-        """The tokens of one image as Gemma3Processor writes them in place of <start_of_image>:
-        "\\n\\n" <start_of_image> <image_soft_token> × mm_tokens_per_image <end_of_image> "\\n\\n"."""
+        """The tokens of one image in place of <start_of_image> (its "\\n\\n"s are text: `expand_text`):
+        <start_of_image> <image_soft_token> × mm_tokens_per_image <end_of_image>."""
         s = self.spec
-        return [*self.newlines, s.marker_id, *[s.image_token_id] * s.mm_tokens_per_image, s.end_id, *self.newlines]
+        return [s.marker_id, *[s.image_token_id] * s.mm_tokens_per_image, s.end_id]
 
     def _tower(self, pixels: torch.Tensor) -> torch.Tensor:
         """post_layernorm(last layer's output): [patches, hidden] for pixels [3, S, S], patches row-major."""

@@ -37,6 +37,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "relu": F.relu,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
 
 
@@ -133,10 +134,11 @@ def _feature_layers(value, num_layers: int) -> tuple[int, ...]:
 
 
 class VisionTensors:
-    """The tower's and projector's tensors under `vision_tower.*` / `multi_modal_projector.*`, whether the files
-    store them so (older checkpoints) or under transformers 5's `model.` prefix; read on demand from the shards."""
+    """The tensors under `roots` (the tower's and projector's: `vision_tower.*` / `multi_modal_projector.*` by
+    default, Qwen2-VL's `visual.*`), whether the files store them so (older checkpoints) or under transformers 5's
+    `model.` prefix; read on demand from the shards."""
 
-    def __init__(self, model_dir: Path | str):
+    def __init__(self, model_dir: Path | str, roots: tuple[str, ...] = (TOWER, PROJECTOR)):
         files = sorted(Path(model_dir).glob("*.safetensors"))
         # like TensorSource: Mistral's own-format consolidated.safetensors duplicates the HF shards
         files = [f for f in files if not f.name.startswith("consolidated")] or files
@@ -147,8 +149,8 @@ class VisionTensors:
             except Exception as e:   # safetensors raises its own error types
                 raise ModelLoadError(f"{path} cannot be opened as safetensors ({e}).") from None
             for key in handle.keys():
-                name = key[len("model."):] if key.startswith(("model." + TOWER, "model." + PROJECTOR)) else key
-                if name.startswith((TOWER + ".", PROJECTOR + ".")):
+                name = key[len("model."):] if key.startswith(tuple(f"model.{r}." for r in roots)) else key
+                if name.startswith(tuple(f"{r}." for r in roots)):
                     self._where.setdefault(name, (handle, key))
 
     def __len__(self) -> int:
@@ -164,13 +166,13 @@ class VisionTensors:
         return handle.get_tensor(key)
 
 
-def vision_parts(model_dir: Path, spec_class) -> Optional[tuple]:
+def vision_parts(model_dir: Path, spec_class, roots: tuple[str, ...] = (TOWER, PROJECTOR)) -> Optional[tuple]:
     """(spec, VisionTensors) of `model_dir` when its config.json is `spec_class`'s kind of vision model and its files
-    hold the vision weights; None otherwise (another kind, or a text-only export)."""
+    hold the vision weights (under `roots`); None otherwise (another kind, or a text-only export)."""
     spec = spec_class.from_config(read_json(model_dir / "config.json"))
     if spec is None:
         return None
-    tensors = VisionTensors(model_dir)
+    tensors = VisionTensors(model_dir, roots)
     return (spec, tensors) if len(tensors) else None
 
 
@@ -262,6 +264,8 @@ class ImageEmbedding:
     features: torch.Tensor      # [n, text_hidden] in the model's dtype and device: one row per [IMG] token, in order
     token_ids: list[int]        # per row of merged patches: [IMG] × cols then [IMG_BREAK]; the last row ends [IMG_END]
     image_token_id: int         # the [IMG] id (config.json image_token_index)
+    grid: Optional[tuple[int, int, int]] = None   # (t, h, w) of the feature rows, for 3-D RoPE (Qwen2-VL); else None
+    deep: tuple = ()            # Qwen3-VL's DeepStack: [n, text_hidden] rows added after each of the first layers
 
 
 class TokenLookup(Protocol):

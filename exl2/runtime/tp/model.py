@@ -11,6 +11,7 @@ from torch import nn
 
 from exl2.models.decoder import (DecoderLayer, DecoderModel, KVCache, WeightProvider, last_rows, on_device,
                                  put_rows)
+from exl2.models.rope import positioned
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import share_inputs
 from exl2.runtime.load_progress import report
@@ -80,11 +81,14 @@ class TensorParallelModel(DecoderModel):
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
                 last_only: bool | torch.Tensor = False, fresh: bool | None = None,
-                hidden: bool = False, inject: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                hidden: bool = False, inject: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                rope_shift: Optional[torch.Tensor] = None, mrope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """As DecoderModel.forward; ids on the first device, logits (or hidden states) there."""
         q_pos = self.positions(ids, start)
         fresh = (start == 0) if isinstance(start, int) else fresh
         tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
+        if rope_shift is not None or mrope is not None:
+            tables = positioned(tables, q_pos, rope_shift, mrope, self.spec.mrope_section)
         caches = self._shard_caches(cache)
         positions = [q_pos.to(d) for d in self.devices]
         for c, pos in zip(caches, positions):
