@@ -309,6 +309,34 @@ def _arch_qwen2_5_vl():
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
+def _arch_qwen3_vl():
+    from transformers import Qwen3VLConfig
+
+    # Qwen3-VL used as text: a Qwen3 decoder (q/k norms) with interleaved M-RoPE sections [4, 2, 2] over head_dim
+    # 16's 8 frequencies, next to a tiny vision tower that must be ignored. The image path (interleaved 3-D
+    # positions, DeepStack rows) is tests/test_vision_qwen3vl_chat.py's.
+    text = _cfg(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
+                                              "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=_BASE["hidden_size"],
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+def _arch_qwen3_vl_moe():
+    from transformers import Qwen3VLMoeConfig
+
+    # Qwen3-VL-MoE (30B-A3B style) as text: Qwen3-MoE layers whose experts transformers keeps fused
+    # (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) and whose router always renormalizes its
+    # top-k; interleaved M-RoPE as qwen3_vl.
+    text = _cfg(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
+                                              "mrope_interleaved": True},
+                **{**{k: v for k, v in _QWEN_MOE.items() if k not in ("mlp_only_layers", "rope_parameters")},
+                   "moe_intermediate_size": 24})   # 2·24 ≠ 64: the fused tensors' orientation is unambiguous
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=_BASE["hidden_size"],
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 def _arch_phi3():
     from transformers import Phi3Config
 
@@ -459,6 +487,8 @@ ARCHS: dict[str, Callable] = {
     "glm4": _arch_glm4,
     "mistral3": _arch_mistral3,
     "qwen2_5_vl": _arch_qwen2_5_vl,
+    "qwen3_vl": _arch_qwen3_vl,
+    "qwen3_vl_moe": _arch_qwen3_vl_moe,
     "phi3": _arch_phi3,
     "phi3_longrope": _arch_phi3_longrope,
     "deepseek_v3": _arch_deepseek_v3,
@@ -505,7 +535,8 @@ def _auto_class(config):
     """The transformers auto class of `config`: image-text-to-text for the multimodal wrappers (used as text only)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if config.model_type in ("mistral3", "qwen2_5_vl") else AutoModelForCausalLM
+    wrapped = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    return AutoModelForImageTextToText if config.model_type in wrapped else AutoModelForCausalLM
 
 
 def build_tiny(name: str, out_dir: Path, seed: int = 0, vocab_size: int | None = None) -> Path:

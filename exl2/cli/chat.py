@@ -32,7 +32,7 @@ def register(sub) -> None:
                                      "the context free for the reply, at most half of it")
     p.add_argument("--vision", action="store_true",
                    help="load the model's vision tower, so /image can attach pictures (Mistral 3, Pixtral, Gemma 3, "
-                        "Qwen2-VL, Qwen2.5-VL)")
+                        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
     p.add_argument("-amnesia", "--amnesia", dest="amnesia", action="store_true",
                    help="forget the conversation after every reply: each turn sees only the system prompt and "
                         "its own message")

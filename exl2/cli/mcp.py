@@ -36,7 +36,7 @@ def register(sub) -> None:
     add_lora_args(s)
     s.add_argument("--vision", action="store_true",
                    help="load the model's vision tower, so the chat tool takes images (Mistral 3, Pixtral, Gemma 3, "
-                        "Qwen2-VL, Qwen2.5-VL)")
+                        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
     s.add_argument("--transport", choices=["stdio", "http"], default="stdio",
                    help="stdio (default; the client launches this command) or http (Streamable HTTP at /mcp)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default 127.0.0.1)")

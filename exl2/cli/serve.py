@@ -31,7 +31,8 @@ def register(sub) -> None:
     add_draft_args(p)
     p.add_argument("--vision", action="store_true",
                    help="load the model's vision tower, so chat messages may hold images (image_url parts: data URIs "
-                        "or http(s) URLs); Mistral 3.1/3.2, Pixtral, Gemma 3, Qwen2-VL and Qwen2.5-VL")
+                        "or http(s) URLs); Mistral 3.1/3.2, Pixtral, Gemma 3, Qwen2-VL, "
+                        "Qwen2.5-VL and Qwen3-VL")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=5000, help="TCP port (default 5000; 0 = any free port)")
     p.add_argument("--api-key", "--api_key", dest="api_keys", action="append", default=[], metavar="KEY",

@@ -34,6 +34,7 @@ class ImageTokens:
     base: int
     features: torch.Tensor
     grid: Optional[tuple[int, int, int]] = None   # (t, h, w) of the rows in row-major order, for M-RoPE (Qwen2-VL)
+    deep: tuple = ()            # Qwen3-VL: per early decoder layer, rows [n, H] added after it (DeepStack)
 
 
 class ImageAliases:
@@ -53,9 +54,10 @@ class ImageAliases:
             return found
 
     def add(self, key: str, token_ids: Sequence[int], image_token_id: int, features: torch.Tensor,
-            grid: Optional[tuple[int, int, int]] = None) -> ImageTokens:
+            grid: Optional[tuple[int, int, int]] = None, deep: tuple = ()) -> ImageTokens:
         """Register an encoded image: `token_ids` its layout, whose `image_token_id` tokens take `features`' rows
-        in order; `grid` their (t, h, w) arrangement where the model places them in 3-D (M-RoPE)."""
+        in order; `grid` their (t, h, w) arrangement where the model places them in 3-D (M-RoPE); `deep` the
+        rows the first decoder layers add there (DeepStack)."""
         count = sum(1 for t in token_ids if t == image_token_id)
         if count != features.shape[0]:
             raise ValueError(f"The image has {features.shape[0]} embeddings for {count} image tokens.")
@@ -64,7 +66,7 @@ class ImageAliases:
             self.next += count
             aliases = iter(range(base, base + count))
             image = ImageTokens(tuple(next(aliases) if t == image_token_id else t for t in token_ids), base, features,
-                                grid)
+                                grid, tuple(deep))
             self.images[key] = image
             while len(self.images) > self.keep:
                 self.images.popitem(last=False)
@@ -72,14 +74,15 @@ class ImageAliases:
 
 
 def split(rows: Sequence[Sequence[int]], images: Sequence[Sequence[ImageTokens]], first_alias: int,
-          device: torch.device) -> tuple[list[list[int]], Optional[tuple[torch.Tensor, torch.Tensor]]]:
+          device: torch.device) -> tuple[list[list[int]], Optional[tuple]]:
     """Token rows ready for a forward: aliases replaced by token 0, and (flat positions [n] into the right-padded
-    [B, T] batch, embeddings [n, H]) to put in their place (`DecoderModel.forward`'s `inject`), row b's aliases
-    looked up among images[b]; None when no row holds an alias."""
+    [B, T] batch, embeddings [n, H][, per DeepStack layer rows [n, H]]) to put in their place
+    (`DecoderModel.forward`'s `inject`), row b's aliases looked up among images[b]; None when no row holds an
+    alias."""
     if not any(t >= first_alias for r in rows for t in r):
         return [list(r) for r in rows], None
     width = max(len(r) for r in rows)
-    plain, where, parts = [], [], []
+    plain, where, parts, deep = [], [], [], []
     for b, (row, own) in enumerate(zip(rows, images)):
         for a, e in image_runs(row, first_alias):
             j = a
@@ -90,11 +93,15 @@ def split(rows: Sequence[Sequence[int]], images: Sequence[Sequence[ImageTokens]]
                 first = row[j] - image.base
                 end = min(e, j + image.features.shape[0] - first)
                 parts.append(image.features[first:first + end - j])
+                deep.append([d[first:first + end - j] for d in image.deep])
                 where.extend(range(b * width + j, b * width + end))
                 j = end
         plain.append([0 if t >= first_alias else t for t in row])
     index = torch.tensor(where, dtype=torch.long, device=device)
-    return plain, (index, torch.cat(parts).to(device))
+    if not all(deep):
+        return plain, (index, torch.cat(parts).to(device))
+    levels = tuple(torch.cat(level).to(device) for level in zip(*deep))
+    return plain, (index, torch.cat(parts).to(device), levels)
 
 
 def image_runs(row: Sequence[int], first_alias: int) -> list[tuple[int, int]]:

@@ -119,7 +119,7 @@ class VisionPrompts:
         if found is not None:
             return found
         emb = self.vision.encode(load_image(data))
-        return self.aliases.add(key, emb.token_ids, emb.image_token_id, emb.features, emb.grid)
+        return self.aliases.add(key, emb.token_ids, emb.image_token_id, emb.features, emb.grid, emb.deep)
 
     def prompt(self, text: str, tokenizer, sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
         """A rendered chat prompt with the template's image marker where each of `sources` goes, tokenized (after

@@ -35,10 +35,21 @@ def last_rows(normed: torch.Tensor, last_only: bool | torch.Tensor) -> torch.Ten
     return normed[:, -1:] if last_only else normed
 
 
-def put_rows(x: torch.Tensor, inject: tuple[torch.Tensor, torch.Tensor]) -> None:
+def put_rows(x: torch.Tensor, inject: tuple) -> None:
     """Write rows [n, H] over the positions (flat indices into x's [B, T]) of x [B, T, H], in place: the
     embeddings of a prompt's images in place of their tokens' (generation.images)."""
     x.view(-1, x.shape[-1]).index_copy_(0, inject[0], inject[1].to(x.dtype))
+
+
+def deep_rows(x: torch.Tensor, inject: Optional[tuple], layer: int) -> torch.Tensor:
+    """x [B, T, H] after decoder layer `layer`, plus that layer's DeepStack rows at the image positions when
+    `inject` carries them (its third entry: one [n, H] per early layer; Qwen3-VL adds its tower's intermediate
+    features to the first layers' outputs)."""
+    if inject is None or len(inject) < 3 or layer >= len(inject[2]):
+        return x
+    x = x.contiguous()
+    x.view(-1, x.shape[-1]).index_add_(0, inject[0].to(x.device), inject[2][layer].to(x.device, x.dtype))
+    return x
 
 
 def _summed(y, like: torch.Tensor) -> torch.Tensor:
@@ -500,15 +511,16 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
                 last_only: bool | torch.Tensor = False, fresh: bool | None = None,
-                hidden: bool = False, inject: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                rope_shift: Optional[torch.Tensor] = None, mrope: Optional[torch.Tensor] = None) -> torch.Tensor:
+                hidden: bool = False, inject: Optional[tuple] = None, rope_shift: Optional[torch.Tensor] = None,
+                mrope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits (float32) for token ids [B, T] placed at positions start..start+T-1 (start per row or shared).
         `last_only`: only the last position's logits [B, 1, V]; a [B] tensor: the logits at those positions of each
         row (right-padded rows of different lengths).
         `fresh`: whether every row starts at 0, when a tensor `start` hides it (saves the cache a GPU read).
         `hidden`: the final norm's output [B, T, H] (the model's dtype) instead of logits (embeddings).
-        `inject` (flat positions [n] into [B, T], rows [n, H]): embeddings that replace those positions' token
-        embeddings (images in a prompt: generation.images).
+        `inject` (flat positions [n] into [B, T], rows [n, H][, DeepStack rows]): embeddings that replace those
+        positions' token embeddings (images in a prompt: generation.images), and what to add there after each of
+        the first layers (`deep_rows`).
         M-RoPE models (Qwen2-VL) rotate by other positions than they cache at once a prompt holds an image:
         `mrope` [3, B, T] gives each token's (t, h, w) position, `rope_shift` [B] what each row adds to its
         positions instead (text after the images; generation.images.mrope_positions)."""
@@ -519,20 +531,22 @@ class DecoderModel(nn.Module):
             note(q_pos, fresh)
         tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
         if rope_shift is not None or mrope is not None:
-            tables = positioned(tables, q_pos, rope_shift, mrope, self.spec.mrope_section)
+            tables = positioned(tables, q_pos, rope_shift, mrope, self.spec.mrope_axes)
         x, delta = self.embed(ids).contiguous(), None
         if inject is not None:
             put_rows(x, inject)
         if self.is_split:
-            return self._forward_split(x, q_pos, tables, cache, fresh, last_only, hidden)
+            return self._forward_split(x, q_pos, tables, cache, fresh, last_only, hidden, inject)
         for i, layer in enumerate(self.layers):
             x, delta = layer.fused_step(x, delta, q_pos, self.layer_rope(tables, i), cache)
+            x = deep_rows(x, inject, i)
         normed = self.norm.add_norm(delta, x) if delta is not None else self.norm(x)
         rows = last_rows(normed, last_only)
         return rows if hidden else self.logits(rows)
 
     def _forward_split(self, x: torch.Tensor, q_pos: torch.Tensor, tables: dict, cache, fresh: Optional[bool],
-                       last_only: bool | torch.Tensor, hidden: bool = False) -> torch.Tensor:
+                       last_only: bool | torch.Tensor, hidden: bool = False,
+                       inject: Optional[tuple] = None) -> torch.Tensor:
         """`forward` over several devices: each run of layers with its device current, the residual stream and the
         pending MLP output (`fused_step`'s pair) moved where the run starts, positions and RoPE tables copied once
         per device and forward (the cache is told of each copy); the head's logits back on the embedding's device.
@@ -549,6 +563,7 @@ class DecoderModel(nn.Module):
                 local = self.tables_on(tables, dev)
                 for i in range(first, end):
                     x, delta = self.layers[i].fused_step(x, delta, pos, self.layer_rope(local, i), cache)
+                    x = deep_rows(x, inject, i)
         dev = self.head_device
         with on_device(dev):
             x = x.to(dev)

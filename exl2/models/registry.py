@@ -40,6 +40,8 @@ _TEXT_DECODER_OF = {
     "LlavaForConditionalGeneration": "MistralForCausalLM",
     "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES) + tuple(_TEXT_DECODER_OF)
 
@@ -232,14 +234,25 @@ def _llama(arch: str, cfg: dict) -> ModelSpec:
         qk_norm=arch == "Qwen3ForCausalLM",
         fused_qkv=arch == "Phi3ForCausalLM",
         mrope_section=_mrope_section(cfg, c["head_dim"]),
+        mrope_interleaved=_mrope_interleaved(cfg),
     )
+
+
+def _mrope_interleaved(cfg: dict) -> bool:
+    """Qwen3-VL interleaves its M-RoPE frequencies whatever its config says (transformers' Qwen3-VL rotary
+    embedding has no other layout); others where `mrope_interleaved` says so."""
+    return bool(_rope_params(cfg).get("mrope_interleaved")) or cfg.get("model_type") in ("qwen3_vl_text",
+                                                                                       "qwen3_vl_moe_text")
+
+
+def _rope_params(cfg: dict) -> dict:
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
 
 
 def _mrope_section(cfg: dict, head_dim: int) -> Optional[tuple[int, ...]]:
     """Qwen2-VL / Qwen2.5-VL: how many of the head's head_dim/2 frequencies turn with the temporal, height and
     width positions of an image token (text tokens have all three equal, which is plain RoPE)."""
-    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    sections = rp.get("mrope_section")
+    sections = _rope_params(cfg).get("mrope_section")
     if sections is None:
         return None
     sections = tuple(int(x) for x in sections)
@@ -344,7 +357,9 @@ def _qwen3_moe(arch: str, cfg: dict) -> ModelSpec:
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if qwen2 else 0
     moe = MoESpec(num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                   expert_dim=cfg["moe_intermediate_size"], router="softmax",
-                  norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), style="qwen", shared_dim=shared,
+                  # Qwen3-VL-MoE's router always renormalizes its top-k (its config has no norm_topk_prob)
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) or cfg.get("model_type") == "qwen3_vl_moe_text",
+                  style="qwen", shared_dim=shared,
                   shared_gate=shared > 0)
     step = cfg.get("decoder_sparse_step", 1)
     dense_only = set(cfg.get("mlp_only_layers") or [])
@@ -355,7 +370,9 @@ def _qwen3_moe(arch: str, cfg: dict) -> ModelSpec:
     else:
         bias = dict(qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)))
     return ModelSpec(**c, rope=_rope(cfg, c["head_dim"]), activation=_act(cfg), moe=moe, qk_norm=not qwen2, **bias,
-                     layers=tuple(LayerSpec(sliding_window=w, moe=m) for w, m in zip(windows, is_moe)))
+                     layers=tuple(LayerSpec(sliding_window=w, moe=m) for w, m in zip(windows, is_moe)),
+                     mrope_section=_mrope_section(cfg, c["head_dim"]),
+                     mrope_interleaved=_mrope_interleaved(cfg))
 
 
 def _gemma1_act(cfg: dict) -> str:

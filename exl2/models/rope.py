@@ -160,15 +160,26 @@ def _yarn(spec: RopeSpec, p: dict) -> tuple[torch.Tensor, float]:
     return inter * (1 - keep) + extra * keep, float(att)
 
 
+def mrope_axes(sections: tuple[int, int, int], interleaved: bool = False) -> tuple[int, ...]:
+    """Which position (0: temporal, 1: height, 2: width) each of a head's rotary frequencies turns with under
+    M-RoPE: `sections` frequencies each, in three runs (Qwen2-VL), or interleaved t, h, w, t, h, w, … with the
+    temporal axis taking what is left at the end (Qwen3-VL's mrope_interleaved)."""
+    t, h, w = sections
+    if not interleaved:
+        return (0,) * t + (1,) * h + (2,) * w
+    axes = [0] * (t + h + w)
+    for axis, count in ((1, h), (2, w)):
+        for i in range(axis, min(3 * count, len(axes)), 3):
+            axes[i] = axis
+    return tuple(axes)
+
+
 def mrope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-               sections: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token cos/sin rows [B·T, dim/2] for 3-D positions [3, B, T] (Qwen2-VL's M-RoPE): the first
-    sections[0] frequencies turn with the temporal position, the next sections[1] with the height, the rest with
-    the width; rows of the 1-D tables `cos`/`sin` [positions, dim/2] supply each part."""
-    half = cos.shape[-1]
-    which = torch.repeat_interleave(torch.arange(len(sections), device=positions.device),
-                                    torch.tensor(sections, device=positions.device), output_size=half)
-    index = positions.reshape(len(sections), -1)[which].t()          # [B·T, dim/2]: each frequency's position
+               axes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cos/sin rows [B·T, dim/2] for 3-D positions [3, B, T] (M-RoPE): frequency i takes the row of
+    its axis' position (`mrope_axes`) from the 1-D tables `cos`/`sin` [positions, dim/2]."""
+    which = torch.tensor(axes, device=positions.device)
+    index = positions.reshape(3, -1)[which].t()          # [B·T, dim/2]: each frequency's position
     return cos.gather(0, index.to(cos.device)), sin.gather(0, index.to(sin.device))
 
 
@@ -179,12 +190,12 @@ def rope_index(rope: tuple, q_pos: torch.Tensor) -> torch.Tensor:
 
 
 def positioned(tables: dict, q_pos: torch.Tensor, shift: Optional[torch.Tensor] = None,
-               mrope: Optional[torch.Tensor] = None, sections: Optional[tuple[int, ...]] = None) -> dict:
+               mrope: Optional[torch.Tensor] = None, axes: Optional[tuple[int, ...]] = None) -> dict:
     """`tables` (name → (cos, sin, interleaved)) with the rows each token [B, T] takes as a fourth entry: its
     position q_pos plus the row's `shift` [B] (text after an image, whose tokens took fewer positions than
-    places), or with 3-D positions `mrope` [3, B, T] per-token rows built for them (M-RoPE `sections`)."""
+    places), or with 3-D positions `mrope` [3, B, T] per-token rows built for them (M-RoPE `axes`)."""
     if mrope is None:
         index = q_pos + shift.to(q_pos.device).view(-1, 1)
         return {name: (*t[:3], index) for name, t in tables.items()}
     index = torch.arange(q_pos.numel(), device=q_pos.device).view(q_pos.shape)
-    return {name: (*mrope_rows(t[0], t[1], mrope, sections), t[2], index) for name, t in tables.items()}
+    return {name: (*mrope_rows(t[0], t[1], mrope, axes), t[2], index) for name, t in tables.items()}

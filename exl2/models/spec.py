@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from exl2.models.rope import RopeOverride, RopeSpec
+from exl2.models.rope import RopeOverride, RopeSpec, mrope_axes
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class ModelSpec:
     sandwich_norm: bool = False            # Gemma 2/3, GLM-4-0414: norms after attention and MLP too
     image_blocks: bool = False             # Gemma 3: a prompt's image tokens attend to their whole image
     mrope_section: Optional[tuple[int, ...]] = None   # Qwen2-VL: frequencies per (t, h, w) position (M-RoPE)
+    mrope_interleaved: bool = False        # Qwen3-VL: those frequencies interleaved t, h, w, … (rope.mrope_axes)
     sandwich_names: tuple[str, str, str] = GEMMA_SANDWICH   # their tensor names (see GEMMA_SANDWICH)
     norm_type: str = "rms"                 # rms | layernorm (Cohere: mean-centred, weight only, no bias)
     parallel_block: bool = False           # Cohere: x + attn(n(x)) + mlp(n(x)), one norm per layer
@@ -105,6 +106,11 @@ class ModelSpec:
     def native_max_position(self) -> int:
         """config.json's max_position_embeddings, before a RoPE override extended `max_position`."""
         return self.rope.max_position
+
+    @property
+    def mrope_axes(self) -> Optional[tuple[int, ...]]:
+        """The position axis each rotary frequency turns with (M-RoPE models; rope.mrope_axes), else None."""
+        return None if self.mrope_section is None else mrope_axes(self.mrope_section, self.mrope_interleaved)
 
     @property
     def num_params_hint(self) -> int:

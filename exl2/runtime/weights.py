@@ -115,10 +115,13 @@ class WeightLoader:
             dn = self.src.get(f"{prefix}.down_proj")
             if dn is None:
                 dn = self.src[f"{prefix}.down_proj.weight"]
+            # [E, in, out] (Llama 4's files) or [E, out, in] (transformers 5's Qwen3-VL-MoE): both tensors alike,
+            # told by whichever has unequal sides (2I = H makes gate_up alone ambiguous)
+            in_out = dn.shape[1] == dim if dim != hidden else gu.shape[1] == hidden
             out = []
             for e in range(num):
-                g, u = gu[e].t().chunk(2, dim=0) if gu.shape[1] == hidden else gu[e].chunk(2, dim=0)
-                d = dn[e].t() if dn.shape[1] == dim else dn[e]
+                g, u = gu[e].t().chunk(2, dim=0) if in_out else gu[e].chunk(2, dim=0)
+                d = dn[e].t() if in_out else dn[e]
                 mk = lambda m, i, o: Linear(i, o, m.to(device=self.device, dtype=self.dtype).contiguous(),
                                             info={"format": "dense"})
                 out.append((mk(g, hidden, dim), mk(u, hidden, dim), mk(d, dim, hidden)))

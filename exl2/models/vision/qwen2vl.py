@@ -140,7 +140,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """(height, width) as Qwen2VLImageProcessor resizes: each side rounded to a multiple of `factor`, then scaled
     (keeping the aspect ratio) down to at most max_pixels or up to at least min_pixels."""
     if max(height, width) / min(height, width) > MAX_ASPECT:
-        raise ConfigError(f"The image is {width}×{height} pixels; Qwen2-VL takes aspect ratios up to {MAX_ASPECT}:1.")
+        raise ConfigError(f"The image is {width}×{height} pixels; Qwen vision models take aspect ratios up to "
+                          f"{MAX_ASPECT}:1.")
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
@@ -247,9 +248,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class _Block(nn.Module):
-    """One vision block: x + attn(norm1(x)), then + mlp(norm2(x)); attention within each span of `lengths` rows."""
+    """One vision block: x + attn(norm1(x)), then + mlp(norm2(x)); attention within each span of `lengths` rows.
+    `mlp` names the two linears of the ungated MLP (Qwen3-VL's block is Qwen2-VL's with linear_fc1 / linear_fc2)."""
 
-    def __init__(self, spec: QwenVisionSpec, w: WeightLoader, prefix: str):
+    def __init__(self, spec: QwenVisionSpec, w: WeightLoader, prefix: str, mlp: tuple[str, str] = ("fc1", "fc2")):
         super().__init__()
         h, inter = spec.hidden, spec.intermediate
         self.heads, self.act, self.gated = spec.heads, _activation(spec.act), spec.kind == "qwen2_5_vl"
@@ -262,8 +264,8 @@ class _Block(nn.Module):
             self.up = w.linear(f"{prefix}.mlp.up_proj", h, inter, True)
             self.down = w.linear(f"{prefix}.mlp.down_proj", inter, h, True)
         else:
-            self.fc1 = w.linear(f"{prefix}.mlp.fc1", h, inter, True)
-            self.fc2 = w.linear(f"{prefix}.mlp.fc2", inter, h, True)
+            self.fc1 = w.linear(f"{prefix}.mlp.{mlp[0]}", h, inter, True)
+            self.fc2 = w.linear(f"{prefix}.mlp.{mlp[1]}", inter, h, True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n, h = x.shape

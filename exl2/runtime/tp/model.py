@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from exl2.models.decoder import (DecoderLayer, DecoderModel, KVCache, WeightProvider, last_rows, on_device,
-                                 put_rows)
+from exl2.models.decoder import (DecoderLayer, DecoderModel, KVCache, WeightProvider, deep_rows, last_rows,
+                                 on_device, put_rows)
 from exl2.models.rope import positioned
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import share_inputs
@@ -81,14 +81,14 @@ class TensorParallelModel(DecoderModel):
 
     def forward(self, ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
                 last_only: bool | torch.Tensor = False, fresh: bool | None = None,
-                hidden: bool = False, inject: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                hidden: bool = False, inject: Optional[tuple] = None,
                 rope_shift: Optional[torch.Tensor] = None, mrope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """As DecoderModel.forward; ids on the first device, logits (or hidden states) there."""
         q_pos = self.positions(ids, start)
         fresh = (start == 0) if isinstance(start, int) else fresh
         tables = self.rope_tables(q_pos, start + ids.shape[1] if isinstance(start, int) else None)
         if rope_shift is not None or mrope is not None:
-            tables = positioned(tables, q_pos, rope_shift, mrope, self.spec.mrope_section)
+            tables = positioned(tables, q_pos, rope_shift, mrope, self.spec.mrope_axes)
         caches = self._shard_caches(cache)
         positions = [q_pos.to(d) for d in self.devices]
         for c, pos in zip(caches, positions):
@@ -104,6 +104,7 @@ class TensorParallelModel(DecoderModel):
         for i, layer in enumerate(self.layers):
             ropes = [self.layer_rope(t, i) for t in local]
             xs = layer(xs, positions, ropes, caches, self.collectives, self.devices)
+            xs = [deep_rows(x, inject, i) for x in xs]
         with on_device(self.devices[0]):
             rows = last_rows(self.norm(xs[0]), last_only)
             return rows if hidden else self.logits(rows)
