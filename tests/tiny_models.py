@@ -331,7 +331,7 @@ def _arch_qwen3_vl_moe():
     text = _cfg(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
                                               "mrope_interleaved": True},
                 **{**{k: v for k, v in _QWEN_MOE.items() if k not in ("mlp_only_layers", "rope_parameters")},
-                   "moe_intermediate_size": 24})   # 2·24 ≠ 64: the fused tensors' orientation is unambiguous
+                   "moe_intermediate_size": 96})   # 2·96 ≠ 64: the fused tensors' orientation is unambiguous
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=_BASE["hidden_size"],
                   num_position_embeddings=16, deepstack_visual_indexes=[0])
     return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)

@@ -247,6 +247,25 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return _rotate(x.float(), cos[:, None], sin[:, None]).to(x.dtype)
 
 
+def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Bidirectional attention within each consecutive span of `lengths` rows of q, k, v [n, heads, d] (scale
+    head_dim ** -0.5): spans of one length go through one batched call, so a large image's hundreds of windows cost
+    a few launches (they come in at most four lengths: whole windows, and those cut by the right and bottom edges)."""
+    if len(lengths) == 1:
+        return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
+    starts: dict[int, list[int]] = {}
+    at = 0
+    for length in lengths:
+        starts.setdefault(length, []).append(at)
+        at += length
+    out = torch.empty_like(q)
+    for length, first in starts.items():
+        rows = (torch.tensor(first)[:, None] + torch.arange(length)).flatten().to(q.device)
+        batch = [t[rows].view(len(first), length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+        out[rows] = F.scaled_dot_product_attention(*batch).transpose(1, 2).reshape(-1, *q.shape[1:])
+    return out
+
+
 class _Block(nn.Module):
     """One vision block: x + attn(norm1(x)), then + mlp(norm2(x)); attention within each span of `lengths` rows.
     `mlp` names the two linears of the ungated MLP (Qwen3-VL's block is Qwen2-VL's with linear_fc1 / linear_fc2)."""
@@ -271,9 +290,7 @@ class _Block(nn.Module):
         n, h = x.shape
         q, k, v = self.qkv(_apply(self.norm1, x)).view(n, 3, self.heads, -1).unbind(1)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        spans = zip(*(t.transpose(0, 1)[None].split(lengths, dim=2) for t in (q, k, v)))   # [1, heads, span, d]
-        a = torch.cat([F.scaled_dot_product_attention(*span) for span in spans], dim=2)   # scale head_dim ** -0.5
-        x = x + self.proj(a[0].transpose(0, 1).reshape(n, h))
+        x = x + self.proj(span_attention(q, k, v, lengths).reshape(n, h))
         y = _apply(self.norm2, x)
         if self.gated:
             return x + self.down(self.act(self.gate(y)) * self.up(y))
