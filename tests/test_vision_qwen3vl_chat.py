@@ -93,7 +93,7 @@ def test_images_on_the_gpu_match_transformers(tmp_path):
     from transformers import Qwen3VLConfig
 
     from test_vision_qwen2vl import END, START
-    from test_vision_qwen2vl_chat import _hf_inputs
+    from test_vision_qwen2vl_chat import assert_gpu_matches
 
     text = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, head_dim=64,
                 num_key_value_heads=1, vocab_size=256, bos_token_id=1, eos_token_id=1,
@@ -104,30 +104,4 @@ def test_images_on_the_gpu_match_transformers(tmp_path):
                   num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
     config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=PAD, video_token_id=8,
                            vision_start_token_id=START, vision_end_token_id=END)
-    hf = _build(config, tmp_path, seed=4)
-    _save_tokenizer(tmp_path)
-    set_template(tmp_path, TEMPLATE)
-    gpu = Engine(EngineConfig(model_dir=tmp_path, device="cuda", max_seq_len=512, vision=True))
-    image = _noise(150, 90, seed=12)
-    ids, images = gpu.chat_input(_messages(image))
-    vocab = gpu.model.spec.vocab_size
-    positions, shift = mrope_positions(ids, images, vocab)
-    assert shift < 0 and len(images[0].deep) == 2
-    with torch.no_grad():
-        ref = hf(**_hf_inputs(tmp_path, ids, vocab, image)).logits.float()
-        plain, inject = split([ids], [images], vocab, gpu.model.device)
-        pages = -(-len(ids) // 16)
-        cache = paged_cache_for(gpu.model, pages + 1, 16)
-        cache.bind(torch.arange(pages, dtype=torch.int32, device="cuda")[None])
-        ours = gpu.model(torch.tensor(plain, device="cuda"), cache, 0, inject=inject,
-                         mrope=positions[:, None].cuda()).float().cpu()
-    assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
-    want = _hf_greedy((tmp_path, hf), ids, vocab, image, 8)
-    job = Job(ids, GREEDY, 8, logprobs=0)
-    job.images = images
-    generator = DynamicGenerator(gpu.model, gpu.tokenizer, 512)
-    assert generator.graphs is not None and generator.graphs.shifted
-    got = generator.generate([job])[0]
-    agree = next((i for i, (a, b) in enumerate(zip(got.token_ids, want[0])) if a != b), 8)
-    assert agree >= 6
-    assert max(abs(r.logprob - w) for r, w in zip(got.logprobs[:agree], want[1][:agree])) <= 0.05
+    assert_gpu_matches(config, tmp_path, _noise(150, 90, seed=12), _build, deep=2)

@@ -42,10 +42,10 @@ Norm = tuple[torch.Tensor, Optional[torch.Tensor]]   # (weight, bias): a LayerNo
 
 
 @dataclass(frozen=True)
-class QwenVisionSpec:
-    """What config.json says about the tower and merger (transformers' defaults for missing keys)."""
+class QwenTowerSpec:
+    """What the Qwen vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) share in config.json."""
 
-    kind: str                 # "qwen2_vl" or "qwen2_5_vl"
+    kind: str
     hidden: int
     intermediate: int
     heads: int
@@ -57,8 +57,6 @@ class QwenVisionSpec:
     act: str
     rope_theta: float
     text_hidden: int          # the merger's output width, the text model's hidden size
-    window_size: int          # Qwen2.5-VL's attention window side in pixels; 0: every block sees the whole image
-    full_attention: tuple[int, ...]   # Qwen2.5-VL's fullatt_block_indexes: blocks that see the whole image
     image_token_id: int       # <|image_pad|>: one per feature row
     vision_start_id: int      # <|vision_start|>, before an image's <|image_pad|> tokens
     vision_end_id: int        # <|vision_end|>, after them
@@ -72,6 +70,52 @@ class QwenVisionSpec:
         """The token a chat template puts where an image goes: one <|image_pad|>, which the layout expands."""
         return self.image_token_id
 
+    @staticmethod
+    def read(cfg: dict, kinds: dict[str, str]) -> Optional[tuple[str, dict, dict, dict]]:
+        """(kind, vision_config, the text model's keys, the fields every tower reads alike) of a model whose
+        architecture is one of `kinds`; None for other models. Published Qwen2-VL files write the text keys at the
+        top level, later ones (and transformers 5) under text_config; the token ids sit at the top level."""
+        kind = next((kinds[a] for a in cfg.get("architectures") or [] if a in kinds), None)
+        vision = cfg.get("vision_config")
+        if kind is None or not isinstance(vision, dict):
+            return None
+        text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        rope = vision.get("rope_parameters") or {}
+        common = dict(
+            kind=kind,
+            heads=int(vision.get("num_heads", vision.get("num_attention_heads", 16))),
+            temporal_patch=_int(vision.get("temporal_patch_size", 2), "temporal_patch_size"),
+            merge=int(vision.get("spatial_merge_size", 2)),
+            channels=int(vision.get("in_channels", 3)),
+            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))),
+            image_token_id=_token_id(cfg, text, "image_token_id", 151655),
+            vision_start_id=_token_id(cfg, text, "vision_start_token_id", 151652),
+            vision_end_id=_token_id(cfg, text, "vision_end_token_id", 151653),
+        )
+        return kind, vision, text, common
+
+    def _check(self, text_hidden: Optional[int]) -> None:
+        """The shapes every tower needs: transformers would fail later (or feed the text model rows of another
+        width)."""
+        _activation(self.act)
+        if self.hidden % self.heads:
+            raise ConfigError(f"The vision hidden size {self.hidden} is not a multiple of its {self.heads} heads.")
+        if self.head_dim % 4:
+            raise ConfigError(f"The vision head size {self.head_dim} is not a multiple of 4, which the 2-D rotary "
+                              "embedding needs.")
+        if text_hidden is not None and int(text_hidden) != self.text_hidden:
+            raise ConfigError(f"The vision merger outputs {self.text_hidden} features but the text model's hidden "
+                              f"size is {text_hidden}.")
+
+
+@dataclass(frozen=True)
+class QwenVisionSpec(QwenTowerSpec):
+    """Qwen2-VL's and Qwen2.5-VL's tower and merger (transformers' defaults for missing keys); kind "qwen2_vl" or
+    "qwen2_5_vl"."""
+
+    window_size: int          # Qwen2.5-VL's attention window side in pixels; 0: every block sees the whole image
+    full_attention: tuple[int, ...]   # Qwen2.5-VL's fullatt_block_indexes: blocks that see the whole image
+
     @property
     def window(self) -> int:
         """The attention window's side in merged patches (0: no windows)."""
@@ -79,13 +123,11 @@ class QwenVisionSpec:
 
     @classmethod
     def from_config(cls, cfg: dict) -> Optional["QwenVisionSpec"]:
-        """The spec of a Qwen2-VL or Qwen2.5-VL model; None for other models. Published files write the text model's
-        keys at the top level, transformers 5 under text_config; the token ids sit at the top level in both."""
-        kind = next((KINDS[a] for a in cfg.get("architectures") or [] if a in KINDS), None)
-        vision = cfg.get("vision_config")
-        if kind is None or not isinstance(vision, dict):
+        """The spec of a Qwen2-VL or Qwen2.5-VL model; None for other models."""
+        found = cls.read(cfg, KINDS)
+        if found is None:
             return None
-        text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        kind, vision, text, common = found
         if kind == "qwen2_vl":
             hidden = int(vision.get("embed_dim", 1280))
             shape = dict(hidden=hidden, intermediate=int(hidden * vision.get("mlp_ratio", 4)),
@@ -97,38 +139,16 @@ class QwenVisionSpec:
                          text_hidden=int(vision.get("out_hidden_size", 3584)), act=vision.get("hidden_act", "silu"),
                          window_size=int(vision.get("window_size", 112)),
                          full_attention=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))))
-        rope = vision.get("rope_parameters") or {}
-        spec = cls(
-            kind=kind,
-            heads=int(vision.get("num_heads", vision.get("num_attention_heads", 16))),
-            layers=int(vision.get("depth", 32)),
-            patch=_int(vision.get("patch_size", 14), "patch_size"),
-            temporal_patch=_int(vision.get("temporal_patch_size", 2), "temporal_patch_size"),
-            merge=int(vision.get("spatial_merge_size", 2)),
-            channels=int(vision.get("in_channels", 3)),
-            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))),
-            image_token_id=_token_id(cfg, text, "image_token_id", 151655),
-            vision_start_id=_token_id(cfg, text, "vision_start_token_id", 151652),
-            vision_end_id=_token_id(cfg, text, "vision_end_token_id", 151653),
-            **shape,
-        )
+        spec = cls(layers=int(vision.get("depth", 32)), patch=_int(vision.get("patch_size", 14), "patch_size"),
+                   **common, **shape)
         spec._check(text.get("hidden_size"))
         return spec
 
     def _check(self, text_hidden: Optional[int]) -> None:
-        """The shapes the tower needs: transformers would fail later (or feed the text model rows of another width)."""
-        _activation(self.act)
-        if self.hidden % self.heads:
-            raise ConfigError(f"The vision hidden size {self.hidden} is not a multiple of its {self.heads} heads.")
-        if self.head_dim % 4:
-            raise ConfigError(f"The vision head size {self.head_dim} is not a multiple of 4, which the 2-D rotary "
-                              "embedding needs.")
+        super()._check(text_hidden)
         if self.kind == "qwen2_5_vl" and self.window < 1:
             raise ConfigError(f"The vision window_size {self.window_size} is smaller than one merged patch "
                               f"({self.merge * self.patch} pixels).")
-        if text_hidden is not None and int(text_hidden) != self.text_hidden:
-            raise ConfigError(f"The vision merger outputs {self.text_hidden} features but the text model's hidden "
-                              f"size is {text_hidden}.")
 
 
 def _token_id(cfg: dict, text: dict, key: str, default: int) -> int:

@@ -25,8 +25,8 @@ from torch import nn
 
 from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.vision.image import processor_config
-from exl2.models.vision.pixtral import ImageEmbedding, _activation, _int, vision_parts
-from exl2.models.vision.qwen2vl import (DEFAULT_RESAMPLE, QwenImageProcessing, _apply, _Block, _norm, _token_id,
+from exl2.models.vision.pixtral import ImageEmbedding, _int, vision_parts
+from exl2.models.vision.qwen2vl import (DEFAULT_RESAMPLE, QwenImageProcessing, QwenTowerSpec, _apply, _Block, _norm,
                                         merge_order, vision_rope)
 from exl2.runtime.weights import WeightLoader
 
@@ -40,35 +40,12 @@ PUBLISHED_MEAN = PUBLISHED_STD = (0.5, 0.5, 0.5)
 
 
 @dataclass(frozen=True)
-class Qwen3VisionSpec:
-    """What config.json says about the tower and its mergers (Qwen3VLVisionConfig's defaults for missing keys)."""
+class Qwen3VisionSpec(QwenTowerSpec):
+    """Qwen3-VL's tower and mergers (Qwen3VLVisionConfig's defaults for missing keys); kind "qwen3_vl" or
+    "qwen3_vl_moe"."""
 
-    kind: str                 # "qwen3_vl" or "qwen3_vl_moe"
-    hidden: int
-    intermediate: int
-    heads: int
-    layers: int
-    patch: int
-    temporal_patch: int
-    merge: int                # spatial_merge_size: the mergers join merge × merge patches into one row
-    channels: int
-    act: str
-    rope_theta: float
     positions: int            # num_position_embeddings: the learned table, a square grid of that many patches
     deepstack: tuple[int, ...]   # deepstack_visual_indexes: blocks whose output feeds DeepStack merger i
-    text_hidden: int          # the mergers' output width, the text model's hidden size
-    image_token_id: int       # <|image_pad|>: one per feature row
-    vision_start_id: int      # <|vision_start|>, before an image's <|image_pad|> tokens
-    vision_end_id: int        # <|vision_end|>, after them
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def marker_id(self) -> int:
-        """The token a chat template puts where an image goes: one <|image_pad|>, which the layout expands."""
-        return self.image_token_id
 
     @property
     def side(self) -> int:
@@ -77,53 +54,34 @@ class Qwen3VisionSpec:
 
     @classmethod
     def from_config(cls, cfg: dict) -> Optional["Qwen3VisionSpec"]:
-        """The spec of a Qwen3-VL or Qwen3-VL-MoE model; None for other models. The text model's keys sit under
-        text_config (at the top level as a fallback), the token ids at the top level."""
-        kind = next((KINDS[a] for a in cfg.get("architectures") or [] if a in KINDS), None)
-        vision = cfg.get("vision_config")
-        if kind is None or not isinstance(vision, dict):
+        """The spec of a Qwen3-VL or Qwen3-VL-MoE model; None for other models."""
+        found = cls.read(cfg, KINDS)
+        if found is None:
             return None
-        text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-        rope = vision.get("rope_parameters") or {}
+        _, vision, text, common = found
         spec = cls(
-            kind=kind,
             hidden=int(vision.get("hidden_size", 1152)),
             intermediate=int(vision.get("intermediate_size", 4304)),
-            heads=int(vision.get("num_heads", vision.get("num_attention_heads", 16))),
             layers=int(vision.get("depth", 27)),
             patch=_int(vision.get("patch_size", 16), "patch_size"),
-            temporal_patch=_int(vision.get("temporal_patch_size", 2), "temporal_patch_size"),
-            merge=int(vision.get("spatial_merge_size", 2)),
-            channels=int(vision.get("in_channels", 3)),
             act=vision.get("hidden_act", "gelu_pytorch_tanh"),
-            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))),
             positions=int(vision.get("num_position_embeddings", 2304)),
             deepstack=tuple(int(i) for i in vision.get("deepstack_visual_indexes", (8, 16, 24))),
             text_hidden=int(vision.get("out_hidden_size", 3584)),
-            image_token_id=_token_id(cfg, text, "image_token_id", 151655),
-            vision_start_id=_token_id(cfg, text, "vision_start_token_id", 151652),
-            vision_end_id=_token_id(cfg, text, "vision_end_token_id", 151653),
+            **common,
         )
         spec._check(text.get("hidden_size"))
         return spec
 
     def _check(self, text_hidden: Optional[int]) -> None:
-        """The shapes the tower needs: transformers would fail later, drop DeepStack rows or feed the text model
-        rows of another width."""
-        _activation(self.act)
-        if self.hidden % self.heads:
-            raise ConfigError(f"The vision hidden size {self.hidden} is not a multiple of its {self.heads} heads.")
-        if self.head_dim % 4:
-            raise ConfigError(f"The vision head size {self.head_dim} is not a multiple of 4, which the 2-D rotary "
-                              "embedding needs.")
+        """Besides every tower's shapes: a square position table and DeepStack blocks the tower has (transformers
+        would take the table's integer root, or drop DeepStack rows)."""
+        super()._check(text_hidden)
         if self.positions < 1 or self.side ** 2 != self.positions:
             raise ConfigError(f"The vision num_position_embeddings {self.positions} is not a square grid.")
         if len(set(self.deepstack)) != len(self.deepstack) or not all(0 <= i < self.layers for i in self.deepstack):
             raise ConfigError(f"The deepstack_visual_indexes {list(self.deepstack)} are not distinct blocks of the "
                               f"{self.layers}-block vision tower.")
-        if text_hidden is not None and int(text_hidden) != self.text_hidden:
-            raise ConfigError(f"The vision merger outputs {self.text_hidden} features but the text model's hidden "
-                              f"size is {text_hidden}.")
 
 
 def image_processing(model_dir: Path | str, spec: Qwen3VisionSpec) -> QwenImageProcessing:
