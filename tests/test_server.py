@@ -195,7 +195,7 @@ def test_models_health_and_unknown_model(app):
         assert card["parameters"]["cache_mode"] == "fp16" and card["parameters"]["draft"] is None
         assert card["parameters"]["rope_scale"] is None and card["parameters"]["rope_alpha"] is None
         assert card["parameters"]["num_experts_per_token"] is None                   # a dense model
-        assert card["parameters"]["prefill_fp8"] is False
+        assert card["parameters"]["prefill_fp8"] is False and card["parameters"]["use_vision"] is False
         assert card["parameters"]["embedding_pooling"] == "last"
         assert (await c._client.get("http://test/v1/model")).status_code == 401
 

@@ -175,9 +175,10 @@ def test_the_server_takes_image_url_parts(built, engine):
         with pytest.raises(openai.BadRequestError) as e:
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": bad}],
                                                  max_tokens=2)
-        return r, e.value
+        return r, e.value, (await client.get("/model", cast_to=object))["parameters"]
 
-    r, err = asyncio.run(go())
+    r, err, parameters = asyncio.run(go())
+    assert parameters["use_vision"] is True      # TabbyAPI's model card says whether images are read
     assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == want.prompt_tokens
     assert "base64" in err.body["message"]
 

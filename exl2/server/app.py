@@ -66,7 +66,7 @@ def _models_router() -> APIRouter:
             "rope_scale": cfg.rope_scale, "rope_alpha": cfg.rope_alpha, "rope_yarn": cfg.rope_yarn,
             "num_experts_per_token": _experts(st.engine), "reasoning_parser": st.reasoning,
             "embedding_pooling": getattr(getattr(st.engine, "pooling", None), "mode", None),
-            "prefill_fp8": cfg.prefill_fp8}}
+            "prefill_fp8": cfg.prefill_fp8, "use_vision": st.engine.vision is not None}}
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
