@@ -73,6 +73,7 @@ class FakeEngine:
     """The Engine surface the server uses, replying with canned text in small pieces (markers get split)."""
 
     model_name = "fake-model"
+    vision = None                           # no vision tower loaded
 
     def __init__(self):
         self.config = EngineConfig(model_dir="fake-model", max_seq_len=512)
