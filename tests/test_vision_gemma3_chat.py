@@ -2,6 +2,8 @@
 and token_type_ids: a prompt's image tokens attend to the whole image (both ways, within the sliding window on
 local layers) while everything else stays causal. float32: max |Δlogit| ≤ 1e-4 · max |logit|; greedy replies
 equal, also when the prefill is chunked smaller than the image (the chunk is stretched over it)."""
+import io
+
 import pytest
 import torch
 
@@ -101,3 +103,18 @@ def test_greedy_replies_match_whole_and_chunked(built, engine):
     job = Job(ids, GREEDY, 8)
     job.images = images
     assert small.generate([job])[0].token_ids == want
+
+
+def test_the_chat_console_reads_images_as_the_engine(built, engine, tmp_path, monkeypatch, capsys):
+    """`exl2 chat --vision` builds Gemma 3's image prompt as the engine does, newlines around the image included:
+    the same greedy reply."""
+    from exl2.cli import main
+
+    path = tmp_path / "picture.png"
+    _noise(45, 70, seed=9).save(path)
+    want = engine.chat([{"role": "user", "content": [{"type": "image", "image": str(path)},
+                                                     {"type": "text", "text": "w40 w41"}]}], GREEDY, 8)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nw40 w41\n"))
+    args = ["chat", "-m", str(built[0]), "--device", "cpu", "--temperature", "0", "-maxr", "8", "-l", "512"]
+    assert main.main([*args, "--vision"]) == 0
+    assert capsys.readouterr().out.strip() == want.text.strip()

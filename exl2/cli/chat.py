@@ -57,11 +57,12 @@ def run(args) -> int:
 
     def encode(messages: list[dict]) -> list[int]:
         plain, sources = split_images(messages)
-        ids = tok.encode(template.render(plain, add_generation_prompt=True), add_bos=False)
+        text = template.render(plain, add_generation_prompt=True)
         prompt_images[:] = ()
-        if sources:
-            ids, images = vision.splice(ids, sources)
-            prompt_images[:] = images
+        if not sources:
+            return tok.encode(text, add_bos=False)
+        ids, images = vision.prompt(text, tok, sources)
+        prompt_images[:] = images
         return ids
 
     if interactive:

@@ -124,11 +124,11 @@ class VisionPrompts:
     def prompt(self, text: str, tokenizer, sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
         """A rendered chat prompt with the template's image marker where each of `sources` goes, tokenized (after
         the text the model's processor adds around each marker, where it adds any: Gemma 3's newlines) and
-        `splice`d."""
+        `_splice`d."""
         expand = getattr(self.vision, "expand_text", None)
-        return self.splice(tokenizer.encode(expand(text) if expand else text, add_bos=False), sources)
+        return self._splice(tokenizer.encode(expand(text) if expand else text, add_bos=False), sources)
 
-    def splice(self, ids: Sequence[int], sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
+    def _splice(self, ids: Sequence[int], sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
         """`ids` (a rendered prompt with the template's image marker where each image goes, in order: [IMG] for
         Pixtral, <start_of_image> for Gemma 3) with each replaced by its image's layout, and the images."""
         marks = [i for i, t in enumerate(ids) if t == self.vision.spec.marker_id]
