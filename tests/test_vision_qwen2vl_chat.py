@@ -41,10 +41,16 @@ def built(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param + "_chat")
     config = _qwen2_vl_config() if request.param == "qwen2_vl" else _qwen2_5_vl_config()
     config.text_config.num_hidden_layers, config.text_config.layer_types = 2, ["full_attention"] * 2
-    model = _build(config, out, seed=3)
+    return out, chat_model(config, out, _build, seed=3)
+
+
+def chat_model(config, out, build, seed: int):
+    """The tiny model `config` built by `build` (its test file's, which saves its image processor) in `out`, with
+    the word-level tokenizer and TEMPLATE."""
+    model = build(config, out, seed=seed)
     _save_tokenizer(out)
     set_template(out, TEMPLATE)
-    return out, model
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +160,7 @@ def assert_gpu_matches(config, model_dir, image, build, deep: int = 0) -> None:
     """The tiny model `config` saved in `model_dir` (`build`: its test file's, with its image processor), in fp16 on CUDA against transformers in float32 on the CPU
     (an image whose M-RoPE shift is negative, with `deep` DeepStack levels): prompt logits within 2 % of their
     largest, the same greedy reply for at least its first 6 of 8 tokens and their log-probabilities within 0.05."""
-    hf = build(config, model_dir, seed=4)
-    _save_tokenizer(model_dir)
-    set_template(model_dir, TEMPLATE)
+    hf = chat_model(config, model_dir, build, seed=4)
     gpu = Engine(EngineConfig(model_dir=model_dir, device="cuda", max_seq_len=512, vision=True))
     ids, images = gpu.chat_input(_messages(image))
     vocab = gpu.model.spec.vocab_size

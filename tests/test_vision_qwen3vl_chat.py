@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from test_vision import _noise
-from test_vision_chat import set_template
 from test_vision_qwen2vl import PAD
-from test_vision_qwen2vl_chat import TEMPLATE, _assert_reply, _hf_greedy, _messages, _save_tokenizer
+from test_vision_qwen2vl_chat import _assert_reply, _hf_greedy, _messages, chat_model
 from test_vision_qwen3vl import _build, _qwen3_vl_config, _qwen3_vl_moe_config
 
 from exl2.config import EngineConfig, SamplingSettings
@@ -27,10 +26,7 @@ def built(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param + "_chat")
     config = _qwen3_vl_config() if request.param == "qwen3_vl" else _qwen3_vl_moe_config()
     config.text_config.num_hidden_layers, config.text_config.layer_types = 2, ["full_attention"] * 2
-    model = _build(config, out, seed=5)
-    _save_tokenizer(out)
-    set_template(out, TEMPLATE)
-    return out, model
+    return out, chat_model(config, out, _build, seed=5)
 
 
 @pytest.fixture(scope="module")

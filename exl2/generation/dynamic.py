@@ -101,7 +101,7 @@ class DynamicGenerator:
                                                          batch_sizes=sizes, scratch_page=self.scratch, tokens=g + 1)
         self.queue: deque[Job] = deque()
         self.active: list[Job] = []
-        self._decode_table: tuple = ((), None)
+        self._decode_table: tuple = ((), None, None)   # (job ids, block table, RoPE shifts)
         self.seen: Optional[SeenTokens] = None  # made when a job first asks for a penalty on seen tokens
         self._xtc_mask: Optional[torch.Tensor] = None
         self._heals: dict[int, tuple[int, ...]] = {}    # token healing: prompt token -> the tokens that may follow
@@ -370,16 +370,14 @@ class DynamicGenerator:
         """One batched decode step feeding ids [B, 1] at positions pos [B]; its logits [B, V]."""
         key = tuple(j.id for j in jobs)
         if self._decode_table[0] != key:  # pages are reserved up front: the table changes only with the batch
-            self._decode_table = (key, self._table(jobs))
-        table = self._decode_table[1]
-        shift = self._rope_shift(jobs)
+            self._decode_table = (key, self._table(jobs), self._rope_shift(jobs))
+        _, table, shift = self._decode_table
         if self.graphs is not None:
             logits = self.graphs.step(ids, pos, table, max_len=max(j.length for j in jobs) + 1, lazy=True,
                                       shift=shift)
         else:
             self.cache.bind(table)
-            logits = self.model(ids, self.cache, pos, last_only=True,
-                                **({} if shift is None else {"rope_shift": shift}))[:, -1]
+            logits = self.model(ids, self.cache, pos, last_only=True, rope_shift=shift)[:, -1]
         for j in jobs:
             j.length += 1
             self._publish(j)
@@ -745,8 +743,7 @@ class DynamicGenerator:
             logits = self.verify_graphs[k].step(ids, pos, table, lazy=True, shift=shift)
         else:
             self.cache.bind(table)
-            logits = self.model(ids, self.cache, pos, fresh=False,
-                                **({} if shift is None else {"rope_shift": shift}))
+            logits = self.model(ids, self.cache, pos, fresh=False, rope_shift=shift)
         # Position i's token only counts if the guesses before it were all kept, so its draw can assume them:
         # every position is sampled at once, from the stream position plain decoding would use for it.
         rows = [j for j in jobs for _ in range(n)]

@@ -12,7 +12,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -84,24 +84,37 @@ def split(rows: Sequence[Sequence[int]], images: Sequence[Sequence[ImageTokens]]
     width = max(len(r) for r in rows)
     plain, where, parts, deep = [], [], [], []
     for b, (row, own) in enumerate(zip(rows, images)):
-        for a, e in image_runs(row, first_alias):
-            j = a
-            while j < e:   # a run may hold two images back to back: one slice of rows per image
-                image = next((im for im in own if im.base <= row[j] < im.base + im.features.shape[0]), None)
-                if image is None:
-                    raise KeyError(f"Token {row[j]} is an image token of no image this prompt carries.")
-                first = row[j] - image.base
-                end = min(e, j + image.features.shape[0] - first)
-                parts.append(image.features[first:first + end - j])
-                deep.append([d[first:first + end - j] for d in image.deep])
-                where.extend(range(b * width + j, b * width + end))
-                j = end
+        for j, end, image, first in image_spans(row, own, first_alias):
+            if image is None:
+                raise KeyError(f"Token {row[j]} is an image token of no image this prompt carries.")
+            parts.append(image.features[first:first + end - j])
+            deep.append([d[first:first + end - j] for d in image.deep])
+            where.extend(range(b * width + j, b * width + end))
         plain.append([0 if t >= first_alias else t for t in row])
     index = torch.tensor(where, dtype=torch.long, device=device)
     if not all(deep):
         return plain, (index, torch.cat(parts).to(device))
     levels = tuple(torch.cat(level).to(device) for level in zip(*deep))
     return plain, (index, torch.cat(parts).to(device), levels)
+
+
+def image_spans(row: Sequence[int], images: Sequence[ImageTokens],
+                first_alias: int) -> Iterator[tuple[int, int, Optional[ImageTokens], int]]:
+    """(start, end, image, its first row) of each stretch of `row` whose aliases belong to one of `images` (a run of
+    aliases may hold two images back to back: one stretch each); image None for aliases of none of them (the
+    stretch then is that one token)."""
+    for a, e in image_runs(row, first_alias):
+        j = a
+        while j < e:
+            image = next((im for im in images if im.base <= row[j] < im.base + im.features.shape[0]), None)
+            if image is None:
+                yield j, j + 1, None, 0
+                j += 1
+                continue
+            first = row[j] - image.base
+            end = min(e, j + image.features.shape[0] - first)
+            yield j, end, image, first
+            j = end
 
 
 def image_runs(row: Sequence[int], first_alias: int) -> list[tuple[int, int]]:
@@ -161,21 +174,16 @@ def mrope_positions(ids: Sequence[int], images: Sequence[ImageTokens],
     position plus their own (t, h, w) index, and the text after the image goes on from that position plus
     max(h, w): an image takes fewer positions than tokens, so the shift is negative."""
     segments, cur, j = [], 0, 0
-    for a, e in image_runs(ids, first_alias):
-        k = a
-        while k < e:
-            image = next((im for im in images if im.base <= ids[k] < im.base + im.features.shape[0]), None)
-            if image is None or image.grid is None:
-                return None
-            t, h, w = image.grid
-            first = ids[k] - image.base
-            end = min(e, k + image.features.shape[0] - first)
-            segments.append(torch.arange(k - j).expand(3, -1) + cur)
-            cur += k - j
-            row = torch.arange(first, first + end - k)
-            segments.append(torch.stack((row // (h * w), row // w % h, row % w)) + cur)
-            cur += max(h, w)
-            j = k = end
+    for k, end, image, first in image_spans(ids, images, first_alias):
+        if image is None or image.grid is None:
+            return None
+        _, h, w = image.grid
+        segments.append(torch.arange(k - j).expand(3, -1) + cur)
+        cur += k - j
+        row = torch.arange(first, first + end - k)
+        segments.append(torch.stack((row // (h * w), row // w % h, row % w)) + cur)
+        cur += max(h, w)
+        j = end
     if not segments:
         return None
     segments.append(torch.arange(len(ids) - j).expand(3, -1) + cur)

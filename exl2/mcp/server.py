@@ -99,8 +99,7 @@ async def stream_completion(engine, ctx: Optional[Context], prompt: str | list[i
                             images: tuple = ()) -> Completion:
     """Run one generation through engine.aevents, reporting progress; engine errors become ToolErrors. `images`:
     those whose tokens a chat prompt's ids hold (`Engine.chat_input`)."""
-    events = engine.aevents(prompt, settings, max_tokens, stop, add_bos, grammar,
-                            **({"images": images} if images else {}))
+    events = engine.aevents(prompt, settings, max_tokens, stop, add_bos, grammar, images=images)
     sent, chunks, last_t = 0, 0, 0.0
     result = None
     try:

@@ -68,10 +68,9 @@ class DecodeGraphs:
 
     def _forward(self, ids, pos, bt, shift=None):
         self.cache.bind(bt)
-        kw = {} if shift is None else {"rope_shift": shift}
         if self.tokens > 1:  # positions are never 0 here: the sequences have a cached prefix
-            return self.model(ids, self.cache, pos, fresh=False, **kw)
-        return self.model(ids, self.cache, pos, last_only=True, **kw)[:, -1]
+            return self.model(ids, self.cache, pos, fresh=False, rope_shift=shift)
+        return self.model(ids, self.cache, pos, last_only=True, rope_shift=shift)[:, -1]
 
     def capture(self, batch_sizes=None) -> None:
         if not self.enabled:

@@ -68,8 +68,7 @@ class Job:
         stream = engine.aevent_stream(self.prompt, self.settings, self.max_new_tokens, self.stop_strings,
                                       self.add_bos, self.grammar, self.logprobs, stop_token_ids=self.stop_token_ids,
                                       min_new_tokens=self.min_new_tokens, ignore_eos=self.ignore_eos,
-                                      negative_prompt=self.negative_prompt, budget=self.budget,
-                                      **({"images": self.images} if self.images else {}))
+                                      negative_prompt=self.negative_prompt, budget=self.budget, images=self.images)
         try:
             async for event in stream:
                 yield event.text, event.result, event.logprobs
@@ -422,7 +421,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     tools = template_tools(body.tools, body.tool_choice)
     for job in jobs:  # a grammar holds parse state: one per choice
         job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice) or job.grammar
-    messages = template_messages(body.messages, images=getattr(st.engine, "vision", None) is not None)
+    messages = template_messages(body.messages, images=st.engine.vision is not None)
     template = _request_template(request, st.engine, body.prompt_template)
     variables = template_variables(body, template or st.engine.template, st.config.template_vars_default,
                                    st.config.template_vars_force)
