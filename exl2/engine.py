@@ -179,18 +179,20 @@ class Engine:
                    template: Optional[ChatTemplate] = None, suffix: str = "", **variables: Any
                    ) -> tuple[Union[str, list[int]], tuple[ImageTokens, ...]]:
         """`chat_prompt` (then `suffix`, e.g. the start of the reply) for messages that may hold images (content
-        parts {"type": "image", "image": bytes | path | data URI | URL | PIL image} or OpenAI's image_url parts):
-        the text and no images when they hold none, else the token ids with each image's tokens in place and the
-        images (for `aevent_stream`'s `images`). Encoding an image waits for the GPU: call it off the event
-        loop."""
+        parts {"type": "image", "image": bytes | path | data URI | URL | PIL image} or OpenAI's image_url parts) or
+        videos ({"type": "video", "video": bytes | path | data URI | URL | [frames]} or vLLM's video_url parts; Qwen
+        vision models): the text and no images when they hold none, else the token ids with each one's tokens in
+        place and the images and videos (for `aevent_stream`'s `images`). Encoding waits for the GPU: call it off
+        the event loop."""
         plain, sources = split_images(messages)
         text = self.chat_prompt(plain, tools, add_generation_prompt, continue_final_message, template,
                                 **variables) + suffix
         return self.image_prompt(text, sources) if sources else (text, ())
 
     def image_prompt(self, text: str, sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
-        """A rendered chat prompt whose template put one image token where each of `sources` goes, as token ids
-        with each image's tokens in place, and the images (encoded once per distinct image)."""
+        """A rendered chat prompt whose template put one image (or video) token where each of `sources` goes
+        (videos as VideoSource), as token ids with each one's tokens in place, and the images and videos (encoded
+        once per distinct content)."""
         if self.vision is None:
             raise no_vision(self.model_name, False if has_vision_tower(self.config.model_dir) else None)
         return self.vision.prompt(text, self.tokenizer, sources)

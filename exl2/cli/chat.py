@@ -8,8 +8,8 @@ from exl2.cli.common import (add_draft_args, add_lora_args, add_model_args, add_
                              load_generator, sampling_from_args)
 from exl2.errors import ConfigError
 
-HELP = ("Commands: /image FILE attaches an image to your next message (with --vision), /clear forgets the "
-        "conversation, /exit quits (Ctrl-D too).")
+HELP = ("Commands: /image FILE attaches an image to your next message (with --vision), /video FILE a video (Qwen "
+        "vision models), /clear forgets the conversation, /exit quits (Ctrl-D too).")
 
 
 def register(sub) -> None:
@@ -32,7 +32,7 @@ def register(sub) -> None:
                                      "the context free for the reply, at most half of it")
     p.add_argument("--vision", action="store_true",
                    help="load the model's vision tower, so /image can attach pictures (Mistral 3, Pixtral, Gemma 3, "
-                        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
+                        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and /video videos (the Qwen models)")
     p.add_argument("-amnesia", "--amnesia", dest="amnesia", action="store_true",
                    help="forget the conversation after every reply: each turn sees only the system prompt and "
                         "its own message")
@@ -52,7 +52,7 @@ def run(args) -> int:
     budget = reply_budget(args.max_response_tokens, gen.max_seq_len)
     history: list[dict] = []
     vision = VisionPrompts.load(model_dir, gen.model) if args.vision else None
-    attached: list[str] = []     # images for the next message (/image)
+    attached: list = []          # images and videos (VideoSource) for the next message (/image, /video)
     prompt_images: list = []     # the images of the prompt `encode` made last
 
     def encode(messages: list[dict]) -> list[int]:
@@ -82,8 +82,8 @@ def run(args) -> int:
             if interactive:
                 print("(conversation cleared)", file=sys.stderr)
             continue
-        if text.startswith("/image"):
-            _attach(text[len("/image"):].strip(), vision, attached)
+        if text.startswith(("/image", "/video")):
+            _attach(text[1:6], text[6:].strip(), vision, attached)
             continue
         user = {"role": "user", "content": text}
         if attached:
@@ -119,17 +119,24 @@ def run(args) -> int:
     return 0
 
 
-def _attach(path: str, vision, attached: list[str]) -> None:
-    """/image FILE: queue a picture for the next message, or say in one line why not."""
+def _attach(kind: str, path: str, vision, attached: list) -> None:
+    """/image FILE or /video FILE (`kind`): queue a picture or video for the next message, or say in one line why
+    not."""
     from pathlib import Path
 
+    from exl2.generation.multimodal import VideoSource
+
     if vision is None:
-        print("error: /image needs the model's vision tower: start exl2 chat with --vision.", file=sys.stderr)
+        print(f"error: /{kind} needs the model's vision tower: start exl2 chat with --vision.", file=sys.stderr)
+    elif kind == "video" and getattr(vision.vision, "encode_video", None) is None:
+        print("error: this model's vision tower reads still images only, not videos.", file=sys.stderr)
     elif not path or not Path(path).expanduser().is_file():
-        print(f"error: /image needs an image file; {path or 'none'!r} is not one.", file=sys.stderr)
+        print(f"error: /{kind} needs a{'n image' if kind == 'image' else ' video'} file; {path or 'none'!r} is not "
+              "one.", file=sys.stderr)
     else:
-        attached.append(str(Path(path).expanduser()))
-        print(f"(image attached to your next message: {path})", file=sys.stderr)
+        source = str(Path(path).expanduser())
+        attached.append(VideoSource(source) if kind == "video" else source)
+        print(f"({kind} attached to your next message: {path})", file=sys.stderr)
 
 
 def _system_messages(args) -> list[dict]:

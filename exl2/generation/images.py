@@ -35,6 +35,7 @@ class ImageTokens:
     features: torch.Tensor
     grid: Optional[tuple[int, int, int]] = None   # (t, h, w) of the rows in row-major order, for M-RoPE (Qwen2-VL)
     deep: tuple = ()            # Qwen3-VL: per early decoder layer, rows [n, H] added after it (DeepStack)
+    time_step: float = 1.0      # M-RoPE time positions from one frame group of a video to the next
 
 
 class ImageAliases:
@@ -54,10 +55,11 @@ class ImageAliases:
             return found
 
     def add(self, key: str, token_ids: Sequence[int], image_token_id: int, features: torch.Tensor,
-            grid: Optional[tuple[int, int, int]] = None, deep: tuple = ()) -> ImageTokens:
-        """Register an encoded image: `token_ids` its layout, whose `image_token_id` tokens take `features`' rows
-        in order; `grid` their (t, h, w) arrangement where the model places them in 3-D (M-RoPE); `deep` the
-        rows the first decoder layers add there (DeepStack)."""
+            grid: Optional[tuple[int, int, int]] = None, deep: tuple = (), time_step: float = 1.0) -> ImageTokens:
+        """Register an encoded image or video: `token_ids` its layout, whose `image_token_id` tokens take
+        `features`' rows in order; `grid` their (t, h, w) arrangement where the model places them in 3-D (M-RoPE),
+        `time_step` the time positions between frame groups; `deep` the rows the first decoder layers add there
+        (DeepStack)."""
         count = sum(1 for t in token_ids if t == image_token_id)
         if count != features.shape[0]:
             raise ValueError(f"The image has {features.shape[0]} embeddings for {count} image tokens.")
@@ -66,7 +68,7 @@ class ImageAliases:
             self.next += count
             aliases = iter(range(base, base + count))
             image = ImageTokens(tuple(next(aliases) if t == image_token_id else t for t in token_ids), base, features,
-                                grid, tuple(deep))
+                                grid, tuple(deep), time_step)
             self.images[key] = image
             while len(self.images) > self.keep:
                 self.images.popitem(last=False)
@@ -170,9 +172,11 @@ def mrope_positions(ids: Sequence[int], images: Sequence[ImageTokens],
     """The 3-D RoPE positions [3, len(ids)] of a prompt for M-RoPE models (Qwen2-VL), and the shift every token
     after it adds to its index; None when none of its images is laid out in a grid.
 
-    Text tokens advance (t, h, w) together by one. An image's rows (grid (t, h, w), row-major) sit at the next
-    position plus their own (t, h, w) index, and the text after the image goes on from that position plus
-    max(h, w): an image takes fewer positions than tokens, so the shift is negative."""
+    Text tokens advance (t, h, w) together by one. A stretch of an image's or video's rows (grid (t, h, w),
+    row-major) sits at the next position plus each row's (time, h, w) index, its time the frame group's index from
+    the stretch's first (× time_step, rounded down), and the text after it goes on from one past the largest:
+    an image takes fewer positions than tokens, so the shift is negative. (Qwen3-VL's frame groups, set apart by
+    timestamps, are stretches of their own, each at time 0.)"""
     segments, cur, j = [], 0, 0
     for k, end, image, first in image_spans(ids, images, first_alias):
         if image is None or image.grid is None:
@@ -181,8 +185,9 @@ def mrope_positions(ids: Sequence[int], images: Sequence[ImageTokens],
         segments.append(torch.arange(k - j).expand(3, -1) + cur)
         cur += k - j
         row = torch.arange(first, first + end - k)
-        segments.append(torch.stack((row // (h * w), row // w % h, row % w)) + cur)
-        cur += max(h, w)
+        time = ((row // (h * w) - first // (h * w)).double() * image.time_step).long()
+        segments.append(torch.stack((time, row // w % h, row % w)) + cur)
+        cur += max(int(time[-1]) + 1, h, w)
         j = end
     if not segments:
         return None

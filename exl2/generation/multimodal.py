@@ -1,5 +1,5 @@
-"""Prompts with images: image sources to bytes, messages to what chat templates take, and a rendered prompt's
-image tokens replaced by each image's layout (exl2.generation.images)."""
+"""Prompts with images and videos: sources to bytes, messages to what chat templates take, and a rendered prompt's
+image and video tokens replaced by each one's layout (exl2.generation.images)."""
 from __future__ import annotations
 
 import base64
@@ -7,6 +7,7 @@ import binascii
 import io
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -15,13 +16,25 @@ from exl2.generation.images import ImageAliases, ImageTokens, image_key
 
 # content part types that carry an image: exl2's own ({"type": "image", "image": source}) and OpenAI's
 IMAGE_PARTS = ("image", "image_url")
+# and a video: exl2's own ({"type": "video", "video": source or [frames]}) and vLLM's video_url
+VIDEO_PARTS = ("video", "video_url")
 MAX_IMAGE_BYTES = 32 << 20
+MAX_VIDEO_BYTES = 512 << 20
 FETCH_TIMEOUT = 20.0
 
 
-def image_bytes(source: Any) -> bytes:
-    """The encoded image a source names: bytes themselves, a data URI, an http(s) URL (fetched), a file path, or
-    a PIL image (saved as PNG). Raises ConfigError with one sentence when it cannot be had."""
+@dataclass(frozen=True)
+class VideoSource:
+    """A video in a prompt's sources (images are bare): encoded bytes, a data URI, an http(s) URL, a file path, or
+    its frames (a list of image sources, taken as sampled already)."""
+
+    source: Any
+
+
+def image_bytes(source: Any, what: str = "image", limit: int = MAX_IMAGE_BYTES) -> bytes:
+    """The encoded image (or video: `what`, `limit`) a source names: bytes themselves, a data URI, an http(s) URL
+    (fetched), a file path, or a PIL image (saved as PNG). Raises ConfigError with one sentence when it cannot be
+    had."""
     if isinstance(source, (bytes, bytearray)):
         return bytes(source)
     if hasattr(source, "save") and hasattr(source, "mode"):   # a PIL image
@@ -32,59 +45,70 @@ def image_bytes(source: Any) -> bytes:
     if text.startswith("data:"):
         head, _, payload = text.partition(",")
         if ";base64" not in head:
-            raise ConfigError("An image data URI must be base64-encoded (data:image/...;base64,...).")
+            raise ConfigError(f"An {what} data URI must be base64-encoded (data:{what}/...;base64,...).")
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise ConfigError("The image data URI is not valid base64.") from None
+            raise ConfigError(f"The {what} data URI is not valid base64.") from None
     if text.startswith(("http://", "https://")):
-        return _fetch(text)
+        return _fetch(text, what, limit)
     path = Path(text)
     if not path.is_file():
-        raise ConfigError(f"The image {text[:200]!r} is neither a data URI, an http(s) URL nor a file.")
+        raise ConfigError(f"The {what} {text[:200]!r} is neither a data URI, an http(s) URL nor a file.")
+    if path.stat().st_size > limit:
+        raise ConfigError(f"The {what} file {text[:200]} is larger than {limit >> 20} MiB.")
     return path.read_bytes()
 
 
-def _fetch(url: str) -> bytes:
+def _fetch(url: str, what: str, limit: int) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as r:
-            data = r.read(MAX_IMAGE_BYTES + 1)
+            data = r.read(limit + 1)
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise ConfigError(f"The image at {url[:200]} could not be fetched ({e}).") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ConfigError(f"The image at {url[:200]} is larger than {MAX_IMAGE_BYTES >> 20} MiB.")
+        raise ConfigError(f"The {what} at {url[:200]} could not be fetched ({e}).") from None
+    if len(data) > limit:
+        raise ConfigError(f"The {what} at {url[:200]} is larger than {limit >> 20} MiB.")
     return data
 
 
 def part_source(part: dict) -> Any:
-    """The image a content part carries: {"type": "image", "image": ...} or OpenAI's
-    {"type": "image_url", "image_url": {"url": ...}} (or a bare URL string)."""
-    if part.get("type") == "image":
-        return part.get("image") if part.get("image") is not None else part.get("url")
-    ref = part.get("image_url")
+    """The image or video a content part carries: {"type": "image", "image": ...}, {"type": "video", "video": ...},
+    or OpenAI's {"type": "image_url", "image_url": {"url": ...}} and vLLM's video_url alike (or a bare URL
+    string)."""
+    kind = part.get("type")
+    if kind in ("image", "video"):
+        return part.get(kind) if part.get(kind) is not None else part.get("url")
+    ref = part.get(kind)
     return ref.get("url") if isinstance(ref, dict) else ref
 
 
 def with_images(text: str, images: Sequence[Any]) -> list[dict]:
-    """A message's content: the images (sources, as `image_bytes` takes them), then the text."""
-    return [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}]
+    """A message's content: the images (sources, as `image_bytes` takes them) and videos (VideoSource), then the
+    text."""
+    media = ({"type": "video", "video": i.source} if isinstance(i, VideoSource) else {"type": "image", "image": i}
+             for i in images)
+    return [*media, {"type": "text", "text": text}]
 
 
 def split_images(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
-    """(the messages as chat templates take them, each image part reduced to {"type": "image"}; the image sources
-    in order). Messages without image parts are passed on unchanged."""
+    """(the messages as chat templates take them, each image part reduced to {"type": "image"} and each video part
+    to {"type": "video"}; the sources in order, videos as VideoSource). Messages without such parts are passed on
+    unchanged."""
+    media = IMAGE_PARTS + VIDEO_PARTS
     out, sources = [], []
     for m in messages:
         content = m.get("content")
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in content):
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in media for p in content):
             parts = []
             for p in content:
-                if isinstance(p, dict) and p.get("type") in IMAGE_PARTS:
+                if isinstance(p, dict) and p.get("type") in media:
+                    video = p["type"] in VIDEO_PARTS
                     source = part_source(p)
                     if source is None:
-                        raise ConfigError("An image content part names no image.")
-                    sources.append(source)
-                    parts.append({"type": "image"})
+                        raise ConfigError(f"A{' video' if video else 'n image'} content part names no "
+                                          f"{'video' if video else 'image'}.")
+                    sources.append(VideoSource(source) if video else source)
+                    parts.append({"type": "video" if video else "image"})
                 else:
                     parts.append(p)
             m = {**m, "content": parts}
@@ -93,8 +117,9 @@ def split_images(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
 
 
 class VisionPrompts:
-    """A vision encoder (exl2.models.vision: `encode(image)` → ImageEmbedding) with the alias ids of the images
-    it has encoded, keyed by their bytes."""
+    """A vision encoder (exl2.models.vision: `encode(image)` → ImageEmbedding, and for towers that read videos
+    `sample_video` and `encode_video`) with the alias ids of the images and videos it has encoded, keyed by their
+    bytes."""
 
     def __init__(self, vision, first_alias: int):
         self.vision, self.aliases = vision, ImageAliases(first_alias)
@@ -118,24 +143,59 @@ class VisionPrompts:
         found = self.aliases.get(key)
         if found is not None:
             return found
-        emb = self.vision.encode(load_image(data))
-        return self.aliases.add(key, emb.token_ids, emb.image_token_id, emb.features, emb.grid, emb.deep)
+        return self._add(key, self.vision.encode(load_image(data)))
+
+    def _add(self, key: str, emb) -> ImageTokens:
+        return self.aliases.add(key, emb.token_ids, emb.image_token_id, emb.features, emb.grid, emb.deep,
+                                emb.time_step)
+
+    def video(self, source: Any, tokenizer) -> ImageTokens:
+        """A video (VideoSource's forms), sampled and encoded once per distinct content."""
+        from exl2.models.vision import load_image
+        from exl2.models.vision.video import decode_video, video_from_frames
+
+        if isinstance(source, (list, tuple)):
+            if not source:
+                raise ConfigError("The video has no frames.")
+            frames = [image_bytes(f) for f in source]
+            key = "frames:" + image_key(b"".join(image_key(f).encode() for f in frames))
+            found = self.aliases.get(key)
+            if found is not None:
+                return found
+            video = video_from_frames([load_image(f) for f in frames], self.vision.sample_video)
+        else:
+            data = image_bytes(source, "video", MAX_VIDEO_BYTES)
+            key = "video:" + image_key(data)
+            found = self.aliases.get(key)
+            if found is not None:
+                return found
+            video = decode_video(data, self.vision.sample_video)
+        return self._add(key, self.vision.encode_video(video, tokenizer))
 
     def prompt(self, text: str, tokenizer, sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
-        """A rendered chat prompt with the template's image marker where each of `sources` goes, tokenized (after
-        the text the model's processor adds around each marker, where it adds any: Gemma 3's newlines) and
-        `_splice`d."""
+        """A rendered chat prompt with the template's image (or video) marker where each of `sources` goes,
+        tokenized (after the text the model's processor adds around each marker, where it adds any: Gemma 3's
+        newlines) and `_splice`d."""
         expand = getattr(self.vision, "expand_text", None)
-        return self._splice(tokenizer.encode(expand(text) if expand else text, add_bos=False), sources)
+        return self._splice(tokenizer.encode(expand(text) if expand else text, add_bos=False), sources, tokenizer)
 
-    def _splice(self, ids: Sequence[int], sources: Sequence[Any]) -> tuple[list[int], tuple[ImageTokens, ...]]:
-        """`ids` (a rendered prompt with the template's image marker where each image goes, in order: [IMG] for
-        Pixtral, <start_of_image> for Gemma 3) with each replaced by its image's layout, and the images."""
-        marks = [i for i, t in enumerate(ids) if t == self.vision.spec.marker_id]
-        if len(marks) != len(sources):
-            raise ConfigError(f"The chat template placed {len(marks)} image tokens for {len(sources)} images; "
-                              "this template cannot show images.")
-        images = tuple(self.image(s) for s in sources)
+    def _splice(self, ids: Sequence[int], sources: Sequence[Any],
+                tokenizer) -> tuple[list[int], tuple[ImageTokens, ...]]:
+        """`ids` (a rendered prompt with the template's marker where each image or video goes, in order: [IMG] for
+        Pixtral, <start_of_image> for Gemma 3, <|image_pad|> / <|video_pad|> for Qwen) with each replaced by its
+        layout, and the images and videos."""
+        spec = self.vision.spec
+        if any(isinstance(s, VideoSource) for s in sources) and getattr(self.vision, "encode_video", None) is None:
+            raise ConfigError("This model's vision tower reads still images only, not videos.")
+        kinds = {spec.marker_id: "image", getattr(spec, "video_marker_id", None): "video"}
+        marks = [i for i, t in enumerate(ids) if t in kinds]
+        wanted = ["video" if isinstance(s, VideoSource) else "image" for s in sources]
+        found = [kinds[ids[i]] for i in marks]
+        if found != wanted:
+            raise ConfigError(f"The chat template placed {_count(found)} for {_count(wanted)}; this template "
+                              "cannot show them.")
+        images = tuple(self.video(s.source, tokenizer) if isinstance(s, VideoSource) else self.image(s)
+                       for s in sources)
         out: list[int] = []
         last = 0
         for at, image in zip(marks, images):
@@ -144,6 +204,12 @@ class VisionPrompts:
             last = at + 1
         out += ids[last:]
         return out, images
+
+
+def _count(kinds: Sequence[str]) -> str:
+    """'2 images and 1 video'-style counts of a list of "image" / "video"."""
+    words = [f"{n} {k}{'s' if n != 1 else ''}" for k in ("image", "video") if (n := kinds.count(k))]
+    return " and ".join(words) or "no images"
 
 
 def has_vision_tower(model_dir) -> bool:

@@ -10,31 +10,35 @@ from exl2.server.errors import APIError, unsupported
 from exl2.server.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 
 
+MEDIA = ("image_url", "video_url")     # OpenAI's image parts and vLLM's video parts
+
+
 def _text(content: Optional[Union[str, list[ContentPart]]], param: str, images: bool = False
           ) -> Union[str, list[dict[str, Any]]]:
-    """Content as one string (templates expect a string), or with `images` and image_url parts in it, the list of
-    text and image parts (`Engine.chat_input` puts each image in place)."""
+    """Content as one string (templates expect a string), or with `images` and image_url / video_url parts in it,
+    the list of text and media parts (`Engine.chat_input` puts each image and video in place)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     texts, parts = [], []
     for i, part in enumerate(content):
-        if part.type == "image_url" and images:
-            ref = (part.model_extra or {}).get("image_url")
+        if part.type in MEDIA and images:
+            ref = (part.model_extra or {}).get(part.type)
             url = ref.get("url") if isinstance(ref, dict) else ref
             if not isinstance(url, str) or not url:
-                raise APIError(400, "An image_url content part needs an image_url.url.", param=f"{param}[{i}]")
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+                raise APIError(400, f"A {part.type} content part needs a {part.type}.url.", param=f"{param}[{i}]")
+            parts.append({"type": part.type, part.type: {"url": url}})
             continue
         if part.type != "text":
-            what = "text, and images for a model loaded with its vision tower" if part.type == "image_url" else "text"
+            what = "text, and images and videos for a model loaded with its vision tower" if part.type in MEDIA \
+                else "text"
             raise unsupported(f"{param}[{i}].type", f"Message content of type '{part.type}' (only {what})")
         if part.text is None:
             raise APIError(400, "A text content part needs a 'text' string.", param=f"{param}[{i}].text")
         texts.append(part.text)
         parts.append({"type": "text", "text": part.text})
-    if any(p["type"] == "image_url" for p in parts):
+    if any(p["type"] in MEDIA for p in parts):
         return parts
     return "\n".join(texts)
 
@@ -67,9 +71,9 @@ def _arguments(raw: Union[str, dict[str, Any]], param: str) -> dict[str, Any]:
 
 
 def template_messages(messages: list[ChatMessage], images: bool = False) -> list[dict[str, Any]]:
-    """The conversation as chat-template input: text content (with `images`, image_url parts kept in place),
-    'developer' read as 'system' (HF templates do not know it), assistant tool calls with dict arguments and
-    thinking, tool results with their call id."""
+    """The conversation as chat-template input: text content (with `images`, image_url / video_url parts kept in
+    place), 'developer' read as 'system' (HF templates do not know it), assistant tool calls with dict arguments
+    and thinking, tool results with their call id."""
     out = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,

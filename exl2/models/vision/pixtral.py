@@ -266,6 +266,7 @@ class ImageEmbedding:
     image_token_id: int         # the [IMG] id (config.json image_token_index)
     grid: Optional[tuple[int, int, int]] = None   # (t, h, w) of the feature rows, for 3-D RoPE (Qwen2-VL); else None
     deep: tuple = ()            # Qwen3-VL's DeepStack: [n, text_hidden] rows added after each of the first layers
+    time_step: float = 1.0      # M-RoPE time positions between a video's frame groups (Qwen2.5-VL)
 
 
 class TokenLookup(Protocol):

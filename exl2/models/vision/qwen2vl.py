@@ -14,7 +14,6 @@ Linears load through the decoder's WeightLoader, so EXL2 and GPTQ vision linears
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -27,16 +26,22 @@ from torch import nn
 from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.vision.image import DEFAULT_MEAN, DEFAULT_STD, PixelSettings, processor_config, setting
 from exl2.models.vision.pixtral import ImageEmbedding, _activation, _int, _rotate, rms_norm, vision_parts
+from exl2.models.vision.qwen_patches import merge_order, patchify, smart_resize
+from exl2.models.vision.qwen_video import QwenVideoProcessing
+from exl2.models.vision.video import Video
 from exl2.runtime.weights import WeightLoader
 
 KINDS = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
 VISUAL = "visual"
 NORM_EPS = 1e-6           # every norm of both towers hard-codes it
-MAX_ASPECT = 200          # smart_resize refuses longer slivers
 # Qwen2VLImageProcessor's class defaults (Qwen2.5-VL uses the same processor), used where its config is silent
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 DEFAULT_RESAMPLE = int(PIL.Image.Resampling.BICUBIC)
+# the video processor's (qwen-vl-utils' frame bounds), used where the model directory has no video settings
+DEFAULT_VIDEO = QwenVideoProcessing(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, patch=14, temporal_patch=2,
+                                    merge=2, whole_video=False, resample=DEFAULT_RESAMPLE, mean=DEFAULT_MEAN,
+                                    std=DEFAULT_STD)
 
 Norm = tuple[torch.Tensor, Optional[torch.Tensor]]   # (weight, bias): a LayerNorm, or an RMSNorm when bias is None
 
@@ -60,6 +65,7 @@ class QwenTowerSpec:
     image_token_id: int       # <|image_pad|>: one per feature row
     vision_start_id: int      # <|vision_start|>, before an image's <|image_pad|> tokens
     vision_end_id: int        # <|vision_end|>, after them
+    video_token_id: int       # <|video_pad|>: one per feature row of a video
 
     @property
     def head_dim(self) -> int:
@@ -69,6 +75,11 @@ class QwenTowerSpec:
     def marker_id(self) -> int:
         """The token a chat template puts where an image goes: one <|image_pad|>, which the layout expands."""
         return self.image_token_id
+
+    @property
+    def video_marker_id(self) -> int:
+        """The token a chat template puts where a video goes: one <|video_pad|>."""
+        return self.video_token_id
 
     @staticmethod
     def read(cfg: dict, kinds: dict[str, str]) -> Optional[tuple[str, dict, dict, dict]]:
@@ -91,6 +102,7 @@ class QwenTowerSpec:
             image_token_id=_token_id(cfg, text, "image_token_id", 151655),
             vision_start_id=_token_id(cfg, text, "vision_start_token_id", 151652),
             vision_end_id=_token_id(cfg, text, "vision_end_token_id", 151653),
+            video_token_id=_token_id(cfg, text, "video_token_id", 151656),
         )
         return kind, vision, text, common
 
@@ -115,6 +127,7 @@ class QwenVisionSpec(QwenTowerSpec):
 
     window_size: int          # Qwen2.5-VL's attention window side in pixels; 0: every block sees the whole image
     full_attention: tuple[int, ...]   # Qwen2.5-VL's fullatt_block_indexes: blocks that see the whole image
+    tokens_per_second: Optional[float]   # Qwen2.5-VL: M-RoPE time positions a second of video; None: one a frame pair
 
     @property
     def window(self) -> int:
@@ -132,13 +145,14 @@ class QwenVisionSpec(QwenTowerSpec):
             hidden = int(vision.get("embed_dim", 1280))
             shape = dict(hidden=hidden, intermediate=int(hidden * vision.get("mlp_ratio", 4)),
                          text_hidden=int(vision.get("hidden_size", 3584)), act=vision.get("hidden_act", "quick_gelu"),
-                         window_size=0, full_attention=())
+                         window_size=0, full_attention=(), tokens_per_second=None)
         else:
             shape = dict(hidden=int(vision.get("hidden_size", 3584)),
                          intermediate=int(vision.get("intermediate_size", 3420)),
                          text_hidden=int(vision.get("out_hidden_size", 3584)), act=vision.get("hidden_act", "silu"),
                          window_size=int(vision.get("window_size", 112)),
-                         full_attention=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))))
+                         full_attention=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                         tokens_per_second=float(vision.get("tokens_per_second", 4)))
         spec = cls(layers=int(vision.get("depth", 32)), patch=_int(vision.get("patch_size", 14), "patch_size"),
                    **common, **shape)
         spec._check(text.get("hidden_size"))
@@ -154,23 +168,6 @@ class QwenVisionSpec(QwenTowerSpec):
 def _token_id(cfg: dict, text: dict, key: str, default: int) -> int:
     value = cfg.get(key, text.get(key))
     return default if value is None else int(value)
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) as Qwen2VLImageProcessor resizes: each side rounded to a multiple of `factor`, then scaled
-    (keeping the aspect ratio) down to at most max_pixels or up to at least min_pixels."""
-    if max(height, width) / min(height, width) > MAX_ASPECT:
-        raise ConfigError(f"The image is {width}×{height} pixels; Qwen vision models take aspect ratios up to "
-                          f"{MAX_ASPECT}:1.")
-    h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
 
 
 @dataclass(frozen=True)
@@ -209,35 +206,21 @@ class QwenImageProcessing(PixelSettings):
         (t, h, w) in patches), as Qwen2VLImageProcessor returns pixel_values and image_grid_thw."""
         height, width = smart_resize(image.height, image.width, self.patch * self.merge, self.min_pixels,
                                      self.max_pixels)
-        pixels = self.pixels(image, height, width)
-        return self.patchify(pixels), (1, height // self.patch, width // self.patch)
-
-    def patchify(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[C, H, W] → one row per patch: merge windows row-major, patches row-major within each, each row the
-        patch's (channel, frame, y, x) values with the still image repeated to temporal_patch frames."""
-        c, p, m = pixels.shape[0], self.patch, self.merge
-        rows, cols = pixels.shape[1] // p, pixels.shape[2] // p
-        x = pixels.reshape(c, rows // m, m, p, cols // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-        x = x.unsqueeze(5).expand(*x.shape[:5], self.temporal_patch, p, p)
-        return x.reshape(rows * cols, c * self.temporal_patch * p * p)
+        return patchify(self.pixels(image, height, width)[None], self.patch, self.merge, self.temporal_patch)
 
 
-def merge_order(rows: int, cols: int, merge: int) -> torch.Tensor:
-    """The row-major patch index of each tower row: merge × merge windows row-major, patches row-major within."""
-    index = torch.arange(rows * cols).view(rows // merge, merge, cols // merge, merge)
-    return index.transpose(1, 2).flatten()
-
-
-def vision_rope(rows: int, cols: int, merge: int, head_dim: int, theta: float,
+def vision_rope(grid: tuple[int, int, int], merge: int, head_dim: int, theta: float,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [rows·cols, head_dim] float32 in the tower's row order: a quarter of the head turns with the patch's
-    row, the next quarter with its column (same frequencies, from head_dim / 2), and the half repeats for
-    rotate-half RoPE (Qwen2VLVisionRotaryEmbedding)."""
+    """cos, sin [t·rows·cols, head_dim] float32 in the tower's row order for a grid (t, rows, cols) of patches: a
+    quarter of the head turns with the patch's row, the next quarter with its column (same frequencies, from
+    head_dim / 2), and the half repeats for rotate-half RoPE (Qwen2VLVisionRotaryEmbedding); every frame group
+    alike."""
+    t, rows, cols = grid
     half = head_dim // 2
     inv = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half)
     index = merge_order(rows, cols, merge).to(device)
     angles = torch.cat([(index // cols).float()[:, None] * inv, (index % cols).float()[:, None] * inv], dim=-1)
-    angles = torch.cat([angles, angles], dim=-1)
+    angles = torch.cat([angles, angles], dim=-1).repeat(t, 1)
     return angles.cos(), angles.sin()
 
 
@@ -332,10 +315,13 @@ class _Merger(nn.Module):
 
 
 class QwenVision:
-    """A Qwen2-VL or Qwen2.5-VL vision tower with its merger: PIL image → one embedding row per merged patch."""
+    """A Qwen2-VL or Qwen2.5-VL vision tower with its merger: PIL image or video → one embedding row per merged
+    patch."""
 
-    def __init__(self, spec: QwenVisionSpec, weights: WeightLoader, processing: QwenImageProcessing):
-        self.spec, self.processing = spec, processing
+    def __init__(self, spec: QwenVisionSpec, weights: WeightLoader, processing: QwenImageProcessing,
+                 video: QwenVideoProcessing = DEFAULT_VIDEO):
+        video.check(spec)
+        self.spec, self.processing, self.video_processing = spec, processing, video
         self.device, self.dtype = weights.device, weights.dtype
         name = f"{VISUAL}.patch_embed.proj.weight"
         conv = weights.tensor(name)
@@ -359,7 +345,8 @@ class QwenVision:
         spec, tensors = found
         processing = QwenImageProcessing.from_dir(d)
         processing.check(spec)
-        return cls(spec, WeightLoader(tensors, device, dtype), processing)
+        video = QwenVideoProcessing.from_dir(d, DEFAULT_VIDEO)
+        return cls(spec, WeightLoader(tensors, device, dtype), processing, video)
 
     def preprocess(self, image: PIL.Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(patches [t·h·w, C·temporal_patch·patch²] float32, grid (t, h, w) in patches): Qwen2VLImageProcessor's
@@ -367,19 +354,21 @@ class QwenVision:
         return self.processing(image)
 
     def _tower(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """[t·h·w / merge², text_hidden] for one image's patches (in the tower's dtype and device): merged patches
-        row-major."""
+        """[t·h·w / merge², text_hidden] for one image's or video's patches (in the tower's dtype and device):
+        merged patches row-major, frame group after frame group. Each frame group attends only within itself."""
         s = self.spec
-        _, rows, cols = grid
+        t, rows, cols = grid
         unit = s.merge ** 2
         x = patches @ self.patch_embed.t()
-        cos, sin = vision_rope(rows, cols, s.merge, s.head_dim, s.rope_theta, self.device)
-        whole = windows = [x.shape[0]]     # attention spans: one image; Qwen2.5-VL's windows
+        cos, sin = vision_rope(grid, s.merge, s.head_dim, s.rope_theta, self.device)
+        whole = windows = [rows * cols] * t    # attention spans: each frame group; Qwen2.5-VL's windows in each
         if s.window:
             merged, sizes = window_order(rows // s.merge, cols // s.merge, s.window)
+            frame = rows * cols // unit
+            merged = (torch.arange(t)[:, None] * frame + merged).flatten()
             order = (merged[:, None] * unit + torch.arange(unit)).flatten().to(self.device)
             x, cos, sin = x[order], cos[order], sin[order]
-            windows = [n * unit for n in sizes]
+            windows = [n * unit for n in sizes] * t
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, whole if i in s.full_attention else windows)
         out = self.merger(x)
@@ -397,3 +386,20 @@ class QwenVision:
         ids = [self.spec.image_token_id] * features.shape[0]
         return ImageEmbedding(features, ids, self.spec.image_token_id, (t, rows // self.spec.merge,
                                                                          cols // self.spec.merge))
+
+    def sample_video(self, total: int, fps: Optional[float]) -> list[int]:
+        """The frames of a `total`-frame video at `fps` (None: already sampled) the tower reads."""
+        return self.video_processing.sample(total, fps)
+
+    @torch.inference_mode()
+    def encode_video(self, video: Video, tokenizer: Optional[object] = None) -> ImageEmbedding:
+        """The video's embedding rows (frame group after frame group), its <|video_pad|> tokens, the merged grid
+        (t, h / merge, w / merge) and the M-RoPE time positions between frame groups: Qwen2.5-VL's
+        tokens_per_second × the seconds a group spans, Qwen2-VL's one."""
+        patches, grid = self.video_processing(video)
+        features = self._tower(patches.to(device=self.device, dtype=self.dtype), grid)
+        t, rows, cols = grid
+        s = self.spec
+        step = 1.0 if s.tokens_per_second is None else s.tokens_per_second * self.video_processing.group_seconds(video)
+        return ImageEmbedding(features, [s.video_token_id] * features.shape[0], s.video_token_id,
+                              (t, rows // s.merge, cols // s.merge), time_step=step)

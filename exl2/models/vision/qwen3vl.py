@@ -27,7 +27,10 @@ from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.vision.image import processor_config
 from exl2.models.vision.pixtral import ImageEmbedding, _int, vision_parts
 from exl2.models.vision.qwen2vl import (DEFAULT_RESAMPLE, QwenImageProcessing, QwenTowerSpec, _apply, _Block, _norm,
-                                        merge_order, vision_rope)
+                                        vision_rope)
+from exl2.models.vision.qwen_patches import merge_order
+from exl2.models.vision.qwen_video import QwenVideoProcessing
+from exl2.models.vision.video import Video
 from exl2.runtime.weights import WeightLoader
 
 KINDS = {"Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe"}
@@ -37,6 +40,10 @@ VISUAL = "visual"
 PUBLISHED_MIN_PIXELS = 65536          # size.shortest_edge
 PUBLISHED_MAX_PIXELS = 16777216       # size.longest_edge
 PUBLISHED_MEAN = PUBLISHED_STD = (0.5, 0.5, 0.5)
+# its published video_preprocessor_config.json: the area bound is the whole video's, at most 768 merged patches a frame
+PUBLISHED_VIDEO = QwenVideoProcessing(min_pixels=4096, max_pixels=25165824, patch=16, temporal_patch=2, merge=2,
+                                      whole_video=True, max_video_tokens=768, resample=DEFAULT_RESAMPLE,
+                                      mean=PUBLISHED_MEAN, std=PUBLISHED_STD)
 
 
 @dataclass(frozen=True)
@@ -137,8 +144,10 @@ class Qwen3Vision:
     """A Qwen3-VL vision tower with its mergers: PIL image → one embedding row per merged patch, plus the DeepStack
     rows."""
 
-    def __init__(self, spec: Qwen3VisionSpec, weights: WeightLoader, processing: QwenImageProcessing):
-        self.spec, self.processing = spec, processing
+    def __init__(self, spec: Qwen3VisionSpec, weights: WeightLoader, processing: QwenImageProcessing,
+                 video: QwenVideoProcessing = PUBLISHED_VIDEO):
+        video.check(spec)
+        self.spec, self.processing, self.video_processing = spec, processing, video
         self.device, self.dtype = weights.device, weights.dtype
         conv = (spec.hidden, spec.channels, spec.temporal_patch, spec.patch, spec.patch)
         shapes = {"patch_embed.proj.weight": conv, "patch_embed.proj.bias": (spec.hidden,),
@@ -169,7 +178,8 @@ class Qwen3Vision:
         if found is None:
             return None
         spec, tensors = found
-        return cls(spec, WeightLoader(tensors, device, dtype), image_processing(d, spec))
+        video = QwenVideoProcessing.from_dir(d, PUBLISHED_VIDEO)
+        return cls(spec, WeightLoader(tensors, device, dtype), image_processing(d, spec), video)
 
     def preprocess(self, image: PIL.Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(patches [t·h·w, C·temporal_patch·patch²] float32, grid (t, h, w) in patches): the pixel_values and
@@ -177,18 +187,19 @@ class Qwen3Vision:
         return self.processing(image)
 
     def _tower(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> tuple[torch.Tensor, tuple]:
-        """(merger rows [h·w / merge², text_hidden], DeepStack rows like them, in block order) for one still image's
-        patches (in the tower's dtype and device): merged patches row-major."""
+        """(merger rows [t·h·w / merge², text_hidden], DeepStack rows like them, in block order) for one image's or
+        video's patches (in the tower's dtype and device): merged patches row-major, frame group after frame group,
+        each group attending only within itself."""
         s = self.spec
-        _, rows, cols = grid
+        t, rows, cols = grid
         x = patches @ self.patch_embed.t() + self.patch_bias
         index, weight = position_taps(rows, cols, s.side, s.merge)
         blend = self.pos_embed[index.to(self.device)].float() * weight.to(self.device)[..., None]
-        x = x + blend.sum(1).to(x.dtype)
-        cos, sin = vision_rope(rows, cols, s.merge, s.head_dim, s.rope_theta, self.device)
+        x = x + blend.sum(1).to(x.dtype).repeat(t, 1)
+        cos, sin = vision_rope(grid, s.merge, s.head_dim, s.rope_theta, self.device)
         deep = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, [x.shape[0]])
+            x = block(x, cos, sin, [rows * cols] * t)
             if i in s.deepstack:
                 deep.append(self.deep_mergers[s.deepstack.index(i)](x))
         return self.merger(x), tuple(deep)
@@ -203,3 +214,23 @@ class Qwen3Vision:
         m = self.spec.merge
         ids = [self.spec.image_token_id] * features.shape[0]
         return ImageEmbedding(features, ids, self.spec.image_token_id, (t, rows // m, cols // m), deep)
+
+    def sample_video(self, total: int, fps: Optional[float]) -> list[int]:
+        """The frames of a `total`-frame video at `fps` (None: already sampled) the tower reads."""
+        return self.video_processing.sample(total, fps)
+
+    @torch.inference_mode()
+    def encode_video(self, video: Video, tokenizer) -> ImageEmbedding:
+        """The video's embedding rows and DeepStack rows (frame group after frame group), and its tokens as
+        Qwen3VLProcessor lays them out: per frame group "<t seconds>" (tokenized with `tokenizer`), then
+        <|vision_start|>, its <|video_pad|> tokens and <|vision_end|>; the merged grid (t, h / merge, w / merge).
+        Set apart by the text between them, each group takes its M-RoPE places as a one-frame image would."""
+        patches, grid = self.video_processing(video)
+        features, deep = self._tower(patches.to(device=self.device, dtype=self.dtype), grid)
+        t, rows, cols = grid
+        s = self.spec
+        frame = [s.vision_start_id] + [s.video_token_id] * (rows * cols // s.merge ** 2) + [s.vision_end_id]
+        ids = []
+        for second in self.video_processing.seconds(video):
+            ids += tokenizer.encode(f"<{second:.1f} seconds>", add_bos=False) + frame
+        return ImageEmbedding(features, ids, s.video_token_id, (t, rows // s.merge, cols // s.merge), deep)
