@@ -325,6 +325,25 @@ def test_malformed_qwen3_xml_calls_are_no_calls(text):
     assert parse_tool_calls(text) == []
 
 
+def test_parse_glm_tool_calls():
+    text = ("Let me look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>code</arg_key>\n<arg_value>if a < b:\n"
+            "    f('<b>')</arg_value>\n</tool_call>\n<tool_call>ping\n</tool_call>")
+    assert parse_tool_calls(text) == [
+        {"name": "get_weather", "arguments": {"city": "New York", "days": 3, "code": "if a < b:\n    f('<b>')"}},
+        {"name": "ping", "arguments": {}}]
+    assert content_before_calls(text) == "Let me look."
+    # the schema decides: a string parameter stays text; a generation stopped inside a value keeps what it has
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"v": {"type": "string"}, "n": {"type": "integer"}}}}}]
+    assert parse_tool_calls("<tool_call>f<arg_key>v</arg_key><arg_value>123</arg_value><arg_key>n</arg_key>"
+                            "<arg_value>7", tools) == [{"name": "f", "arguments": {"v": "123", "n": 7}}]
+    for bad in ("<tool_call>f\nstray<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+                "<tool_call>f<arg_key></arg_key><arg_value>1</arg_value></tool_call>",
+                "<tool_call>f g</tool_call>", "<tool_call>{broken</tool_call>"):
+        assert parse_tool_calls(bad) == [], bad
+
+
 def test_parse_pythonic_tool_calls():
     assert parse_tool_calls('[get_weather(city="Paris", days=3), ping()]') == [
         {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "ping", "arguments": {}}]
@@ -378,6 +397,7 @@ def test_ordinary_answers_are_not_calls(text):
 
 FORMAT_TEMPLATES = [
     ("{{ '<tool_call>\\n<function=' + name + '>\\n<parameter=' }}<tool_call>", "qwen3_xml"),
+    ("{{ '\\n<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key>", "glm"),
     ("{{ '<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' }}", "deepseek"),
     ("{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' }}", "deepseek"),
     ("{{ '<tool_call>\\n' }}", "hermes"),
@@ -449,6 +469,11 @@ def test_holdback_markers_cover_every_format():
 
 # How the models' templates write calls in the history (the same shapes the models were trained to produce).
 WRITES_CALLS = {
+    # GLM-4.5's chat_template.jinja
+    "glm": "{%- for m in messages %}{%- for tc in m.tool_calls %}{%- if tc.function %}{%- set tc = tc.function %}"
+           "{%- endif %}{{ '\\n<tool_call>' + tc.name }}\n{% set _args = tc.arguments %}{% for k, v in _args.items() %}"
+           "<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}"
+           "</arg_value>\n{% endfor %}</tool_call>{% endfor %}{%- endfor %}",
     "qwen3_xml": "{%- for m in messages %}{%- for tc in m.tool_calls %}"
                  "{{- '\\n<tool_call>\\n<function=' + tc.function.name + '>\\n' }}"
                  "{%- for k, v in tc.function.arguments|items %}{{- '<parameter=' + k + '>\\n' }}"

@@ -18,6 +18,7 @@ from exl2.formats.safetensors_io import TensorSource
 from exl2.models.registry import spec_from_config
 from exl2.runtime.loader import load_model
 from exl2.runtime.paged_cache import PagedKVCache
+from exl2.runtime.tp.model import build_tensor_parallel
 
 NEW = ["gemma", "granite", "cohere", "cohere_qk_norm", "mistral3", "cohere2", "glm", "glm4"]
 
@@ -306,7 +307,70 @@ def test_engine_chat_is_transformers_greedy(tmp_path, name):
     assert got and got == want[:len(got)] and (len(got) == steps or want[len(got)] in engine.model.spec.eos_token_ids)
 
 
-def _converted(tmp_path, name: str):
+GLM_4_5_AIR = {  # zai-org/GLM-4.5-Air
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 10944,
+    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408, "norm_topk_prob": True,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+    "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46,
+    "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 1000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_qk_norm": False, "vocab_size": 151552,
+}
+
+
+def test_glm_4_5_air_config():
+    """Rotate-half RoPE on 64 of 128 dims, q/k/v biases without q/k norms, layer 0 dense then 128 experts routed by
+    sigmoid scores (8 a token) beside one shared expert of 1,408."""
+    s = spec_from_config(GLM_4_5_AIR)
+    assert (s.num_layers, s.head_dim, s.num_kv_heads) == (46, 128, 8)
+    assert s.rope.dim == 64 and not s.rope.interleaved and s.rope.theta == 1e6
+    assert s.qkv_bias and not s.o_bias and not s.qk_norm
+    assert [layer.moe for layer in s.layers[:2]] == [False, True] and s.intermediate_size == 10944
+    m = s.moe
+    assert (m.num_experts, m.top_k, m.expert_dim, m.shared_dim, m.router) == (128, 8, 1408, 1408, "sigmoid_grouped")
+    assert s.eos_token_ids == (151329, 151336, 151338)
+
+
+def test_glm4_moe_converts_without_its_next_token_layer(tmp_path):
+    """GLM-4.5's files carry a next-token-prediction layer past the decoder's (model.layers.{n}: a whole MoE layer
+    and its own norms and projection); the conversion leaves it out, and the EXL2 model stays near the source
+    (6 bpw on a random tiny model whose sigmoid routing flips easily, as DeepSeek-V3's: measured relative error
+    33 %)."""
+    from safetensors import safe_open
+
+    def with_extra_layer(src):
+        path = next(src.glob("*.safetensors"))
+        tensors = load_file(path)
+        n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        extra = {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in tensors.items()
+                 if k.startswith(f"model.layers.{n - 1}.")}
+        extra[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
+        extra[f"model.layers.{n}.enorm.weight"] = torch.ones(64)
+        save_file({**tensors, **extra}, str(path))
+        return n
+
+    src, out = _converted(tmp_path, "glm4_moe", edit=with_extra_layer)
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        keys = set(f.keys())
+    assert f"model.layers.{n - 1}.mlp.experts.3.up_proj.q_weight" in keys
+    assert not any(k.startswith(f"model.layers.{n}.") for k in keys)
+    ids = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, ref = load_model(out, "cpu")(ids), load_model(src, "cpu")(ids)
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.4
+    # sharded over two devices, every quantized expert split by its steps: the unsharded EXL2 model's logits
+    tp = build_tensor_parallel(TensorSource(out), spec_from_config(json.loads((out / "config.json").read_text())),
+                               ["cpu", "cpu"], torch.float32, use_kernels=True)
+    assert tp.layers[1].mlp[0].experts[0].down_proj.kernel is not None
+    with torch.no_grad():
+        exl2 = load_model(out, "cpu", dtype=torch.float32)(ids)
+        assert (tp(ids) - exl2).abs().max().item() <= 1e-3 * exl2.abs().max().item()
+
+
+def _converted(tmp_path, name: str, edit=None):
     """A tiny `name` model (the golden tokenizer's 1,024 tokens) and its 6-bpw EXL2 conversion, calibrated on Python's
     pydoc topics: the built-in set also reads the installed packages' METADATA, so installing one would move the
     measured errors."""
@@ -318,6 +382,8 @@ def _converted(tmp_path, name: str):
     from exl2.quantize.calibration import heldout_text
 
     src = build_tiny(name, tmp_path / "src", vocab_size=1024)
+    if edit is not None:
+        edit(src)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(SRC / f, src)
     cal = tmp_path / "calibration.txt"

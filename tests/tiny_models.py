@@ -284,6 +284,19 @@ def _arch_glm4():
     return _glm(Glm4Config, head_dim=32, num_hidden_layers=3)
 
 
+def _arch_glm4_moe():
+    from transformers import Glm4MoeConfig
+
+    # GLM-4.5: DeepSeek-V3 routing (4 groups of 2 experts, the best 2 groups; scaling 2.5; one shared expert; layer 0
+    # dense) under GQA with q/k/v biases, q/k norms and rotate-half RoPE on the first 16 of head_dim 32.
+    return Glm4MoeConfig(**_cfg(num_hidden_layers=3, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+                                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                attention_bias=True, use_qk_norm=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5}))
+
+
 def _arch_mistral3():
     from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 
@@ -485,6 +498,7 @@ ARCHS: dict[str, Callable] = {
     "cohere2": _arch_cohere2,
     "glm": _arch_glm,
     "glm4": _arch_glm4,
+    "glm4_moe": _arch_glm4_moe,
     "mistral3": _arch_mistral3,
     "qwen2_5_vl": _arch_qwen2_5_vl,
     "qwen3_vl": _arch_qwen3_vl,

@@ -1,10 +1,14 @@
-"""Lazy, memory-mapped reading of (sharded) safetensors directories: never unpickles anything."""
+"""Lazy, memory-mapped reading of (sharded) safetensors directories: never unpickles anything.
+
+FP8 checkpoints (DeepSeek-V3/R1's and GLM-4.5-FP8's 128×128 blocks with `weight_scale_inv`, compressed-tensors'
+per-tensor or per-channel `weight_scale`) read as bfloat16: each float8 weight is multiplied by its scales when it is
+read, and the scale and activation-scale tensors are hidden, so conversion and fp16 inference see a plain model."""
 from __future__ import annotations
 
 import json
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -69,6 +73,23 @@ class TensorSource:
         self._unwrap_text_decoder()
         self.base_model = False   # saved without the causal-LM wrapper (see _prefix_base_model)
         self._prefix_base_model()
+        self._scales: dict[str, tuple[str, Path]] = {}  # a float8 weight → its scales' name and file
+        self._find_fp8_scales()
+        self._fp8_block = _fp8_block(self.dir) if self._scales else None
+
+    def _find_fp8_scales(self) -> None:
+        """Pair each float8 `X.weight` with `X.weight_scale_inv` or `X.weight_scale`, and hide those and the
+        activation scales (`X.input_scale`), which inference without FP8 activations does not use."""
+        for name in list(self._where):
+            for suffix in (".weight_scale_inv", ".weight_scale"):
+                if name.endswith(suffix):
+                    weight = name[: -len(suffix)] + ".weight"
+                    if weight in self._where and self.dtype_name(weight).startswith("F8"):
+                        self._scales[weight] = (name, self._where[name])
+        hidden = {name for name, _ in self._scales.values()}
+        hidden |= {n for n in self._where if n.endswith(".input_scale") and n[:-12] + ".weight" in self._scales}
+        for name in hidden:
+            del self._where[name]
 
     def _prefix_base_model(self) -> None:
         """A base model saved without its causal-LM wrapper (AutoModel's `embed_tokens.weight`, `layers.…`, as
@@ -108,10 +129,16 @@ class TensorSource:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def _raw(self, name: str, path: Path) -> torch.Tensor:
+        return self._handles[path].get_tensor(self._stored.get(name, name))
+
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(name)
-        return self._handles[self._where[name]].get_tensor(self._stored.get(name, name))
+        tensor = self._raw(name, self._where[name])
+        if name not in self._scales:
+            return tensor
+        return dequantize_fp8(tensor, self._raw(*self._scales[name]), name, self._fp8_block)
 
     def get(self, name: str, default=None):
         return self[name] if name in self._where else default
@@ -123,7 +150,44 @@ class TensorSource:
         return list(self._handles[self._where[name]].get_slice(self._stored.get(name, name)).get_shape())
 
     def dtype_name(self, name: str) -> str:
+        """The stored dtype ("BF16", "F16", "I32", ...); a float8 weight with scales reads as "BF16"."""
+        if name in self._scales:
+            return "BF16"
         return self._handles[self._where[name]].get_slice(self._stored.get(name, name)).get_dtype()
 
     def with_prefix(self, prefix: str) -> list[str]:
         return [k for k in self._where if k.startswith(prefix)]
+
+
+def _fp8_block(model_dir: Path) -> Optional[tuple[int, int]]:
+    """config.json's quantization_config.weight_block_size (DeepSeek-V3's [128, 128]), or None."""
+    try:
+        qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return None
+    block = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
+        return block[0], block[1]
+    return None
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, name: str,
+                   block: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """A float8 weight [out, in] times its scales, in bfloat16: one scale for the tensor, one per output row
+    ([out] or [out, 1]), or one per block (a [ceil(out / bh), ceil(in / bw)] grid of `block`s, 128 × 128 in
+    DeepSeek-V3's and GLM-4.5's files; without `block`, the size the grid implies)."""
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if s.numel() == 1:
+        return (w * s.reshape(())).to(torch.bfloat16)
+    if s.ndim == 1 or (s.ndim == 2 and s.shape[1] == 1 and w.ndim == 2):
+        if s.shape[0] != w.shape[0]:
+            raise ModelLoadError(f"{name} has {w.shape[0]} rows but {s.shape[0]} FP8 scales.")
+        return (w * s.reshape(-1, 1)).to(torch.bfloat16)
+    if w.ndim != 2 or s.ndim != 2:
+        raise ModelLoadError(f"{name}'s FP8 scales have shape {tuple(s.shape)}, which fits no known layout.")
+    bh, bw = block or (-(-w.shape[0] // s.shape[0]), -(-w.shape[1] // s.shape[1]))
+    if -(-w.shape[0] // bh) != s.shape[0] or -(-w.shape[1] // bw) != s.shape[1]:
+        raise ModelLoadError(f"{name}'s FP8 scale grid {tuple(s.shape)} does not tile its shape {tuple(w.shape)}.")
+    full = s.repeat_interleave(bh, 0)[: w.shape[0]].repeat_interleave(bw, 1)[:, : w.shape[1]]
+    return (w * full).to(torch.bfloat16)

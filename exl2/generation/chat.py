@@ -149,13 +149,15 @@ CALL_MARKERS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", D
 def tool_call_format(template: ChatTemplate) -> str:
     """How the model writes tool calls, from its template: 'hermes' (`<tool_call>{json}</tool_call>`: Qwen, Hermes
     and the ChatML fallback), 'qwen3_xml' (Qwen3-Coder: `<tool_call>` around `<function=NAME>` and
-    `<parameter=KEY>` blocks), 'deepseek' (V3/R1/V3.1 `<｜tool▁call▁begin｜>` tokens), 'mistral'
-    (`[TOOL_CALLS][{json}, ...]`), 'pythonic' (a Python list of calls, `[f(a=1), g()]`: Llama 3.2/4 pythonic and
-    Gemma-style templates) or 'llama' (Llama 3.1: the bare JSON object `{"name": ..., "parameters": {...}}`).
-    Templates that name none of them get 'hermes'."""
+    `<parameter=KEY>` blocks), 'glm' (GLM-4.5: `<tool_call>NAME` then `<arg_key>` / `<arg_value>` pairs),
+    'deepseek' (V3/R1/V3.1 `<｜tool▁call▁begin｜>` tokens), 'mistral' (`[TOOL_CALLS][{json}, ...]`), 'pythonic' (a
+    Python list of calls, `[f(a=1), g()]`: Llama 3.2/4 pythonic and Gemma-style templates) or 'llama' (Llama 3.1:
+    the bare JSON object `{"name": ..., "parameters": {...}}`). Templates that name none of them get 'hermes'."""
     src = template.source
     if "<function=" in src:            # before hermes: Qwen3-Coder templates also write <tool_call>
         return "qwen3_xml"
+    if "<arg_key>" in src:             # GLM-4.5 writes <tool_call> too
+        return "glm"
     if "tool▁calls▁begin" in src:
         return "deepseek"
     if "<tool_call>" in src:
@@ -174,6 +176,8 @@ _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 _NAME = re.compile(r"[^\s<>()\[\]{}\"',;=]+")   # what may be a tool name in markup formats
 _XML_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|(?=<function=)|$)", re.S)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+_GLM_CALL = re.compile(r"\s*([^\s<>]*)\s*(.*)", re.S)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
 _DS_CALL = re.compile(re.escape(DS_CALL_BEGIN) + r"([^<]*)" + re.escape(DS_SEP) + r"(.*?)(?:" + re.escape(DS_CALL_END)
                       + "|(?=" + re.escape(DS_CALL_BEGIN) + ")|(?=" + re.escape(DS_CALLS_END) + ")|$)", re.S)
 
@@ -297,6 +301,19 @@ def _xml_calls(text: str, tools: Optional[list[dict]]) -> list[dict]:
     return found
 
 
+def _glm_call(body: str, tools: Optional[list[dict]]) -> Optional[dict]:
+    """A GLM-4.5 call, the inside of `<tool_call>`: its name, then `<arg_key>KEY</arg_key>` `<arg_value>VALUE
+    </arg_value>` pairs (values typed as Qwen3-Coder's: text for string parameters, JSON otherwise); None when the
+    body is not one (no name, text between the pairs)."""
+    name, rest = _GLM_CALL.fullmatch(body).groups()
+    if not _NAME.fullmatch(name) or _GLM_ARG.sub("", rest).strip():
+        return None
+    props = _tool_params(tools, name) if tools else None
+    args = {key.strip(): _xml_value(value, None if props is None else props.get(key.strip()))
+            for key, value in _GLM_ARG.findall(rest)}
+    return None if "" in args else {"name": name, "arguments": args}
+
+
 def _deepseek_calls(text: str) -> list[dict]:
     """DeepSeek calls: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`
     (V3, R1) or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` (V3.1); malformed ones are skipped."""
@@ -372,13 +389,14 @@ def parse_tool_calls(text: str, tools: Optional[list[dict]] = None) -> list[dict
     """Tool calls in a model reply, as [{'name': str, 'arguments': dict}]; [] when the reply calls nothing.
 
     Recognised: Hermes/Qwen `<tool_call>{json}</tool_call>`; Qwen3-Coder `<tool_call><function=NAME>
-    <parameter=KEY>VALUE</parameter>...</function></tool_call>` (also without the `<tool_call>` wrapper);
+    <parameter=KEY>VALUE</parameter>...</function></tool_call>` (also without the `<tool_call>` wrapper); GLM-4.5
+    `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`;
     DeepSeek V3/R1/V3.1 `<｜tool▁call▁begin｜>...<｜tool▁sep｜>...<｜tool▁call▁end｜>`; Mistral `[TOOL_CALLS][{...}]`
     and `[TOOL_CALLS]name[ARGS]{...}`; Llama-3.1 replies that are just `{"name": ..., "parameters": ...}`
     (optionally after `<|python_tag|>`, several separated by ';'); and replies that are just a Python list of
     calls with literal keyword arguments (`[f(a=1), g()]`, optionally inside `<|python_start|>...<|python_end|>`).
 
-    `tools` (OpenAI-shaped, optional) types Qwen3-Coder parameter values by their schema: without it a value is
+    `tools` (OpenAI-shaped, optional) types Qwen3-Coder and GLM values by their schema: without it a value is
     decoded as JSON when it is a number, boolean, object or array and kept as text otherwise. It also limits
     pythonic calls to the tools' names.
     """
@@ -389,7 +407,10 @@ def parse_tool_calls(text: str, tools: Optional[list[dict]] = None) -> list[dict
                 found.extend(_xml_calls(body, tools))
                 continue
             values = _json_values(body)
-            found.extend(_calls(values) if values else [])
+            if values:
+                found.extend(_calls(values))
+            elif not body.startswith(("{", "[")) and (call := _glm_call(body, tools)):
+                found.append(call)
         return found
     if DS_CALL_BEGIN in text:
         return _deepseek_calls(text)

@@ -109,6 +109,8 @@ def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict[str, Any]], fmt: st
                           "use tool_choice 'auto'.")
     if fmt == "qwen3_xml":
         return _checked(tokenizer, _qwen3_xml_lark(fns))
+    if fmt == "glm":
+        return _checked(tokenizer, _glm_lark(fns))
     calls = []
     for fn in fns:
         params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
@@ -130,6 +132,8 @@ def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict[str, Any]], fmt: st
 # that the value ends exactly where the model closes it (and parse_tool_calls, which cuts at the first
 # "</parameter>", reads back the same value).
 _XML_TEXT = 'XML_TEXT: (/(?s:.*)/ & ~/(?s:.*<\\/parameter>.*)/) "\\n</parameter>"'
+# GLM-4.5's text value: anything without "</arg_value>", then the closing tag
+_GLM_TEXT = 'GLM_TEXT: (/(?s:.*)/ & ~/(?s:.*<\\/arg_value>.*)/) "</arg_value>"'
 
 
 def _lit(text: str) -> str:
@@ -137,16 +141,16 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _qwen3_xml_value(schema: Any, defs: dict[str, Any]) -> str:
-    """The Lark expression of one parameter's value and its closing tag."""
+def _qwen3_xml_value(schema: Any, defs: dict[str, Any], close: str = "\n</parameter>", text: str = "XML_TEXT") -> str:
+    """The Lark expression of one parameter's value and its closing tag `close` (`text`: the free-text rule)."""
     if not isinstance(schema, dict):
-        return "XML_TEXT"
+        return text
     if is_text_schema(schema):
         options = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
-            return "(" + " | ".join(_lit(o + "\n</parameter>") for o in options) + ")"
-        return "XML_TEXT"
-    return f'%json {json.dumps({**defs, **schema, "x-guidance": JSON_STYLE})} "\\n</parameter>"'
+            return "(" + " | ".join(_lit(o + close) for o in options) + ")"
+        return text
+    return f'%json {json.dumps({**defs, **schema, "x-guidance": JSON_STYLE})} {_lit(close)}'
 
 
 def _qwen3_xml_lark(fns: list[dict[str, Any]]) -> str:
@@ -167,6 +171,25 @@ def _qwen3_xml_lark(fns: list[dict[str, Any]]) -> str:
             parts.append(f"fn{i}_p{j}" + ("" if key in required else "?"))
         rules.append(f"fn{i}: " + " ".join(parts) + ' "</function>\\n"')
     return "\n".join(rules + [_XML_TEXT]) + "\n"
+
+
+def _glm_lark(fns: list[dict[str, Any]]) -> str:
+    """GLM-4.5 calls as its template writes them: `<tool_call>NAME\n`, each parameter in the schema's order (the
+    required ones always) as `<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n`, then `</tool_call>`; values
+    as Qwen3-Coder's (text for string parameters, JSON following the schema otherwise)."""
+    rules = ['start: call ("\\n" call)*',
+             'call: "<tool_call>" (' + " | ".join(f"fn{i}" for i in range(len(fns))) + ') "</tool_call>"']
+    for i, fn in enumerate(fns):
+        params = fn.get("parameters") or {}
+        required = set(params.get("required") or ())
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        parts = [_lit(f"{fn['name']}\n")]
+        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            opening = _lit(f"<arg_key>{key}</arg_key>\n<arg_value>")
+            rules.append(f'fn{i}_p{j}: {opening} {_qwen3_xml_value(schema, defs, "</arg_value>", "GLM_TEXT")} "\\n"')
+            parts.append(f"fn{i}_p{j}" + ("" if key in required else "?"))
+        rules.append(f"fn{i}: " + " ".join(parts))
+    return "\n".join(rules + [_GLM_TEXT]) + "\n"
 
 
 def _checked(tokenizer: Tokenizer, grammar: str) -> Grammar:

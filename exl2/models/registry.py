@@ -29,6 +29,7 @@ _FAMILIES: dict[str, str] = {
     "Glm4ForCausalLM": "glm",
     "DeepseekV3ForCausalLM": "deepseek",
     "DeepseekV2ForCausalLM": "deepseek",
+    "Glm4MoeForCausalLM": "glm4_moe",
     "Llama4ForCausalLM": "llama4",
 }
 # multimodal wrappers run as their text decoder (config.json's text_config; exl2.formats.safetensors_io unwraps the
@@ -461,6 +462,24 @@ def _deepseek(arch: str, cfg: dict) -> ModelSpec:
                      layers=tuple(LayerSpec(moe=i >= k_dense) for i in range(n)))
 
 
+def _glm4_moe(arch: str, cfg: dict) -> ModelSpec:
+    """GLM-4.5 / 4.6 / 4.7 (and -Air): DeepSeek-V3's mixture of experts (sigmoid router with a score-correction
+    bias, shared experts, the first layers dense) under GQA attention with q/k/v biases, optional per-head q/k
+    RMSNorms and rotate-half RoPE on the first `partial_rotary_factor` (0.5) of each head. The checkpoints' extra
+    next-token-prediction layers (index num_hidden_layers on) are not part of the decoder."""
+    cfg = {"partial_rotary_factor": 0.5, **{k: v for k, v in cfg.items() if v is not None}}
+    c = _common(arch, cfg)
+    moe = MoESpec(num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+                  expert_dim=cfg["moe_intermediate_size"], router="sigmoid_grouped",
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), n_group=cfg.get("n_group") or 1,
+                  topk_group=cfg.get("topk_group") or 1, routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+                  shared_dim=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0), style="deepseek")
+    k_dense = cfg.get("first_k_dense_replace", 1)
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"]), moe=moe, activation=_act(cfg),
+                     qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm=bool(cfg.get("use_qk_norm", False)),
+                     layers=tuple(LayerSpec(moe=i >= k_dense) for i in range(c["num_layers"])))
+
+
 def _llama4(arch: str, cfg: dict) -> ModelSpec:
     c = _common(arch, cfg)
     n = c["num_layers"]
@@ -491,5 +510,5 @@ def _llama4(arch: str, cfg: dict) -> ModelSpec:
 
 _BUILDERS: dict[str, Callable[[str, dict], ModelSpec]] = {
     "llama": _llama, "granite": _granite, "cohere": _cohere, "cohere2": _cohere2, "glm": _glm, "mixtral": _mixtral,
-    "qwen3_moe": _qwen3_moe, "gemma": _gemma, "deepseek": _deepseek, "llama4": _llama4,
+    "qwen3_moe": _qwen3_moe, "gemma": _gemma, "deepseek": _deepseek, "glm4_moe": _glm4_moe, "llama4": _llama4,
 }

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from exl2.formats.safetensors_io import TensorSource
 from exl2.formats.writer import write_exl2_model_dir, write_safetensors_shards
+from exl2.models.registry import spec_from_dir
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _FUSED = ("qkv_proj", "gate_up_proj")
@@ -60,14 +61,22 @@ def _as_stored(name: str, t: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def _past_decoder(name: str, num_layers: int) -> bool:
+    """A tensor of a layer past the decoder's: the next-token-prediction modules DeepSeek-V3 and GLM-4.5 files
+    carry (a whole MoE layer each), which inference never runs."""
+    m = _LAYER_RE.match(name)
+    return m is not None and int(m.group(1)) >= num_layers
+
+
 def model_tensors(source_dir: Path | str, work_dir: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the output model, in module order, read lazily."""
+    """(name, tensor) of the output model, in module order, read lazily; layers past the decoder's are left out."""
     src = TensorSource(source_dir)
     keys = quantized_keys(Path(work_dir))
     consumed = _consumed(src, keys)
+    num_layers = spec_from_dir(source_dir).num_layers
     items: list[tuple[tuple, str, Optional[str]]] = []
     for name in src.keys():
-        if name not in consumed:
+        if name not in consumed and not _past_decoder(name, num_layers):
             items.append((_order(name), name, None))
     for key in keys:
         items.append((_order(f"{key}.weight"), key, key))

@@ -11,6 +11,9 @@ shard holds, made from a layer loaded whole on the host.
   (`qweight.slice_steps`, like the kernels' split-K); gate and up keep exactly the intermediate features that
   share reads (its `row_index`), renumbered so the GLU stays local and down needs no gather; one all-reduce.
   Dense weights: the same with contiguous slices.
+- Mixture of experts: every expert (and the shared expert) is sharded as that MLP is, and the router, its score
+  bias and the shared expert's gate are replicated, so every shard routes alike; a token's output is a weighted sum
+  of expert outputs, each of which the shards' partial sums make up, so one all-reduce after the block suffices.
 - Norms are replicated; a bias of a row-parallel projection goes with shard 0 only.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import nn
 from exl2.errors import ConfigError
 from exl2.kernels.qweight import QuantWeight, input_features, slice_steps, take_outputs, with_inputs
 from exl2.models.decoder import Attention, DecoderLayer, on_device
-from exl2.models.layers import GatedMLP, RMSNorm
+from exl2.models.layers import GatedMLP, MoE, RMSNorm
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import Linear
 from exl2.runtime.tp.collectives import Collectives
@@ -34,9 +37,6 @@ def check_supported(spec: ModelSpec, parts: int) -> None:
     """Raise ConfigError (one sentence) where this model cannot be sharded over `parts` devices."""
     if parts < 2:
         raise ConfigError("Tensor parallelism needs at least two devices; leave it off to run on one.")
-    if spec.moe is not None or any(layer.moe for layer in spec.layers):
-        raise ConfigError(f"Tensor parallelism does not support mixture-of-experts models ({spec.arch}) yet; use "
-                          "the layer split (--gpu_split without --tensor-parallel).")
     if spec.mla is not None:
         raise ConfigError(f"Tensor parallelism does not support multi-head latent attention ({spec.arch}) yet; use "
                           "the layer split (--gpu_split without --tensor-parallel).")
@@ -140,12 +140,26 @@ def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, dev
     return shard, o_mode
 
 
-def shard_mlp(mlp: GatedMLP, part: int, parts: int, device: torch.device) -> GatedMLP:
+class _Idle(nn.Module):
+    """A shard's MLP that reads no intermediate features (an expert narrower than one 32-row step a shard): its
+    share of the output is zero."""
+
+    def __init__(self, out_features: int):
+        super().__init__()
+        self.out_features = out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], self.out_features)
+
+
+def shard_mlp(mlp: GatedMLP, part: int, parts: int, device: torch.device) -> nn.Module:
     """Shard `part`'s GatedMLP: its share of down's input rows and the gate/up columns producing exactly them."""
     down = mlp.down_proj
     if down.kernel is not None:
         share = slice_steps(down.kernel, part, parts)
         features = input_features(share)
+        if not features.numel():
+            return _Idle(down.out_features)
         down_shard = linear_on(features.numel(), down.out_features, None, None, with_inputs(share, features),
                                down.info, device)
     else:
@@ -153,6 +167,26 @@ def shard_mlp(mlp: GatedMLP, part: int, parts: int, device: torch.device) -> Gat
         down_shard = dense_rows(down, features, part == 0, device)
     return GatedMLP(columns(mlp.gate_proj, features, device), columns(mlp.up_proj, features, device), down_shard,
                     mlp.act_name)
+
+
+def _replica(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    return None if t is None else t.detach().to(device).clone()
+
+
+def shard_moe(moe: MoE, part: int, parts: int, device: torch.device) -> MoE:
+    """Shard `part`'s MoE block: every expert's and the shared expert's share (`shard_mlp`), the router, score
+    bias and shared gate whole."""
+    experts = [shard_mlp(e, part, parts, device) for e in moe.experts]
+    shared = None if moe.shared is None else shard_mlp(moe.shared, part, parts, device)
+    return MoE(moe.spec, _replica(moe.router_weight, device), experts, shared, _replica(moe.score_bias, device),
+               _replica(moe.shared_gate, device))
+
+
+def shard_ffn(ffn: nn.Module, part: int, parts: int, device: torch.device) -> nn.Module:
+    """A layer's feed-forward block, dense or mixture of experts, for shard `part`."""
+    if isinstance(ffn, MoE):
+        return shard_moe(ffn, part, parts, device)
+    return shard_mlp(ffn, part, parts, device)
 
 
 class ShardedLayer(nn.Module):
@@ -166,7 +200,7 @@ class ShardedLayer(nn.Module):
         attns, modes = zip(*[shard_attention(layer.self_attn, layer.spec, r, parts, d) for r, d in enumerate(devices)])
         self.o_mode = modes[0]
         self.attn = nn.ModuleList(attns)
-        self.mlp = nn.ModuleList([shard_mlp(layer.mlp, r, parts, d) for r, d in enumerate(devices)])
+        self.mlp = nn.ModuleList([shard_ffn(layer.mlp, r, parts, d) for r, d in enumerate(devices)])
         names = ["input_layernorm", "post_attention_layernorm"]
         if self.sandwich:
             names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
