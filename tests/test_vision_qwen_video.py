@@ -295,6 +295,35 @@ def test_the_chat_console_attaches_videos(built, engine, tmp_path, monkeypatch, 
     assert "nothing.mp4" in err and "Traceback" not in err
 
 
+def test_the_mcp_chat_tool_takes_videos(built, engine, tmp_path):
+    """The MCP chat tool's `videos` (a data URI of an animated GIF) go before the last user message's text: the reply
+    is Engine.chat's for those messages."""
+    import asyncio
+    import base64
+
+    from fastmcp import Client
+
+    from exl2.mcp.server import build_server
+
+    kind, out, model = built
+    if kind != "qwen3_vl":
+        pytest.skip("one family is enough for the MCP tool")
+    frames = _frames(seed=70)
+    path = tmp_path / "clip.gif"
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=500, loop=0)
+    uri = "data:image/gif;base64," + base64.b64encode(path.read_bytes()).decode()
+    want = engine.chat([{"role": "user", "content": [{"type": "video", "video": uri},
+                                                     {"type": "text", "text": "w30"}]}], GREEDY, 6)
+
+    async def go():
+        async with Client(build_server(engine)) as client:
+            return await client.call_tool("chat", {"messages": [{"role": "user", "content": "w30"}],
+                                                   "videos": [uri], "max_tokens": 6, "temperature": 0})
+
+    got = asyncio.run(go()).structured_content
+    assert got["text"] == want.text and got["prompt_tokens"] == want.prompt_tokens
+
+
 def test_openai_video_url_parts_reach_the_prompt():
     """vLLM's video_url content parts pass the server's message parsing (with the vision tower loaded) and become
     video sources; without the tower they are refused as unsupported content."""

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from exl2.config import SamplingSettings
 from exl2.errors import Exl2Error
-from exl2.generation.multimodal import with_images
+from exl2.generation.multimodal import VideoSource, with_images
 
 # At most one progress notification per interval: a fast GPU makes hundreds of tokens a second, more than any
 # client wants to render. The final count is always sent.
@@ -180,7 +180,11 @@ def build_server(engine, name: Optional[str] = None, api_keys: Sequence[str] = (
                    json_schema: JsonSchema = None,
                    images: Annotated[Optional[list[str]], Field(
                        description="images for the last user message, before its text: data URIs (base64) or "
-                                   "http(s) URLs; needs a vision model served with --vision")] = None) -> Completion:
+                                   "http(s) URLs; needs a vision model served with --vision")] = None,
+                   videos: Annotated[Optional[list[str]], Field(
+                       description="videos for the last user message, after its images and before its text: data "
+                                   "URIs (base64) or http(s) URLs of video files or animated images; needs a Qwen "
+                                   "vision model served with --vision")] = None) -> Completion:
         """Answer a conversation with the local model through its chat template; progress counts tokens."""
         settings = sampling_settings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                                      repetition_penalty=repetition_penalty)
@@ -191,12 +195,13 @@ def build_server(engine, name: Optional[str] = None, api_keys: Sequence[str] = (
             if msgs[0]["role"] == "system":
                 raise ToolError("Give the system prompt either as `system` or as a first system message, not both.")
             msgs.insert(0, {"role": "system", "content": system})
-        if images:
+        media = [*(images or ()), *(VideoSource(v) for v in videos or ())]
+        if media:
             if msgs[-1]["role"] != "user":
-                raise ToolError("images go with the last message, which must then be the user's.")
-            msgs[-1]["content"] = with_images(msgs[-1]["content"], images)
+                raise ToolError("images and videos go with the last message, which must then be the user's.")
+            msgs[-1]["content"] = with_images(msgs[-1]["content"], media)
         try:
-            if images:   # encoding them runs the vision tower: off the event loop
+            if media:   # encoding them runs the vision tower: off the event loop
                 prompt, shown = await asyncio.to_thread(engine.chat_input, msgs)
             else:
                 prompt, shown = engine.chat_prompt(msgs), ()
