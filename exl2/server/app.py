@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 
 from exl2.config import ServerConfig
-from exl2.server import admin, completions, embeddings, kobold, responses, tokens
+from exl2.server import admin, anthropic_api, completions, embeddings, kobold, responses, tokens
 from exl2.server.auth import admin_key_check, api_key_check
 from exl2.server.errors import APIError, install_handlers
 from exl2.server.host import Leases, ModelHost, ServerState, acquire, host, serve_state, serving
@@ -108,6 +108,7 @@ def create_app(engine, config: ServerConfig, load_defaults: Optional[dict] = Non
     app.include_router(admin.router(auth, Depends(admin_key_check(config))))
     app.include_router(completions.router, dependencies=[auth, Depends(admin.inline_load), Depends(acquire)])
     app.include_router(responses.router, dependencies=[auth, Depends(admin.inline_load), Depends(acquire)])
+    app.include_router(anthropic_api.router, dependencies=[auth, Depends(admin.inline_load), Depends(acquire)])
     app.include_router(tokens.router, dependencies=engine_routes)
     app.include_router(embeddings.router, dependencies=[auth, Depends(embeddings.acquire_unless_embedder)])
     if config.kobold:
