@@ -84,6 +84,7 @@
 # (fp16 Pixtral + injected image rows against transformers) and the speculative ones, then serving.py --ngram.
 # s75 (session 35): the Qwen2.5-VL and Qwen3-VL GPU tests (fp16 towers, M-RoPE and DeepStack prefill rows, decode
 # graphs with RoPE shifts); session 36 added their video tests.
+# s76 (session 36): benchmarks/moe_dispatch.py (MoE.forward's sorted dispatch against the per-expert one).
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -304,6 +305,8 @@ for s in $steps; do
          tests/test_vision_qwen3vl_chat.py tests/test_vision_qwen_video.py -q \
          -p no:cacheprovider -rfE > "$OUT/gpu_qwen2vl.txt" 2>&1
        echo "Qwen2.5-VL / Qwen3-VL GPU tests rc=$?"; tail -4 "$OUT/gpu_qwen2vl.txt" ;;
+  s76) timeout 120 python3 benchmarks/moe_dispatch.py > "$OUT/moe_dispatch.txt" 2>&1; echo "moe dispatch rc=$?"
+       cat "$OUT/moe_dispatch.txt" ;;
   s71) timeout 120 python3 benchmarks/barrier_probe.py > "$OUT/barrier.txt" 2>&1; echo "barrier probe rc=$?"
        cat "$OUT/barrier.txt" ;;
   ncumma) for shape in ${NCU_SHAPES:-gate down}; do

@@ -199,14 +199,24 @@ class MoE(nn.Module):
         raise ValueError(m.router)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens grouped by expert with one sort and one read of the counts on the host (a GPU waits once a
+        layer, not once an expert); each expert's tokens in row order, experts in index order."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         idx, w = self.route(flat)
         out = torch.zeros_like(flat)
         scale_input = self.spec.router == "sigmoid_input"
-        for e in torch.unique(idx).tolist():
-            rows, slot = (idx == e).nonzero(as_tuple=True)
-            we = w[rows, slot].to(flat.dtype)[:, None]
+        k = idx.shape[1]
+        picks = idx.reshape(-1)
+        order = torch.argsort(picks, stable=True)
+        weights = w.reshape(-1)[order].to(flat.dtype)[:, None]
+        start = 0
+        for e, count in enumerate(torch.bincount(picks, minlength=len(self.experts)).tolist()):
+            if not count:
+                continue
+            rows = order[start:start + count] // k
+            we = weights[start:start + count]
+            start += count
             if scale_input:
                 out.index_add_(0, rows, self.experts[e](flat[rows] * we))
             else:
