@@ -97,6 +97,9 @@ class EngineConfig(BaseModel):
     # load the model's vision tower so chat messages may hold images (Mistral 3.1/3.2); off by default, as
     # TabbyAPI's `vision`, since the tower takes memory that text-only use does not need
     vision: bool = False
+    # Gemma 3: cut images much wider or taller than square into crops read besides the whole (pan-and-scan);
+    # None = as the model's processor config says (off in the published ones)
+    pan_and_scan: Optional[bool] = None
 
     @field_validator("rope_scale", "rope_alpha", "rope_yarn", "draft_rope_scale", "draft_rope_alpha")
     @classmethod

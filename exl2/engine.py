@@ -65,7 +65,7 @@ class Engine:
         self.generator = Generator(self.model, self.tokenizer, max_seq_len, config.kv_cache_mode, self.worker)
         self.vision: Optional[VisionPrompts] = None
         if config.vision:
-            self.vision = VisionPrompts.load(config.model_dir, self.model)
+            self.vision = VisionPrompts.load(config.model_dir, self.model, config.pan_and_scan)
 
     @property
     def model_name(self) -> str:

@@ -284,3 +284,33 @@ def test_no_vision_encoder(fixtures, gemma3, tmp_path):
     text_only = {k: v for k, v in load_file(d / "model.safetensors").items() if k.startswith("language_model.")}
     assert Gemma3Vision.from_dir(_copy_with(d, tmp_path / "text", {"model.safetensors": text_only})) is None
     assert json.loads((d / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+
+
+@pytest.mark.parametrize("size", [(900, 300), (120, 500), (300, 290), (330, 300)])
+def test_pan_and_scan_is_the_processors(gemma3, size):
+    """With pan-and-scan on: the crops (3 side by side, 4 stacked with a short last one, none for near-square
+    images) and their pixels are Gemma3ImageProcessor's, and the prompt's tokens are what Gemma3Processor writes
+    for the whole image and its crops."""
+    import dataclasses
+
+    from transformers import AutoProcessor
+
+    from exl2.generation.multimodal import VisionPrompts
+
+    d, model = gemma3
+    image = _noise(*size, seed=13)
+    vision = Gemma3Vision.from_dir(d, dtype=torch.float32)
+    assert vision.crops(image) == []          # off, as the saved processor says
+    vision.processing = dataclasses.replace(vision.processing, pan_and_scan=True, min_crop=100)
+    hf = AutoProcessor.from_pretrained(d)
+    kw = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=100, pan_and_scan_max_num_crops=4,
+              pan_and_scan_min_ratio_to_activate=1.2)
+    ref = hf.image_processor(image, return_tensors="pt", **kw)
+    crops = vision.crops(image)
+    assert len(crops) == int(ref["num_crops"][0]) == {(900, 300): 3, (120, 500): 4}.get(size, 0)
+    pixels = torch.stack([vision.preprocess(p) for p in [image, *crops]])
+    assert torch.equal(pixels, ref["pixel_values"])
+    text = "w40 <start_of_image> w41"
+    want = hf(images=[image], text=[text], return_tensors="pt", **kw)["input_ids"][0].tolist()
+    ids, images = VisionPrompts(vision, 256).prompt(text, Tokenizer.from_dir(d), [image])
+    assert [SOFT if t >= 256 else t for t in ids] == want and len(images) == 1 + len(crops)

@@ -118,3 +118,42 @@ def test_the_chat_console_reads_images_as_the_engine(built, engine, tmp_path, mo
     args = ["chat", "-m", str(built[0]), "--device", "cpu", "--temperature", "0", "-maxr", "8", "-l", "512"]
     assert main.main([*args, "--vision"]) == 0
     assert capsys.readouterr().out.strip() == want.text.strip()
+
+
+def test_pan_and_scan_prompts_match_transformers(built):
+    """EngineConfig(pan_and_scan=True): a 3:1 image is read whole and as 3 crops (transformers' processor with
+    do_pan_and_scan gives the same pixels for the model), each crop's tokens attending to their own crop; the
+    logits are transformers'. A model without Gemma 3's tower refuses the setting in one sentence."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    hf = built[1]
+    engine = Engine(EngineConfig(model_dir=built[0], device="cpu", max_seq_len=512, vision=True, pan_and_scan=True))
+    image = _noise(900, 300, seed=14)
+    ids, images = engine.chat_input(_messages(image))
+    vocab = engine.model.spec.vocab_size
+    assert len(images) == 4 and sum(t >= vocab for t in ids) == 4 * TOKENS and ids.count(BOI) == 4
+    pixels = Gemma3ImageProcessorPil.from_pretrained(built[0])(
+        image, return_tensors="pt", do_pan_and_scan=True, pan_and_scan_min_crop_size=256,
+        pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)["pixel_values"]
+    hf_ids = torch.tensor([[SOFT if t >= vocab else t for t in ids]])
+    with torch.no_grad():
+        ref = hf(input_ids=hf_ids, pixel_values=pixels, token_type_ids=(hf_ids == SOFT).long()).logits.float()
+        plain, inject = split([ids], [images], vocab, engine.model.device)
+        pages = -(-len(ids) // 16)
+        cache = paged_cache_for(engine.model, pages + 1, 16)
+        cache.bind(torch.arange(pages, dtype=torch.int32)[None])
+        cache.limits = image_limits([ids], [0], vocab, engine.model.device)
+        ours = engine.model(torch.tensor(plain), cache, 0, inject=inject)
+    assert (ours - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_pan_and_scan_needs_gemma3(tmp_path):
+    from exl2.errors import ConfigError
+    from exl2.generation.multimodal import VisionPrompts
+    from test_vision_qwen2vl import _build, _qwen2_vl_config
+
+    _build(_qwen2_vl_config(), tmp_path, seed=1)
+    model = type("M", (), {"device": torch.device("cpu"), "dtype": torch.float32,
+                           "spec": type("S", (), {"vocab_size": 256})()})()
+    with pytest.raises(ConfigError, match="Pan-and-scan is Gemma 3's"):
+        VisionPrompts.load(tmp_path, model, pan_and_scan=True)

@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--vision", action="store_true",
                    help="load the model's vision tower, so /image can attach pictures (Mistral 3, Pixtral, Gemma 3, "
                         "Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and /video videos (the Qwen models)")
+    p.add_argument("--pan-and-scan", "--pan_and_scan", dest="pan_and_scan", action="store_true", default=None,
+                   help="Gemma 3 with --vision: also read crops of images much wider or taller than square")
     p.add_argument("-amnesia", "--amnesia", dest="amnesia", action="store_true",
                    help="forget the conversation after every reply: each turn sees only the system prompt and "
                         "its own message")
@@ -51,7 +53,7 @@ def run(args) -> int:
     system = _system_messages(args)
     budget = reply_budget(args.max_response_tokens, gen.max_seq_len)
     history: list[dict] = []
-    vision = VisionPrompts.load(model_dir, gen.model) if args.vision else None
+    vision = VisionPrompts.load(model_dir, gen.model, args.pan_and_scan) if args.vision else None
     attached: list = []          # images and videos (VideoSource) for the next message (/image, /video)
     prompt_images: list = []     # the images of the prompt `encode` made last
 

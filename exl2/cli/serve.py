@@ -33,6 +33,8 @@ def register(sub) -> None:
                    help="load the model's vision tower, so chat messages may hold images (image_url parts: data URIs "
                         "or http(s) URLs); Mistral 3.1/3.2, Pixtral, Gemma 3, Qwen2-VL, "
                         "Qwen2.5-VL and Qwen3-VL")
+    p.add_argument("--pan-and-scan", "--pan_and_scan", dest="pan_and_scan", action="store_true", default=None,
+                   help="Gemma 3 with --vision: also read crops of images much wider or taller than square")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=5000, help="TCP port (default 5000; 0 = any free port)")
     p.add_argument("--api-key", "--api_key", dest="api_keys", action="append", default=[], metavar="KEY",
@@ -257,6 +259,8 @@ def run(args) -> int:
             settings["cache_size"] = args.cache_size
         if args.vision:
             settings["vision"] = True
+        if args.pan_and_scan:
+            settings["pan_and_scan"] = True
         try:
             engine_config = EngineConfig(**settings, max_batch_size=args.max_batch_size)
         except ValueError as e:

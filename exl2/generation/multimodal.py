@@ -24,6 +24,14 @@ FETCH_TIMEOUT = 20.0
 
 
 @dataclass(frozen=True)
+class _Picture:
+    """An image already decoded (a pan-and-scan crop, or the whole image it came from), under its cache key."""
+
+    key: str
+    image: Any
+
+
+@dataclass(frozen=True)
 class VideoSource:
     """A video in a prompt's sources (images are bare): encoded bytes, a data URI, an http(s) URL, a file path, or
     its frames (a list of image sources, taken as sampled already)."""
@@ -125,25 +133,45 @@ class VisionPrompts:
         self.vision, self.aliases = vision, ImageAliases(first_alias)
 
     @classmethod
-    def load(cls, model_dir, model) -> "VisionPrompts":
+    def load(cls, model_dir, model, pan_and_scan: Optional[bool] = None) -> "VisionPrompts":
         """The vision tower of `model_dir` on `model`'s device and dtype, its aliases past `model`'s vocabulary; a
-        ConfigError naming the model when it has none."""
+        ConfigError naming the model when it has none. `pan_and_scan` turns Gemma 3's crops on or off (None: as
+        its processor config says)."""
+        import dataclasses
+
         from exl2.models.vision import load_vision
 
         tower = load_vision(model_dir, model.device, model.dtype)
         if tower is None:
             raise no_vision(Path(model_dir).name, None)
+        if pan_and_scan is not None:
+            if not hasattr(tower, "crops"):
+                raise ConfigError(f"Pan-and-scan is Gemma 3's; {Path(model_dir).name}'s vision tower has none.")
+            tower.processing = dataclasses.replace(tower.processing, pan_and_scan=pan_and_scan)
         return cls(tower, model.spec.vocab_size)
 
     def image(self, source: Any) -> ImageTokens:
+        """An image (a source `image_bytes` takes, or a decoded _Picture), encoded once per distinct content."""
+        from exl2.models.vision import load_image
+
+        if isinstance(source, _Picture):
+            key, picture = source.key, source.image
+        else:
+            data = image_bytes(source)
+            key, picture = image_key(data), None
+        found = self.aliases.get(key)
+        if found is not None:
+            return found
+        return self._add(key, self.vision.encode(picture if picture is not None else load_image(data)))
+
+    def _pictures(self, source: Any) -> list[_Picture]:
+        """An image source as the whole image and its pan-and-scan crops."""
         from exl2.models.vision import load_image
 
         data = image_bytes(source)
         key = image_key(data)
-        found = self.aliases.get(key)
-        if found is not None:
-            return found
-        return self._add(key, self.vision.encode(load_image(data)))
+        image = load_image(data)
+        return [_Picture(key, image)] + [_Picture(f"{key}:crop{i}", c) for i, c in enumerate(self.vision.crops(image))]
 
     def _add(self, key: str, emb) -> ImageTokens:
         return self.aliases.add(key, emb.token_ids, emb.image_token_id, emb.features, emb.grid, emb.deep,
@@ -177,7 +205,16 @@ class VisionPrompts:
         tokenized (after the text the model's processor adds around each marker, where it adds any: Gemma 3's
         newlines) and `_splice`d."""
         expand = getattr(self.vision, "expand_text", None)
-        return self._splice(tokenizer.encode(expand(text) if expand else text, add_bos=False), sources, tokenizer)
+        if expand is None:
+            return self._splice(tokenizer.encode(text, add_bos=False), sources, tokenizer)
+        if getattr(self.vision, "crops", None) is None or any(isinstance(s, VideoSource) for s in sources):
+            return self._splice(tokenizer.encode(expand(text), add_bos=False), sources, tokenizer)
+        pictures = [self._pictures(s) for s in sources]       # Gemma 3: pan-and-scan crops, when on
+        if len(pictures) != text.count(self.vision.marker_text):
+            raise ConfigError(f"The chat template placed {text.count(self.vision.marker_text)} image tokens for "
+                              f"{len(pictures)} images; this template cannot show them.")
+        text = expand(text, [len(p) - 1 for p in pictures])
+        return self._splice(tokenizer.encode(text, add_bos=False), [p for ps in pictures for p in ps], tokenizer)
 
     def _splice(self, ids: Sequence[int], sources: Sequence[Any],
                 tokenizer) -> tuple[list[int], tuple[ImageTokens, ...]]:

@@ -2,9 +2,11 @@
 PyTorch, computing what transformers' `get_image_features` computes for one image.
 
 Every image is resized to the tower's one square size (896 px in the published models), so every image costs the
-same mm_tokens_per_image (256) soft tokens. Tower: a patch Conv2d (with bias) plus a learned position embedding per
-patch, pre-norm layers (LayerNorm, bidirectional attention with biased projections, LayerNorm, fc1 → gelu → fc2),
-then post_layernorm; SigLIP's attention-pooling head, if the files hold one, is unused. Projector: the patch grid
+same mm_tokens_per_image (256) soft tokens. With pan-and-scan on (do_pan_and_scan, off in the published processor
+configs), an image much wider or taller than square is also cut into 2 to 4 crops along its long side, each read
+as an image of its own after the whole, as Gemma3Processor lays them out. Tower: a patch Conv2d (with bias) plus
+a learned position embedding per patch, pre-norm layers (LayerNorm, bidirectional attention with biased
+projections, LayerNorm, fc1 → gelu → fc2), then post_layernorm; SigLIP's attention-pooling head, if the files hold one, is unused. Projector: the patch grid
 average-pooled to tokens_per_side², Gemma's RMSNorm (x · (1 + w)), then one matrix into the text model's width.
 Linears load through the decoder's WeightLoader, so EXL2 and GPTQ vision linears work as well as dense ones.
 """
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl2.errors import ConfigError, ModelLoadError
-from exl2.models.vision.image import PixelSettings, processor_config
+from exl2.models.vision.image import PixelSettings, processor_config, setting
 from exl2.models.vision.pixtral import (PROJECTOR, TOWER, ImageEmbedding, VisionTensors, _activation, _int,
                                         vision_parts)
 from exl2.runtime.weights import WeightLoader
@@ -112,9 +114,14 @@ def _square(size, image_size: int) -> int:
 
 @dataclass(frozen=True)
 class Gemma3ImageProcessing(PixelSettings):
-    """Gemma3ImageProcessor's settings (PIL backend) without pan-and-scan, which Gemma3Processor leaves off."""
+    """Gemma3ImageProcessor's settings (PIL backend), pan-and-scan's included (off unless the config or the user
+    turns it on, as Gemma3Processor leaves it)."""
 
     size: int
+    pan_and_scan: bool = False
+    min_crop: int = 256          # pan_and_scan_min_crop_size: no crop narrower
+    max_crops: int = 4           # pan_and_scan_max_num_crops
+    min_ratio: float = 1.2       # pan_and_scan_min_ratio_to_activate: the aspect ratio from which images are cut
 
     @classmethod
     def from_dir(cls, model_dir: Path | str, image_size: int) -> "Gemma3ImageProcessing":
@@ -124,11 +131,34 @@ class Gemma3ImageProcessing(PixelSettings):
         size = _square(cfg.get("size"), image_size)
         if size != image_size:
             raise ConfigError(f"The image processor resizes to {size} pixels but the vision tower takes {image_size}.")
-        return cls(size=size, **PixelSettings.read(cfg, DEFAULT_RESAMPLE, DEFAULT_MEAN, DEFAULT_STD))
+        return cls(size=size, pan_and_scan=bool(setting(cfg, "do_pan_and_scan", False)),
+                   min_crop=int(setting(cfg, "pan_and_scan_min_crop_size", 256)),
+                   max_crops=int(setting(cfg, "pan_and_scan_max_num_crops", 4)),
+                   min_ratio=float(setting(cfg, "pan_and_scan_min_ratio_to_activate", 1.2)),
+                   **PixelSettings.read(cfg, DEFAULT_RESAMPLE, DEFAULT_MEAN, DEFAULT_STD))
 
     def __call__(self, image: PIL.Image.Image) -> torch.Tensor:
         """[3, size, size] float32 pixel values (aspect ratio not kept, as transformers does it)."""
         return self.pixels(image, self.size, self.size)
+
+    def crops(self, image: PIL.Image.Image) -> list[PIL.Image.Image]:
+        """Pan-and-scan's crops of `image` (none when it is off, the image is near square, or crops would be
+        narrower than min_crop): as many as the aspect ratio rounds to, 2 to max_crops, side by side along the
+        long side (Gemma3ImageProcessor.pan_and_scan)."""
+        if not self.pan_and_scan:
+            return []
+        width, height = image.size
+        long, short = max(width, height), min(width, height)
+        if long / short < self.min_ratio:
+            return []
+        count = min(int(math.floor(long / short + 0.5)), int(math.floor(long / self.min_crop)))
+        count = min(self.max_crops, max(2, count))
+        across, down = (count, 1) if width >= height else (1, count)
+        crop_w, crop_h = math.ceil(width / across), math.ceil(height / down)
+        if min(crop_w, crop_h) < self.min_crop:
+            return []
+        return [image.crop((x, y, min(x + crop_w, width), min(y + crop_h, height)))
+                for y in range(0, crop_h * down, crop_h) for x in range(0, crop_w * across, crop_w)]
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -225,10 +255,27 @@ class Gemma3Vision:
         """[3, S, S] float32 normalized pixels (transformers' Gemma3ImageProcessor, no pan-and-scan)."""
         return self.processing(image)
 
-    def expand_text(self, text: str) -> str:
+    def crops(self, image: PIL.Image.Image) -> list[PIL.Image.Image]:
+        """The image's pan-and-scan crops (none when pan-and-scan is off): each is read as an image of its own."""
+        return self.processing.crops(image)
+
+    def expand_text(self, text: str, crops: Optional[list[int]] = None) -> str:
         """A rendered prompt with "\\n\\n" on both sides of each <start_of_image>, as Gemma3Processor writes it
-        before tokenizing: the tokenizer may merge them with the prompt's own newlines around the marker."""
-        return text.replace(self.marker_text, f"\n\n{self.marker_text}\n\n")
+        before tokenizing: the tokenizer may merge them with the prompt's own newlines around the marker. An image
+        with pan-and-scan crops (`crops`: the count for each marker in order) becomes the processor's "Here is the
+        original image ... and here are some crops to help you see better ..." with one marker per crop."""
+        one = f"\n\n{self.marker_text}\n\n"
+        parts = text.split(self.marker_text)
+        out = [parts[0]]
+        for i, rest in enumerate(parts[1:]):
+            n = crops[i] if crops else 0
+            if n:
+                out.append(f"Here is the original image {one} and here are some crops to help you see better "
+                           + " ".join([one] * n))
+            else:
+                out.append(one)
+            out.append(rest)
+        return "".join(out)
 
     def token_layout(self) -> list[int]:
         """The tokens of one image in place of <start_of_image> (its "\\n\\n"s are text: `expand_text`):
