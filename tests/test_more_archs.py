@@ -460,6 +460,56 @@ def test_glm_models_convert_and_load(tmp_path, name, bound):
     assert ((ours - ref).norm() / ref.norm()).item() < bound
 
 
+def test_olmo2_converts_and_counts_its_norms_once(tmp_path):
+    """OLMo 2 to EXL2 (norms after the sublayers only, q/k norms over whole projections): both output norms and
+    the q/k norms kept under their names, every decoder tensor counted once for the bit rate, and the logits near
+    the source's (6 bpw on a random tiny model; measured relative error 9.1 %)."""
+    from safetensors import safe_open
+
+    from exl2.quantize.blocks import SourceModel, slots
+    from exl2.quantize.pipeline import decoder_numel
+
+    src, out = _converted(tmp_path, "olmo2")
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        keys = set(f.keys())
+    p = "model.layers.1"
+    assert {f"{p}.{n}.weight" for n in ("post_attention_layernorm", "post_feedforward_layernorm",
+                                        "self_attn.q_norm", "self_attn.k_norm")} <= keys
+    assert f"{p}.self_attn.q_proj.q_weight" in keys and f"{p}.input_layernorm.weight" not in keys
+    spec = spec_from_config(json.loads((src / "config.json").read_text()))
+    model = SourceModel(src, spec, torch.device("cpu"), torch.float32)
+    layers = [k for k in model.src.keys() if k.startswith("model.layers.")]
+    assert decoder_numel(model, slots(spec)) == sum(model.src[k].numel() for k in layers)
+    ids = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, ref = load_model(out, "cpu")(ids), load_model(src, "cpu")(ids)
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.15
+
+
+OLMO_2_7B = {  # allenai/OLMo-2-1124-7B
+    "architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None,
+    "eos_token_id": 100257, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "olmo2", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "pad_token_id": 100277, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 500000, "tie_word_embeddings": False, "vocab_size": 100352,
+}
+SMOLLM3_3B = {  # after HuggingFaceTB/SmolLM3-3B (its no_rope_layers written out by the interval)
+    "architectures": ["SmolLM3ForCausalLM"], "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 11008,
+    "max_position_embeddings": 65536, "model_type": "smollm3", "num_attention_heads": 16, "num_hidden_layers": 36,
+    "num_key_value_heads": 4, "no_rope_layer_interval": 4, "rms_norm_eps": 1e-06, "rope_theta": 5000000.0,
+    "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 128256,
+}
+
+
+def test_olmo2_and_smollm3_configs():
+    s = spec_from_config(OLMO_2_7B)
+    assert s.qk_norm_full and not s.pre_norm and s.sandwich_norm and not s.qk_norm
+    assert s.rope.theta == 500000 and all(layer.sliding_window is None for layer in s.layers)
+    s = spec_from_config(SMOLLM3_3B)
+    assert [layer.use_rope for layer in s.layers[:8]] == [True, True, True, False] * 2
+    assert s.tie_embeddings and s.num_kv_heads == 4 and all(layer.sliding_window is None for layer in s.layers)
+
+
 def test_glm4_blocks_count_each_norm_once(dirs):
     """The converter's parameter count (its bits per weight) finds GLM-4-0414's norms under their own names: every
     tensor of the decoder layers once (the tiny model's widths need no padding)."""

@@ -133,7 +133,7 @@ def assert_same_run(got: list[torch.Tensor], want: list[torch.Tensor], tol: floa
 def tiny_dirs(tmp_path_factory):
     return {name: build_tiny(name, tmp_path_factory.mktemp(name))
             for name in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral_swa", "mixtral",
-                         "qwen3_moe", "qwen2_moe", "llama4", "glm4_moe", "deepseek_v3")}
+                         "qwen3_moe", "qwen2_moe", "llama4", "glm4_moe", "deepseek_v3", "olmo2")}
 
 
 def tp_from_dir(d: Path, parts: int, **kw) -> TensorParallelModel:
@@ -251,6 +251,8 @@ def test_unsupported_models_and_device_counts(tiny_dirs):
         tp_from_dir(tiny_dirs["llama"], 4)
     with pytest.raises(ConfigError, match="latent attention"):
         tp_from_dir(tiny_dirs["deepseek_v3"], 2)
+    with pytest.raises(ConfigError, match="norms"):
+        tp_from_dir(tiny_dirs["olmo2"], 2)
     with pytest.raises(ConfigError, match="at least two devices"):
         tp_from_dir(tiny_dirs["llama"], 1)
 

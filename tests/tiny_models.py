@@ -297,6 +297,36 @@ def _arch_glm4_moe():
                                                  "partial_rotary_factor": 0.5}))
 
 
+def _arch_smollm3():
+    from transformers import SmolLM3Config
+
+    # SmolLM3: layers 2 and 5 without RoPE (no_rope_layer_interval 3), rope_theta 1000 on the others; tied head.
+    return SmolLM3Config(**_cfg(num_hidden_layers=6, head_dim=16, no_rope_layer_interval=3, tie_word_embeddings=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000.0}))
+
+
+def _arch_seed_oss():
+    from transformers import SeedOssConfig
+
+    # Seed-OSS: q/k/v biases, an o_proj bias under its own switch, head_dim 32 != H/nh.
+    return SeedOssConfig(**_cfg(head_dim=32, attention_bias=True, attention_out_bias=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
+def _arch_olmo2():
+    from transformers import Olmo2Config
+
+    # OLMo 2: norms after attention and MLP only, RMSNorms over the whole q and k projections.
+    return Olmo2Config(**_cfg(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
+def _arch_olmo3():
+    from transformers import Olmo3Config
+
+    # OLMo 3: OLMo 2's layers, sliding (window 16) three in four, with rope per layer type; 4 layers.
+    return Olmo3Config(**_cfg(num_hidden_layers=4, sliding_window=16))
+
+
 def _arch_mistral3():
     from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 
@@ -499,6 +529,10 @@ ARCHS: dict[str, Callable] = {
     "glm": _arch_glm,
     "glm4": _arch_glm4,
     "glm4_moe": _arch_glm4_moe,
+    "smollm3": _arch_smollm3,
+    "seed_oss": _arch_seed_oss,
+    "olmo2": _arch_olmo2,
+    "olmo3": _arch_olmo3,
     "mistral3": _arch_mistral3,
     "qwen2_5_vl": _arch_qwen2_5_vl,
     "qwen3_vl": _arch_qwen3_vl,

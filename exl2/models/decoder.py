@@ -120,7 +120,7 @@ class Attention(nn.Module):
             self.v_proj = w.linear(f"{prefix}.v_proj", hid, sizes[2], spec.qkv_bias)
         self.o_proj = w.linear(f"{prefix}.o_proj", h * d, hid, spec.o_bias)
         self.q_norm = self.k_norm = None
-        if spec.qk_norm:
+        if spec.qk_norm or spec.qk_norm_full:
             self.q_norm = make_norm(spec, w.tensor(f"{prefix}.q_norm.weight"))
             self.k_norm = make_norm(spec, w.tensor(f"{prefix}.k_norm.weight"))
         self.scale = spec.attn_scale if spec.attn_scale is not None else d ** -0.5
@@ -148,10 +148,12 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         s, layer = self.spec, self.layer
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), xp)
+        if s.qk_norm_full:
+            q, k = self.q_norm(q.reshape(b, t, -1)), self.k_norm(k.reshape(b, t, -1))
         q = q.view(b, t, s.num_heads, s.head_dim)
         k = k.view(b, t, s.num_kv_heads, s.head_dim)
         v = v.view(b, t, s.num_kv_heads, s.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not s.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         # with a cache and nothing between RoPE and attention, the cache applies it while storing k
         rope_in_cache = rope is not None and cache is not None and not (layer.qk_l2_norm or layer.temperature_tuning)
@@ -234,10 +236,11 @@ class DecoderLayer(nn.Module):
         layer = spec.layers[idx]
         self.layer = layer
         p = f"model.layers.{idx}"
-        self.input_layernorm = make_norm(spec, w.tensor(f"{p}.input_layernorm.weight"))
+        self.input_layernorm = make_norm(spec, w.tensor(f"{p}.input_layernorm.weight")) if spec.pre_norm else \
+            nn.Identity()
         if spec.sandwich_norm:  # attributes named for Gemma's roles, tensors as the architecture names them
-            after_attn, before_mlp, after_mlp = (make_norm(spec, w.tensor(f"{p}.{name}.weight"))
-                                                 for name in spec.sandwich_names)
+            after_attn, before_mlp, after_mlp = (make_norm(spec, w.tensor(f"{p}.{name}.weight")) if name
+                                                 else nn.Identity() for name in spec.sandwich_names)
             self.post_attention_layernorm = after_attn
             self.pre_feedforward_layernorm = before_mlp
             self.post_feedforward_layernorm = after_mlp
@@ -379,7 +382,9 @@ class DecoderModel(nn.Module):
             self._build_head(spec, head_w)
         report(spec.num_layers + 1, spec.num_layers + 1)
         # the devices the norms' weights landed on (a layer's every tensor is on its provider's device)
-        self.layer_devices: list[torch.device] = [layer.input_layernorm.weight.device for layer in self.layers]
+        self.layer_devices: list[torch.device] = [
+            (layer.input_layernorm if spec.pre_norm else layer.post_attention_layernorm).weight.device
+            for layer in self.layers]
         self.head_device: torch.device = self.norm.weight.device
         # runs of consecutive layers with one provider (one device): (device, first, end); one run unless split
         starts = [i for i in range(spec.num_layers) if i == 0 or layer_w[i] is not layer_w[i - 1]]

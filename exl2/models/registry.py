@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.rope import ROPE_TYPES, RopeOverride, RopeSpec
-from exl2.models.spec import GLM4_SANDWICH, LayerSpec, MLASpec, MoESpec, ModelSpec
+from exl2.models.spec import GLM4_SANDWICH, OLMO2_SANDWICH, LayerSpec, MLASpec, MoESpec, ModelSpec
 
 _FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -22,6 +22,8 @@ _FAMILIES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Phi3ForCausalLM": "llama",
+    "SmolLM3ForCausalLM": "llama",
+    "SeedOssForCausalLM": "llama",
     "GraniteForCausalLM": "granite",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
@@ -31,6 +33,8 @@ _FAMILIES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "deepseek",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Llama4ForCausalLM": "llama4",
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo2",
 }
 # multimodal wrappers run as their text decoder (config.json's text_config; exl2.formats.safetensors_io unwraps the
 # weights and leaves the vision tower and projector out)
@@ -219,18 +223,30 @@ def _layer_windows(cfg: dict, n: int, arch: str) -> list[int | None]:
 
 
 def _llama(arch: str, cfg: dict) -> ModelSpec:
+    """Llama and the models that are Llama with switches: Mistral, Qwen2/2.5/3 (q/k/v biases; q/k norms), Phi-3
+    (fused projections), SmolLM3 (every fourth layer without RoPE: `no_rope_layers`, 1 = rotated), Seed-OSS (its
+    own o_proj bias switch, `attention_out_bias`)."""
     c = _common(arch, cfg)
     n = c["num_layers"]
     qwen2 = arch == "Qwen2ForCausalLM"
     bias = bool(cfg.get("attention_bias", qwen2))
+    o_bias = bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else bias and not qwen2
+    rotated = [True] * n
+    if arch == "SmolLM3ForCausalLM":
+        interval = cfg.get("no_rope_layer_interval", 4)
+        rotated = [bool(r) for r in cfg.get("no_rope_layers") or [(i + 1) % interval != 0 for i in range(n)]]
+        if not cfg.get("layer_types"):   # SmolLM3Config: the NoPE layers slide where sliding is on
+            slide = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
+            cfg = {**cfg, "layer_types": ["sliding_attention" if slide and not r else "full_attention"
+                                          for r in rotated]}
     windows = _layer_windows(cfg, n, arch)
     return ModelSpec(
         **c,
         rope=_rope(cfg, c["head_dim"]),
-        layers=tuple(LayerSpec(sliding_window=w) for w in windows),
+        layers=tuple(LayerSpec(sliding_window=w, use_rope=r) for w, r in zip(windows, rotated)),
         activation=_act(cfg),
         qkv_bias=bias,
-        o_bias=bias and not qwen2,
+        o_bias=o_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
         fused_qkv=arch == "Phi3ForCausalLM",
@@ -480,6 +496,24 @@ def _glm4_moe(arch: str, cfg: dict) -> ModelSpec:
                      layers=tuple(LayerSpec(moe=i >= k_dense) for i in range(c["num_layers"])))
 
 
+def _olmo2(arch: str, cfg: dict) -> ModelSpec:
+    """OLMo 2 and OLMo 3: Llama layers whose norms follow the sublayers instead of preceding them
+    (`x + post_attention_layernorm(attn(x))`, `x + post_feedforward_layernorm(mlp(x))`), RMSNorms on the whole q and
+    k projections before RoPE; OLMo 3 slides three layers in four (layer_types), one RoPE table per layer type."""
+    c = _common(arch, cfg)
+    n = c["num_layers"]
+    olmo3 = arch == "Olmo3ForCausalLM"
+    if olmo3 and not cfg.get("layer_types"):
+        cfg = {**cfg, "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]}
+    rope = _rope(cfg, c["head_dim"], layer_type="full_attention" if olmo3 else None)
+    local = _rope(cfg, c["head_dim"], layer_type="sliding_attention") if olmo3 else None
+    windows = _layer_windows(cfg, n, arch)
+    return ModelSpec(**c, rope=rope, local_rope=local, activation=_act(cfg),
+                     layers=tuple(LayerSpec(sliding_window=w, local_rope=olmo3 and w is not None) for w in windows),
+                     qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+                     qk_norm_full=True, pre_norm=False, sandwich_norm=True, sandwich_names=OLMO2_SANDWICH)
+
+
 def _llama4(arch: str, cfg: dict) -> ModelSpec:
     c = _common(arch, cfg)
     n = c["num_layers"]
@@ -511,4 +545,5 @@ def _llama4(arch: str, cfg: dict) -> ModelSpec:
 _BUILDERS: dict[str, Callable[[str, dict], ModelSpec]] = {
     "llama": _llama, "granite": _granite, "cohere": _cohere, "cohere2": _cohere2, "glm": _glm, "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe, "gemma": _gemma, "deepseek": _deepseek, "glm4_moe": _glm4_moe, "llama4": _llama4,
+    "olmo2": _olmo2,
 }

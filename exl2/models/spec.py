@@ -53,6 +53,8 @@ class LayerSpec:
 # The decoder keeps Gemma's names for the roles as its attributes; GLM-4-0414 stores the same three under others.
 GEMMA_SANDWICH = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 GLM4_SANDWICH = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+# OLMo 2/3 norm each sublayer's output only: no norm before the MLP (nor before attention: ModelSpec.pre_norm)
+OLMO2_SANDWICH = ("post_attention_layernorm", "", "post_feedforward_layernorm")
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3, Gemma 3; Cohere: LayerNorm)
+    qk_norm_full: bool = False             # that RMSNorm over the whole q and k projections (OLMo 2/3)
+    pre_norm: bool = True                  # norm each sublayer's input; False: OLMo 2/3 norm outputs only
     sandwich_norm: bool = False            # Gemma 2/3, GLM-4-0414: norms after attention and MLP too
     image_blocks: bool = False             # Gemma 3: a prompt's image tokens attend to their whole image
     mrope_section: Optional[tuple[int, ...]] = None   # Qwen2-VL: frequencies per (t, h, w) position (M-RoPE)

@@ -164,7 +164,7 @@ def decoder_numel(model: SourceModel, slots: list[Slot]) -> int:
                 prefixes.append(p + after_attn + ".")
         else:
             norms = [before_mlp, after_mlp] if spec.sandwich_norm else ["post_attention_layernorm"]
-            prefixes = [p + spec.mlp_key + "."] + [p + n + "." for n in norms]
+            prefixes = [p + spec.mlp_key + "."] + [p + n + "." for n in norms if n]
         for name in src.keys():
             if name.startswith(tuple(prefixes)):
                 shape = src.shape(name)

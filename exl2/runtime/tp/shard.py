@@ -40,6 +40,10 @@ def check_supported(spec: ModelSpec, parts: int) -> None:
     if spec.mla is not None:
         raise ConfigError(f"Tensor parallelism does not support multi-head latent attention ({spec.arch}) yet; use "
                           "the layer split (--gpu_split without --tensor-parallel).")
+    if spec.qk_norm_full or not spec.pre_norm:
+        raise ConfigError(f"Tensor parallelism does not support {spec.arch}'s norms (q/k norms over every head "
+                          "together, or no norm before each sublayer) yet; use the layer split (--gpu_split "
+                          "without --tensor-parallel).")
     if spec.parallel_block or spec.norm_type != "rms" or spec.residual_scale != 1.0:
         raise ConfigError(f"Tensor parallelism does not support {spec.arch}'s layer form (parallel blocks, "
                           "LayerNorm or scaled residuals) yet; use the layer split (--gpu_split without "
