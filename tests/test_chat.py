@@ -344,6 +344,21 @@ def test_parse_glm_tool_calls():
         assert parse_tool_calls(bad) == [], bad
 
 
+def test_parse_minimax_tool_calls():
+    text = ('Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">New York</parameter>\n'
+            '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="ping">\n</invoke>\n</minimax:tool_call>')
+    assert parse_tool_calls(text) == [{"name": "get_weather", "arguments": {"city": "New York", "days": 3}},
+                                      {"name": "ping", "arguments": {}}]
+    assert content_before_calls(text) == "Checking."
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"v": {"type": "string"}}}}}]
+    assert parse_tool_calls('<minimax:tool_call><invoke name="f"><parameter name="v">12</parameter></invoke>',
+                            tools) == [{"name": "f", "arguments": {"v": "12"}}]
+    for bad in ('<minimax:tool_call><invoke name="">\n</invoke></minimax:tool_call>',
+                '<minimax:tool_call><invoke name="f">stray<parameter name="a">1</parameter></invoke>'):
+        assert parse_tool_calls(bad) == [], bad
+
+
 def test_parse_pythonic_tool_calls():
     assert parse_tool_calls('[get_weather(city="Paris", days=3), ping()]') == [
         {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "ping", "arguments": {}}]
@@ -398,6 +413,7 @@ def test_ordinary_answers_are_not_calls(text):
 FORMAT_TEMPLATES = [
     ("{{ '<tool_call>\\n<function=' + name + '>\\n<parameter=' }}<tool_call>", "qwen3_xml"),
     ("{{ '\\n<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key>", "glm"),
+    ("{{ '<minimax:tool_call>\\n' }}<invoke name=\"{{ tc.name }}\">", "minimax"),
     ("{{ '<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' }}", "deepseek"),
     ("{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' }}", "deepseek"),
     ("{{ '<tool_call>\\n' }}", "hermes"),
@@ -469,6 +485,11 @@ def test_holdback_markers_cover_every_format():
 
 # How the models' templates write calls in the history (the same shapes the models were trained to produce).
 WRITES_CALLS = {
+    # after MiniMax-M2's chat_template.jinja
+    "minimax": "{%- for m in messages %}{{- '<minimax:tool_call>\\n' }}{%- for tc in m.tool_calls %}"
+               "{{- '<invoke name=\"' + tc.function.name + '\">\\n' }}{%- for k, v in tc.function.arguments|items %}"
+               "{{- '<parameter name=\"' + k + '\">' }}{{- v if v is string else v | tojson }}{{- '</parameter>\\n' }}"
+               "{%- endfor %}{{- '</invoke>\\n' }}{%- endfor %}{{- '</minimax:tool_call>' }}{%- endfor %}",
     # GLM-4.5's chat_template.jinja
     "glm": "{%- for m in messages %}{%- for tc in m.tool_calls %}{%- if tc.function %}{%- set tc = tc.function %}"
            "{%- endif %}{{ '\\n<tool_call>' + tc.name }}\n{% set _args = tc.arguments %}{% for k, v in _args.items() %}"

@@ -81,9 +81,13 @@ WRITTEN = {"hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}
            "qwen3_xml": "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n"
                         "</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
            "glm": "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n"
-                  "<arg_value>2</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>"}
+                  "<arg_value>2</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>",
+           "minimax": '<minimax:tool_call>\n<invoke name="add">\n<parameter name="a">1</parameter>\n'
+                      '<parameter name="b">2</parameter>\n</invoke>\n<invoke name="now">\n</invoke>\n'
+                      "</minimax:tool_call>"}
 # How each written reply is taken out of its schema (b = 200 > 99).
-OUT_OF_SCHEMA = {"qwen3_xml": ("2\n</parameter>", "200\n</parameter>"), "glm": ("2</arg_value>", "200</arg_value>")}
+OUT_OF_SCHEMA = {"qwen3_xml": ("2\n</parameter>", "200\n</parameter>"), "glm": ("2</arg_value>", "200</arg_value>"),
+                 "minimax": ("2</parameter>", "200</parameter>")}
 
 
 def _accepts(grammar, tok, text: str) -> bool:
@@ -148,7 +152,7 @@ def test_forcing_a_call_in_formats_without_a_grammar_is_refused(engine, fmt):
         tool_call_grammar(engine.tokenizer, TOOLS, fmt)
 
 
-@pytest.mark.parametrize("fmt, seed", [("qwen3_xml", 1), ("qwen3_xml", 2), ("glm", 1)])
+@pytest.mark.parametrize("fmt, seed", [("qwen3_xml", 1), ("qwen3_xml", 2), ("glm", 1), ("minimax", 1)])
 def test_a_random_model_forced_into_xml_calls_calls(engine, fmt, seed):
     tools = TOOLS + [{"type": "function", "function": {"name": "unit", "parameters": {
         "type": "object", "required": ["u"], "properties": {"u": {"enum": ["c", "f"]}}}}}]

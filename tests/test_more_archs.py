@@ -501,6 +501,26 @@ SMOLLM3_3B = {  # after HuggingFaceTB/SmolLM3-3B (its no_rope_layers written out
 }
 
 
+MINIMAX_M2 = {  # after MiniMaxAI/MiniMax-M2's config.json (keys transformers does not read left out)
+    "architectures": ["MiniMaxM2ForCausalLM"], "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072,
+    "intermediate_size": 1536, "max_position_embeddings": 196608, "model_type": "minimax_m2",
+    "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
+    "num_local_experts": 256, "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64, "use_qk_norm": True,
+    "vocab_size": 200064, "tie_word_embeddings": False,
+}
+
+
+def test_minimax_m2_config():
+    """RoPE on rotary_dim 64 of 128, q/k norms over whole projections, 256 experts (8 a token) by biased sigmoid
+    scores in one group, Mixtral's names under block_sparse_moe."""
+    s = spec_from_config(MINIMAX_M2)
+    assert s.rope.dim == 64 and not s.rope.interleaved and s.qk_norm_full and s.pre_norm
+    m = s.moe
+    assert (m.num_experts, m.top_k, m.expert_dim, m.router, m.n_group, m.style) == (256, 8, 1536, "sigmoid_grouped",
+                                                                                   1, "mixtral")
+    assert s.mlp_key == "block_sparse_moe" and all(layer.moe for layer in s.layers)
+
+
 def test_olmo2_and_smollm3_configs():
     s = spec_from_config(OLMO_2_7B)
     assert s.qk_norm_full and not s.pre_norm and s.sandwich_norm and not s.qk_norm

@@ -313,6 +313,16 @@ def _arch_seed_oss():
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
 
 
+def _arch_minimax_m2():
+    from transformers import MiniMaxM2Config
+
+    # MiniMax-M2: 4 experts (2 a token) by sigmoid scores with a selection bias, q/k norms over whole projections,
+    # RoPE on the first half of head_dim 32.
+    return MiniMaxM2Config(**_cfg(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5}))
+
+
 def _arch_olmo2():
     from transformers import Olmo2Config
 
@@ -532,6 +542,7 @@ ARCHS: dict[str, Callable] = {
     "smollm3": _arch_smollm3,
     "seed_oss": _arch_seed_oss,
     "olmo2": _arch_olmo2,
+    "minimax_m2": _arch_minimax_m2,
     "olmo3": _arch_olmo3,
     "mistral3": _arch_mistral3,
     "qwen2_5_vl": _arch_qwen2_5_vl,

@@ -142,14 +142,16 @@ PY_START, PY_END = "<|python_start|>", "<|python_end|>"   # Llama 4 wraps code (
 
 # Where call markup starts in a reply, for every format parse_tool_calls reads. A reply that is only a call, as
 # JSON (Llama 3.1) or a Python list (pythonic), has no marker: it opens with '{' or '['.
+MM_CALL = "<minimax:tool_call>"   # MiniMax-M2 wraps its <invoke> blocks in this
 CALL_MARKERS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", DS_CALLS_BEGIN, DS_CALL_BEGIN,
-                PY_START)
+                PY_START, MM_CALL)
 
 
 def tool_call_format(template: ChatTemplate) -> str:
     """How the model writes tool calls, from its template: 'hermes' (`<tool_call>{json}</tool_call>`: Qwen, Hermes
     and the ChatML fallback), 'qwen3_xml' (Qwen3-Coder: `<tool_call>` around `<function=NAME>` and
     `<parameter=KEY>` blocks), 'glm' (GLM-4.5: `<tool_call>NAME` then `<arg_key>` / `<arg_value>` pairs),
+    'minimax' (MiniMax-M2: `<minimax:tool_call>` around `<invoke name=...>` and `<parameter name=...>` blocks),
     'deepseek' (V3/R1/V3.1 `<｜tool▁call▁begin｜>` tokens), 'mistral' (`[TOOL_CALLS][{json}, ...]`), 'pythonic' (a
     Python list of calls, `[f(a=1), g()]`: Llama 3.2/4 pythonic and Gemma-style templates) or 'llama' (Llama 3.1:
     the bare JSON object `{"name": ..., "parameters": {...}}`). Templates that name none of them get 'hermes'."""
@@ -158,6 +160,8 @@ def tool_call_format(template: ChatTemplate) -> str:
         return "qwen3_xml"
     if "<arg_key>" in src:             # GLM-4.5 writes <tool_call> too
         return "glm"
+    if MM_CALL in src:
+        return "minimax"
     if "tool▁calls▁begin" in src:
         return "deepseek"
     if "<tool_call>" in src:
@@ -177,6 +181,9 @@ _NAME = re.compile(r"[^\s<>()\[\]{}\"',;=]+")   # what may be a tool name in mar
 _XML_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|(?=<function=)|$)", re.S)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 _GLM_CALL = re.compile(r"\s*([^\s<>]*)\s*(.*)", re.S)
+_MM_BLOCK = re.compile(re.escape(MM_CALL) + r"(.*?)(?:</minimax:tool_call>|$)", re.S)
+_MM_INVOKE = re.compile(r'<invoke name="([^"\n]*)">(.*?)(?:</invoke>|(?=<invoke )|$)', re.S)
+_MM_PARAM = re.compile(r'<parameter name="([^"\n]*)">(.*?)(?:</parameter>|(?=<parameter )|$)', re.S)
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
 _DS_CALL = re.compile(re.escape(DS_CALL_BEGIN) + r"([^<]*)" + re.escape(DS_SEP) + r"(.*?)(?:" + re.escape(DS_CALL_END)
                       + "|(?=" + re.escape(DS_CALL_BEGIN) + ")|(?=" + re.escape(DS_CALLS_END) + ")|$)", re.S)
@@ -314,6 +321,26 @@ def _glm_call(body: str, tools: Optional[list[dict]]) -> Optional[dict]:
     return None if "" in args else {"name": name, "arguments": args}
 
 
+def _minimax_calls(text: str, tools: Optional[list[dict]]) -> list[dict]:
+    """MiniMax-M2 calls: `<invoke name="NAME">` blocks of `<parameter name="KEY">VALUE</parameter>` inside
+    `<minimax:tool_call>` (values typed as Qwen3-Coder's); a malformed invoke (no name, stray text) is skipped."""
+    found = []
+    for block in _MM_BLOCK.findall(text):
+        for name, body in _MM_INVOKE.findall(block):
+            if not _NAME.fullmatch(name.strip()) or _MM_PARAM.sub("", body).strip():
+                continue
+            name = name.strip()
+            props = _tool_params(tools, name) if tools else None
+            args = {}
+            for key, raw in _MM_PARAM.findall(body):
+                value = raw[1:] if raw.startswith("\n") else raw
+                value = value[:-1] if value.endswith("\n") else value
+                args[key.strip()] = _xml_value(value, None if props is None else props.get(key.strip()))
+            if "" not in args:
+                found.append({"name": name, "arguments": args})
+    return found
+
+
 def _deepseek_calls(text: str) -> list[dict]:
     """DeepSeek calls: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`
     (V3, R1) or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` (V3.1); malformed ones are skipped."""
@@ -390,7 +417,8 @@ def parse_tool_calls(text: str, tools: Optional[list[dict]] = None) -> list[dict
 
     Recognised: Hermes/Qwen `<tool_call>{json}</tool_call>`; Qwen3-Coder `<tool_call><function=NAME>
     <parameter=KEY>VALUE</parameter>...</function></tool_call>` (also without the `<tool_call>` wrapper); GLM-4.5
-    `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`;
+    `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`; MiniMax-M2
+    `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>...`;
     DeepSeek V3/R1/V3.1 `<｜tool▁call▁begin｜>...<｜tool▁sep｜>...<｜tool▁call▁end｜>`; Mistral `[TOOL_CALLS][{...}]`
     and `[TOOL_CALLS]name[ARGS]{...}`; Llama-3.1 replies that are just `{"name": ..., "parameters": ...}`
     (optionally after `<|python_tag|>`, several separated by ';'); and replies that are just a Python list of
@@ -400,6 +428,8 @@ def parse_tool_calls(text: str, tools: Optional[list[dict]] = None) -> list[dict
     decoded as JSON when it is a number, boolean, object or array and kept as text otherwise. It also limits
     pythonic calls to the tools' names.
     """
+    if MM_CALL in text:
+        return _minimax_calls(text, tools)
     if "<tool_call>" in text:
         found = []
         for body in _HERMES.findall(text):

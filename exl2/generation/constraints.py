@@ -111,6 +111,8 @@ def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict[str, Any]], fmt: st
         return _checked(tokenizer, _qwen3_xml_lark(fns))
     if fmt == "glm":
         return _checked(tokenizer, _glm_lark(fns))
+    if fmt == "minimax":
+        return _checked(tokenizer, _minimax_lark(fns))
     calls = []
     for fn in fns:
         params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
@@ -132,6 +134,8 @@ def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict[str, Any]], fmt: st
 # that the value ends exactly where the model closes it (and parse_tool_calls, which cuts at the first
 # "</parameter>", reads back the same value).
 _XML_TEXT = 'XML_TEXT: (/(?s:.*)/ & ~/(?s:.*<\\/parameter>.*)/) "\\n</parameter>"'
+# MiniMax-M2's text value: anything without "</parameter>", then the closing tag
+_MM_TEXT = 'MM_TEXT: (/(?s:.*)/ & ~/(?s:.*<\\/parameter>.*)/) "</parameter>"'
 # GLM-4.5's text value: anything without "</arg_value>", then the closing tag
 _GLM_TEXT = 'GLM_TEXT: (/(?s:.*)/ & ~/(?s:.*<\\/arg_value>.*)/) "</arg_value>"'
 
@@ -190,6 +194,25 @@ def _glm_lark(fns: list[dict[str, Any]]) -> str:
             parts.append(f"fn{i}_p{j}" + ("" if key in required else "?"))
         rules.append(f"fn{i}: " + " ".join(parts))
     return "\n".join(rules + [_GLM_TEXT]) + "\n"
+
+
+def _minimax_lark(fns: list[dict[str, Any]]) -> str:
+    """MiniMax-M2 calls as its template writes them: `<minimax:tool_call>\\n`, then per call `<invoke name="NAME">\\n`,
+    each parameter in the schema's order (the required ones always) as `<parameter name="KEY">VALUE</parameter>\\n`,
+    `</invoke>\\n`, and last `</minimax:tool_call>`; values as Qwen3-Coder's."""
+    rules = ['start: "<minimax:tool_call>\\n" call+ "</minimax:tool_call>"',
+             "call: (" + " | ".join(f"fn{i}" for i in range(len(fns))) + ')  "</invoke>\\n"']
+    for i, fn in enumerate(fns):
+        params = fn.get("parameters") or {}
+        required = set(params.get("required") or ())
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        parts = [_lit(f'<invoke name="{fn["name"]}">\n')]
+        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            opening = _lit(f'<parameter name="{key}">')
+            rules.append(f'fn{i}_p{j}: {opening} {_qwen3_xml_value(schema, defs, "</parameter>", "MM_TEXT")} "\\n"')
+            parts.append(f"fn{i}_p{j}" + ("" if key in required else "?"))
+        rules.append(f"fn{i}: " + " ".join(parts))
+    return "\n".join(rules + [_MM_TEXT]) + "\n"
 
 
 def _checked(tokenizer: Tokenizer, grammar: str) -> Grammar:

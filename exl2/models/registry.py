@@ -33,6 +33,7 @@ _FAMILIES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "deepseek",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Llama4ForCausalLM": "llama4",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
 }
@@ -496,6 +497,22 @@ def _glm4_moe(arch: str, cfg: dict) -> ModelSpec:
                      layers=tuple(LayerSpec(moe=i >= k_dense) for i in range(c["num_layers"])))
 
 
+def _minimax_m2(arch: str, cfg: dict) -> ModelSpec:
+    """MiniMax-M2: every layer a mixture of experts (Mixtral's tensor names under block_sparse_moe) routed by
+    sigmoid scores plus a selection bias (`e_score_correction_bias`), the chosen scores renormalized; GQA with
+    RMSNorms over the whole q and k projections and rotate-half RoPE on the first `rotary_dim` of each head."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if cfg.get("rotary_dim") and "partial_rotary_factor" not in cfg:
+        cfg = {**cfg, "partial_rotary_factor": cfg["rotary_dim"] / head_dim}
+    c = _common(arch, cfg)
+    moe = MoESpec(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                  expert_dim=cfg["intermediate_size"], router="sigmoid_grouped", norm_topk_prob=True, style="mixtral")
+    windows = _layer_windows(cfg, c["num_layers"], arch)
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"]), moe=moe, activation=_act(cfg),
+                     qk_norm_full=bool(cfg.get("use_qk_norm", True)), mlp_key="block_sparse_moe",
+                     layers=tuple(LayerSpec(sliding_window=w, moe=True) for w in windows))
+
+
 def _olmo2(arch: str, cfg: dict) -> ModelSpec:
     """OLMo 2 and OLMo 3: Llama layers whose norms follow the sublayers instead of preceding them
     (`x + post_attention_layernorm(attn(x))`, `x + post_feedforward_layernorm(mlp(x))`), RMSNorms on the whole q and
@@ -545,5 +562,5 @@ def _llama4(arch: str, cfg: dict) -> ModelSpec:
 _BUILDERS: dict[str, Callable[[str, dict], ModelSpec]] = {
     "llama": _llama, "granite": _granite, "cohere": _cohere, "cohere2": _cohere2, "glm": _glm, "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe, "gemma": _gemma, "deepseek": _deepseek, "glm4_moe": _glm4_moe, "llama4": _llama4,
-    "olmo2": _olmo2,
+    "olmo2": _olmo2, "minimax_m2": _minimax_m2,
 }
