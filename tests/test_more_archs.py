@@ -521,6 +521,22 @@ def test_minimax_m2_config():
     assert s.mlp_key == "block_sparse_moe" and all(layer.moe for layer in s.layers)
 
 
+EXAONE_4_32B = {  # after LGAI-EXAONE/EXAONE-4.0-32B's config.json (its layer_types written by the pattern)
+    "architectures": ["Exaone4ForCausalLM"], "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+    "intermediate_size": 27392, "max_position_embeddings": 131072, "model_type": "exaone4", "num_attention_heads": 40,
+    "num_hidden_layers": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "sliding_window": 4096, "sliding_window_pattern": "LLLG", "tie_word_embeddings": False, "vocab_size": 102400,
+}
+
+
+def test_exaone4_config():
+    """"LLLG": three sliding, rotated layers then a global NoPE one; norms after the sublayers, per-head q/k norms."""
+    s = spec_from_config(EXAONE_4_32B)
+    assert [layer.sliding_window for layer in s.layers[:4]] == [4096, 4096, 4096, None]
+    assert [layer.use_rope for layer in s.layers[:8]] == [True, True, True, False] * 2
+    assert s.qk_norm and not s.qk_norm_full and not s.pre_norm and s.sandwich_norm
+
+
 def test_olmo2_and_smollm3_configs():
     s = spec_from_config(OLMO_2_7B)
     assert s.qk_norm_full and not s.pre_norm and s.sandwich_norm and not s.qk_norm

@@ -313,6 +313,23 @@ def _arch_seed_oss():
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
 
 
+def _arch_ernie4_5():
+    from transformers import Ernie4_5Config
+
+    # ERNIE 4.5: RoPE on GPT-J pairs, biases on every projection (use_bias), tied head; head_dim 32.
+    return Ernie4_5Config(**_cfg(head_dim=32, use_bias=True, tie_word_embeddings=True,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
+def _arch_exaone4():
+    from transformers import Exaone4Config
+
+    # EXAONE 4: OLMo 2's output norms, per-head q/k norms; layers 0-2 slide (window 16) with RoPE, layer 3 is global
+    # and NoPE.
+    return Exaone4Config(**_cfg(num_hidden_layers=4, head_dim=16, sliding_window=16, sliding_window_pattern=4,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
 def _arch_minimax_m2():
     from transformers import MiniMaxM2Config
 
@@ -543,6 +560,8 @@ ARCHS: dict[str, Callable] = {
     "seed_oss": _arch_seed_oss,
     "olmo2": _arch_olmo2,
     "minimax_m2": _arch_minimax_m2,
+    "ernie4_5": _arch_ernie4_5,
+    "exaone4": _arch_exaone4,
     "olmo3": _arch_olmo3,
     "mistral3": _arch_mistral3,
     "qwen2_5_vl": _arch_qwen2_5_vl,

@@ -24,6 +24,7 @@ _FAMILIES: dict[str, str] = {
     "Phi3ForCausalLM": "llama",
     "SmolLM3ForCausalLM": "llama",
     "SeedOssForCausalLM": "llama",
+    "Ernie4_5ForCausalLM": "llama",
     "GraniteForCausalLM": "granite",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
@@ -36,6 +37,7 @@ _FAMILIES: dict[str, str] = {
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
+    "Exaone4ForCausalLM": "olmo2",
 }
 # multimodal wrappers run as their text decoder (config.json's text_config; exl2.formats.safetensors_io unwraps the
 # weights and leaves the vision tower and projector out)
@@ -226,11 +228,13 @@ def _layer_windows(cfg: dict, n: int, arch: str) -> list[int | None]:
 def _llama(arch: str, cfg: dict) -> ModelSpec:
     """Llama and the models that are Llama with switches: Mistral, Qwen2/2.5/3 (q/k/v biases; q/k norms), Phi-3
     (fused projections), SmolLM3 (every fourth layer without RoPE: `no_rope_layers`, 1 = rotated), Seed-OSS (its
-    own o_proj bias switch, `attention_out_bias`)."""
+    own o_proj bias switch, `attention_out_bias`), ERNIE 4.5 (GPT-J pairs of RoPE, `use_bias` on every
+    projection)."""
     c = _common(arch, cfg)
     n = c["num_layers"]
     qwen2 = arch == "Qwen2ForCausalLM"
-    bias = bool(cfg.get("attention_bias", qwen2))
+    ernie = arch == "Ernie4_5ForCausalLM"
+    bias = bool(cfg.get("use_bias", False)) if ernie else bool(cfg.get("attention_bias", qwen2))
     o_bias = bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else bias and not qwen2
     rotated = [True] * n
     if arch == "SmolLM3ForCausalLM":
@@ -243,12 +247,12 @@ def _llama(arch: str, cfg: dict) -> ModelSpec:
     windows = _layer_windows(cfg, n, arch)
     return ModelSpec(
         **c,
-        rope=_rope(cfg, c["head_dim"]),
+        rope=_rope(cfg, c["head_dim"], interleaved=ernie),
         layers=tuple(LayerSpec(sliding_window=w, use_rope=r) for w, r in zip(windows, rotated)),
         activation=_act(cfg),
         qkv_bias=bias,
         o_bias=o_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mlp_bias=bias if ernie else bool(cfg.get("mlp_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
         fused_qkv=arch == "Phi3ForCausalLM",
         mrope_section=_mrope_section(cfg, c["head_dim"]),
@@ -513,12 +517,35 @@ def _minimax_m2(arch: str, cfg: dict) -> ModelSpec:
                      layers=tuple(LayerSpec(sliding_window=w, moe=True) for w in windows))
 
 
+def _exaone4_layer_types(cfg: dict, n: int) -> list[str]:
+    """EXAONE 4's layer_types, or its sliding_window_pattern spelled out: an int p (every p-th layer global) or a
+    string such as "LLLG" (L local, G global) repeated from layer 0; no window: all global."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    pattern = cfg.get("sliding_window_pattern", 4)
+    if cfg.get("sliding_window") is None or not pattern:
+        return ["full_attention"] * n
+    if isinstance(pattern, str):
+        return ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
+    return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
+
+
 def _olmo2(arch: str, cfg: dict) -> ModelSpec:
-    """OLMo 2 and OLMo 3: Llama layers whose norms follow the sublayers instead of preceding them
-    (`x + post_attention_layernorm(attn(x))`, `x + post_feedforward_layernorm(mlp(x))`), RMSNorms on the whole q and
-    k projections before RoPE; OLMo 3 slides three layers in four (layer_types), one RoPE table per layer type."""
+    """OLMo 2, OLMo 3 and EXAONE 4: Llama layers whose norms follow the sublayers instead of preceding them
+    (`x + post_attention_layernorm(attn(x))`, `x + post_feedforward_layernorm(mlp(x))`). OLMo: RMSNorms on the
+    whole q and k projections before RoPE; OLMo 3 slides three layers in four (layer_types), one RoPE table per
+    layer type. EXAONE 4: per-head q/k RMSNorms, and where some layers slide, only those are rotated (the global
+    ones are NoPE)."""
     c = _common(arch, cfg)
     n = c["num_layers"]
+    if arch == "Exaone4ForCausalLM":
+        types = _exaone4_layer_types(cfg, n)
+        windows = _layer_windows({**cfg, "layer_types": types}, n, arch)
+        nope = any(w is not None for w in windows)
+        return ModelSpec(**c, rope=_rope(cfg, c["head_dim"]), activation=_act(cfg), qk_norm=True, pre_norm=False,
+                         sandwich_norm=True, sandwich_names=OLMO2_SANDWICH,
+                         layers=tuple(LayerSpec(sliding_window=w, use_rope=not nope or w is not None)
+                                      for w in windows))
     olmo3 = arch == "Olmo3ForCausalLM"
     if olmo3 and not cfg.get("layer_types"):
         cfg = {**cfg, "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]}
