@@ -313,6 +313,17 @@ def _arch_seed_oss():
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
 
 
+def _arch_dots1():
+    from transformers import Dots1Config
+
+    # dots.llm1: GLM-4.5's DeepSeek-V3 routing (no renormalization, scaling 2.5) under Qwen3 attention (per-head q/k
+    # norms, full RoPE); layer 0 dense.
+    return Dots1Config(**_cfg(num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+                              n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                              first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
 def _arch_ernie4_5():
     from transformers import Ernie4_5Config
 
@@ -561,6 +572,7 @@ ARCHS: dict[str, Callable] = {
     "olmo2": _arch_olmo2,
     "minimax_m2": _arch_minimax_m2,
     "ernie4_5": _arch_ernie4_5,
+    "dots1": _arch_dots1,
     "exaone4": _arch_exaone4,
     "olmo3": _arch_olmo3,
     "mistral3": _arch_mistral3,

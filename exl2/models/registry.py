@@ -33,6 +33,7 @@ _FAMILIES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek",
     "DeepseekV2ForCausalLM": "deepseek",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Dots1ForCausalLM": "glm4_moe",
     "Llama4ForCausalLM": "llama4",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "Olmo2ForCausalLM": "olmo2",
@@ -487,8 +488,16 @@ def _glm4_moe(arch: str, cfg: dict) -> ModelSpec:
     """GLM-4.5 / 4.6 / 4.7 (and -Air): DeepSeek-V3's mixture of experts (sigmoid router with a score-correction
     bias, shared experts, the first layers dense) under GQA attention with q/k/v biases, optional per-head q/k
     RMSNorms and rotate-half RoPE on the first `partial_rotary_factor` (0.5) of each head. The checkpoints' extra
-    next-token-prediction layers (index num_hidden_layers on) are not part of the decoder."""
-    cfg = {"partial_rotary_factor": 0.5, **{k: v for k, v in cfg.items() if v is not None}}
+    next-token-prediction layers (index num_hidden_layers on) are not part of the decoder. dots.llm1
+    (Dots1ForCausalLM) is the same mixture under Qwen3's attention: per-head q/k norms, full RoPE, sliding layers
+    from max_window_layers on where sliding is configured."""
+    dots = arch == "Dots1ForCausalLM"
+    cfg = {"partial_rotary_factor": 1.0 if dots else 0.5, **{k: v for k, v in cfg.items() if v is not None}}
+    if dots and not cfg.get("layer_types"):
+        n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+        start = cfg.get("max_window_layers", n)
+        cfg = {**cfg, "layer_types": ["sliding_attention" if window is not None and cfg.get("use_sliding_window")
+                                      and i >= start else "full_attention" for i in range(n)]}
     c = _common(arch, cfg)
     moe = MoESpec(num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
                   expert_dim=cfg["moe_intermediate_size"], router="sigmoid_grouped",
@@ -496,9 +505,11 @@ def _glm4_moe(arch: str, cfg: dict) -> ModelSpec:
                   topk_group=cfg.get("topk_group") or 1, routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
                   shared_dim=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0), style="deepseek")
     k_dense = cfg.get("first_k_dense_replace", 1)
+    windows = _layer_windows(cfg, c["num_layers"], arch)
     return ModelSpec(**c, rope=_rope(cfg, c["head_dim"]), moe=moe, activation=_act(cfg),
-                     qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm=bool(cfg.get("use_qk_norm", False)),
-                     layers=tuple(LayerSpec(moe=i >= k_dense) for i in range(c["num_layers"])))
+                     qkv_bias=bool(cfg.get("attention_bias", False)),
+                     qk_norm=dots or bool(cfg.get("use_qk_norm", False)),
+                     layers=tuple(LayerSpec(moe=i >= k_dense, sliding_window=w) for i, w in enumerate(windows)))
 
 
 def _minimax_m2(arch: str, cfg: dict) -> ModelSpec:
