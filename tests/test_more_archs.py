@@ -395,11 +395,12 @@ def _converted(tmp_path, name: str, edit=None):
 
 
 @pytest.mark.parametrize("name,bound", [("qwen2_moe", 0.15), ("deepseek_v2", 0.25), ("deepseek_v3", 0.35),
-                                        ("qwen3_vl_moe", 0.15)])
+                                        ("qwen3_vl_moe", 0.15), ("gpt_oss", 0.2)])
 def test_moe_models_convert_and_load(tmp_path, name, bound):
     """Qwen2-MoE, DeepSeek-V2/V3 (MLA: the sensitivity pass differentiates through its in-place RoPE) and
-    Qwen3-VL-MoE (experts fused in the source files, quantized one by one) to EXL2: the converted model's logits
-    stay near the source's (6 bpw on random tiny models; measured relative error 9.0 %, 16.3 %, 28.5 %, 8.8 %)."""
+    Qwen3-VL-MoE (experts fused in the source files, quantized one by one) and gpt-oss (fused, interleaved,
+    biased experts; sinks and router bias carried) to EXL2: the converted model's logits stay near the source's
+    (6 bpw on random tiny models; measured relative error 9.0 %, 16.3 %, 28.5 %, 8.8 %, 9.5 %)."""
     src, out = _converted(tmp_path, name)
     ids = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

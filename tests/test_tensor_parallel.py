@@ -133,7 +133,7 @@ def assert_same_run(got: list[torch.Tensor], want: list[torch.Tensor], tol: floa
 def tiny_dirs(tmp_path_factory):
     return {name: build_tiny(name, tmp_path_factory.mktemp(name))
             for name in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral_swa", "mixtral",
-                         "qwen3_moe", "qwen2_moe", "llama4", "glm4_moe", "deepseek_v3", "olmo2")}
+                         "qwen3_moe", "qwen2_moe", "llama4", "glm4_moe", "gpt_oss", "deepseek_v3", "olmo2")}
 
 
 def tp_from_dir(d: Path, parts: int, **kw) -> TensorParallelModel:
@@ -142,11 +142,12 @@ def tp_from_dir(d: Path, parts: int, **kw) -> TensorParallelModel:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral_swa", "mixtral",
-                                  "qwen3_moe", "qwen2_moe", "llama4", "glm4_moe"])
+                                  "qwen3_moe", "qwen2_moe", "llama4", "glm4_moe", "gpt_oss"])
 def test_dense_tiny_models_match_unsharded(tiny_dirs, name):
     """Biases, q/k norms, sandwich norms, soft-caps, sliding windows, fused qkv/gate_up (Phi-3); mixtures of
     experts with every routing rule (softmax, Qwen2-MoE's gated shared expert, Llama 4's input-scaled sigmoid,
-    GLM-4.5's grouped sigmoid with a score bias and shared expert)."""
+    GLM-4.5's grouped sigmoid with a score bias and shared expert, gpt-oss's biased router and experts and its
+    per-head attention sinks)."""
     d = tiny_dirs[name]
     ref, tp = load_model(d, "cpu"), tp_from_dir(d, 2)
     assert tp.layers[0].o_mode == "reduce" and isinstance(tp.new_paged_cache(2), ShardedCache)

@@ -313,6 +313,18 @@ def _arch_seed_oss():
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
 
 
+def _arch_gpt_oss():
+    from transformers import GptOssConfig
+
+    # gpt-oss: 4 experts (2 a token) fused with interleaved gate/up columns and biases, the clamped SwiGLU, sink
+    # logits, sliding (window 16) and full layers alternating, YaRN with truncate off; head_dim 16.
+    return GptOssConfig(**_cfg(head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                                "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "truncate": False}))
+
+
 def _arch_dots1():
     from transformers import Dots1Config
 
@@ -573,6 +585,7 @@ ARCHS: dict[str, Callable] = {
     "minimax_m2": _arch_minimax_m2,
     "ernie4_5": _arch_ernie4_5,
     "dots1": _arch_dots1,
+    "gpt_oss": _arch_gpt_oss,
     "exaone4": _arch_exaone4,
     "olmo3": _arch_olmo3,
     "mistral3": _arch_mistral3,

@@ -2,7 +2,9 @@
 
 FP8 checkpoints (DeepSeek-V3/R1's and GLM-4.5-FP8's 128×128 blocks with `weight_scale_inv`, compressed-tensors'
 per-tensor or per-channel `weight_scale`) read as bfloat16: each float8 weight is multiplied by its scales when it is
-read, and the scale and activation-scale tensors are hidden, so conversion and fp16 inference see a plain model."""
+read, and the scale and activation-scale tensors are hidden, so conversion and fp16 inference see a plain model.
+So do gpt-oss's MXFP4 experts (`X_blocks` of packed 4-bit values with `X_scales` powers of two for each 32): they
+read as `X` in bfloat16, in the [experts, in, out] layout transformers gives them."""
 from __future__ import annotations
 
 import json
@@ -75,6 +77,8 @@ class TensorSource:
         self._prefix_base_model()
         self._scales: dict[str, tuple[str, Path]] = {}  # a float8 weight → its scales' name and file
         self._find_fp8_scales()
+        self._mxfp4: dict[str, tuple[str, tuple[str, Path]]] = {}  # X → (X_blocks, (X_scales, its file))
+        self._find_mxfp4()
         self._fp8_block = _fp8_block(self.dir) if self._scales else None
 
     def _find_fp8_scales(self) -> None:
@@ -129,12 +133,26 @@ class TensorSource:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def _find_mxfp4(self) -> None:
+        """Show each `X_blocks` / `X_scales` pair (uint8) as the one tensor `X`."""
+        for name in list(self._where):
+            if not name.endswith("_blocks"):
+                continue
+            base, scales = name[: -len("_blocks")], name[: -len("_blocks")] + "_scales"
+            if scales in self._where and self.dtype_name(name) == "U8":
+                self._mxfp4[base] = (name, (scales, self._where[scales]))
+                self._where[base] = self._where.pop(name)
+                del self._where[scales]
+
     def _raw(self, name: str, path: Path) -> torch.Tensor:
         return self._handles[path].get_tensor(self._stored.get(name, name))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(name)
+        if name in self._mxfp4:
+            blocks, scales = self._mxfp4[name]
+            return dequantize_mxfp4(self._raw(blocks, self._where[name]), self._raw(*scales))
         tensor = self._raw(name, self._where[name])
         if name not in self._scales:
             return tensor
@@ -147,11 +165,17 @@ class TensorSource:
         return iter(self._where)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._handles[self._where[name]].get_slice(self._stored.get(name, name)).get_shape())
+        if name in self._mxfp4:   # [..., rows, groups, 16] packed → [..., groups · 32, rows]
+            *lead, rows, groups, _ = self.shape_stored(self._mxfp4[name][0], name)
+            return [*lead, groups * 32, rows]
+        return self.shape_stored(name, name)
+
+    def shape_stored(self, stored: str, shown: str) -> list[int]:
+        return list(self._handles[self._where[shown]].get_slice(self._stored.get(stored, stored)).get_shape())
 
     def dtype_name(self, name: str) -> str:
         """The stored dtype ("BF16", "F16", "I32", ...); a float8 weight with scales reads as "BF16"."""
-        if name in self._scales:
+        if name in self._scales or name in getattr(self, "_mxfp4", {}):
             return "BF16"
         return self._handles[self._where[name]].get_slice(self._stored.get(name, name)).get_dtype()
 
@@ -191,3 +215,24 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, name: str,
         raise ModelLoadError(f"{name}'s FP8 scale grid {tuple(s.shape)} does not tile its shape {tuple(w.shape)}.")
     full = s.repeat_interleave(bh, 0)[: w.shape[0]].repeat_interleave(bw, 1)[:, : w.shape[1]]
     return (w * full).to(torch.bfloat16)
+
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 `blocks` [..., rows, groups, 16] (two E2M1 values a byte, low nibble first) times 2^(scale − 127) per
+    group of 32, as bfloat16 [..., groups · 32, rows] (transposed, as transformers lays gpt-oss's experts out);
+    one leading slice (an expert) at a time, so the float32 temporaries stay small."""
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    *lead, rows, groups, width = blocks.shape
+    if tuple(scales.shape) != (*lead, rows, groups):
+        raise ModelLoadError(f"MXFP4 scales of shape {tuple(scales.shape)} do not match blocks {tuple(blocks.shape)}.")
+    flat_b, flat_s = blocks.reshape(-1, rows, groups, width), scales.reshape(-1, rows, groups)
+    out = torch.empty(flat_b.shape[0], groups * width * 2, rows, dtype=torch.bfloat16)
+    for i in range(flat_b.shape[0]):
+        b = flat_b[i].to(torch.int32)
+        values = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).reshape(rows, groups, width * 2)
+        values = torch.ldexp(values, (flat_s[i].to(torch.int32) - 127)[..., None])
+        out[i] = values.reshape(rows, groups * width * 2).t()
+    return out.reshape(*lead, groups * width * 2, rows)

@@ -1,4 +1,5 @@
-"""Gated activations of the MLP: `act(gate) * up` for SwiGLU (silu) and GeGLU (gelu, tanh or erf form).
+"""Gated activations of the MLP: `act(gate) * up` for SwiGLU (silu) and GeGLU (gelu, tanh or erf form), and
+gpt-oss's clamped SwiGLU: `(clamp(up, ±7) + 1) · g · sigmoid(1.702 g)` with `g = min(gate, 7)`.
 
 Input is either one fused tensor `[..., 2I]` (gate first, then up, as produced by a fused gate/up projection) or
 separate `gate` and `up` `[..., I]`. Computed in fp32, rounded once to the input dtype.
@@ -12,7 +13,8 @@ import torch
 from exl2.kernels.backend import next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 from exl2.kernels.permute import take_columns
 
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "gptoss")
+GPTOSS_ALPHA, GPTOSS_LIMIT = 1.702, 7.0
 _ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 
@@ -39,8 +41,12 @@ def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.co
     elif ACT == 1:
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         a = g / (1.0 + tl.exp(-2.0 * z))  # 0.5·(1 + tanh z) = sigmoid(2z): no cancellation for g << 0
-    else:
+    elif ACT == 2:
         a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    else:
+        g = tl.minimum(g, 7.0)
+        a = g / (1.0 + tl.exp(-1.702 * g))
+        u = tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0
     tl.store(o_ptr + row * stride_o + offs, (a * u).to(o_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,7 +75,11 @@ def glu_torch(gate: torch.Tensor, up: torch.Tensor | None = None, activation: st
               index: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of `glu`."""
     g, u = _split(gate, up)
-    y = (_act_torch(g.float(), activation) * u.float()).to(gate.dtype)
+    if activation == "gptoss":
+        g = g.float().clamp(max=GPTOSS_LIMIT)
+        y = ((u.float().clamp(-GPTOSS_LIMIT, GPTOSS_LIMIT) + 1) * g * torch.sigmoid(GPTOSS_ALPHA * g)).to(gate.dtype)
+    else:
+        y = (_act_torch(g.float(), activation) * u.float()).to(gate.dtype)
     return y if index is None else take_columns(y, index)
 
 

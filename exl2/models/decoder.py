@@ -69,7 +69,8 @@ class WeightProvider(Protocol):
     def tensor(self, name: str) -> torch.Tensor: ...
     def linear(self, prefix: str, in_features: int, out_features: int, bias: bool) -> nn.Module: ...
     def linears_split(self, prefix: str, in_features: int, sizes: list[int], bias: bool) -> list[nn.Module]: ...
-    def expert_linears(self, prefix: str, num: int, hidden: int, dim: int) -> list[tuple[nn.Module, nn.Module, nn.Module]]: ...
+    def expert_linears(self, prefix: str, num: int, hidden: int, dim: int, interleaved: bool = False,
+                       bias: bool = False) -> list[tuple[nn.Module, nn.Module, nn.Module]]: ...
 
 
 class KVCache:
@@ -88,10 +89,11 @@ class KVCache:
         self.length = 0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-               scale: float, window=None, chunk=None, softcap=None, out_index=None, rope=None) -> torch.Tensor:
+               scale: float, window=None, chunk=None, softcap=None, out_index=None, rope=None,
+               sinks=None) -> torch.Tensor:
         """Store k/v at the positions q_pos ([B, T], contiguous per row) and attend over everything cached;
         `out_index`: return `[B·T, H·Dv]` rows in that column order instead; `rope` (cos, sin, interleaved):
-        rotate q and k first (see PagedKVCache.attend)."""
+        rotate q and k first (see PagedKVCache.attend); `sinks`: gpt-oss's per-head logits."""
         b, t = q_pos.shape
         if rope is not None:
             apply_rotary(q, k, rope[0], rope[1], rope_index(rope, q_pos), 2 * rope[0].shape[-1], rope[2])
@@ -100,7 +102,8 @@ class KVCache:
             self.k[layer][i, s0:s0 + t] = k[i]
             self.v[layer][i, s0:s0 + t] = v[i]
         end = int(q_pos[:, -1].max()) + 1
-        o = attention(q, self.k[layer][:b, :end], self.v[layer][:b, :end], q_pos, scale, window, chunk, softcap)
+        o = attention(q, self.k[layer][:b, :end], self.v[layer][:b, :end], q_pos, scale, window, chunk, softcap,
+                      sinks=sinks)
         return o if out_index is None else scatter_columns(o.reshape(b * t, *o.shape[2:]), out_index)
 
 
@@ -124,6 +127,7 @@ class Attention(nn.Module):
             self.q_norm = make_norm(spec, w.tensor(f"{prefix}.q_norm.weight"))
             self.k_norm = make_norm(spec, w.tensor(f"{prefix}.k_norm.weight"))
         self.scale = spec.attn_scale if spec.attn_scale is not None else d ** -0.5
+        self.sinks = w.tensor(f"{prefix}.sinks") if spec.attn_sinks else None
 
     def shared_input_linears(self) -> tuple[nn.Module, ...]:
         """The projections that read this block's input (their equal input orders are aliased at load)."""
@@ -166,8 +170,10 @@ class Attention(nn.Module):
             q = temperature_scale(q, q_pos, *s.attn_temperature)
         args = (q_pos, self.scale, layer.sliding_window, layer.chunk_size, s.attn_softcap)
         if cache is None:
-            return attention(q, k, v, *args).reshape(b, t, -1)
+            return attention(q, k, v, *args, sinks=self.sinks).reshape(b, t, -1)
         kw = {"rope": rope} if rope_in_cache else {}
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
         if out_index is not None:
             return cache.attend(self.idx, q, k, v, *args, out_index=out_index, **kw)
         return cache.attend(self.idx, q, k, v, *args, **kw).reshape(b, t, -1)
@@ -340,9 +346,12 @@ def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> n
         down = w.linear(f"{p}.down_proj", dim, hid, spec.mlp_bias)
         return GatedMLP(gate, up, down, spec.activation)
     m = spec.moe
-    router_key = {"mixtral": "gate", "qwen": "gate", "deepseek": "gate", "llama4": "router"}[m.style]
+    router_key = {"mixtral": "gate", "qwen": "gate", "deepseek": "gate", "llama4": "router", "gpt_oss": "router"}[
+        m.style]
+    gpt_oss = m.style == "gpt_oss"   # fused experts, gate and up columns interleaved, every projection biased
     experts = [GatedMLP(g, u, d, spec.activation)
-               for g, u, d in w.expert_linears(f"{p}.experts", m.num_experts, hid, m.expert_dim)]
+               for g, u, d in w.expert_linears(f"{p}.experts", m.num_experts, hid, m.expert_dim,
+                                               interleaved=gpt_oss, bias=gpt_oss)]
     shared = None
     if m.shared_dim:
         sp = f"{p}.shared_experts" if m.style == "deepseek" else f"{p}.shared_expert"
@@ -354,7 +363,8 @@ def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> n
         bias_key = f"{p}.e_score_correction_bias"
     return MoE(m, w.tensor(f"{p}.{router_key}.weight"), experts, shared,
                w.tensor(bias_key) if w.has(bias_key) else None,
-               w.tensor(f"{p}.shared_expert_gate.weight") if m.shared_gate else None)
+               w.tensor(f"{p}.shared_expert_gate.weight") if m.shared_gate else None,
+               w.tensor(f"{p}.router.bias") if gpt_oss else None)
 
 
 class DecoderModel(nn.Module):

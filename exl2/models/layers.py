@@ -74,10 +74,11 @@ def make_norm(spec, weight: torch.Tensor) -> nn.Module:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
               window: int | None = None, chunk: int | None = None, softcap: float | None = None,
-              limit: Optional[torch.Tensor] = None) -> torch.Tensor:
+              limit: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference causal attention. q [B,T,H,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv]; q_pos [T] or [B,T] absolute
     positions of the queries (key s sits at position s); `limit` [B,T]: the last key each query sees where that is
-    past itself (an image's tokens see the whole image: `attention_mask`). Returns [B,T,H,Dv]."""
+    past itself (an image's tokens see the whole image: `attention_mask`); `sinks` [H]: a logit per head that
+    joins every softmax without a value (gpt-oss), so a query may attend to nothing. Returns [B,T,H,Dv]."""
     h, hkv = q.shape[2], k.shape[2]
     if h != hkv:
         k = k.repeat_interleave(h // hkv, dim=2)
@@ -86,8 +87,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     mask = attention_mask(q_pos if q_pos.dim() == 2 else q_pos[None], k.shape[1], window, chunk, limit)
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    scores = scores.masked_fill(~mask[:, None], float("-inf")).float()
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    else:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(v.dtype)
     return torch.einsum("bhts,bshd->bthd", probs, v)
 
 
@@ -146,10 +151,12 @@ class MoE(nn.Module):
     """Routed experts (+ optional shared expert). Routing rules follow the source architectures exactly."""
 
     def __init__(self, spec, router_weight: torch.Tensor, experts: list[GatedMLP], shared: GatedMLP | None,
-                 score_bias: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None):
+                 score_bias: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+                 router_bias: torch.Tensor | None = None):
         super().__init__()
         self.spec = spec
         self.router_weight = nn.Parameter(router_weight, requires_grad=False)
+        self.router_bias = nn.Parameter(router_bias, requires_grad=False) if router_bias is not None else None
         self.score_bias = nn.Parameter(score_bias, requires_grad=False) if score_bias is not None else None
         self.experts = nn.ModuleList(experts)
         self.shared = shared
@@ -158,7 +165,8 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (expert ids [N, k], weights [N, k]) for flattened tokens x [N, H]."""
         m = self.spec
-        logits = F.linear(x.float(), self.router_weight.float())
+        bias = None if self.router_bias is None else self.router_bias.float()
+        logits = F.linear(x.float(), self.router_weight.float(), bias)
         if m.router == "softmax":
             probs = torch.softmax(logits, dim=-1)
             w, idx = torch.topk(probs, m.top_k, dim=-1)
@@ -193,6 +201,9 @@ class MoE(nn.Module):
             if m.norm_topk_prob:
                 w = w / (w.sum(-1, keepdim=True) + 1e-20)
             return idx, w * m.routed_scaling_factor
+        if m.router == "softmax_topk":   # gpt-oss: the chosen logits softmaxed among themselves
+            val, idx = torch.topk(logits, m.top_k, dim=-1)
+            return idx, torch.softmax(val, dim=-1)
         if m.router == "sigmoid_input":
             val, idx = torch.topk(logits.to(x.dtype), m.top_k, dim=-1)
             return idx, torch.sigmoid(val.float())

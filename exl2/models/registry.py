@@ -36,6 +36,7 @@ _FAMILIES: dict[str, str] = {
     "Dots1ForCausalLM": "glm4_moe",
     "Llama4ForCausalLM": "llama4",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "GptOssForCausalLM": "gpt_oss",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
     "Exaone4ForCausalLM": "olmo2",
@@ -541,6 +542,20 @@ def _exaone4_layer_types(cfg: dict, n: int) -> list[str]:
     return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
 
 
+def _gpt_oss(arch: str, cfg: dict) -> ModelSpec:
+    """gpt-oss: every layer a mixture of experts (the router's top-k logits, with its bias, softmaxed; experts fused
+    with gate and up columns interleaved and biases everywhere; the clamped SwiGLU `(up + 1) · g · sigmoid(1.702
+    g)`), attention with q/k/v/o biases and a learned sink logit per head, sliding (128) and full layers
+    alternating, YaRN RoPE."""
+    c = _common(arch, cfg)
+    moe = MoESpec(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                  expert_dim=cfg["intermediate_size"], router="softmax_topk", style="gpt_oss")
+    windows = _layer_windows(cfg, c["num_layers"], arch)
+    bias = bool(cfg.get("attention_bias", True))
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"], 150000.0), moe=moe, activation="gptoss", qkv_bias=bias,
+                     o_bias=bias, attn_sinks=True, layers=tuple(LayerSpec(sliding_window=w, moe=True) for w in windows))
+
+
 def _olmo2(arch: str, cfg: dict) -> ModelSpec:
     """OLMo 2, OLMo 3 and EXAONE 4: Llama layers whose norms follow the sublayers instead of preceding them
     (`x + post_attention_layernorm(attn(x))`, `x + post_feedforward_layernorm(mlp(x))`). OLMo: RMSNorms on the
@@ -600,5 +615,5 @@ def _llama4(arch: str, cfg: dict) -> ModelSpec:
 _BUILDERS: dict[str, Callable[[str, dict], ModelSpec]] = {
     "llama": _llama, "granite": _granite, "cohere": _cohere, "cohere2": _cohere2, "glm": _glm, "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe, "gemma": _gemma, "deepseek": _deepseek, "glm4_moe": _glm4_moe, "llama4": _llama4,
-    "olmo2": _olmo2, "minimax_m2": _minimax_m2,
+    "olmo2": _olmo2, "minimax_m2": _minimax_m2, "gpt_oss": _gpt_oss,
 }

@@ -15,13 +15,14 @@ class MoESpec:
     top_k: int
     expert_dim: int
     router: str = "softmax"          # softmax | softmax_grouped (DeepSeek-V2) | sigmoid_grouped (V3) | sigmoid_input
+    #                                  | softmax_topk (gpt-oss: the top-k logits, with the router's bias, softmaxed)
     norm_topk_prob: bool = True
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_dim: int = 0              # intermediate size of the always-on shared expert(s), 0 if none
     shared_gate: bool = False        # the shared expert's output scaled by sigmoid(x · g) (Qwen2-MoE)
-    style: str = "mixtral"           # mixtral | qwen | deepseek | llama4
+    style: str = "mixtral"           # mixtral | qwen | deepseek | llama4 | gpt_oss
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class ModelSpec:
     qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3, Gemma 3; Cohere: LayerNorm)
     qk_norm_full: bool = False             # that RMSNorm over the whole q and k projections (OLMo 2/3)
     pre_norm: bool = True                  # norm each sublayer's input; False: OLMo 2/3 norm outputs only
+    attn_sinks: bool = False               # gpt-oss: a learned logit per head joins each softmax (`self_attn.sinks`)
     sandwich_norm: bool = False            # Gemma 2/3, GLM-4-0414: norms after attention and MLP too
     image_blocks: bool = False             # Gemma 3: a prompt's image tokens attend to their whole image
     mrope_section: Optional[tuple[int, ...]] = None   # Qwen2-VL: frequencies per (t, h, w) position (M-RoPE)

@@ -48,7 +48,7 @@ def _consumed(src: TensorSource, keys: list[str]) -> set[str]:
             out |= {f"{parent}.{fused}.weight", f"{parent}.{fused}.bias"}
         m = re.match(r"^(.*\.experts)\.\d+\.", key)
         if m:   # fused 3-D expert tensors, split per expert by the decoder
-            out |= {f"{m.group(1)}.{t}{s}" for t in ("gate_up_proj", "down_proj") for s in ("", ".weight")}
+            out |= {f"{m.group(1)}.{t}{s}" for t in ("gate_up_proj", "down_proj") for s in ("", ".weight", "_bias")}
     return {n for n in out if n in src}
 
 

@@ -159,10 +159,12 @@ class PagedKVCache:
         return fresh
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-               scale: float, window=None, chunk=None, softcap=None, out_index=None, rope=None) -> torch.Tensor:
+               scale: float, window=None, chunk=None, softcap=None, out_index=None, rope=None,
+               sinks=None) -> torch.Tensor:
         """Write the new keys/values, attend: `[B, T, H, Dv]`, or with `out_index` the rows `[B·T, H·Dv]` in that
         column order (`attention.scatter_columns`; decode writes them from the kernel). `rope` (cos, sin,
-        interleaved): rotate q and k first; a decode step does it in the cache-write launch."""
+        interleaved): rotate q and k first; a decode step does it in the cache-write launch. `sinks` (gpt-oss's
+        per-head logits) are not in the kernels: such layers attend over the pages read back (`_read`)."""
         b, t = q_pos.shape
         slot = self._slot[layer]
         table = self._tables[slot]
@@ -184,10 +186,13 @@ class PagedKVCache:
             write_kv(kf, vf, self.k[layer], self.v[layer], slots, self.k_bits, self.v_bits, self.k_scales[layer],
                      self.v_scales[layer])
         limit = self.limits if t > 1 else None
-        if chunk is not None or limit is not None:  # Llama 4 chunks, Gemma 3 images: not in the kernels
+        if chunk is not None or limit is not None or sinks is not None:  # not in the kernels
             length = int(q_pos[:, -1].max()) + 1
             kk, vv = self._read(layer, True, length), self._read(layer, False, length)
-            if chunk is None and not softcap:
+            if sinks is not None:
+                out = attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap,
+                                None if limit is None else limit.to(q.device), sinks=sinks)
+            elif chunk is None and not softcap:
                 out = block_attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, limit.to(q.device))
             else:
                 out = attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap,

@@ -106,9 +106,12 @@ class WeightLoader:
             start += n
         return out
 
-    def expert_linears(self, prefix: str, num: int, hidden: int, dim: int) -> list[tuple[Linear, Linear, Linear]]:
+    def expert_linears(self, prefix: str, num: int, hidden: int, dim: int, interleaved: bool = False,
+                       bias: bool = False) -> list[tuple[Linear, Linear, Linear]]:
         """(gate, up, down) per expert, from per-expert tensors (Mixtral w1/w3/w2 or gate/up/down_proj) or from
-        fused 3-D tensors (`experts.gate_up_proj` [E, H, 2I] and `experts.down_proj` [E, I, H])."""
+        fused 3-D tensors (`experts.gate_up_proj` [E, H, 2I] and `experts.down_proj` [E, I, H]). gpt-oss
+        (`interleaved`, `bias`): gate and up alternate in the fused columns, and `gate_up_proj_bias` [E, 2I] and
+        `down_proj_bias` [E, H] go with them."""
         fused = f"{prefix}.gate_up_proj"
         if fused in self.src or f"{fused}.weight" in self.src:
             gu = self.src[fused] if fused in self.src else self.src[f"{fused}.weight"]
@@ -118,16 +121,26 @@ class WeightLoader:
             # [E, in, out] (Llama 4's files) or [E, out, in] (transformers 5's Qwen3-VL-MoE): both tensors alike,
             # told by whichever has unequal sides (2I = H makes gate_up alone ambiguous)
             in_out = dn.shape[1] == dim if dim != hidden else gu.shape[1] == hidden
+            gu_b = self.src.get(f"{prefix}.gate_up_proj_bias") if bias else None
+            dn_b = self.src.get(f"{prefix}.down_proj_bias") if bias else None
+
+            def mk(m, i, o, b=None):
+                put = lambda t: t.to(device=self.device, dtype=self.dtype).contiguous()  # noqa: E731
+                return Linear(i, o, put(m), None if b is None else put(b), info={"format": "dense"})
+
             out = []
             for e in range(num):
-                g, u = gu[e].t().chunk(2, dim=0) if in_out else gu[e].chunk(2, dim=0)
+                w = gu[e].t() if in_out else gu[e]           # [2I, H]
+                g, u = (w[0::2], w[1::2]) if interleaved else w.chunk(2, dim=0)
+                gb = ub = None
+                if gu_b is not None:
+                    gb, ub = (gu_b[e][0::2], gu_b[e][1::2]) if interleaved else gu_b[e].chunk(2)
                 d = dn[e].t() if in_out else dn[e]
-                mk = lambda m, i, o: Linear(i, o, m.to(device=self.device, dtype=self.dtype).contiguous(),
-                                            info={"format": "dense"})
-                out.append((mk(g, hidden, dim), mk(u, hidden, dim), mk(d, dim, hidden)))
+                out.append((mk(g, hidden, dim, gb), mk(u, hidden, dim, ub),
+                            mk(d, dim, hidden, None if dn_b is None else dn_b[e])))
             return out
         names = ("w1", "w3", "w2") if f"{prefix}.0.w1.weight" in self.src or f"{prefix}.0.w1.q_weight" in self.src \
             else ("gate_proj", "up_proj", "down_proj")
-        return [(self.linear(f"{prefix}.{e}.{names[0]}", hidden, dim, False),
-                 self.linear(f"{prefix}.{e}.{names[1]}", hidden, dim, False),
-                 self.linear(f"{prefix}.{e}.{names[2]}", dim, hidden, False)) for e in range(num)]
+        return [(self.linear(f"{prefix}.{e}.{names[0]}", hidden, dim, bias),
+                 self.linear(f"{prefix}.{e}.{names[1]}", hidden, dim, bias),
+                 self.linear(f"{prefix}.{e}.{names[2]}", dim, hidden, bias)) for e in range(num)]

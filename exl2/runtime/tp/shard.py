@@ -138,6 +138,9 @@ def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, dev
     if attn.q_norm is not None:
         tensors = {f"{prefix}.q_norm.weight": attn.q_norm.weight.detach().to(device).clone(),
                    f"{prefix}.k_norm.weight": attn.k_norm.weight.detach().to(device).clone()}
+    if attn.sinks is not None:   # one per query head: the shard's heads' own
+        per = spec.num_heads // parts
+        tensors[f"{prefix}.sinks"] = attn.sinks[part * per:(part + 1) * per].detach().to(device).clone()
     with torch.no_grad():
         shard = Attention(shard_spec(spec, parts), attn.layer, attn.idx, _Prepared(linears, tensors), prefix)
     shard.scale = attn.scale
@@ -183,7 +186,7 @@ def shard_moe(moe: MoE, part: int, parts: int, device: torch.device) -> MoE:
     experts = [shard_mlp(e, part, parts, device) for e in moe.experts]
     shared = None if moe.shared is None else shard_mlp(moe.shared, part, parts, device)
     return MoE(moe.spec, _replica(moe.router_weight, device), experts, shared, _replica(moe.score_bias, device),
-               _replica(moe.shared_gate, device))
+               _replica(moe.shared_gate, device), _replica(moe.router_bias, device))
 
 
 def shard_ffn(ffn: nn.Module, part: int, parts: int, device: torch.device) -> nn.Module:
