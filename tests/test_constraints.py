@@ -145,7 +145,7 @@ def test_qwen3_xml_grammar_values(engine, text, ok):
             ["ab", "c"]
 
 
-@pytest.mark.parametrize("fmt", ["deepseek", "pythonic"])
+@pytest.mark.parametrize("fmt", ["deepseek", "pythonic", "harmony"])
 def test_forcing_a_call_in_formats_without_a_grammar_is_refused(engine, fmt):
     with pytest.raises(ConfigError, match=rf"^Forcing a tool call is not supported for this model's tool-call "
                                           rf"format \({fmt}\); use tool_choice 'auto'\.$"):

@@ -43,12 +43,15 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from exl2.generation.harmony import HarmonySplitter, is_harmony
+    from exl2.generation.harmony import split as harmony_split
     from exl2.generation.multimodal import VisionPrompts, split_images, with_images
     from exl2.generation.templates import choose_template
 
     settings = sampling_from_args(args)
     model_dir, tok, gen = load_generator(args)
     template = choose_template(tok, args.prompt_template)
+    harmony = is_harmony(template.source)
     interactive = sys.stdin.isatty()
     system = _system_messages(args)
     budget = reply_budget(args.max_response_tokens, gen.max_seq_len)
@@ -107,8 +110,17 @@ def run(args) -> int:
         if interactive:
             sys.stdout.write("Assistant> ")
         result = None
+        channels = HarmonySplitter() if harmony else None   # gpt-oss: the answer on stdout, its analysis on stderr
         for chunk, r in gen.stream(ids, settings, args.max_response_tokens, images=prompt_images):
             result = r or result
+            if channels is not None:
+                thought, chunk = channels.push(chunk) if chunk else ("", "")
+                if r is not None:
+                    more, rest = channels.finish()
+                    thought, chunk = thought + more, chunk + rest
+                if thought and interactive:
+                    sys.stderr.write(thought)
+                    sys.stderr.flush()
             if chunk:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
@@ -117,7 +129,8 @@ def run(args) -> int:
         if interactive:
             print(_stats(result), file=sys.stderr)
         if not args.amnesia:
-            history += [user, {"role": "assistant", "content": result.text.strip()}]
+            answer = harmony_split(result.text)[1] if harmony else result.text
+            history += [user, {"role": "assistant", "content": answer.strip()}]
     return 0
 
 

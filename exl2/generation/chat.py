@@ -14,6 +14,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from exl2.errors import ConfigError
+from exl2.generation import harmony
+from exl2.generation.harmony import CHANNEL, is_harmony
 
 # ChatML, for models that ship no template; tools are announced Hermes-style so parse_tool_calls can read the reply.
 CHATML_TEMPLATE = (
@@ -152,10 +154,13 @@ def tool_call_format(template: ChatTemplate) -> str:
     and the ChatML fallback), 'qwen3_xml' (Qwen3-Coder: `<tool_call>` around `<function=NAME>` and
     `<parameter=KEY>` blocks), 'glm' (GLM-4.5: `<tool_call>NAME` then `<arg_key>` / `<arg_value>` pairs),
     'minimax' (MiniMax-M2: `<minimax:tool_call>` around `<invoke name=...>` and `<parameter name=...>` blocks),
+    'harmony' (gpt-oss: a commentary message `to=functions.NAME` whose body is the JSON arguments),
     'deepseek' (V3/R1/V3.1 `<｜tool▁call▁begin｜>` tokens), 'mistral' (`[TOOL_CALLS][{json}, ...]`), 'pythonic' (a
     Python list of calls, `[f(a=1), g()]`: Llama 3.2/4 pythonic and Gemma-style templates) or 'llama' (Llama 3.1:
     the bare JSON object `{"name": ..., "parameters": {...}}`). Templates that name none of them get 'hermes'."""
     src = template.source
+    if is_harmony(src):
+        return "harmony"
     if "<function=" in src:            # before hermes: Qwen3-Coder templates also write <tool_call>
         return "qwen3_xml"
     if "<arg_key>" in src:             # GLM-4.5 writes <tool_call> too
@@ -430,6 +435,8 @@ def parse_tool_calls(text: str, tools: Optional[list[dict]] = None) -> list[dict
     """
     if MM_CALL in text:
         return _minimax_calls(text, tools)
+    if "to=functions." in text and CHANNEL in text:
+        return harmony.split(text)[2]
     if "<tool_call>" in text:
         found = []
         for body in _HERMES.findall(text):

@@ -104,7 +104,7 @@ def tool_call_grammar(tokenizer: Tokenizer, tools: list[dict[str, Any]], fmt: st
     fns = [fn for fn in fns if name is None or fn["name"] == name]
     if not fns:
         raise ConfigError(f"No tool named '{name}' to call." if name else "A tool call needs at least one tool.")
-    if fmt in ("deepseek", "pythonic"):
+    if fmt in ("deepseek", "pythonic", "harmony"):
         raise ConfigError(f"Forcing a tool call is not supported for this model's tool-call format ({fmt}); "
                           "use tool_choice 'auto'.")
     if fmt == "qwen3_xml":

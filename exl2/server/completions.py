@@ -25,6 +25,8 @@ from exl2.generation.budget import DEFAULT_TAGS, ReasoningBudget, ThinkTags, bud
 from exl2.generation.chat import parse_tool_calls
 from exl2.generation.constraints import Grammar
 from exl2.generation.generator import GenerationResult
+from exl2.generation.harmony import HarmonySplitter, is_harmony
+from exl2.generation.harmony import split as harmony_split
 from exl2.generation.multimodal import split_images
 from exl2.generation.output import TokenLogprob
 from exl2.names import plain_name
@@ -383,6 +385,21 @@ def _chat_message(result: GenerationResult, tools, thinking: Optional[bool], pre
     return {**message, "content": text}, result.finish_reason
 
 
+def _harmony_message(result: GenerationResult, tools, prefix: str = "",
+                     legacy: bool = False) -> tuple[dict[str, Any], str]:
+    """A finished gpt-oss reply read by channel (generation.harmony): analysis as `reasoning_content`, final and
+    commentary preambles as `content`, commentary addressed to a function as its tool calls (when tools were
+    given)."""
+    reasoning, content, calls = harmony_split(prefix + result.text)
+    message = {"role": "assistant", "reasoning_content": reasoning or None}
+    calls = openai_tool_calls(calls) if tools and calls else []
+    if calls and legacy:
+        return {**message, "content": content or None, "function_call": as_function_call(calls)}, "function_call"
+    if calls:
+        return {**message, "content": content or None, "tool_calls": calls}, "tool_calls"
+    return {**message, "content": content}, result.finish_reason
+
+
 def _delta(reasoning: str, content: str) -> dict[str, str]:
     """A streamed chat delta with the non-empty ones of the two."""
     return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
@@ -458,6 +475,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     # think first, even where the prompt opens a think block: it is all content.
     constrained = any(job.grammar is not None for job in jobs)
     thinking = (starts_thinking and not constrained) if st.reasoning else None
+    channels = is_harmony((template or st.engine.template).source)   # gpt-oss: reasoning and calls by channel
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": st.name}
     log_jobs(st.config, jobs)
 
@@ -468,14 +486,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             return Response(status_code=499)
         choices = []
         for i, result in enumerate(results):
-            message, finish = _chat_message(result, tools, thinking, prefix, st.tags, legacy)
+            message, finish = _harmony_message(result, tools, prefix, legacy) if channels else \
+                _chat_message(result, tools, thinking, prefix, st.tags, legacy)
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": _chat_logprobs(st.engine.tokenizer, result.logprobs), **_stop_fields(result)})
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(results, body.n)}
 
     head["object"] = "chat.completion.chunk"
-    holdbacks = [ToolCallHoldback() for _ in jobs] if tools else None
-    splitters = [ReasoningSplitter(thinking, st.tags) for _ in jobs] if thinking is not None else None
+    holdbacks = [ToolCallHoldback() for _ in jobs] if tools and not channels else None
+    if channels:
+        splitters = [HarmonySplitter() for _ in jobs]
+    else:
+        splitters = [ReasoningSplitter(thinking, st.tags) for _ in jobs] if thinking is not None else None
 
     def chunk(i: int, delta: dict, finish: Optional[str] = None, logprobs: Optional[dict] = None,
               extra: Optional[dict] = None) -> str:
@@ -500,8 +522,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         out = holdbacks[i].push(content) if holdbacks else content
         if reasoning or out:
             yield chunk(i, _delta(reasoning, out))
-        if holdbacks:
-            calls = parse_tool_calls(holdbacks[i].text, tools)
+        if channels or holdbacks:
+            calls = splitters[i].calls if channels else parse_tool_calls(holdbacks[i].text, tools)
+            calls = calls if tools else []
             if calls and legacy:
                 yield chunk(i, {"function_call": as_function_call(openai_tool_calls(calls))})
                 reason = "function_call"
@@ -509,7 +532,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 for k, call in enumerate(openai_tool_calls(calls)):
                     yield chunk(i, {"tool_calls": [{"index": k, **call}]})
                 reason = "tool_calls"
-            elif holdbacks[i].rest():
+            elif holdbacks and holdbacks[i].rest():
                 yield chunk(i, {"content": holdbacks[i].rest()})
         yield chunk(i, {}, reason, None, _stop_fields(result))
 
