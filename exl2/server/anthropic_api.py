@@ -19,6 +19,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from exl2.errors import Exl2Error
 from exl2.server import completions
+from exl2.server.chunk_events import ChatChunks
 from exl2.server.errors import APIError, first_problem
 from exl2.server.host import serving
 from exl2.server.messages import template_messages
@@ -288,18 +289,16 @@ async def count_tokens(request: Request):
     return {"input_tokens": len(ids)}
 
 
-class _Events:
+class _Events(ChatChunks):
     """Streamed chat chunks → Anthropic's events: a content block opens when its first piece arrives (thinking,
     then text) or whole (a tool_use, its input as one input_json_delta), and stops when the next opens or the
     reply ends."""
 
     def __init__(self, body: MessagesRequest, mid: str):
+        super().__init__()
         self.body, self.mid = body, mid
         self.index = -1
         self.open: Optional[str] = None       # the type of the block receiving text
-        self.finish: Optional[str] = None
-        self.stop_str: Optional[str] = None
-        self.usage: Optional[dict] = None
 
     @staticmethod
     def _event(kind: str, **fields) -> dict:
@@ -324,7 +323,16 @@ class _Events:
             {"type": "text_delta", "text": text}
         return events + [self._event("content_block_delta", index=self.index, delta=delta)]
 
-    def _call(self, call: dict) -> list[dict]:
+    def on_reasoning(self, text: str) -> list[dict]:
+        return self._piece("thinking", text)
+
+    def on_content(self, text: str) -> list[dict]:
+        return self._piece("text", text)
+
+    def on_finish(self) -> list[dict]:
+        return self._stop()
+
+    def on_call(self, call: dict) -> list[dict]:
         events = self._stop()
         self.index += 1
         block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
@@ -333,23 +341,6 @@ class _Events:
             self._event("content_block_delta", index=self.index,
                         delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]}),
             self._event("content_block_stop", index=self.index)]
-
-    def _chunk(self, chunk: dict) -> list[dict]:
-        if chunk.get("usage") is not None:
-            self.usage = chunk["usage"]
-        events = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._piece("thinking", delta["reasoning_content"])
-            if delta.get("content"):
-                events += self._piece("text", delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish, self.stop_str = choice["finish_reason"], choice.get("stop_str")
-                events += self._stop()
-        return events
 
     async def translate(self, chunks: AsyncIterator) -> AsyncIterator[dict]:
         message = {"id": self.mid, "type": "message", "role": "assistant", "model": self.body.model or "",
@@ -363,7 +354,7 @@ class _Events:
             if "error" in chunk:
                 yield self._event("error", error={"type": "api_error", "message": chunk["error"].get("message")})
                 return
-            for event in self._chunk(chunk):
+            for event in self.events(chunk):
                 yield event
         for event in self._stop():
             yield event

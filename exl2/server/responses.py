@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from exl2.server import completions
+from exl2.server.chunk_events import ChatChunks
 from exl2.server.errors import APIError, first_problem
 from exl2.server.schemas import ChatCompletionRequest, _Body
 
@@ -298,16 +299,17 @@ async def delete_response(response_id: str, request: Request):
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-class _Events:
+class _Events(ChatChunks):
     """Streamed chat chunks → Responses events: an item opens when its first text arrives (reasoning, then the
     message) or whole (a function call), and closes when the next opens or the reply ends."""
 
     def __init__(self, body: ResponsesRequest, rid: str, created: int, store: Stored, conversation: list[dict]):
+        super().__init__()
         self.body, self.rid, self.created, self.store, self.conversation = body, rid, created, store, conversation
         self.seq = 0
         self.output: list[dict] = []
         self.open: Optional[dict] = None       # the item receiving text
-        self.model, self.finish, self.usage = body.model or "", None, None
+        self.model = body.model or ""
 
     def _event(self, kind: str, **fields) -> dict:
         self.seq += 1
@@ -356,7 +358,16 @@ class _Events:
         return events + [self._event(name, item_id=self.open["id"], output_index=index, content_index=0,
                                      delta=delta, **extra)]
 
-    def _call(self, call: dict) -> list[dict]:
+    def on_reasoning(self, text: str) -> list[dict]:
+        return self._text("reasoning", text)
+
+    def on_content(self, text: str) -> list[dict]:
+        return self._text("message", text)
+
+    def on_finish(self) -> list[dict]:
+        return self._close()
+
+    def on_call(self, call: dict) -> list[dict]:
         events = self._close()
         item = call_item(call)
         self.output.append(item)
@@ -376,21 +387,7 @@ class _Events:
                                 param=chunk["error"].get("param")),
                     self._event("response.failed", response={**self._response("failed"), "error": chunk["error"]})]
         self.model = chunk.get("model", self.model)
-        if chunk.get("usage") is not None:
-            self.usage = chunk["usage"]
-        events = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._text("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                events += self._text("message", delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-                events += self._close()
-        return events
+        return self.events(chunk)
 
     async def translate(self, chunks: AsyncIterator) -> AsyncIterator[dict]:
         yield self._event("response.created", response=self._response("in_progress"))
