@@ -220,3 +220,39 @@ def test_paged_kernel_permuted_output_and_merge_paths(kb, vb, splits, fused, mon
     torch.testing.assert_close(out.float(), at.scatter_columns(ref, perm).float(), atol=4e-3, rtol=0)
     torch.testing.assert_close(plain.float(), ref.float(), atol=4e-3, rtol=0)
     assert torch.equal(at.scatter_columns(plain, perm), out)
+
+
+@needs_triton
+@pytest.mark.parametrize("kb,vb,splits,fused", [(16, 16, 1, True), (16, 16, 3, True), (16, 16, 3, False),
+                                                (4, 4, 2, True), (8, 4, 1, True)])
+def test_paged_kernel_with_attention_sinks(kb, vb, splits, fused, monkeypatch):
+    """gpt-oss's sink logits (one per query head) in the denominator: in one split, in the fused merge and in
+    the separate merge launch, over fp16 and quantized caches, decode and chunked prefill with a sliding window;
+    against the twin, and the twin against the reference attention's definition (the sink a key with no
+    value)."""
+    from exl2.models.layers import attention
+
+    monkeypatch.setattr(at, "FUSED_MERGE", fused)
+    lens, qlens, hq, hkv, d = [40, 9], [1, 3], 4, 2, 64
+    k, v, bt = make_paged(lens, hkv, d, d, 16, seed=kb + vb + splits, device=DEV)
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0], device=DEV)
+    kw = dict(sinks=sinks, sliding_window=24)
+    if kb != 16:
+        k, ks = kq.quantize_kv_torch(k, kb)
+        v, vs = kq.quantize_kv_torch(v, vb)
+        kw.update(k_bits=kb, v_bits=vb, k_scales=ks, v_scales=vs)
+    q = torch.randn(sum(qlens), hq, d).half().to(DEV)
+    args = (q, k, v, bt, torch.tensor(lens, dtype=torch.int32, device=DEV), cu(qlens).to(DEV), max(qlens))
+    with force_triton():
+        out = at.paged_attention(*args, num_splits=splits, **kw)
+    ref = at.paged_attention_torch(*args, **kw)
+    torch.testing.assert_close(out.float(), ref.float(), atol=4e-3, rtol=0)
+    no_sink = at.paged_attention_torch(*args, **{**kw, "sinks": None})
+    assert (ref.float() - no_sink.float()).abs().max() > 0.05          # the sinks matter
+    if kb == 16:   # sequence 0's decode row by the model's attention with sinks
+        ps = k.shape[1]
+        slots = (bt[0, :3].long()[:, None] * ps + torch.arange(ps, device=DEV)).reshape(-1)[:40]
+        kk, vv = k.reshape(-1, hkv, d)[slots][None], v.reshape(-1, hkv, d)[slots][None]
+        want = attention(q[:1][None].float(), kk.float(), vv.float(), torch.tensor([[39]], device=DEV), d ** -0.5,
+                         window=24, sinks=sinks)[0]
+        torch.testing.assert_close(ref[:1].float(), want.float(), atol=2e-3, rtol=0)

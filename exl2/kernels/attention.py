@@ -13,7 +13,8 @@ Conventions (token-major, varlen batches):
   prefix are the same call.
 * Options: GQA (`Hq` a multiple of `Hkv`), `scale` (default `Dk^−½`), `sliding_window` w > 0 (key j visible to
   query i iff `i − w < j ≤ i`, Hugging Face's convention), `softcap` c > 0 (`c·tanh(s/c)` on scaled logits),
-  `Dk ≠ Dv` allowed. MLA models are run by the caller as standard attention with expanded heads (Dk = nope+rope,
+  `Dk ≠ Dv` allowed, `sinks` (fp32 `[Hq]`, gpt-oss): a logit per query head that joins each softmax with no
+  value, so the weights of the keys sum to less than one. MLA models are run by the caller as standard attention with expanded heads (Dk = nope+rope,
   Dv = v_head_dim); no absorbed-MLA kernel here.
 
 Kernel: one program per (sequence, block of query tokens × the GQA group's heads, KV head, split of the key
@@ -137,7 +138,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                  PARTIAL: tl.constexpr, MERGE: tl.constexpr = False, MR: tl.constexpr = 16,
                  MCH: tl.constexpr = 1, PERM: tl.constexpr = False, V_EARLY: tl.constexpr = True,
                  Q_ROT: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                 ONE_Q: tl.constexpr = False):
+                 ONE_Q: tl.constexpr = False, sink_ptr=None, SINK: tl.constexpr = False):
     """One (query block, KV head, key split) program; with MERGE the split arriving last at its counter also
     merges the partials of its rows (no separate merge launch); with PERM outputs go to the columns `perm_ptr`
     gives (the permuted input of a quantized o_proj).
@@ -251,7 +252,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
             m_i = m_new
 
         has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        if SINK and not PARTIAL:   # the sink joins the denominator (partials stay plain: the merge adds it)
+            sk = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            o = acc / (l_i + tl.exp2(sk - m_i))[:, None]
+        else:
+            o = acc / tl.where(has, l_i, 1.0)[:, None]
         o_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         if PARTIAL:
             tl.store(o_ptr + pid_s * stride_os + o_off, o, mask=omask)
@@ -266,7 +271,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
                                                    stride_xh, DV, MR, BDV, V_BITS != 16, PERM)
                     _merge_rows(o_ptr, lse_ptr, out_ptr, out_off, out_mask, q_start + t0, kvh * GROUP, GROUP,
                                 m_rows, SPLIT, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, DV,
-                                MR, BDV, MCH, V_BITS != 16)
+                                MR, BDV, MCH, V_BITS != 16, sink_ptr, SINK)
                     tl.atomic_xchg(cnt_ptr + pid_q * tl.num_programs(1) + kvh, 0)
         elif PERM:
             tl.store(out_ptr + q_rows[:, None] * stride_xt + cols, o.to(out_ptr.dtype.element_ty), mask=omask)
@@ -302,7 +307,7 @@ def _merge_out(perm_ptr, t_base, h_base, G, rows, stride_xt, stride_xh, DV, R: t
 @triton.jit
 def _merge_rows(o_ptr, lse_ptr, out_ptr, out_off, out_mask, t_base, h_base, G, rows, SPLIT, stride_os, stride_ot,
                 stride_oh, stride_ls, stride_lt, stride_lh, DV, R: tl.constexpr, BDV: tl.constexpr,
-                CH: tl.constexpr, V_ROT: tl.constexpr):
+                CH: tl.constexpr, V_ROT: tl.constexpr, sink_ptr=None, SINK: tl.constexpr = False):
     """Combine the SPLIT partial outputs (normalised, with their log2-sum-exp) of `rows` (< R) output rows, row i
     being token t_base + i // G, head h_base + i % G; CH splits per load; stored at `out_off` (`_merge_out`).
     Rotated values (basis d' = 64·blk + 32·par + j) are un-rotated once, on the merged rows."""
@@ -330,7 +335,11 @@ def _merge_rows(o_ptr, lse_ptr, out_ptr, out_off, out_mask, t_base, h_base, G, r
         tot = tot * alpha + tl.sum(w, axis=0)
         acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=0)
         m = m_new
-    res = acc / tl.where(tot > 0, tot, 1.0)[:, None]
+    if SINK:   # 2^(sink·log2 e) in the units of `tot` (relative to the last reference max)
+        sk = tl.load(sink_ptr + head, mask=r_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        res = acc / (tot + tl.exp2(sk - tl.where(m == float("-inf"), 0.0, m)))[:, None]
+    else:
+        res = acc / tl.where(tot > 0, tot, 1.0)[:, None]
     if V_ROT:
         NB: tl.constexpr = R * BDV // 32
         r2 = tl.reshape(res, [NB, 32])
@@ -344,14 +353,15 @@ def _merge_rows(o_ptr, lse_ptr, out_ptr, out_off, out_mask, t_base, h_base, G, r
 @triton.jit
 def _merge_kernel(o_ptr, lse_ptr, out_ptr, perm_ptr, SPLIT, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                   stride_lh, stride_xt, stride_xh, DV: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr,
-                  V_ROT: tl.constexpr, PERM: tl.constexpr = False, PDL: tl.constexpr = False):
+                  V_ROT: tl.constexpr, PERM: tl.constexpr = False, PDL: tl.constexpr = False, sink_ptr=None,
+                  SINK: tl.constexpr = False):
     """The merge as its own launch, one (token, head) per program (where the fused merge does not apply)."""
     t, h = tl.program_id(0), tl.program_id(1)
     out_off, out_mask = _merge_out(perm_ptr, t, h, 1, 1, stride_xt, stride_xh, DV, 1, BDV, V_ROT, PERM)
     if PDL:
         pdl_sync()
     _merge_rows(o_ptr, lse_ptr, out_ptr, out_off, out_mask, t, h, 1, 1, SPLIT, stride_os, stride_ot, stride_oh,
-                stride_ls, stride_lt, stride_lh, DV, 1, BDV, BS, V_ROT)
+                stride_ls, stride_lt, stride_lh, DV, 1, BDV, BS, V_ROT, sink_ptr, SINK)
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -441,8 +451,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             kv_quant.write_kv_quant(x, cache, sc, slots.reshape(-1), bits)
 
 
-def _attend_torch(q, k, v, qpos, scale, causal, window, softcap):
-    """Reference attention for one sequence: q `[n, Hq, Dk]`, k/v `[L, Hkv, ·]` (fp32 math)."""
+def _attend_torch(q, k, v, qpos, scale, causal, window, softcap, sinks=None):
+    """Reference attention for one sequence: q `[n, Hq, Dk]`, k/v `[L, Hkv, ·]` (fp32 math); `sinks` [Hq]."""
     hq, hkv = q.shape[1], k.shape[1]
     kf = k.float().repeat_interleave(hq // hkv, dim=1)
     vf = v.float().repeat_interleave(hq // hkv, dim=1)
@@ -456,7 +466,11 @@ def _attend_torch(q, k, v, qpos, scale, causal, window, softcap):
     if window > 0:
         vis &= kpos[None, :] > qpos[:, None] - window
     s = s.masked_fill(~vis, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        s = torch.cat([s, sinks.float()[:, None, None].expand(-1, s.shape[1], 1)], dim=-1)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("hqk,khd->qhd", p, vf)
 
 
@@ -480,7 +494,7 @@ def _decode_cu(cu_seqlens_q, b, device):
 # --------------------------------------------------------------------------------------------------- paged
 def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, max_q_len=1, *,
                           scale=None, sliding_window=0, softcap=0.0, k_bits=16, v_bits=16, k_scales=None,
-                          v_scales=None, causal=True, num_splits=None):
+                          v_scales=None, causal=True, num_splits=None, sinks=None):
     """The twin of `paged_attention` (dequantizes the used cache rows, then plain attention per sequence)."""
     _check(q, k_cache, v_cache, k_bits, v_bits, k_scales, v_scales)
     dk, dv = q.shape[-1], _head_dim(v_cache, v_bits)
@@ -506,13 +520,13 @@ def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
         v = rows(v_cache, v_bits, v_scales, dv)
         qpos = torch.arange(length - n, length, device=q.device)
         out[cu[b]:cu[b + 1]] = _attend_torch(q[cu[b]:cu[b + 1]], k, v, qpos, scale, causal, sliding_window,
-                                             softcap).to(q.dtype)
+                                             softcap, sinks).to(q.dtype)
     return out
 
 
 def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu_k, max_q_len, scale,
             sliding_window, softcap, k_bits, v_bits, causal, num_splits, paged, page_size, out_index=None,
-            q_rotated=False, one_q=False):
+            q_rotated=False, one_q=False, sinks=None):
     tq, hq, dk = q.shape
     hkv = k_rows.shape[1]
     dv = _head_dim(v_rows, v_bits)
@@ -551,6 +565,7 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         os_ = (0, out.stride(0), dv if out_index is not None else out.stride(1))
         ls_ = (0, 0, 0)
     bt = block_table if paged else cu_q
+    sink = None if sinks is None else sinks.float().contiguous()
     _attn_kernel[(b * q_blocks, hkv, split)](
         q, k_rows, v_rows, ks_rows, vs_rows, bt, seq_lens, cu_q, cu_k if cu_k is not None else cu_q,
         o_dst, lse, out, perm, counters(q.device),
@@ -564,12 +579,13 @@ def _launch(q, k_rows, v_rows, ks_rows, vs_rows, block_table, seq_lens, cu_q, cu
         KZERO=kv_quant._zero(k_bits) if k_bits != 16 else 0.0, VZERO=kv_quant._zero(v_bits) if v_bits != 16 else 0.0,
         SPLIT=split, PARTIAL=partial, MERGE=merge, MR=mr,
         MCH=max(1, min(next_pow2(split), 8192 // (mr * next_pow2(dv)))), PERM=out_index is not None,
-        V_EARLY=V_EARLY, Q_ROT=q_rotated, ONE_Q=one_q and ONE_Q, num_warps=warps, num_stages=stages,
-        **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0, small=True, split=partial))
+        V_EARLY=V_EARLY, Q_ROT=q_rotated, ONE_Q=one_q and ONE_Q, sink_ptr=sink, SINK=sink is not None,
+        num_warps=warps, num_stages=stages, **pdl_args(q.device, tq, prefetch=PREFETCH_ROWS > 0, small=True,
+                                                     split=partial))
     if partial and not merge:
         _merge_kernel[(tq, hq)](o_part, lse, out, perm, split, *o_part.stride()[:3], *lse.stride(), *out_strides,
                                 DV=dv, BS=next_pow2(split), BDV=next_pow2(dv), V_ROT=v_bits != 16,
-                                PERM=out_index is not None, num_warps=4,
+                                PERM=out_index is not None, sink_ptr=sink, SINK=sink is not None, num_warps=4,
                                 **pdl_args(o_part.device, tq, small=True, split=True))
     return out
 
@@ -588,7 +604,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float | None = None, sliding_window: int = 0, softcap: float = 0.0, k_bits: int = 16,
                     v_bits: int = 16, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
                     causal: bool = True, num_splits: int | None = None,
-                    out_index: torch.Tensor | None = None, q_rotated: bool = False) -> torch.Tensor:
+                    out_index: torch.Tensor | None = None, q_rotated: bool = False,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of new queries over the paged cache (see the module docstring); returns `[Tq, Hq, Dv]`.
 
     `max_q_len` bounds the query tokens of any one sequence (1 for decode). `num_splits` fixes the number of
@@ -596,7 +613,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (int32 `[Hq·Dv]`, a permutation) returns `[Tq, Hq·Dv]` rows with natural column c at `out_index[c]`
     instead (`scatter_columns`): the kernel then writes o_proj's permuted input, and no gather is needed.
     `q_rotated`: q is already in a quantized key cache's rotated basis (`kv_quant.write_kv_quant_pair` with
-    `hadamard_q`; Triton path only).
+    `hadamard_q`; Triton path only). `sinks` (`[Hq]`): gpt-oss's per-head sink logits.
     """
     _check(q, k_cache, v_cache, k_bits, v_bits, k_scales, v_scales)
     if out_index is not None and out_index.numel() != q.shape[1] * _head_dim(v_cache, v_bits):
@@ -606,7 +623,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not use_triton(q):
         out = paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_q_len,
                                     scale=scale, sliding_window=sliding_window, softcap=softcap, k_bits=k_bits,
-                                    v_bits=v_bits, k_scales=k_scales, v_scales=v_scales, causal=causal)
+                                    v_bits=v_bits, k_scales=k_scales, v_scales=v_scales, causal=causal, sinks=sinks)
         return out if out_index is None else scatter_columns(out, out_index)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cu_q = _decode_cu(cu_seqlens_q, block_table.shape[0], q.device)
@@ -614,7 +631,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                    _cache_rows(k_scales) if k_scales is not None else None,
                    _cache_rows(v_scales) if v_scales is not None else None,
                    block_table, seq_lens, cu_q, None, max_q_len, scale, sliding_window, softcap, k_bits, v_bits,
-                   causal, num_splits, True, k_cache.shape[1], out_index, q_rotated, cu_seqlens_q is None)
+                   causal, num_splits, True, k_cache.shape[1], out_index, q_rotated, cu_seqlens_q is None, sinks)
 
 
 # --------------------------------------------------------------------------------------------------- prefill

@@ -163,8 +163,8 @@ class PagedKVCache:
                sinks=None) -> torch.Tensor:
         """Write the new keys/values, attend: `[B, T, H, Dv]`, or with `out_index` the rows `[B·T, H·Dv]` in that
         column order (`attention.scatter_columns`; decode writes them from the kernel). `rope` (cos, sin,
-        interleaved): rotate q and k first; a decode step does it in the cache-write launch. `sinks` (gpt-oss's
-        per-head logits) are not in the kernels: such layers attend over the pages read back (`_read`)."""
+        interleaved): rotate q and k first; a decode step does it in the cache-write launch. `sinks`: gpt-oss's
+        per-head logits (in the paged kernel; a fresh prompt then goes through it too, its rows being written)."""
         b, t = q_pos.shape
         slot = self._slot[layer]
         table = self._tables[slot]
@@ -186,20 +186,19 @@ class PagedKVCache:
             write_kv(kf, vf, self.k[layer], self.v[layer], slots, self.k_bits, self.v_bits, self.k_scales[layer],
                      self.v_scales[layer])
         limit = self.limits if t > 1 else None
-        if chunk is not None or limit is not None or sinks is not None:  # not in the kernels
+        if chunk is not None or limit is not None:  # Llama 4 chunks, Gemma 3 images: not in the kernels
             length = int(q_pos[:, -1].max()) + 1
             kk, vv = self._read(layer, True, length), self._read(layer, False, length)
-            if sinks is not None:
-                out = attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap,
-                                None if limit is None else limit.to(q.device), sinks=sinks)
-            elif chunk is None and not softcap:
+            if chunk is None and not softcap and sinks is None:
                 out = block_attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, limit.to(q.device))
             else:
                 out = attention(q, kk.to(q.dtype), vv.to(q.dtype), q_pos, scale, window, chunk, softcap,
-                                None if limit is None else limit.to(q.device))
+                                None if limit is None else limit.to(q.device), sinks=sinks)
             return out if out_index is None else scatter_columns(out.reshape(b * t, *out.shape[2:]), out_index)
         qf = q.reshape(b * t, *q.shape[2:])
         opts = dict(scale=scale, sliding_window=window or 0, softcap=softcap or 0.0)
+        if sinks is not None:
+            opts["sinks"] = sinks
         if t == 1:
             out = paged_attention(qf, self.k[layer], self.v[layer], table, seq_lens,
                                   k_bits=self.k_bits, v_bits=self.v_bits, k_scales=self.k_scales[layer],
@@ -207,7 +206,7 @@ class PagedKVCache:
                                   out_index=out_index, q_rotated=q_rotated, **opts)
             if out_index is not None:
                 return out
-        elif self._fresh(q_pos, slot):  # fresh prompts: attention among the new tokens only
+        elif self._fresh(q_pos, slot) and sinks is None:  # fresh prompts: attention among the new tokens only
             cu = list(range(0, b * t + 1, t))
             out = varlen_attention(qf, k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), cu, t,
                                    backend=self.prefill_backend, **opts)
