@@ -20,7 +20,7 @@ demo: $(STAMP)
 	printf 'What is the capital of France? Answer in one sentence.\n' | $(BIN)/exl2 chat
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2   # two workers: the CI machine's two cores
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu
