@@ -961,7 +961,8 @@ def test_reasoning_non_streamed(thinker_url, thinker):
 
     history = [*hi, {"role": "assistant", "content": "It is 3.", "reasoning_content": "Easy."}, *hi]
     c.chat.completions.create(model="x", messages=history)     # thinking sent back reaches the template
-    assert thinker.rendered[-1][0][1] == {"role": "assistant", "content": "It is 3.", "reasoning_content": "Easy."}
+    assert thinker.rendered[-1][0][1] == {"role": "assistant", "content": "It is 3.", "reasoning_content": "Easy.",
+                                          "thinking": "Easy."}     # gpt-oss's template reads `thinking`
 
     thinker.reply = "It is 3."
     no_think = {"chat_template_kwargs": {"enable_thinking": False}}

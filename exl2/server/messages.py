@@ -93,6 +93,7 @@ def template_messages(messages: list[ChatMessage], images: bool = False) -> list
             msg["tool_call_id"] = m.tool_call_id
         if m.role == "assistant" and m.reasoning_content is not None:
             msg["reasoning_content"] = m.reasoning_content      # Qwen3's template shows it in tool-call turns
+            msg["thinking"] = m.reasoning_content               # gpt-oss's reads it under this name
         out.append(msg)
     return out
 
