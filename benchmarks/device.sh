@@ -83,7 +83,7 @@
 # batch 4), then benchmarks/serving.py's check-step table at batches 1-8. s74 (for session 35): the vision GPU test
 # (fp16 Pixtral + injected image rows against transformers) and the speculative ones, then serving.py --ngram.
 # s75 (session 35): the Qwen2.5-VL and Qwen3-VL GPU tests (fp16 towers, M-RoPE and DeepStack prefill rows, decode
-# graphs with RoPE shifts); session 36 added their video tests.
+# graphs with RoPE shifts); session 36 added their video tests and gpt-oss's (sinks in the paged kernel).
 # s76 (session 36): benchmarks/moe_dispatch.py (MoE.forward's sorted dispatch against the per-expert one).
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
@@ -302,7 +302,7 @@ for s in $steps; do
        timeout 240 python3 benchmarks/serving.py --batches 1,2,4,8 --new 64 --ngram --no-speculative \
          > "$OUT/serving_ngram.txt" 2>&1; echo "serving --ngram rc=$?"; grep -A8 "^n-gram" "$OUT/serving_ngram.txt" ;;
   s75) timeout -s INT -k 10 ${TEST_TIMEOUT:-400} python3 -m pytest -m gpu tests/test_vision_qwen2vl_chat.py \
-         tests/test_vision_qwen3vl_chat.py tests/test_vision_qwen_video.py -q \
+         tests/test_vision_qwen3vl_chat.py tests/test_vision_qwen_video.py tests/test_gpt_oss.py -q \
          -p no:cacheprovider -rfE > "$OUT/gpu_qwen2vl.txt" 2>&1
        echo "Qwen2.5-VL / Qwen3-VL GPU tests rc=$?"; tail -4 "$OUT/gpu_qwen2vl.txt" ;;
   s76) timeout 120 python3 benchmarks/moe_dispatch.py > "$OUT/moe_dispatch.txt" 2>&1; echo "moe dispatch rc=$?"
