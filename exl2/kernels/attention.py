@@ -254,7 +254,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_ptr, cuq_ptr, 
         has = l_i > 0.0
         if SINK and not PARTIAL:   # the sink joins the denominator (partials stay plain: the merge adds it)
             sk = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-            o = acc / (l_i + tl.exp2(sk - m_i))[:, None]
+            o = acc / (l_i + tl.exp2(tl.minimum(sk - m_i, 126.0)))[:, None]   # a row without keys: 0, not 0/inf
         else:
             o = acc / tl.where(has, l_i, 1.0)[:, None]
         o_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
@@ -337,7 +337,7 @@ def _merge_rows(o_ptr, lse_ptr, out_ptr, out_off, out_mask, t_base, h_base, G, r
         m = m_new
     if SINK:   # 2^(sink·log2 e) in the units of `tot` (relative to the last reference max)
         sk = tl.load(sink_ptr + head, mask=r_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        res = acc / (tot + tl.exp2(sk - tl.where(m == float("-inf"), 0.0, m)))[:, None]
+        res = acc / (tot + tl.exp2(tl.minimum(sk - tl.where(m == float("-inf"), 0.0, m), 126.0)))[:, None]
     else:
         res = acc / tl.where(tot > 0, tot, 1.0)[:, None]
     if V_ROT:
