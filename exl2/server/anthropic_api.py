@@ -323,11 +323,8 @@ class _Events(ChatChunks):
             {"type": "text_delta", "text": text}
         return events + [self._event("content_block_delta", index=self.index, delta=delta)]
 
-    def on_reasoning(self, text: str) -> list[dict]:
-        return self._piece("thinking", text)
-
-    def on_content(self, text: str) -> list[dict]:
-        return self._piece("text", text)
+    def on_text(self, kind: str, text: str) -> list[dict]:
+        return self._piece("thinking" if kind == "reasoning" else "text", text)
 
     def on_finish(self) -> list[dict]:
         return self._stop()

@@ -6,18 +6,15 @@ from typing import Optional
 
 
 class ChatChunks:
-    """Walks chat chunks: `on_reasoning(text)`, `on_content(text)`, `on_call(call)` and `on_finish()` (subclasses)
-    return the events each becomes; `finish`, `stop_str` and `usage` hold what the chunks said last."""
+    """Walks chat chunks: `on_text(kind, text)` (kind "reasoning" or "content"), `on_call(call)` and `on_finish()`
+    (subclasses) return the events each becomes; `finish`, `stop_str` and `usage` hold what the chunks said last."""
 
     def __init__(self) -> None:
         self.finish: Optional[str] = None
         self.stop_str: Optional[str] = None
         self.usage: Optional[dict] = None
 
-    def on_reasoning(self, text: str) -> list[dict]:
-        raise NotImplementedError
-
-    def on_content(self, text: str) -> list[dict]:
+    def on_text(self, kind: str, text: str) -> list[dict]:
         raise NotImplementedError
 
     def on_call(self, call: dict) -> list[dict]:
@@ -34,9 +31,9 @@ class ChatChunks:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
-                out += self.on_reasoning(delta["reasoning_content"])
+                out += self.on_text("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                out += self.on_content(delta["content"])
+                out += self.on_text("content", delta["content"])
             for call in delta.get("tool_calls") or ():
                 out += self.on_call(call)
             if choice.get("finish_reason"):

@@ -358,11 +358,8 @@ class _Events(ChatChunks):
         return events + [self._event(name, item_id=self.open["id"], output_index=index, content_index=0,
                                      delta=delta, **extra)]
 
-    def on_reasoning(self, text: str) -> list[dict]:
-        return self._text("reasoning", text)
-
-    def on_content(self, text: str) -> list[dict]:
-        return self._text("message", text)
+    def on_text(self, kind: str, text: str) -> list[dict]:
+        return self._text("reasoning" if kind == "reasoning" else "message", text)
 
     def on_finish(self) -> list[dict]:
         return self._close()
