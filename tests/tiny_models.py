@@ -325,6 +325,16 @@ def _arch_gpt_oss():
                                                 "beta_slow": 1.0, "truncate": False}))
 
 
+def _arch_ernie4_5_moe():
+    from transformers import Ernie4_5_MoeConfig
+
+    # ERNIE 4.5 MoE: layer 0 dense, layers 1-2 with 4 experts (2 a token, chosen by probability plus a bias) beside
+    # one shared expert; GPT-J RoPE pairs.
+    return Ernie4_5_MoeConfig(**_cfg(num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+                                     moe_k=2, moe_num_experts=4, moe_num_shared_experts=1, moe_layer_start_index=1,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
 def _arch_dots1():
     from transformers import Dots1Config
 
@@ -585,6 +595,7 @@ ARCHS: dict[str, Callable] = {
     "minimax_m2": _arch_minimax_m2,
     "ernie4_5": _arch_ernie4_5,
     "dots1": _arch_dots1,
+    "ernie4_5_moe": _arch_ernie4_5_moe,
     "gpt_oss": _arch_gpt_oss,
     "exaone4": _arch_exaone4,
     "olmo3": _arch_olmo3,

@@ -359,8 +359,9 @@ def build_mlp(spec: ModelSpec, layer: LayerSpec, w: WeightProvider, p: str) -> n
                           w.linear(f"{sp}.up_proj", hid, m.shared_dim, False),
                           w.linear(f"{sp}.down_proj", m.shared_dim, hid, False), spec.activation)
     bias_key = f"{p}.gate.e_score_correction_bias"
-    if not w.has(bias_key):   # MiniMax-M2 keeps it beside the router
-        bias_key = f"{p}.e_score_correction_bias"
+    if not w.has(bias_key):   # MiniMax-M2 keeps it beside the router, ERNIE 4.5 in moe_statics
+        bias_key = f"{p}.e_score_correction_bias" if w.has(f"{p}.e_score_correction_bias") else \
+            f"{p}.moe_statics.e_score_correction_bias"
     return MoE(m, w.tensor(f"{p}.{router_key}.weight"), experts, shared,
                w.tensor(bias_key) if w.has(bias_key) else None,
                w.tensor(f"{p}.shared_expert_gate.weight") if m.shared_gate else None,

@@ -201,6 +201,12 @@ class MoE(nn.Module):
             if m.norm_topk_prob:
                 w = w / (w.sum(-1, keepdim=True) + 1e-20)
             return idx, w * m.routed_scaling_factor
+        if m.router == "softmax_biased":   # ERNIE 4.5: chosen by probability plus a bias, weighed by probability
+            probs = torch.softmax(logits, dim=-1)
+            choice = probs + self.score_bias.float().reshape(-1) if self.score_bias is not None else probs
+            idx = choice.topk(m.top_k, dim=-1)[1]
+            w = probs.gather(1, idx)
+            return idx, w / w.sum(-1, keepdim=True).clamp(min=1e-12)
         if m.router == "softmax_topk":   # gpt-oss: the chosen logits softmaxed among themselves
             val, idx = torch.topk(logits, m.top_k, dim=-1)
             return idx, torch.softmax(val, dim=-1)

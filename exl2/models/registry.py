@@ -25,6 +25,7 @@ _FAMILIES: dict[str, str] = {
     "SmolLM3ForCausalLM": "llama",
     "SeedOssForCausalLM": "llama",
     "Ernie4_5ForCausalLM": "llama",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "GraniteForCausalLM": "granite",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
@@ -542,6 +543,26 @@ def _exaone4_layer_types(cfg: dict, n: int) -> list[str]:
     return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
 
 
+def _ernie4_5_moe(arch: str, cfg: dict) -> ModelSpec:
+    """ERNIE 4.5 MoE: ERNIE 4.5's attention (GPT-J RoPE pairs, `use_bias`) with mixture-of-experts layers from
+    moe_layer_start_index to moe_layer_end_index every moe_layer_interval: softmax router, experts chosen by
+    probability plus a bias (`moe_statics.e_score_correction_bias`) and weighed by their probabilities renormalized,
+    beside shared experts."""
+    c = _common(arch, cfg)
+    n = c["num_layers"]
+    start, end = cfg.get("moe_layer_start_index", 1), cfg.get("moe_layer_end_index", -1)
+    end = n - 1 if end in (None, -1) else end
+    step = cfg.get("moe_layer_interval", 1) or 1
+    moe = MoESpec(num_experts=cfg.get("moe_num_experts", 64), top_k=cfg.get("moe_k", 6),
+                  expert_dim=cfg.get("moe_intermediate_size", 1536), router="softmax_biased",
+                  shared_dim=cfg.get("moe_intermediate_size", 1536) * (cfg.get("moe_num_shared_experts") or 0),
+                  style="deepseek")
+    bias = bool(cfg.get("use_bias", False))
+    return ModelSpec(**c, rope=_rope(cfg, c["head_dim"], 500000.0, interleaved=True), moe=moe, activation=_act(cfg),
+                     qkv_bias=bias, o_bias=bias, mlp_bias=bias,
+                     layers=tuple(LayerSpec(moe=(i + 1) % step == 0 and start <= i <= end) for i in range(n)))
+
+
 def _gpt_oss(arch: str, cfg: dict) -> ModelSpec:
     """gpt-oss: every layer a mixture of experts (the router's top-k logits, with its bias, softmaxed; experts fused
     with gate and up columns interleaved and biases everywhere; the clamped SwiGLU `(up + 1) · g · sigmoid(1.702
@@ -615,5 +636,5 @@ def _llama4(arch: str, cfg: dict) -> ModelSpec:
 _BUILDERS: dict[str, Callable[[str, dict], ModelSpec]] = {
     "llama": _llama, "granite": _granite, "cohere": _cohere, "cohere2": _cohere2, "glm": _glm, "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe, "gemma": _gemma, "deepseek": _deepseek, "glm4_moe": _glm4_moe, "llama4": _llama4,
-    "olmo2": _olmo2, "minimax_m2": _minimax_m2, "gpt_oss": _gpt_oss,
+    "olmo2": _olmo2, "minimax_m2": _minimax_m2, "gpt_oss": _gpt_oss, "ernie4_5_moe": _ernie4_5_moe,
 }

@@ -16,6 +16,7 @@ class MoESpec:
     expert_dim: int
     router: str = "softmax"          # softmax | softmax_grouped (DeepSeek-V2) | sigmoid_grouped (V3) | sigmoid_input
     #                                  | softmax_topk (gpt-oss: the top-k logits, with the router's bias, softmaxed)
+    #                                  | softmax_biased (ERNIE 4.5: softmax, chosen by probability + bias, renormed)
     norm_topk_prob: bool = True
     n_group: int = 1
     topk_group: int = 1
