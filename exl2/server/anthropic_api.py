@@ -14,13 +14,13 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import Field, ValidationError
+from pydantic import Field
 from sse_starlette.sse import EventSourceResponse
 
 from exl2.errors import Exl2Error
 from exl2.server import completions
 from exl2.server.chunk_events import ChatChunks
-from exl2.server.errors import APIError, first_problem
+from exl2.server.errors import APIError, validated
 from exl2.server.host import serving
 from exl2.server.messages import template_messages
 from exl2.server.schemas import ChatCompletionRequest, ChatMessage, _Body
@@ -194,19 +194,7 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         fields["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(output["effort"], output["effort"])
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValidationError as e:
-        param, problem = first_problem(e)
-        raise APIError(400, f"The request is invalid: {problem}.", param=param) from None
-
-
-def _parse(model, data: Any):
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        param, problem = first_problem(e)
-        raise APIError(400, f"{param or 'The request'}: {problem}.", param=param) from None
+    return validated(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
 
 
 async def _json(request: Request) -> Any:
@@ -253,7 +241,7 @@ def usage(chat_usage: Optional[dict]) -> dict:
 @router.post("/v1/messages")
 async def create_message(request: Request):
     try:
-        body = _parse(MessagesRequest, await _json(request))
+        body = validated(MessagesRequest, await _json(request))
         result = await completions.chat_completions(chat_request(body), request)
     except APIError as e:
         return _error(e)
@@ -273,7 +261,7 @@ async def create_message(request: Request):
 async def count_tokens(request: Request):
     """The prompt's token count as the chat template renders these messages, system prompt and tools."""
     try:
-        body = _parse(CountRequest, await _json(request))
+        body = validated(CountRequest, await _json(request))
         st = serving(request)
         messages = [ChatMessage.model_validate(m)
                     for m in _system(body.system) + chat_messages(body.messages)]

@@ -375,14 +375,9 @@ def _chat_message(result: GenerationResult, tools, thinking: Optional[bool], pre
         message["reasoning_content"] = reasoning or None
         if reasoning is not None and not text:
             text = None                   # it only thought (e.g. stopped by max_tokens): no answer yet
-    calls = parse_tool_calls(text, tools) if tools and text else []
-    if calls and legacy:
-        return {**message, "content": content_before_calls(text),
-                "function_call": as_function_call(openai_tool_calls(calls))}, "function_call"
-    if calls:
-        return {**message, "content": content_before_calls(text), "tool_calls": openai_tool_calls(calls)}, \
-            "tool_calls"
-    return {**message, "content": text}, result.finish_reason
+    calls = openai_tool_calls(parse_tool_calls(text, tools)) if tools and text else []
+    return _with_calls(message, text, content_before_calls(text) if calls else None, calls, legacy,
+                       result.finish_reason)
 
 
 def _harmony_message(result: GenerationResult, tools, prefix: str = "",
@@ -393,11 +388,18 @@ def _harmony_message(result: GenerationResult, tools, prefix: str = "",
     reasoning, content, calls = harmony_split(prefix + result.text)
     message = {"role": "assistant", "reasoning_content": reasoning or None}
     calls = openai_tool_calls(calls) if tools and calls else []
+    return _with_calls(message, content, content or None, calls, legacy, result.finish_reason)
+
+
+def _with_calls(message: dict[str, Any], content: Optional[str], before: Optional[str], calls: list[dict],
+                legacy: bool, finish: str) -> tuple[dict[str, Any], str]:
+    """The assistant message and its finish_reason: with (OpenAI-shaped) `calls`, what came `before` them as
+    content and the calls as tool_calls (`legacy`: the pre-tools API's one function_call); else `content`."""
     if calls and legacy:
-        return {**message, "content": content or None, "function_call": as_function_call(calls)}, "function_call"
+        return {**message, "content": before, "function_call": as_function_call(calls)}, "function_call"
     if calls:
-        return {**message, "content": content or None, "tool_calls": calls}, "tool_calls"
-    return {**message, "content": content}, result.finish_reason
+        return {**message, "content": before, "tool_calls": calls}, "tool_calls"
+    return {**message, "content": content}, finish
 
 
 def _delta(reasoning: str, content: str) -> dict[str, str]:

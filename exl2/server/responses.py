@@ -15,12 +15,12 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
 from fastapi import APIRouter, Request, Response
-from pydantic import Field, ValidationError
+from pydantic import Field
 from sse_starlette.sse import EventSourceResponse
 
 from exl2.server import completions
 from exl2.server.chunk_events import ChatChunks
-from exl2.server.errors import APIError, first_problem
+from exl2.server.errors import APIError, validated
 from exl2.server.schemas import ChatCompletionRequest, _Body
 
 KEEP_RESPONSES = 256
@@ -200,11 +200,7 @@ def chat_request(body: ResponsesRequest, history: list[dict], stream: bool) -> t
             fields[key] = getattr(body, key)
     if stream:
         fields["stream_options"] = {"include_usage": True}
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None}), conversation
-    except ValidationError as e:
-        param, problem = first_problem(e)
-        raise APIError(400, f"The request is invalid: {problem}.", param=param) from None
+    return validated(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None}), conversation
 
 
 def _id(prefix: str) -> str:
