@@ -12,7 +12,7 @@ import pytest
 from exl2.config import SamplingSettings, ServerConfig
 from exl2.server.app import create_app
 from exl2.server.responses import input_messages
-from test_server import CALL, TOOLS, FakeEngine, aclient
+from test_server import CALL, TOOLS, aclient, engine, fake, fake_app  # noqa: F401 (the fixtures are test_server's)
 
 GREEDY = SamplingSettings(temperature=0)
 FLAT_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
@@ -23,28 +23,8 @@ def run(coro):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from test_cli import SRC
-
-    from exl2.config import EngineConfig
-    from exl2.engine import Engine
-
-    return Engine(EngineConfig(model_dir=SRC, max_seq_len=512, device="cpu"))
-
-
-@pytest.fixture(scope="module")
 def app(engine):
     return create_app(engine, ServerConfig(model_name="tiny", max_tokens=16))
-
-
-@pytest.fixture(scope="module")
-def fake():
-    return FakeEngine()
-
-
-@pytest.fixture(scope="module")
-def fake_app(fake):
-    return create_app(fake, ServerConfig())
 
 
 def test_greedy_reply_and_conversation_state(app, engine):

@@ -23,16 +23,20 @@ TEMPLATE = ("{% for m in messages %}w30 {% if m.content is string %}{{ m.content
             "{% if add_generation_prompt %}w32{% endif %}")
 
 
-def _save_tokenizer(out) -> None:
-    """Word-level, with Qwen's vision tokens at the tiny configs' ids."""
+def _save_tokenizer(out, extra_special: dict[int, str] | None = None, words: dict[int, str] | None = None) -> None:
+    """Word-level, with Qwen's vision tokens at the tiny configs' ids (and `extra_special` ones, e.g. the video
+    pad), `words` in place of some of the plain ones."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    special = {0: "<unk>", 1: "<|im_end|>", START: "<|vision_start|>", END: "<|vision_end|>", PAD: "<|image_pad|>"}
-    tok = Tokenizer(models.WordLevel({special.get(i, f"w{i}"): i for i in range(256)}, unk_token="<unk>"))
+    special = {0: "<unk>", 1: "<|im_end|>", START: "<|vision_start|>", END: "<|vision_end|>", PAD: "<|image_pad|>",
+               **(extra_special or {})}
+    named = {**special, **(words or {})}
+    tok = Tokenizer(models.WordLevel({named.get(i, f"w{i}"): i for i in range(256)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    extra = [special[i] for i in (START, END, PAD, *(extra_special or {}))]
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                            additional_special_tokens=[special[i] for i in (START, END, PAD)]).save_pretrained(out)
+                            additional_special_tokens=extra).save_pretrained(out)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -157,9 +161,10 @@ def test_images_on_the_gpu_match_transformers(tmp_path):
 
 
 def assert_gpu_matches(config, model_dir, image, build, deep: int = 0) -> None:
-    """The tiny model `config` saved in `model_dir` (`build`: its test file's, with its image processor), in fp16 on CUDA against transformers in float32 on the CPU
-    (an image whose M-RoPE shift is negative, with `deep` DeepStack levels): prompt logits within 2 % of their
-    largest, the same greedy reply for at least its first 6 of 8 tokens and their log-probabilities within 0.05."""
+    """The tiny model `config` saved in `model_dir` (`build`: its test file's, with its image processor), in fp16
+    on CUDA against transformers in float32 on the CPU (an image whose M-RoPE shift is negative, with `deep`
+    DeepStack levels): prompt logits within 2 % of their largest, the same greedy reply for at least its first 6 of
+    8 tokens and their log-probabilities within 0.05."""
     hf = chat_model(config, model_dir, build, seed=4)
     gpu = Engine(EngineConfig(model_dir=model_dir, device="cuda", max_seq_len=512, vision=True))
     ids, images = gpu.chat_input(_messages(image))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_vision import _noise
 from test_vision_chat import set_template
+from test_vision_qwen2vl_chat import _save_tokenizer as save_word_tokenizer
 from test_vision_qwen2vl import END, PAD, START, VIDEO, _qwen2_5_vl_config, _qwen2_vl_config
 from test_vision_qwen2vl import MEAN, STD
 from test_vision_qwen2vl import _build as _build_qwen2
@@ -50,18 +51,8 @@ def _frames(count: int = 4, size=(150, 90), seed: int = 20) -> list:
 
 
 def _save_tokenizer(out) -> None:
-    """Word-level, with Qwen's vision tokens at the tiny configs' ids and the timestamps' words."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    special = {0: "<unk>", 1: "<|im_end|>", START: "<|vision_start|>", END: "<|vision_end|>", PAD: "<|image_pad|>",
-               VIDEO: "<|video_pad|>"}
-    words = {**special, **STAMPS}
-    tok = Tokenizer(models.WordLevel({words.get(i, f"w{i}"): i for i in range(256)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                            additional_special_tokens=[special[i] for i in (START, END, PAD, VIDEO)]
-                            ).save_pretrained(out)
+    """The chat tests' word-level tokenizer, with <|video_pad|> and the timestamps' words."""
+    save_word_tokenizer(out, {VIDEO: "<|video_pad|>"}, STAMPS)
 
 
 FAMILIES = {"qwen2_vl": (_qwen2_vl_config, _build_qwen2, "qwen2"),
