@@ -76,8 +76,8 @@ class TensorSource:
         self.base_model = False   # saved without the causal-LM wrapper (see _prefix_base_model)
         self._prefix_base_model()
         self._scales: dict[str, tuple[str, Path]] = {}  # a float8 weight → its scales' name and file
-        self._find_fp8_scales()
         self._mxfp4: dict[str, tuple[str, tuple[str, Path]]] = {}  # X → (X_blocks, (X_scales, its file))
+        self._find_fp8_scales()
         self._find_mxfp4()
         self._fp8_block = _fp8_block(self.dir) if self._scales else None
 
@@ -175,7 +175,7 @@ class TensorSource:
 
     def dtype_name(self, name: str) -> str:
         """The stored dtype ("BF16", "F16", "I32", ...); a float8 weight with scales reads as "BF16"."""
-        if name in self._scales or name in getattr(self, "_mxfp4", {}):
+        if name in self._scales or name in self._mxfp4:
             return "BF16"
         return self._handles[self._where[name]].get_slice(self._stored.get(name, name)).get_dtype()
 
