@@ -85,6 +85,8 @@
 # s75 (session 35): the Qwen2.5-VL and Qwen3-VL GPU tests (fp16 towers, M-RoPE and DeepStack prefill rows, decode
 # graphs with RoPE shifts); session 36 added their video tests and gpt-oss's (sinks in the paged kernel).
 # s76 (session 36): benchmarks/moe_dispatch.py (MoE.forward's sorted dispatch against the per-expert one).
+# s77 (session 37): the routed MoE GPU tests (CUDA-graph decoding of a quantized Qwen3-MoE-shaped model), then
+# benchmarks/moe_decode.py (grouped / routed / graph decode of a Qwen3-30B-A3B-shaped model, MOE_LAYERS layers).
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -305,6 +307,11 @@ for s in $steps; do
          tests/test_vision_qwen3vl_chat.py tests/test_vision_qwen_video.py tests/test_gpt_oss.py -q \
          -p no:cacheprovider -rfE > "$OUT/gpu_qwen2vl.txt" 2>&1
        echo "Qwen2.5-VL / Qwen3-VL GPU tests rc=$?"; tail -4 "$OUT/gpu_qwen2vl.txt" ;;
+  s77) timeout -s INT -k 10 300 python3 -m pytest -m gpu tests/test_routed_experts.py tests/test_experts_per_token.py -q \
+         -p no:cacheprovider -rfE > "$OUT/gpu_routed.txt" 2>&1; echo "routed MoE GPU tests rc=$?"
+       grep -vE "it/s\]" "$OUT/gpu_routed.txt" | tail -25
+       timeout 400 python3 benchmarks/moe_decode.py --layers ${MOE_LAYERS:-8} > "$OUT/moe_decode.txt" 2>&1
+       echo "moe decode rc=$?"; cat "$OUT/moe_decode.txt" | tail -20 ;;
   s76) timeout 120 python3 benchmarks/moe_dispatch.py > "$OUT/moe_dispatch.txt" 2>&1; echo "moe dispatch rc=$?"
        cat "$OUT/moe_dispatch.txt" ;;
   s71) timeout 120 python3 benchmarks/barrier_probe.py > "$OUT/barrier.txt" 2>&1; echo "barrier probe rc=$?"

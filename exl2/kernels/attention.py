@@ -77,11 +77,15 @@ def decode_splits(programs: int, device: torch.device) -> int:
 def _load_v(v_ptr, vs_ptr, slot, nmask, dv, kvh, stride_vt, stride_vh, stride_vst, stride_vsh, DV, BDV: tl.constexpr,
             BN: tl.constexpr, V_BITS: tl.constexpr, VZERO: tl.constexpr):
     """Values [BN, BDV] of the cache rows `slot` (rotated codes decoded for a quantized cache)."""
+    # if/else, not an early return: the compiler also builds the code after a constexpr-true return, and the
+    # quantized decoder has no rows for a head narrower than 64.
     if V_BITS == 16:
         vmask = nmask[:, None] & (dv[None, :] < DV)
-        return tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :], mask=vmask, other=0.0)
-    return kv_rows_rotated(v_ptr + slot * stride_vt + kvh * stride_vh, vs_ptr + slot * stride_vst + kvh * stride_vsh,
-                           nmask, V_BITS, VZERO, DV // 64, BDV // 64, BN)
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :], mask=vmask, other=0.0)
+    else:
+        v = kv_rows_rotated(v_ptr + slot * stride_vt + kvh * stride_vh, vs_ptr + slot * stride_vst + kvh * stride_vsh,
+                            nmask, V_BITS, VZERO, DV // 64, BDV // 64, BN)
+    return v
 
 
 @triton.jit

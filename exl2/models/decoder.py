@@ -17,6 +17,7 @@ from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, make_
 from exl2.kernels.attention import scatter_columns
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.rope import positioned, rope_index
+from exl2.models.routed_experts import prepare_routed
 from exl2.models.spec import LayerSpec, ModelSpec
 from exl2.kernels import quant_matmul as qm
 from exl2.kernels.quant_matmul import uses_permuted_input
@@ -406,6 +407,7 @@ class DecoderModel(nn.Module):
         # q/k/v (and gate/up) of exllamav2 files share one act-order permutation: one permuted copy of their input
         # where their input orders are equal (EXL2_SHARED_INPUT=0: one per weight)
         share_inputs(self)
+        prepare_routed(self)
         self.route_split_sums()
 
     def _loading_on(self, w: WeightProvider):

@@ -11,6 +11,7 @@ from exl2.kernels.activation import glu
 from exl2.kernels.norm import rms_norm, rms_norm_gather
 from exl2.kernels.quant_matmul import uses_permuted_input
 from exl2.kernels.split_sum import SplitSum
+from exl2.models.routed_experts import RoutedExperts
 from exl2.runtime.linear import permuted_indices, project
 
 
@@ -161,6 +162,14 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(experts)
         self.shared = shared
         self.shared_gate = nn.Parameter(shared_gate, requires_grad=False) if shared_gate is not None else None
+        self.routed: RoutedExperts | None = None
+
+    def prepare_routed(self) -> bool:
+        """(Re)build the experts' routed tables (`RoutedExperts`) once the weights are in place, and after LoRA
+        adapters change; returns whether small batches now take the routed path (graph-safe decoding)."""
+        act = self.experts[0].act_name if len(self.experts) else "silu"
+        self.routed = RoutedExperts.build(list(self.experts), act)
+        return self.routed is not None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (expert ids [N, k], weights [N, k]) for flattened tokens x [N, H]."""
@@ -221,8 +230,11 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         idx, w = self.route(flat)
-        out = torch.zeros_like(flat)
         scale_input = self.spec.router == "sigmoid_input"
+        if self.routed is not None and self.routed.applies(flat):
+            out = self.routed.forward(flat, idx, w, scale_input)
+            return self._with_shared(flat, out).view(shape)
+        out = torch.zeros_like(flat)
         k = idx.shape[1]
         picks = idx.reshape(-1)
         order = torch.argsort(picks, stable=True)
@@ -238,12 +250,16 @@ class MoE(nn.Module):
                 out.index_add_(0, rows, self.experts[e](flat[rows] * we))
             else:
                 out.index_add_(0, rows, self.experts[e](flat[rows]) * we)
-        if self.shared is not None:
-            shared = self.shared(flat)
-            if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(F.linear(flat, self.shared_gate.to(flat.dtype)))
-            out = out + shared
-        return out.view(shape)
+        return self._with_shared(flat, out).view(shape)
+
+    def _with_shared(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum plus the shared expert's output (gated where the model gates it)."""
+        if self.shared is None:
+            return out
+        shared = self.shared(flat)
+        if self.shared_gate is not None:
+            shared = shared * torch.sigmoid(F.linear(flat, self.shared_gate.to(flat.dtype)))
+        return out + shared
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

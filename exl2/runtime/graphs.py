@@ -37,9 +37,12 @@ def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def graph_safe(model: DecoderModel) -> bool:
-    """MoE routing and Llama 4 chunked attention read values on the host: those models decode eagerly."""
+    """Llama 4 chunked attention, and MoE blocks whose experts cannot take the routed path (`RoutedExperts`: not
+    quantized, or with LoRA adapters), read values on the host: those models decode eagerly."""
     s = model.spec
-    return not any(l.moe or l.chunk_size for l in s.layers) and s.rope.static and \
+    routed = all(getattr(getattr(layer, "mlp", None), "routed", None) is not None
+                 for layer, ls in zip(model.layers, s.layers) if ls.moe)
+    return routed and not any(l.chunk_size for l in s.layers) and s.rope.static and \
         (s.local_rope is None or s.local_rope.static)
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from exl2.errors import ConfigError, ModelLoadError
+from exl2.models.routed_experts import prepare_routed
 from exl2.runtime.linear import Linear, LoraWeights, permute_lora_a
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ def set_loras(model: "DecoderModel", adapters: Sequence[LoraAdapter]) -> None:
     for lin, lw in plan:
         lin.loras = lin.loras + [lw]
     model._active_loras = adapters
+    prepare_routed(model)   # experts with adapters leave the routed path (it has no LoRA deltas)
     if adapters:
         model.route_split_sums(False)
     elif was_active:

@@ -12,6 +12,16 @@ LLAMA3_8B = {
     "bos_token_id": 128000, "eos_token_id": 128001,
 }
 
+# Qwen3-30B-A3B's shapes (48 layers of 128 experts, 8 a token): the mixture-of-experts benchmark's model.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu",
+}
+
 # (bits, proportion, group size) per option: 4.0 bpw body (4-bit, group 128) and exllamav2's -hb 6 head.
 BODY_OPTION = ([4], [1.0], [128])
 # A body like a real 4.0 bpw file's: most groups 4-bit, some 5- and 3-bit in every matrix (≈ 4.0 bpw with scales).
@@ -28,9 +38,11 @@ def _option(q) -> tuple[list[int], list[float], list[int]]:
 def projection_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     """(in, out) features of each projection of a decoder layer of the Llama-shaped `cfg`, in the order the
     fabricated checkpoint draws them."""
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, i),
+    h = cfg["hidden_size"]
+    i = cfg.get("moe_intermediate_size") if cfg.get("num_experts") else cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
             "up_proj": (h, i), "down_proj": (i, h)}
 
 
@@ -110,9 +122,16 @@ def llama_exl2_tensors(cfg: dict = LLAMA3_8B, device="cpu", seed: int = 0, body=
         add(f"{p}.self_attn.k_proj", *shapes["k_proj"], o["k_proj"], qkv_perm)
         add(f"{p}.self_attn.v_proj", *shapes["v_proj"], o["v_proj"], qkv_perm)
         add(f"{p}.self_attn.o_proj", *shapes["o_proj"], o["o_proj"])
-        add(f"{p}.mlp.gate_proj", *shapes["gate_proj"], o["gate_proj"])
-        add(f"{p}.mlp.up_proj", *shapes["up_proj"], o["up_proj"], shared_perm(f"{p}.mlp.gate_proj"))
-        add(f"{p}.mlp.down_proj", *shapes["down_proj"], o["down_proj"])
+        experts = cfg.get("num_experts") or 0
+        if experts:   # Qwen3-MoE: q/k norms, a router, `experts` gate/up/down triples
+            hd = shapes["k_proj"][1] // cfg["num_key_value_heads"]
+            for norm in ("q_norm", "k_norm"):
+                out[f"{p}.self_attn.{norm}.weight"] = torch.ones(hd, dtype=torch.float16, device=device)
+            out[f"{p}.mlp.gate.weight"] = (torch.randn(experts, h, generator=g, device=device) * 0.02).half()
+        for mlp in [f"{p}.mlp.experts.{e}" for e in range(experts)] or [f"{p}.mlp"]:
+            add(f"{mlp}.gate_proj", *shapes["gate_proj"], o["gate_proj"])
+            add(f"{mlp}.up_proj", *shapes["up_proj"], o["up_proj"], shared_perm(f"{mlp}.gate_proj"))
+            add(f"{mlp}.down_proj", *shapes["down_proj"], o["down_proj"])
     add("lm_head", h, v, HEAD_OPTION)
     return out
 
@@ -124,14 +143,16 @@ class DictSource(dict):
         return list(self[name].shape)
 
 
-def synthetic_model(device: torch.device, layers: int | None = None, body: str = "4bit"):
-    """(model, tensor source) of the fabricated Llama-3-8B-shaped EXL2 model (`exl2 bench` without -m); `body`
-    one of `BODIES`: 4-bit groups, 5/4/3-bit groups in every matrix, or exllamav2's option tables at 4.0 bpw."""
+def synthetic_model(device: torch.device, layers: int | None = None, body: str = "4bit", shape: dict | None = None,
+                    use_kernels: bool | None = None):
+    """(model, tensor source) of the fabricated Llama-3-8B-shaped EXL2 model (`exl2 bench` without -m), or of
+    the config `shape` (`QWEN3_30B_A3B`); `body` one of `BODIES`: 4-bit groups, 5/4/3-bit groups in every
+    matrix, or exllamav2's option tables at 4.0 bpw. `use_kernels`: as `WeightLoader`'s (tests set it on CPU)."""
     from exl2.models.decoder import DecoderModel
     from exl2.models.registry import spec_from_config
     from exl2.runtime.weights import WeightLoader
 
-    cfg = dict(LLAMA3_8B)
+    cfg = dict(shape or LLAMA3_8B)
     if layers:
         cfg["num_hidden_layers"] = layers
     if body not in BODIES:
@@ -139,7 +160,8 @@ def synthetic_model(device: torch.device, layers: int | None = None, body: str =
     option = {"4bit": BODY_OPTION, "543": MIXED_BODY_OPTION}.get(body) or table_options(cfg)
     source = DictSource(llama_exl2_tensors(cfg, device=device, body=option))
     with torch.inference_mode():
-        model = DecoderModel(spec_from_config(cfg), WeightLoader(source, device, torch.float16)).eval()
+        model = DecoderModel(spec_from_config(cfg), WeightLoader(source, device, torch.float16,
+                                                                          use_kernels=use_kernels)).eval()
     return model, source
 
 

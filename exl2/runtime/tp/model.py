@@ -12,6 +12,7 @@ from torch import nn
 from exl2.models.decoder import (DecoderLayer, DecoderModel, KVCache, WeightProvider, deep_rows, last_rows,
                                  on_device, put_rows)
 from exl2.models.rope import positioned
+from exl2.models.routed_experts import prepare_routed
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import share_inputs
 from exl2.runtime.load_progress import report
@@ -51,6 +52,7 @@ class TensorParallelModel(DecoderModel):
         self.layer_devices = [self.devices[0]] * spec.num_layers  # where callers' tensors go
         self._tables_by_device: dict = {}
         share_inputs(self)  # q/k/v and gate/up of a shard read one permuted copy where their orders are equal
+        prepare_routed(self)
 
     @property
     def tensor_parallel(self) -> int:

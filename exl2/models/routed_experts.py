@@ -1,0 +1,84 @@
+"""A mixture-of-experts block's routed experts for small batches, computed from the router's choice on the GPU
+(`kernels.routed_gemv`): every (token, chosen expert) slot runs through its expert's gate/up and down weights in
+a fixed set of launches, with no host read, so MoE models decode through CUDA graphs."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from exl2.kernels.activation import glu
+from exl2.kernels.backend import env_choice, use_triton
+from exl2.kernels.routed_gemv import RoutedWeights
+from exl2.runtime.linear import Linear
+
+# Token rows up to which an eager MoE block takes the routed path (EXL2_MOE_ROUTED_ROWS); larger batches group
+# tokens by expert (one host read, one matmul an active expert). A CUDA-graph capture always takes it.
+ROUTED_MAX_ROWS = env_choice("EXL2_MOE_ROUTED_ROWS", 16, range(0, 1 << 16))
+
+
+class RoutedExperts:
+    """The routed tables of one MoE block's experts (`GatedMLP`s with quantized gate, up and down)."""
+
+    def __init__(self, experts: Sequence, activation: str):
+        self.activation = activation
+        self.gate = RoutedWeights([e.gate_proj.kernel for e in experts])
+        self.up = RoutedWeights([e.up_proj.kernel for e in experts])
+        self.down = RoutedWeights([e.down_proj.kernel for e in experts])
+        self.dim = experts[0].gate_proj.out_features
+        self.hidden = experts[0].down_proj.out_features
+        # exllamav2 files quantize gate and up with one act-order permutation: one gathered input serves both
+        self.shared_order = all(e.gate_proj.kernel.x_index is e.up_proj.kernel.x_index for e in experts)
+
+    @classmethod
+    def build(cls, experts: Sequence, activation: str) -> Optional["RoutedExperts"]:
+        """The tables, or None where the routed path does not apply: an expert projection not quantized, with
+        LoRA adapters, or experts that differ in shape or kind (`RoutedWeights.problem`)."""
+        linears = [getattr(e, name, None) for e in experts for name in ("gate_proj", "up_proj", "down_proj")]
+        if not experts or not all(isinstance(m, Linear) and m.kernel is not None and not m.loras for m in linears):
+            return None
+        outs = {(e.gate_proj.out_features, e.up_proj.out_features, e.down_proj.out_features) for e in experts}
+        if len(outs) != 1:
+            return None
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if RoutedWeights.problem([getattr(e, proj).kernel for e in experts]):
+                return None
+        return cls(experts, activation)
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether `forward` should take x `[N, H]`: on the kernels' device, for small batches or a capture."""
+        if not use_triton(x):
+            return False
+        return x.shape[0] <= ROUTED_MAX_ROWS or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, scale_input: bool) -> torch.Tensor:
+        """Σ_j w[t, j] · expert_idx[t, j](x[t]) for x `[N, H]`, idx / w `[N, k]` (`scale_input`: the expert reads
+        w·x and its output is summed unweighted, Llama 4's rule)."""
+        n, k = idx.shape
+        sel = idx.reshape(-1).to(torch.int32)
+        wf = w.reshape(-1).to(x.dtype)
+        scale = wf if scale_input else None
+        xg = self.gate.gather(x, sel, k, scale)
+        xu = xg if self.shared_order else self.up.gather(x, sel, k, scale)
+        gate, up = _summed(self.gate(xg, sel), x.dtype), _summed(self.up(xu, sel), x.dtype)
+        h = glu(gate[:, : self.dim], up[:, : self.dim], self.activation)
+        y = self.down(self.down.gather(h, sel), sel)
+        y = y[..., : self.hidden].float()
+        if y.dim() == 3:   # K-split partials
+            y = y.sum(0)
+        y = y.view(n, k, -1)
+        if scale_input:
+            return y.sum(1).to(x.dtype)
+        return torch.einsum("nkh,nk->nh", y, w.float()).to(x.dtype)
+
+
+def _summed(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A routed matmul's output, its K-split partials added."""
+    return y.sum(0).to(dtype) if y.dim() == 3 else y
+
+
+
+def prepare_routed(model: torch.nn.Module) -> int:
+    """Build (or, after LoRA adapters change, rebuild) the routed tables of every MoE block of `model` (after
+    `share_inputs`, whose aliased input orders they record). Returns how many blocks take the routed path."""
+    return sum(bool(mod.prepare_routed()) for mod in model.modules() if hasattr(mod, "prepare_routed"))

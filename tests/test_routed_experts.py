@@ -1,0 +1,175 @@
+"""The routed expert matmuls (`kernels.routed_gemv`) and the MoE block's routed path (`models.routed_experts`)
+against the plain PyTorch twins: each slot's expert picked from device tables, experts of different width
+layouts, K splits, zero points and bias; the block's output against the grouped path it replaces for small
+batches; CUDA-graph decoding of a quantized MoE model on the GPU."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from exl2.formats.gptq import pack_gptq
+from exl2.kernels.backend import INTERPRET, force_triton, triton_usable
+from exl2.kernels.exl2_matmul import Exl2Weight
+from exl2.kernels.gptq_matmul import GptqWeight
+from exl2.kernels.routed_gemv import RoutedWeights, routed_matmul_torch
+from exl2.models.routed_experts import prepare_routed
+from exl2.runtime.synthetic import MIXED_BODY_OPTION, QWEN3_30B_A3B, DictSource, llama_exl2_tensors
+from test_kernels_quant_matmul import _check_close, rand_exl2
+
+DEV = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
+needs_triton = pytest.mark.skipif(DEV is None or not triton_usable(), reason="needs CUDA or TRITON_INTERPRET=1")
+
+# four EXL2 layouts of a 256-row matrix: every width, 4-bit only, 4/3-bit, 5/4/2-bit (padded input orders differ)
+LAYOUTS = [[(8, 32), (6, 16), (6, 16), (5, 32), (4, 64), (4, 8), (4, 24), (3, 32), (2, 32)], [(4, 256)],
+           [(4, 128), (3, 128)], [(5, 64), (4, 64), (4, 64), (2, 64)]]
+TINY_MOE = dict(QWEN3_30B_A3B, hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=3,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
+
+
+def _experts(n=5, cols=96, bias=True):
+    return [Exl2Weight.from_tensors(rand_exl2(LAYOUTS[i % 4], cols, bias=bias, seed=i, device=DEV), "L", device=DEV)
+            for i in range(n)]
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [1, 4, None])
+def test_routed_gemv_matches_the_twin(split):
+    """Slots of three tokens (two a token) over five experts of four layouts, expert 2 picked twice."""
+    ws = _experts()
+    r = RoutedWeights(ws)
+    x = torch.randn(3, 256, dtype=torch.float16, device=DEV)
+    sel = torch.tensor([4, 0, 2, 2, 1, 3], dtype=torch.int32, device=DEV)
+    ref = routed_matmul_torch(x, sel, ws, row_div=2)
+    with force_triton():
+        y = r(r.gather(x, sel, 2), sel, split=split)
+    if y.dim() == 3:
+        y = y.sum(0)
+    _check_close(y, ref)
+    twin = r(r.gather(x.cpu(), sel.cpu(), 2), sel.cpu()) if DEV == "cpu" else None
+    if twin is not None:   # the module's own twin (outside force_triton) is the same reference
+        _check_close(twin, ref)
+
+
+@needs_triton
+def test_routed_gemv_gptq_zero_points():
+    g = torch.Generator().manual_seed(3)
+    ws = []
+    for e in range(3):
+        t = pack_gptq(torch.randint(0, 16, (128, 64), generator=g), torch.randint(1, 16, (4, 64), generator=g),
+                      (torch.rand(4, 64, generator=g) * 0.02).half(), torch.randint(0, 4, (128,), generator=g))
+        ws.append(GptqWeight.from_tensors({f"P.{k}": v.to(DEV) for k, v in t.items()}, "P", device=DEV))
+    r = RoutedWeights(ws)
+    x = torch.randn(4, 128, dtype=torch.float16, device=DEV)
+    sel = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=DEV)
+    with force_triton():
+        y = r(r.gather(x, sel), sel, split=2).sum(0)
+    _check_close(y, routed_matmul_torch(x, sel, ws))
+
+
+def test_routed_weights_refuse_mismatched_experts():
+    a = Exl2Weight.from_tensors(rand_exl2(LAYOUTS[1], 96, seed=0), "L")
+    b = Exl2Weight.from_tensors(rand_exl2(LAYOUTS[1], 64, seed=1), "L")
+    assert RoutedWeights.problem([a, b]) is not None
+    with pytest.raises(ValueError, match="agree on shape"):
+        RoutedWeights([a, b])
+    assert RoutedWeights.problem([a, a]) is None
+
+
+def _tiny_moe_model(device, dtype=torch.float16, use_kernels=True):
+    from exl2.models.decoder import DecoderModel
+    from exl2.models.registry import spec_from_config
+    from exl2.runtime.weights import WeightLoader
+
+    src = DictSource(llama_exl2_tensors(TINY_MOE, device="cpu", body=MIXED_BODY_OPTION, seed=4))
+    with torch.inference_mode():
+        return DecoderModel(spec_from_config(TINY_MOE), WeightLoader(src, device, dtype,
+                                                                      use_kernels=use_kernels)).eval()
+
+
+@needs_triton
+@pytest.mark.parametrize("router", ["softmax", "sigmoid_input"])
+def test_moe_block_routed_path_matches_the_grouped_path(router):
+    """The block's output through the routed kernels against the grouped path on the PyTorch twins (one matmul
+    an active expert); Llama 4's rule (the experts read w·x, one expert a token) too."""
+    model = _tiny_moe_model(DEV)
+    moe = model.layers[0].mlp
+    assert moe.routed is not None and moe.routed.shared_order
+    if router != "softmax":
+        moe.spec = dataclasses.replace(moe.spec, router=router, top_k=1)
+    x = torch.randn(5, TINY_MOE["hidden_size"], dtype=torch.float16, device=DEV) * 4
+    with torch.no_grad():
+        routed = moe.routed
+        moe.routed = None
+        ref = moe(x).float()
+        moe.routed = routed
+        with force_triton():
+            assert routed.applies(x)
+            got = moe(x).float()
+    assert (got - ref).abs().max() <= 5e-3 * ref.abs().max()
+
+
+def test_moe_routed_tables_follow_kernels_and_loras():
+    """Dense experts (no kernels) and experts with LoRA adapters keep the grouped path, and the model decodes
+    eagerly; quantized experts without adapters let it be captured."""
+    from exl2.runtime.graphs import graph_safe
+
+    dense = _tiny_moe_model("cpu", torch.float32, use_kernels=False)
+    assert dense.layers[0].mlp.routed is None and not graph_safe(dense)
+    quant = _tiny_moe_model("cpu", torch.float16)
+    assert graph_safe(quant)
+    lin = quant.layers[1].mlp.experts[3].down_proj
+    lin.loras = [object()]
+    assert prepare_routed(quant) == 1 and quant.layers[1].mlp.routed is None and not graph_safe(quant)
+    lin.loras = []
+    assert prepare_routed(quant) == 2 and graph_safe(quant)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_model_decodes_through_cuda_graphs(monkeypatch):
+    """A quantized Qwen3-MoE-shaped model (mixed widths) on the GPU: 12 greedy steps at batch 1 through the
+    decode graph against the CPU twin of the same files (logits within 3 % of their span, argmax equal for 10+),
+    and batch 3 through the batch-4 graph against eager decoding on the grouped path."""
+    from exl2.models import routed_experts
+    from exl2.runtime.graphs import DecodeGraphs, graph_safe
+    from exl2.runtime.paged_cache import PagedKVCache
+
+    gpu = _tiny_moe_model("cuda")
+    cpu = _tiny_moe_model("cpu", torch.float32, use_kernels=False)
+    assert graph_safe(gpu)
+    cache = PagedKVCache(gpu.spec, num_pages=13, page_size=64, device="cuda", dtype=torch.float16)
+    graphs = DecodeGraphs(gpu, cache, max_pages_per_seq=4, scratch_page=12)
+    graphs.capture((1, 4))
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32, device="cuda")
+    cache.bind(table)
+    with torch.inference_mode():
+        logits = [gpu(ids.cuda(), cache, 0, last_only=True)[:, -1].float().cpu()]
+    toks = []
+    for i in range(12):
+        tok = logits[-1].argmax(-1)
+        toks.append(tok)
+        logits.append(graphs.step(tok.view(1, 1).cuda(), torch.tensor([40 + i], device="cuda"), table).float().cpu())
+    with torch.no_grad():
+        ref = cpu(torch.cat([ids, torch.stack(toks, 1)], 1))[0, 39:]
+    got = torch.cat(logits)
+    span = (ref.max() - ref.min()).item()
+    assert (got - ref).abs().max().item() <= 0.03 * span
+    assert (got.argmax(-1) == ref.argmax(-1)).sum().item() >= 10
+
+    table = torch.arange(12, dtype=torch.int32, device="cuda").view(3, 4)
+    lens = [10, 70, 33]
+    for b, n in enumerate(lens):
+        cache.bind(table[b:b + 1])
+        with torch.inference_mode():
+            gpu(torch.randint(0, 512, (1, n), device="cuda"), cache, 0)
+    step_ids = torch.randint(0, 512, (3, 1), device="cuda")
+    pos = torch.tensor(lens, device="cuda")
+    a = graphs.step(step_ids, pos, table).float()
+    monkeypatch.setattr(routed_experts, "ROUTED_MAX_ROWS", 0)   # eager: the grouped path
+    cache.bind(table)
+    with torch.inference_mode():
+        b = gpu(step_ids, cache, pos, last_only=True)[:, -1].float()
+    assert (a - b).abs().max().item() <= 0.02 * (b.max() - b.min()).item()
