@@ -167,8 +167,8 @@ class MoE(nn.Module):
     def prepare_routed(self) -> bool:
         """(Re)build the experts' routed tables (`RoutedExperts`) once the weights are in place, and after LoRA
         adapters change; returns whether small batches now take the routed path (graph-safe decoding)."""
-        act = self.experts[0].act_name if len(self.experts) else "silu"
-        self.routed = RoutedExperts.build(list(self.experts), act)
+        act = getattr(self.experts[0], "act_name", None) if len(self.experts) else None
+        self.routed = RoutedExperts.build(list(self.experts), act) if act else None
         return self.routed is not None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
