@@ -89,13 +89,18 @@ def _tiny_moe_model(device, dtype=torch.float16, use_kernels=True):
 
 
 @needs_triton
-@pytest.mark.parametrize("router", ["softmax", "sigmoid_input"])
-def test_moe_block_routed_path_matches_the_grouped_path(router):
+@pytest.mark.parametrize("router,shared", [("softmax", True), ("softmax", False), ("sigmoid_input", True)])
+def test_moe_block_routed_path_matches_the_grouped_path(router, shared):
     """The block's output through the routed kernels against the grouped path on the PyTorch twins (one matmul
-    an active expert); Llama 4's rule (the experts read w·x, one expert a token) too."""
+    an active expert); gate and up with their own copies of one input order (no shared gather); Llama 4's rule
+    (the experts read w·x, one expert a token)."""
     model = _tiny_moe_model(DEV)
     moe = model.layers[0].mlp
-    assert moe.routed is not None and moe.routed.shared_order
+    if not shared:
+        for e in moe.experts:
+            e.up_proj.kernel.x_index = e.up_proj.kernel.x_index.clone()
+        moe.prepare_routed()
+    assert moe.routed is not None and moe.routed.shared_order == shared
     if router != "softmax":
         moe.spec = dataclasses.replace(moe.spec, router=router, top_k=1)
     x = torch.randn(5, TINY_MOE["hidden_size"], dtype=torch.float16, device=DEV) * 4

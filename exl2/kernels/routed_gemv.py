@@ -33,27 +33,30 @@ def _addr(table, col, ELEM: tl.constexpr):
 
 
 @triton.jit
-def _routed_gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, sel_ptr, meta_ptr, addr_ptr, ROW_DIV,
+def _routed_gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, sel_ptr, meta_ptr, addr_ptr, ROW_DIV, WRAP,
                           BLOCK: tl.constexpr):
-    """out[s, p] = x[s // ROW_DIV, idx_e[p]] (0 where idx_e[p] < 0) for slot s of expert e = sel[s]."""
+    """out[s, p] = x[(s % WRAP) // ROW_DIV, idx_e[p]] (0 where idx_e[p] < 0) for slot s of expert e = sel[s]."""
     s = tl.program_id(1)
     e = tl.load(sel_ptr + s)
     n = tl.load(meta_ptr + e * 19 + 18)
     idx = _addr(addr_ptr + e * 6, 5, tl.int32)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    gather_block(x_ptr + (s // ROW_DIV).to(tl.int64) * stride_xm, idx, out_ptr + s.to(tl.int64) * stride_om, n,
-                 offs)
+    gather_block(x_ptr + ((s % WRAP) // ROW_DIV).to(tl.int64) * stride_xm, idx,
+                 out_ptr + s.to(tl.int64) * stride_om, n, offs)
 
 
 @triton.jit
-def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, out_ptr, stride_om, stride_ok, sel_ptr, meta_ptr, addr_ptr,
-                        N, SPLIT, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BS: tl.constexpr, BN: tl.constexpr, FAST4: tl.constexpr, STAGES: tl.constexpr):
-    """Slot s (grid axis 2) times its expert's weight, BN columns (axis 0) over a 1/SPLIT share of the words
-    (axis 1); with SPLIT > 1 each share leaves an fp32 partial at out + pid_k·stride_ok (the caller sums them)."""
+def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, X_ROWS, out_ptr, stride_om, stride_ok, sel_ptr, meta_ptr,
+                        addr_ptr, wt_ptr, N, SPLIT, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                        FAST4: tl.constexpr, STAGES: tl.constexpr):
+    """Slot s (grid axis 2; input row s % X_ROWS) times its expert's weight (plus bias, times wt[s] with
+    HAS_WEIGHT), BN columns (axis 0) over a 1/SPLIT share of the words (axis 1); with SPLIT > 1 each share leaves
+    an fp32 partial at out + pid_k·stride_ok (the caller sums them)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     s = tl.program_id(2)
+    xs = s % X_ROWS
     e = tl.load(sel_ptr + s)
     meta = meta_ptr + e * 19
     addr = addr_ptr + e * 6
@@ -63,8 +66,8 @@ def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, out_ptr, stride_om, stride_ok
     sg = _addr(addr, 3, tl.int32)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
-    xr = x_ptr + s.to(tl.int64) * stride_xm
-    x32r = x32_ptr + s.to(tl.int64) * (stride_xm // 2)
+    xr = x_ptr + xs.to(tl.int64) * stride_xm
+    x32r = x32_ptr + xs.to(tl.int64) * (stride_xm // 2)
     res = _gemv_widths(xr, x32r, qw, sc, zr, sg, N, tl.load(meta + 0), tl.load(meta + 1), tl.load(meta + 2),
                        tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6),
                        tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9), tl.load(meta + 10),
@@ -74,6 +77,8 @@ def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, out_ptr, stride_om, stride_ok
     if HAS_BIAS:
         if pid_k == 0:
             res += tl.load(_addr(addr, 4, tl.float16) + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        res *= tl.load(wt_ptr + s).to(tl.float32)
     o_ptrs = out_ptr + pid_k.to(tl.int64) * stride_ok + s.to(tl.int64) * stride_om + offs_n
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -92,6 +97,7 @@ class RoutedWeights:
         self.has_zeros, self.has_bias = w0.zeros is not None, w0.bias is not None
         self.mask = width_mask(self.ws)
         self.index_len = max(w.x_index.numel() for w in self.ws)
+        self.uniform_index = all(w.x_index.numel() == self.index_len for w in self.ws)
         self.n_steps = max(w.n_steps for w in self.ws)
         self._keep = [(w.qweight, w.scales, w.zeros, w.step_group, w.bias, w.x_index) for w in self.ws]
         rows, addrs = [], []
@@ -118,24 +124,28 @@ class RoutedWeights:
                 return "routed experts need int32 codes and input orders."
         return None
 
-    def gather(self, x: torch.Tensor, sel: torch.Tensor, row_div: int = 1, scale: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, sel: torch.Tensor, row_div: int = 1, scale: torch.Tensor | None = None,
+               wrap: int | None = None) -> torch.Tensor:
         """Each slot's input in its expert's order: `[S, index_len]` from x `[*, K]` (slot s reads row
-        s // row_div), times `scale[s]` when given (Llama 4 scales the experts' input by the router weight)."""
+        (s % wrap) // row_div), times `scale[s % wrap]` when given (Llama 4 scales the experts' input by the
+        router weight)."""
         s = sel.numel()
+        wrap = wrap or max(1, s)
         if not use_triton(x):
-            rows = x[torch.arange(s, device=x.device) // row_div]
+            rows = x[(torch.arange(s, device=x.device) % wrap) // row_div]
             out = torch.stack([take_columns(rows[i], self._padded_index(int(e))) for i, e in
                                enumerate(sel.tolist())]) if s else x.new_zeros((0, self.index_len))
         else:
             x = x if x.stride(-1) == 1 else x.contiguous()
-            out = torch.zeros((s, self.index_len), dtype=x.dtype, device=x.device)
+            # positions past a shorter input order stay 0 (no launch clears them when all orders are one length)
+            alloc = torch.empty if self.uniform_index else torch.zeros
+            out = alloc((s, self.index_len), dtype=x.dtype, device=x.device)
             if s:
                 block = 1024
                 _routed_gather_kernel[(triton.cdiv(self.index_len, block), s)](
-                    x, x.stride(0), out, out.stride(0), sel, self.meta, self.addrs, row_div, BLOCK=block,
+                    x, x.stride(0), out, out.stride(0), sel, self.meta, self.addrs, row_div, wrap, BLOCK=block,
                     num_warps=4)
-        return out if scale is None else out * scale.to(out.dtype)[:, None]
+        return out if scale is None else out * scale.to(out.dtype).repeat(s // wrap)[:, None]
 
     def _padded_index(self, e: int) -> torch.Tensor:
         idx = self.ws[e].x_index
@@ -151,14 +161,16 @@ class RoutedWeights:
             split *= 2
         return split
 
-    def __call__(self, xp: torch.Tensor, sel: torch.Tensor, split: int | None = None) -> torch.Tensor:
-        """Slot s's permuted input xp[s] (`gather`) times expert sel[s]'s weight: `[S, N]` in xp's dtype, or
-        with a K split the fp32 partials `[split, S, N]` (sum over dim 0)."""
-        s = xp.shape[0]
+    def __call__(self, xp: torch.Tensor, sel: torch.Tensor, split: int | None = None,
+                 weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot s's permuted input xp[s % len(xp)] (`gather`) times expert sel[s]'s weight (plus its bias, times
+        `weight[s]` when given): `[S, N]` in xp's dtype, or with a K split the fp32 partials `[split, S, N]`
+        (sum over dim 0)."""
+        s = sel.numel()
         if not use_triton(xp):
-            out = torch.stack([self._twin_row(xp[i], int(e)) for i, e in enumerate(sel.tolist())]) if s else \
-                xp.new_zeros((0, self.n))
-            return out
+            out = torch.stack([self._twin_row(xp[i % xp.shape[0]], int(e)) for i, e in enumerate(sel.tolist())]) \
+                if s else xp.new_zeros((0, self.n))
+            return out if weight is None else (out.float() * weight.float()[:, None]).to(out.dtype)
         if xp.shape[1] != self.index_len or xp.stride(-1) != 1:
             raise ValueError("the routed input must be `gather`'s output for these experts.")
         split = self.split_for(s) if split is None else split
@@ -169,9 +181,10 @@ class RoutedWeights:
         if s:
             fast4, x32 = pairs_view(xp, fast4_available(xp.device))
             _routed_gemv_kernel[(triton.cdiv(self.n, GEMV_BN), split, s)](
-                xp, x32, xp.stride(0), out, self.n, s * self.n, sel, self.meta, self.addrs, self.n, split,
-                MASK=self.mask, HAS_ZEROS=self.has_zeros, HAS_BIAS=self.has_bias, BS=GEMV_BS, BN=GEMV_BN,
-                FAST4=fast4, STAGES=GEMV_STAGES, num_warps=GEMV_WARPS, num_stages=GEMV_STAGES)
+                xp, x32, xp.stride(0), xp.shape[0], out, self.n, s * self.n, sel, self.meta, self.addrs,
+                weight if weight is not None else sel, self.n, split, MASK=self.mask, HAS_ZEROS=self.has_zeros,
+                HAS_BIAS=self.has_bias, HAS_WEIGHT=weight is not None, BS=GEMV_BS, BN=GEMV_BN, FAST4=fast4,
+                STAGES=GEMV_STAGES, num_warps=GEMV_WARPS, num_stages=GEMV_STAGES)
         return out
 
     def _twin_row(self, xp_row: torch.Tensor, e: int) -> torch.Tensor:

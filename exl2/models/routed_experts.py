@@ -22,9 +22,10 @@ class RoutedExperts:
 
     def __init__(self, experts: Sequence, activation: str):
         self.activation = activation
-        self.gate = RoutedWeights([e.gate_proj.kernel for e in experts])
-        self.up = RoutedWeights([e.up_proj.kernel for e in experts])
+        # gate and up of every expert in one table (up's rows after gate's): one launch computes both
+        self.gate_up = RoutedWeights([e.gate_proj.kernel for e in experts] + [e.up_proj.kernel for e in experts])
         self.down = RoutedWeights([e.down_proj.kernel for e in experts])
+        self.experts = len(experts)
         self.dim = experts[0].gate_proj.out_features
         self.hidden = experts[0].down_proj.out_features
         # exllamav2 files quantize gate and up with one act-order permutation: one gathered input serves both
@@ -40,9 +41,9 @@ class RoutedExperts:
         outs = {(e.gate_proj.out_features, e.up_proj.out_features, e.down_proj.out_features) for e in experts}
         if len(outs) != 1:
             return None
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            if RoutedWeights.problem([getattr(e, proj).kernel for e in experts]):
-                return None
+        gate_up = [e.gate_proj.kernel for e in experts] + [e.up_proj.kernel for e in experts]
+        if RoutedWeights.problem(gate_up) or RoutedWeights.problem([e.down_proj.kernel for e in experts]):
+            return None
         return cls(experts, activation)
 
     def applies(self, x: torch.Tensor) -> bool:
@@ -55,26 +56,23 @@ class RoutedExperts:
         """Σ_j w[t, j] · expert_idx[t, j](x[t]) for x `[N, H]`, idx / w `[N, k]` (`scale_input`: the expert reads
         w·x and its output is summed unweighted, Llama 4's rule)."""
         n, k = idx.shape
+        s = n * k
         sel = idx.reshape(-1).to(torch.int32)
+        sel2 = torch.cat([sel, sel + self.experts])   # slot s's gate, then its up (rows s and S + s)
         wf = w.reshape(-1).to(x.dtype)
         scale = wf if scale_input else None
-        xg = self.gate.gather(x, sel, k, scale)
-        xu = xg if self.shared_order else self.up.gather(x, sel, k, scale)
-        gate, up = _summed(self.gate(xg, sel), x.dtype), _summed(self.up(xu, sel), x.dtype)
-        h = glu(gate[:, : self.dim], up[:, : self.dim], self.activation)
-        y = self.down(self.down.gather(h, sel), sel)
-        y = y[..., : self.hidden].float()
-        if y.dim() == 3:   # K-split partials
+        if self.shared_order:   # gate's input order serves up: one copy a slot, read by rows s and S + s
+            xp = self.gate_up.gather(x, sel, k, scale)
+        else:
+            xp = self.gate_up.gather(x, sel2, k, scale, wrap=s)
+        gu = self.gate_up(xp, sel2)
+        if gu.dim() == 3:   # K-split partials
+            gu = gu.sum(0).to(x.dtype)
+        h = glu(gu[:s, : self.dim], gu[s:, : self.dim], self.activation)
+        y = self.down(self.down.gather(h, sel), sel, weight=None if scale_input else wf)
+        if y.dim() == 3:
             y = y.sum(0)
-        y = y.view(n, k, -1)
-        if scale_input:
-            return y.sum(1).to(x.dtype)
-        return torch.einsum("nkh,nk->nh", y, w.float()).to(x.dtype)
-
-
-def _summed(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A routed matmul's output, its K-split partials added."""
-    return y.sum(0).to(dtype) if y.dim() == 3 else y
+        return y[:, : self.hidden].reshape(n, k, self.hidden).sum(1).to(x.dtype)
 
 
 
