@@ -53,6 +53,27 @@ def test_routed_gemv_matches_the_twin(split):
 
 
 @needs_triton
+@pytest.mark.parametrize("shared_input", [True, False])
+def test_routed_gemv_copies_and_slot_weights(shared_input):
+    """Two copies of int64 choices over a table of ten (copy 1 offset by 5, as gate's experts then up's), and
+    each slot's output scaled by its router weight: ten distinct experts read one gathered copy each; five listed
+    twice (equal input orders) share one."""
+    ws = _experts(5, bias=False) * 2 if shared_input else _experts(10, bias=False)
+    r = RoutedWeights(ws)
+    x = torch.randn(2, 256, dtype=torch.float16, device=DEV)
+    sel = torch.tensor([[3, 1], [0, 3]], device=DEV)
+    wt = torch.rand(2, 2, device=DEV)
+    flat = sel.reshape(-1).tolist()
+    ref = torch.cat([routed_matmul_torch(x, torch.tensor([e + c for e in flat]), ws, row_div=2) for c in (0, 5)])
+    ref = ref * wt.reshape(-1).repeat(2).cpu()[:, None]
+    with force_triton():
+        xp = r.gather(x, sel, 2) if shared_input else r.gather(x, sel, 2, copies=2, e_step=5)
+        y = r(xp, sel, split=1, weight=wt, copies=2, e_step=5)
+    assert y.shape == (8, 96)
+    _check_close(y, ref)
+
+
+@needs_triton
 def test_routed_gemv_gptq_zero_points():
     g = torch.Generator().manual_seed(3)
     ws = []

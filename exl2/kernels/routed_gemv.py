@@ -33,31 +33,38 @@ def _addr(table, col, ELEM: tl.constexpr):
 
 
 @triton.jit
-def _routed_gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, sel_ptr, meta_ptr, addr_ptr, ROW_DIV, WRAP,
-                          BLOCK: tl.constexpr):
-    """out[s, p] = x[(s % WRAP) // ROW_DIV, idx_e[p]] (0 where idx_e[p] < 0) for slot s of expert e = sel[s]."""
+def _expert(sel_ptr, s, SEL_N, E_STEP):
+    """Slot s's table row: copy s // SEL_N of the choices sel (`RoutedWeights.__call__`)."""
+    return tl.load(sel_ptr + s % SEL_N).to(tl.int32) + (s // SEL_N) * E_STEP
+
+
+@triton.jit
+def _routed_gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, sel_ptr, SEL_N, E_STEP, meta_ptr, addr_ptr,
+                          ROW_DIV, BLOCK: tl.constexpr):
+    """out[s, p] = x[(s % SEL_N) // ROW_DIV, idx_e[p]] (0 where idx_e[p] < 0) for slot s of expert e
+    (`_expert`)."""
     s = tl.program_id(1)
-    e = tl.load(sel_ptr + s)
+    e = _expert(sel_ptr, s, SEL_N, E_STEP)
     n = tl.load(meta_ptr + e * 19 + 18)
     idx = _addr(addr_ptr + e * 6, 5, tl.int32)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    gather_block(x_ptr + ((s % WRAP) // ROW_DIV).to(tl.int64) * stride_xm, idx,
+    gather_block(x_ptr + ((s % SEL_N) // ROW_DIV).to(tl.int64) * stride_xm, idx,
                  out_ptr + s.to(tl.int64) * stride_om, n, offs)
 
 
 @triton.jit
-def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, X_ROWS, out_ptr, stride_om, stride_ok, sel_ptr, meta_ptr,
-                        addr_ptr, wt_ptr, N, SPLIT, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
+def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, X_ROWS, out_ptr, stride_om, stride_ok, sel_ptr, SEL_N, E_STEP,
+                        meta_ptr, addr_ptr, wt_ptr, N, SPLIT, MASK: tl.constexpr, HAS_ZEROS: tl.constexpr,
                         HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                         FAST4: tl.constexpr, STAGES: tl.constexpr):
-    """Slot s (grid axis 2; input row s % X_ROWS) times its expert's weight (plus bias, times wt[s] with
-    HAS_WEIGHT), BN columns (axis 0) over a 1/SPLIT share of the words (axis 1); with SPLIT > 1 each share leaves
+    """Slot s (grid axis 2; input row s % X_ROWS) times its expert's weight (`_expert`; plus bias, times
+    wt[s % SEL_N] with HAS_WEIGHT), BN columns (axis 0) over a 1/SPLIT share of the words (axis 1); with SPLIT > 1 each share leaves
     an fp32 partial at out + pid_k·stride_ok (the caller sums them)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     s = tl.program_id(2)
     xs = s % X_ROWS
-    e = tl.load(sel_ptr + s)
+    e = _expert(sel_ptr, s, SEL_N, E_STEP)
     meta = meta_ptr + e * 19
     addr = addr_ptr + e * 6
     qw = _addr(addr, 0, tl.int32)
@@ -78,7 +85,7 @@ def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, X_ROWS, out_ptr, stride_om, s
         if pid_k == 0:
             res += tl.load(_addr(addr, 4, tl.float16) + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if HAS_WEIGHT:
-        res *= tl.load(wt_ptr + s).to(tl.float32)
+        res *= tl.load(wt_ptr + s % SEL_N).to(tl.float32)
     o_ptrs = out_ptr + pid_k.to(tl.int64) * stride_ok + s.to(tl.int64) * stride_om + offs_n
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -125,16 +132,17 @@ class RoutedWeights:
         return None
 
     def gather(self, x: torch.Tensor, sel: torch.Tensor, row_div: int = 1, scale: torch.Tensor | None = None,
-               wrap: int | None = None) -> torch.Tensor:
-        """Each slot's input in its expert's order: `[S, index_len]` from x `[*, K]` (slot s reads row
-        (s % wrap) // row_div), times `scale[s % wrap]` when given (Llama 4 scales the experts' input by the
-        router weight)."""
-        s = sel.numel()
-        wrap = wrap or max(1, s)
+               copies: int = 1, e_step: int = 0) -> torch.Tensor:
+        """Each slot's input in its expert's order: `[S, index_len]` from x `[*, K]`, the slots as in `__call__`
+        (slot s reads row (s % len(sel)) // row_div), times `scale[s % len(sel)]` when given (Llama 4 scales the
+        experts' input by the router weight)."""
+        n_sel = sel.numel()
+        s = n_sel * copies
         if not use_triton(x):
-            rows = x[(torch.arange(s, device=x.device) % wrap) // row_div]
-            out = torch.stack([take_columns(rows[i], self._padded_index(int(e))) for i, e in
-                               enumerate(sel.tolist())]) if s else x.new_zeros((0, self.index_len))
+            experts = self._experts(sel, copies, e_step)
+            rows = x[(torch.arange(s, device=x.device) % max(1, n_sel)) // row_div]
+            out = torch.stack([take_columns(rows[i], self._padded_index(e)) for i, e in enumerate(experts)]) \
+                if s else x.new_zeros((0, self.index_len))
         else:
             x = x if x.stride(-1) == 1 else x.contiguous()
             # positions past a shorter input order stay 0 (no launch clears them when all orders are one length)
@@ -143,9 +151,14 @@ class RoutedWeights:
             if s:
                 block = 1024
                 _routed_gather_kernel[(triton.cdiv(self.index_len, block), s)](
-                    x, x.stride(0), out, out.stride(0), sel, self.meta, self.addrs, row_div, wrap, BLOCK=block,
-                    num_warps=4)
-        return out if scale is None else out * scale.to(out.dtype).repeat(s // wrap)[:, None]
+                    x, x.stride(0), out, out.stride(0), sel, n_sel, e_step, self.meta, self.addrs, row_div,
+                    BLOCK=block, num_warps=4)
+        return out if scale is None else out * scale.to(out.dtype).repeat(copies)[:, None]
+
+    @staticmethod
+    def _experts(sel: torch.Tensor, copies: int, e_step: int) -> list[int]:
+        """The table row of every slot (the twins' `_expert`)."""
+        return [int(e) + c * e_step for c in range(copies) for e in sel.reshape(-1).tolist()]
 
     def _padded_index(self, e: int) -> torch.Tensor:
         idx = self.ws[e].x_index
@@ -162,15 +175,21 @@ class RoutedWeights:
         return split
 
     def __call__(self, xp: torch.Tensor, sel: torch.Tensor, split: int | None = None,
-                 weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Slot s's permuted input xp[s % len(xp)] (`gather`) times expert sel[s]'s weight (plus its bias, times
-        `weight[s]` when given): `[S, N]` in xp's dtype, or with a K split the fp32 partials `[split, S, N]`
-        (sum over dim 0)."""
-        s = sel.numel()
+                 weight: torch.Tensor | None = None, copies: int = 1, e_step: int = 0) -> torch.Tensor:
+        """The slots are `copies` copies of the router's choices sel (any integer dtype, read as given): slot s
+        is table row sel[s % len(sel)] + (s // len(sel))·e_step (a table of gate's experts then up's computes
+        both with copies=2). Slot s's permuted input xp[s % len(xp)] (`gather`) times its expert's weight (plus
+        its bias, times `weight[s % len(sel)]` when given): `[S, N]` in xp's dtype, or with a K split the fp32
+        partials `[split, S, N]` (sum over dim 0)."""
+        n_sel = sel.numel()
+        s = n_sel * copies
         if not use_triton(xp):
-            out = torch.stack([self._twin_row(xp[i % xp.shape[0]], int(e)) for i, e in enumerate(sel.tolist())]) \
+            experts = self._experts(sel, copies, e_step)
+            out = torch.stack([self._twin_row(xp[i % xp.shape[0]], e) for i, e in enumerate(experts)]) \
                 if s else xp.new_zeros((0, self.n))
-            return out if weight is None else (out.float() * weight.float()[:, None]).to(out.dtype)
+            if weight is not None:
+                out = (out.float() * weight.reshape(-1).float().repeat(copies)[:, None]).to(out.dtype)
+            return out
         if xp.shape[1] != self.index_len or xp.stride(-1) != 1:
             raise ValueError("the routed input must be `gather`'s output for these experts.")
         split = self.split_for(s) if split is None else split
@@ -181,8 +200,8 @@ class RoutedWeights:
         if s:
             fast4, x32 = pairs_view(xp, fast4_available(xp.device))
             _routed_gemv_kernel[(triton.cdiv(self.n, GEMV_BN), split, s)](
-                xp, x32, xp.stride(0), xp.shape[0], out, self.n, s * self.n, sel, self.meta, self.addrs,
-                weight if weight is not None else sel, self.n, split, MASK=self.mask, HAS_ZEROS=self.has_zeros,
+                xp, x32, xp.stride(0), xp.shape[0], out, self.n, s * self.n, sel, n_sel, e_step, self.meta,
+                self.addrs, weight if weight is not None else sel, self.n, split, MASK=self.mask, HAS_ZEROS=self.has_zeros,
                 HAS_BIAS=self.has_bias, HAS_WEIGHT=weight is not None, BS=GEMV_BS, BN=GEMV_BN, FAST4=fast4,
                 STAGES=GEMV_STAGES, num_warps=GEMV_WARPS, num_stages=GEMV_STAGES)
         return out

@@ -57,15 +57,15 @@ class RoutedExperts:
         w·x and its output is summed unweighted, Llama 4's rule)."""
         n, k = idx.shape
         s = n * k
-        sel = idx.reshape(-1).to(torch.int32)
-        sel2 = torch.cat([sel, sel + self.experts])   # slot s's gate, then its up (rows s and S + s)
-        wf = w.reshape(-1).to(x.dtype)
+        sel = idx.reshape(-1)
+        wf = w.reshape(-1)
         scale = wf if scale_input else None
+        e = self.experts   # slot s's gate, then its up: rows s and S + s of two copies of the choices
         if self.shared_order:   # gate's input order serves up: one copy a slot, read by rows s and S + s
             xp = self.gate_up.gather(x, sel, k, scale)
         else:
-            xp = self.gate_up.gather(x, sel2, k, scale, wrap=s)
-        gu = self.gate_up(xp, sel2)
+            xp = self.gate_up.gather(x, sel, k, scale, copies=2, e_step=e)
+        gu = self.gate_up(xp, sel, copies=2, e_step=e)
         if gu.dim() == 3:   # K-split partials
             gu = gu.sum(0).to(x.dtype)
         h = glu(gu[:s, : self.dim], gu[s:, : self.dim], self.activation)
