@@ -307,7 +307,7 @@ for s in $steps; do
          tests/test_vision_qwen3vl_chat.py tests/test_vision_qwen_video.py tests/test_gpt_oss.py -q \
          -p no:cacheprovider -rfE > "$OUT/gpu_qwen2vl.txt" 2>&1
        echo "Qwen2.5-VL / Qwen3-VL GPU tests rc=$?"; tail -4 "$OUT/gpu_qwen2vl.txt" ;;
-  s77) timeout -s INT -k 10 300 python3 -m pytest -m gpu tests/test_routed_experts.py tests/test_experts_per_token.py -q \
+  s77) timeout -s INT -k 10 300 python3 -m pytest -m gpu tests/test_routed_experts.py tests/test_mla_cache.py -q \
          -p no:cacheprovider -rfE > "$OUT/gpu_routed.txt" 2>&1; echo "routed MoE GPU tests rc=$?"
        grep -vE "it/s\]" "$OUT/gpu_routed.txt" | tail -25
        timeout 400 python3 benchmarks/moe_decode.py --layers ${MOE_LAYERS:-8} > "$OUT/moe_decode.txt" 2>&1

@@ -659,6 +659,11 @@ def build_tiny(name: str, out_dir: Path, seed: int = 0, vocab_size: int | None =
     config = ARCHS[name]()
     if vocab_size is not None:
         config.get_text_config().vocab_size = vocab_size
+    return build_config(config, out_dir, seed)
+
+
+def build_config(config, out_dir: Path, seed: int = 0) -> Path:
+    """`build_tiny` for a config of one's own (a variant of an ARCHS entry)."""
     model = _auto_class(config).from_config(config, attn_implementation="eager", dtype=torch.float32)
     _randomize(model, config, seed)
     model.eval()

@@ -15,6 +15,7 @@ from torch import nn
 from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, make_norm, softcap, temperature_scale
 from exl2.kernels.attention import scatter_columns
+from exl2.kernels.qweight import dequantize_torch
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.rope import positioned, rope_index
 from exl2.models.routed_experts import prepare_routed
@@ -188,7 +189,11 @@ class Attention(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """DeepSeek-V3 multi-head latent attention; keys/values are expanded per head before caching."""
+    """DeepSeek-V3 multi-head latent attention. With a cache, the cache holds one latent row a token (the normed
+    kv_lora_rank vector and the rotated RoPE key, 576 values for DeepSeek-V3 where expanded keys and values
+    take 40,960): kv_b_proj's key half is absorbed into the queries and its value half applied to the attention
+    output (`latent`), so every head attends over the one shared latent "KV head". Without a cache (the
+    quantizer's passes) keys and values are expanded per head, as the reference computes them."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, idx: int, w: WeightProvider, prefix: str):
         super().__init__()
@@ -209,6 +214,20 @@ class MLAttention(nn.Module):
                                   False)
         self.o_proj = w.linear(f"{prefix}.o_proj", h * m.v_head_dim, hid, spec.o_bias)
         self.scale = spec.attn_scale
+        self._latent: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def latent(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj as (W_UK [H, nope, rank], W_UV [H, v, rank]), dense (a quantized kv_b_proj is dequantized
+        once, on first use: 33 MB a layer in fp16 for DeepSeek-V3)."""
+        if self._latent is None:
+            m, h, kv_b = self.m, self.spec.num_heads, self.kv_b_proj
+            if kv_b.weight is not None:
+                dense = kv_b.weight
+            else:
+                dense = dequantize_torch(kv_b.kernel)[:, : kv_b.out_features].t()
+            dense = dense.reshape(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+            self._latent = (dense[:, : m.qk_nope_head_dim].contiguous(), dense[:, m.qk_nope_head_dim:].contiguous())
+        return self._latent
 
     def forward(self, x, q_pos, rope, cache=None):
         b, t, _ = x.shape
@@ -223,6 +242,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         ckv = self.kv_a_proj(x)
         c, k_pe = ckv[..., :m.kv_lora_rank], ckv[..., m.kv_lora_rank:]
+        if cache is not None:
+            return self._latent_attention(q, q_nope, q_pe, c, k_pe, q_pos, rope, cache)
         kv = self.kv_b_proj(self.kv_a_norm(c)).view(b, t, h, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k_pe = k_pe.view(b, t, 1, m.qk_rope_head_dim)
@@ -230,9 +251,23 @@ class MLAttention(nn.Module):
         # in place, through the views
         apply_rotary(q_pe, k_pe, cos, sin, rope_index(rope, q_pos), m.qk_rope_head_dim, inter)
         k = torch.cat([k_nope, k_pe.expand(b, t, h, m.qk_rope_head_dim)], dim=-1)
-        v = v.contiguous()
-        o = cache.attend(self.idx, q, k, v, q_pos, self.scale) if cache is not None else \
-            attention(q, k, v, q_pos, self.scale)
+        o = attention(q, k, v.contiguous(), q_pos, self.scale)
+        return self.o_proj(o.reshape(b, t, -1))
+
+    def _latent_attention(self, q, q_nope, q_pe, c, k_pe, q_pos, rope, cache):
+        """Attention over the cached latent rows: q·k = (W_UKᵀ q_nope)·c + q_pe·k_pe, o = W_UV (Σ p·c)."""
+        b, t = q.shape[:2]
+        m = self.m
+        c = self.kv_a_norm(c)
+        k_pe = k_pe.reshape(b, t, 1, m.qk_rope_head_dim)
+        cos, sin, inter = rope[:3]
+        apply_rotary(q_pe, k_pe, cos, sin, rope_index(rope, q_pos), m.qk_rope_head_dim, inter)
+        w_uk, w_uv = self.latent()
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk.to(q.dtype))
+        q_full = torch.cat([q_lat, q_pe], dim=-1)
+        k_lat = torch.cat([c, k_pe.reshape(b, t, -1)], dim=-1).view(b, t, 1, -1)
+        o = cache.attend(self.idx, q_full, k_lat, c.reshape(b, t, 1, -1).contiguous(), q_pos, self.scale)
+        o = torch.einsum("bthr,hvr->bthv", o, w_uv.to(o.dtype))
         return self.o_proj(o.reshape(b, t, -1))
 
 
@@ -595,8 +630,9 @@ class DecoderModel(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         s = self.spec
         devs = self.layer_devices if self.is_split else None
-        if s.mla is not None:
-            return KVCache(s.num_layers, batch, max_len, s.num_heads, s.head_dim, s.mla.v_head_dim, self.dtype,
+        if s.mla is not None:   # one latent row a token (MLAttention)
+            r = s.mla.kv_lora_rank
+            return KVCache(s.num_layers, batch, max_len, 1, r + s.mla.qk_rope_head_dim, r, self.dtype,
                            self.device, devs)
         return KVCache(s.num_layers, batch, max_len, s.num_kv_heads, s.head_dim, s.head_dim, self.dtype, self.device,
                        devs)

@@ -26,9 +26,11 @@ KV_MODES = kv_quant.KV_MODES
 
 
 def kv_shape(spec: ModelSpec) -> tuple[int, int, int]:
-    """(heads, key dim, value dim) of one cached token in one layer."""
+    """(heads, key dim, value dim) of one cached token in one layer; multi-head latent attention caches one
+    latent row (`MLAttention`): the normed kv_lora_rank vector with the RoPE key, and the vector alone as value."""
     if spec.mla is not None:
-        return spec.num_heads, spec.head_dim, spec.mla.v_head_dim
+        r = spec.mla.kv_lora_rank
+        return 1, r + spec.mla.qk_rope_head_dim, r
     return spec.num_kv_heads, spec.head_dim, spec.head_dim
 
 
