@@ -24,28 +24,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exl2.models import routed_experts  # noqa: E402
-from exl2.runtime.benchmark import _time  # noqa: E402
+from exl2.runtime.benchmark import _time, weight_bytes  # noqa: E402
 from exl2.runtime.graphs import DecodeGraphs  # noqa: E402
 from exl2.runtime.paged_cache import PagedKVCache  # noqa: E402
 from exl2.runtime.synthetic import QWEN3_30B_A3B, synthetic_model  # noqa: E402
 
 
-def step_bytes(source, layers: int, top_k: int, experts: int) -> tuple[float, float]:
-    """(bytes a batch-1 step reads in the decoder layers, in the head): every non-expert tensor, k of each layer's
-    experts (their average size), one embedding row."""
-    layer = head = expert = 0
-    for name in source.keys():
-        t = source[name]
-        n = t.numel() * t.element_size()
-        if name == "model.embed_tokens.weight":
-            head += t.shape[1] * t.element_size()
-        elif ".experts." in name:
-            expert += n
-        elif name.startswith("model.layers."):
-            layer += n
-        else:
-            head += n
-    return layer + expert * top_k / experts, head
+def head_bytes(source) -> int:
+    """Bytes a step reads outside the decoder layers: the head, the final norm, one embedding row."""
+    return weight_bytes({k: source[k] for k in source.keys() if not k.startswith("model.layers.")})
 
 
 def main() -> None:
@@ -59,7 +46,8 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     cfg = QWEN3_30B_A3B
     model, source = synthetic_model(dev, layers=args.layers, shape=cfg)
-    layer_b, head_b = step_bytes(source, args.layers, cfg["num_experts_per_tok"], cfg["num_experts"])
+    head_b = head_bytes(source)
+    layer_b = weight_bytes(source, model.spec) - head_b
     print(f"{torch.cuda.get_device_name()}; {args.layers} of {cfg['num_hidden_layers']} layers; a batch-1 step "
           f"reads {layer_b / 1e6:.0f} MB in the layers ({layer_b / args.layers / 1e6:.1f} MB a layer) and "
           f"{head_b / 1e6:.0f} MB in the head")

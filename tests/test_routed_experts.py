@@ -199,3 +199,15 @@ def test_moe_model_decodes_through_cuda_graphs(monkeypatch):
     with torch.inference_mode():
         b = gpu(step_ids, cache, pos, last_only=True)[:, -1].float()
     assert (a - b).abs().max().item() <= 0.02 * (b.max() - b.min()).item()
+
+
+def test_weight_bytes_count_the_experts_a_token_picks():
+    """A decode step of a MoE model reads top_k / num_experts of its routed experts (the bench's bound)."""
+    from exl2.runtime.benchmark import weight_bytes
+
+    src = DictSource(llama_exl2_tensors(TINY_MOE, device="cpu", body=MIXED_BODY_OPTION, seed=4))
+    from exl2.models.registry import spec_from_config
+
+    spec = spec_from_config(TINY_MOE)
+    experts = sum(t.numel() * t.element_size() for k, t in src.items() if ".experts." in k)
+    assert weight_bytes(src) - weight_bytes(src, spec) == pytest.approx(experts * (1 - 3 / 8), abs=2)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import sys
 
+# the synthetic model's shapes (`--shape`): (name, runtime.synthetic's config of it)
+SHAPES = {"llama3-8b": ("Llama-3-8B", "LLAMA3_8B"), "qwen3-30b-a3b": ("Qwen3-30B-A3B", "QWEN3_30B_A3B")}
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode speed on the GPU",
@@ -15,7 +18,9 @@ def register(sub) -> None:
     p.add_argument("--prefill", type=int, default=2047, help="prefill length (default 2047)")
     p.add_argument("--batch", default="16",
                    help="batch sizes decoded besides batch 1, comma-separated (default 16; e.g. 2,4,16)")
-    p.add_argument("--layers", type=int, default=None, help="synthetic model: number of layers (default 32)")
+    p.add_argument("--layers", type=int, default=None, help="synthetic model: number of layers (default all)")
+    p.add_argument("--shape", default="llama3-8b", choices=tuple(SHAPES),
+                   help="synthetic model's shape: Llama-3-8B (the default) or Qwen3-30B-A3B (128 experts, 8 a token)")
     p.add_argument("--mixed", nargs="?", const="543", default=None, choices=("543", "table"),
                    help="synthetic model with a real 4.0 bpw file's mixed widths: 543 (the default) 5/4/3-bit "
                         "groups in every matrix; table, each block's option from exllamav2's option tables, as a "
@@ -69,7 +74,7 @@ def run(args) -> int:
     from exl2.models.registry import read_config, spec_from_config
     from exl2.runtime.benchmark import (format_table, kernel_breakdown, prefill_breakdown, run_benchmark,
                                         weight_bytes)
-    from exl2.runtime.synthetic import synthetic_model
+    from exl2.runtime import synthetic
     from exl2.runtime.weights import WeightLoader
     from exl2.formats.safetensors_io import TensorSource
 
@@ -80,7 +85,8 @@ def run(args) -> int:
             model = DecoderModel(spec_from_config(read_config(args.model_dir), rope),
                                  WeightLoader(source, dev, torch.float16)).eval()
     else:
-        model, source = synthetic_model(dev, args.layers, args.mixed or "4bit")
+        model, source = synthetic.synthetic_model(dev, args.layers, args.mixed or "4bit",
+                                                  shape=getattr(synthetic, SHAPES[args.shape][1]))
     if args.prefill_fp8:
         from exl2.kernels.fp8_prefill import fp8_available
         from exl2.runtime.linear import quant_kernels
@@ -88,9 +94,10 @@ def run(args) -> int:
         if not (fp8_available(dev) and quant_kernels(model)):
             raise ConfigError("--prefill-fp8 needs a quantized model and a GPU whose PyTorch runs row-scaled e4m3 "
                               "GEMMs (sm_89 or newer).")
-    wbytes = weight_bytes(source)
+    wbytes = weight_bytes(source, model.spec)
     kind = {None: "4-bit", "543": "5/4/3-bit mixed", "table": "exllamav2 option-table 4.0 bpw"}[args.mixed]
-    print(f"model: {args.model_dir or f'synthetic Llama-3-8B-shaped EXL2 ({kind} body), 6-bit head'}; "
+    shape = SHAPES[args.shape][0]
+    print(f"model: {args.model_dir or f'synthetic {shape}-shaped EXL2 ({kind} body), 6-bit head'}; "
           f"{wbytes / 1e9:.2f} GB read per decoded token; GPU: {torch.cuda.get_device_name()}", flush=True)
     def progress(r) -> None:  # each row as soon as it is measured (stderr), so a cut-short run still reports
         print(f"  {r.name}: {r.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)

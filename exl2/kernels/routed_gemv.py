@@ -58,8 +58,8 @@ def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, X_ROWS, out_ptr, stride_om, s
                         HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                         FAST4: tl.constexpr, STAGES: tl.constexpr):
     """Slot s (grid axis 2; input row s % X_ROWS) times its expert's weight (`_expert`; plus bias, times
-    wt[s % SEL_N] with HAS_WEIGHT), BN columns (axis 0) over a 1/SPLIT share of the words (axis 1); with SPLIT > 1 each share leaves
-    an fp32 partial at out + pid_k·stride_ok (the caller sums them)."""
+    wt[s % SEL_N] with HAS_WEIGHT), BN columns (axis 0) over a 1/SPLIT share of the words (axis 1); with
+    SPLIT > 1 each share leaves an fp32 partial at out + pid_k·stride_ok (the caller sums them)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     s = tl.program_id(2)
@@ -201,7 +201,8 @@ class RoutedWeights:
             fast4, x32 = pairs_view(xp, fast4_available(xp.device))
             _routed_gemv_kernel[(triton.cdiv(self.n, GEMV_BN), split, s)](
                 xp, x32, xp.stride(0), xp.shape[0], out, self.n, s * self.n, sel, n_sel, e_step, self.meta,
-                self.addrs, weight if weight is not None else sel, self.n, split, MASK=self.mask, HAS_ZEROS=self.has_zeros,
+                self.addrs, weight if weight is not None else sel, self.n, split, MASK=self.mask,
+                HAS_ZEROS=self.has_zeros,
                 HAS_BIAS=self.has_bias, HAS_WEIGHT=weight is not None, BS=GEMV_BS, BN=GEMV_BN, FAST4=fast4,
                 STAGES=GEMV_STAGES, num_warps=GEMV_WARPS, num_stages=GEMV_STAGES)
         return out

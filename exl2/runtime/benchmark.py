@@ -26,17 +26,18 @@ class Row:
         return 100 * self.tokens_per_s / self.bound if self.bound else None
 
 
-def weight_bytes(source) -> int:
+def weight_bytes(source, spec=None) -> int:
     """Bytes one decode step must read from the model files: every tensor but the embedding table, of which one
-    row is read."""
-    total = 0
+    row is read; of a mixture-of-experts `spec`'s routed experts, the share one token picks (top_k of them)."""
+    active = spec.moe.top_k / spec.moe.num_experts if spec is not None and spec.moe is not None else 1.0
+    total = 0.0
     for name in source.keys():
         t = source[name]
         if name == "model.embed_tokens.weight":
             total += t.shape[1] * t.element_size()
         else:
-            total += t.numel() * t.element_size()
-    return total
+            total += t.numel() * t.element_size() * (active if ".experts." in name else 1.0)
+    return int(total)
 
 
 def _time(fn: Callable[[], object], iters: int) -> float:
