@@ -14,7 +14,9 @@ from exl2.kernels.backend import INTERPRET, force_triton, triton_usable
 from exl2.kernels.exl2_matmul import Exl2Weight
 from exl2.kernels.gptq_matmul import GptqWeight
 from exl2.kernels.routed_gemv import RoutedWeights, routed_matmul_torch
+from exl2.models.registry import spec_from_config
 from exl2.models.routed_experts import prepare_routed
+from exl2.runtime.benchmark import weight_bytes
 from exl2.runtime.synthetic import MIXED_BODY_OPTION, QWEN3_30B_A3B, DictSource, llama_exl2_tensors
 from test_kernels_quant_matmul import _check_close, rand_exl2
 
@@ -100,7 +102,6 @@ def test_routed_weights_refuse_mismatched_experts():
 
 def _tiny_moe_model(device, dtype=torch.float16, use_kernels=True):
     from exl2.models.decoder import DecoderModel
-    from exl2.models.registry import spec_from_config
     from exl2.runtime.weights import WeightLoader
 
     src = DictSource(llama_exl2_tensors(TINY_MOE, device="cpu", body=MIXED_BODY_OPTION, seed=4))
@@ -203,11 +204,7 @@ def test_moe_model_decodes_through_cuda_graphs(monkeypatch):
 
 def test_weight_bytes_count_the_experts_a_token_picks():
     """A decode step of a MoE model reads top_k / num_experts of its routed experts (the bench's bound)."""
-    from exl2.runtime.benchmark import weight_bytes
-
     src = DictSource(llama_exl2_tensors(TINY_MOE, device="cpu", body=MIXED_BODY_OPTION, seed=4))
-    from exl2.models.registry import spec_from_config
-
     spec = spec_from_config(TINY_MOE)
     experts = sum(t.numel() * t.element_size() for k, t in src.items() if ".experts." in k)
     assert weight_bytes(src) - weight_bytes(src, spec) == pytest.approx(experts * (1 - 3 / 8), abs=2)
