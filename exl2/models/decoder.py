@@ -14,7 +14,7 @@ from torch import nn
 
 from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, make_norm, softcap, temperature_scale
-from exl2.kernels.attention import scatter_columns
+from exl2.kernels.attention import scatter_columns, varlen_attention
 from exl2.kernels.qweight import dequantize_torch
 from exl2.kernels.rotary import apply_rotary
 from exl2.models.rope import positioned, rope_index
@@ -262,11 +262,24 @@ class MLAttention(nn.Module):
         k_pe = k_pe.reshape(b, t, 1, m.qk_rope_head_dim)
         cos, sin, inter = rope[:3]
         apply_rotary(q_pe, k_pe, cos, sin, rope_index(rope, q_pos), m.qk_rope_head_dim, inter)
+        k_lat = torch.cat([c, k_pe.reshape(b, t, -1)], dim=-1).view(b, t, 1, -1)
+        v_lat = c.reshape(b, t, 1, -1).contiguous()
+        fresh = getattr(cache, "fresh_prompt", None)
+        if fresh is not None and fresh(self.idx, q_pos):
+            # a fresh prompt attends among its own tokens in the expanded form (192 + 128 values a head against
+            # the latent 576 + 512), and leaves its latent rows in the cache
+            cache.store(self.idx, k_lat, v_lat, q_pos)
+            h = self.spec.num_heads
+            kv = self.kv_b_proj(c).view(b, t, h, m.qk_nope_head_dim + m.v_head_dim)
+            k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+            k = torch.cat([k_nope, k_pe.expand(b, t, h, m.qk_rope_head_dim)], dim=-1)
+            o = varlen_attention(q.reshape(b * t, h, -1), k.reshape(b * t, h, -1), v.reshape(b * t, h, -1),
+                                 list(range(0, b * t + 1, t)), t, scale=self.scale, backend=cache.prefill_backend)
+            return self.o_proj(o.reshape(b, t, -1))
         w_uk, w_uv = self.latent()
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk.to(q.dtype))
         q_full = torch.cat([q_lat, q_pe], dim=-1)
-        k_lat = torch.cat([c, k_pe.reshape(b, t, -1)], dim=-1).view(b, t, 1, -1)
-        o = cache.attend(self.idx, q_full, k_lat, c.reshape(b, t, 1, -1).contiguous(), q_pos, self.scale)
+        o = cache.attend(self.idx, q_full, k_lat, v_lat, q_pos, self.scale)
         o = torch.einsum("bthr,hvr->bthv", o, w_uv.to(o.dtype))
         return self.o_proj(o.reshape(b, t, -1))
 

@@ -160,6 +160,18 @@ class PagedKVCache:
             self._fresh_of[slot] = (q_pos, fresh)
         return fresh
 
+    def fresh_prompt(self, layer: int, q_pos: torch.Tensor) -> bool:
+        """Whether this forward is a fresh multi-token prompt (every row starts at 0), whose attention is among its
+        own tokens only: a caller may then attend in another form than the cached rows' (MLA's expanded heads)."""
+        return q_pos.shape[1] > 1 and self.limits is None and self._fresh(q_pos, self._slot[layer])
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> None:
+        """Write keys/values `[B, T, Hkv, D]` at q_pos without attending (see `fresh_prompt`)."""
+        b, t = q_pos.shape
+        slots, _ = self._slots_and_lens(q_pos, self._slot[layer])
+        write_kv(k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), self.k[layer], self.v[layer],
+                 slots, self.k_bits, self.v_bits, self.k_scales[layer], self.v_scales[layer])
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                scale: float, window=None, chunk=None, softcap=None, out_index=None, rope=None,
                sinks=None) -> torch.Tensor:
