@@ -201,6 +201,17 @@ def test_moe_model_decodes_through_cuda_graphs(monkeypatch):
         b = gpu(step_ids, cache, pos, last_only=True)[:, -1].float()
     assert (a - b).abs().max().item() <= 0.02 * (b.max() - b.min()).item()
 
+    # an adapter on an expert takes the block off the routed path: the graphs go and steps run eagerly
+    gpu.layers[1].mlp.experts[0].down_proj.loras = [object()]
+    prepare_routed(gpu)
+    graphs.reset()
+    assert not graphs.enabled and not graph_safe(gpu)
+    gpu.layers[1].mlp.experts[0].down_proj.loras = []
+    prepare_routed(gpu)
+    graphs.reset()
+    assert graphs.enabled
+    torch.testing.assert_close(graphs.step(step_ids, pos, table, lazy=True).float(), a, atol=1e-3, rtol=0)
+
 
 def test_weight_bytes_count_the_experts_a_token_picks():
     """A decode step of a MoE model reads top_k / num_experts of its routed experts (the bench's bound)."""

@@ -55,7 +55,8 @@ class DecodeGraphs:
         self.model, self.cache, self.tokens = model, cache, tokens
         self.max_pages, self.scratch = max_pages_per_seq, scratch_page
         # a model split over several GPUs decodes eagerly (one graph would have to span the devices' streams)
-        self.enabled = model.device.type == "cuda" and not getattr(model, "is_split", False)
+        self._device_ok = model.device.type == "cuda" and not getattr(model, "is_split", False)
+        self.enabled = self._device_ok
         self.graphs: dict[int, tuple] = {}
         self.short: dict[int, tuple] = {}  # one key split: batches of sequences of at most SHORT_CONTEXT tokens
         self.batch_sizes = tuple(sorted(batch_sizes))
@@ -97,11 +98,13 @@ class DecodeGraphs:
     def reset(self) -> None:
         """Free every captured graph, so that the next `step(lazy=True)` (or `capture`) records the model's
         forward anew: a graph replays the kernels and weights it was captured with, so it goes stale when the
-        model's layers change (LoRA adapters set or removed)."""
+        model's layers change (LoRA adapters set or removed). Steps run eagerly from then on where the model
+        stopped being `graph_safe` (adapters on a MoE block's experts)."""
         if (self.graphs or self.short) and self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)   # no replay may still be reading what is freed
         self.graphs.clear()
         self.short.clear()
+        self.enabled = self._device_ok and graph_safe(self.model)
 
     def _wants_short(self, bs: int) -> bool:
         c = self.cache
