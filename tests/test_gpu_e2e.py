@@ -10,6 +10,7 @@ from exl2.runtime.graphs import DecodeGraphs
 from exl2.runtime.loader import load_model
 from exl2.runtime.paged_cache import PagedKVCache
 
+from graph_decode import greedy_graph_decode
 from test_exl2_model import GOLDEN
 from test_kernels_quant_matmul import rand_exl2
 
@@ -70,19 +71,10 @@ def _golden_decode(name: str, mode: str, split_sum: bool = False, rope: RopeOver
     graphs = DecodeGraphs(gpu, cache, max_pages_per_seq=4, scratch_page=4)
     graphs.capture((1,))
     table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32, device="cuda")
-    cache.bind(table)
-    with torch.inference_mode():
-        logits = [gpu(ids.cuda(), cache, 0, last_only=True)[:, -1].float().cpu()]
-    toks = []
-    for i in range(32):
-        tok = logits[-1].argmax(-1)
-        toks.append(tok)
-        out = graphs.step(tok.view(1, 1).cuda(), torch.tensor([96 + i], device="cuda"), table)
-        logits.append(out.float().cpu())
-    seq = torch.cat([ids, torch.stack(toks, 1)], 1)
+    got, toks = greedy_graph_decode(gpu, cache, graphs, ids, 32, table)
+    seq = torch.cat([ids, toks], 1)
     with torch.no_grad():
         ref = cpu(seq)[0, 95:]
-    got = torch.cat(logits)
     span = (ref.max() - ref.min()).item()
     assert (got - ref).abs().max().item() <= 0.03 * span
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9

@@ -18,6 +18,7 @@ from exl2.models.registry import spec_from_config
 from exl2.models.routed_experts import prepare_routed
 from exl2.runtime.benchmark import weight_bytes
 from exl2.runtime.synthetic import MIXED_BODY_OPTION, QWEN3_30B_A3B, DictSource, llama_exl2_tensors
+from graph_decode import greedy_graph_decode
 from test_kernels_quant_matmul import _check_close, rand_exl2
 
 DEV = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
@@ -171,17 +172,9 @@ def test_moe_model_decodes_through_cuda_graphs(monkeypatch):
     graphs.capture((1, 4))
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
     table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32, device="cuda")
-    cache.bind(table)
-    with torch.inference_mode():
-        logits = [gpu(ids.cuda(), cache, 0, last_only=True)[:, -1].float().cpu()]
-    toks = []
-    for i in range(12):
-        tok = logits[-1].argmax(-1)
-        toks.append(tok)
-        logits.append(graphs.step(tok.view(1, 1).cuda(), torch.tensor([40 + i], device="cuda"), table).float().cpu())
+    got, toks = greedy_graph_decode(gpu, cache, graphs, ids, 12, table)
     with torch.no_grad():
-        ref = cpu(torch.cat([ids, torch.stack(toks, 1)], 1))[0, 39:]
-    got = torch.cat(logits)
+        ref = cpu(torch.cat([ids, toks], 1))[0, 39:]
     span = (ref.max() - ref.min()).item()
     assert (got - ref).abs().max().item() <= 0.03 * span
     assert (got.argmax(-1) == ref.argmax(-1)).sum().item() >= 10
