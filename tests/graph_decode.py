@@ -16,3 +16,15 @@ def greedy_graph_decode(model, cache, graphs, ids: torch.Tensor, steps: int, tab
         pos = torch.tensor([ids.shape[1] + i], device="cuda")
         logits.append(graphs.step(tok.view(1, 1).cuda(), pos, table).float().cpu())
     return torch.cat(logits), torch.stack(toks, 1)
+
+
+def three_prompts(model, cache, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prefill three random prompts of 10, 70 and 33 tokens into four pages each (pages 0-11) and draw one
+    next token each: (block table [3, 4], positions [3], ids [3, 1]) of the batch-3 step that follows."""
+    table = torch.arange(12, dtype=torch.int32, device="cuda").view(3, 4)
+    lens = [10, 70, 33]
+    for b, n in enumerate(lens):
+        cache.bind(table[b:b + 1])
+        with torch.inference_mode():
+            model(torch.randint(0, vocab, (1, n), device="cuda"), cache, 0)
+    return table, torch.tensor(lens, device="cuda"), torch.randint(0, vocab, (3, 1), device="cuda")

@@ -10,7 +10,7 @@ from exl2.runtime.graphs import DecodeGraphs
 from exl2.runtime.loader import load_model
 from exl2.runtime.paged_cache import PagedKVCache
 
-from graph_decode import greedy_graph_decode
+from graph_decode import greedy_graph_decode, three_prompts
 from test_exl2_model import GOLDEN
 from test_kernels_quant_matmul import rand_exl2
 
@@ -96,14 +96,7 @@ def test_batched_graph_decode_matches_eager(max_len, monkeypatch):
     cache = PagedKVCache(gpu.spec, num_pages=13, page_size=64, device="cuda", dtype=torch.float16)
     graphs = DecodeGraphs(gpu, cache, max_pages_per_seq=4, scratch_page=12)
     graphs.capture((4,))
-    table = torch.arange(12, dtype=torch.int32, device="cuda").view(3, 4)
-    lens = [10, 70, 33]
-    for b, n in enumerate(lens):
-        cache.bind(table[b:b + 1])
-        with torch.inference_mode():
-            gpu(torch.randint(0, 1024, (1, n), device="cuda"), cache, 0)
-    ids = torch.randint(0, 1024, (3, 1), device="cuda")
-    pos = torch.tensor(lens, device="cuda")
+    table, pos, ids = three_prompts(gpu, cache, 1024)
     assert 4 in graphs.short
     a = graphs.step(ids, pos, table, max_len=max_len).float()
     cache.bind(table)

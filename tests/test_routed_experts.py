@@ -18,7 +18,7 @@ from exl2.models.registry import spec_from_config
 from exl2.models.routed_experts import prepare_routed
 from exl2.runtime.benchmark import weight_bytes
 from exl2.runtime.synthetic import MIXED_BODY_OPTION, QWEN3_30B_A3B, DictSource, llama_exl2_tensors
-from graph_decode import greedy_graph_decode
+from graph_decode import greedy_graph_decode, three_prompts
 from test_kernels_quant_matmul import _check_close, rand_exl2
 
 DEV = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
@@ -179,14 +179,7 @@ def test_moe_model_decodes_through_cuda_graphs(monkeypatch):
     assert (got - ref).abs().max().item() <= 0.03 * span
     assert (got.argmax(-1) == ref.argmax(-1)).sum().item() >= 10
 
-    table = torch.arange(12, dtype=torch.int32, device="cuda").view(3, 4)
-    lens = [10, 70, 33]
-    for b, n in enumerate(lens):
-        cache.bind(table[b:b + 1])
-        with torch.inference_mode():
-            gpu(torch.randint(0, 512, (1, n), device="cuda"), cache, 0)
-    step_ids = torch.randint(0, 512, (3, 1), device="cuda")
-    pos = torch.tensor(lens, device="cuda")
+    table, pos, step_ids = three_prompts(gpu, cache, 512)
     a = graphs.step(step_ids, pos, table).float()
     monkeypatch.setattr(routed_experts, "ROUTED_MAX_ROWS", 0)   # eager: the grouped path
     cache.bind(table)
