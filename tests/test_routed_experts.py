@@ -205,3 +205,25 @@ def test_weight_bytes_count_the_experts_a_token_picks():
     spec = spec_from_config(TINY_MOE)
     experts = sum(t.numel() * t.element_size() for k, t in src.items() if ".experts." in k)
     assert weight_bytes(src) - weight_bytes(src, spec) == pytest.approx(experts * (1 - 3 / 8), abs=2)
+
+
+@needs_triton
+@pytest.mark.parametrize("k,norm,bias", [(3, True, False), (8, False, True), (1, True, False)])
+def test_fused_softmax_router_matches_the_reference(k, norm, bias):
+    """The two-launch softmax router: the same experts as softmax + top-k (as sets: the order is free) and their
+    weights within fp32 rounding, renormalised or not."""
+    from exl2.kernels.router import softmax_topk_route
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(5, 300, generator=g).half().to(DEV)
+    w = (torch.randn(40, 300, generator=g) * 0.1).half().to(DEV)
+    b = torch.randn(40, generator=g).to(DEV) if bias else None
+    probs = torch.softmax(torch.nn.functional.linear(x.float(), w.float(), b), -1)
+    ref_w, ref_i = torch.topk(probs, k)
+    if norm:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    with force_triton():
+        idx, wts = softmax_topk_route(x, w, b, k, norm)
+    order = idx.argsort(-1)
+    assert torch.equal(idx.gather(1, order), ref_i.gather(1, ref_i.argsort(-1)))
+    torch.testing.assert_close(wts.gather(1, order), ref_w.gather(1, ref_i.argsort(-1)), atol=1e-5, rtol=1e-4)

@@ -9,7 +9,9 @@ from torch import nn
 
 from exl2.kernels.activation import glu
 from exl2.kernels.norm import rms_norm, rms_norm_gather
+from exl2.kernels.backend import use_triton
 from exl2.kernels.quant_matmul import uses_permuted_input
+from exl2.kernels.router import softmax_topk_route
 from exl2.kernels.split_sum import SplitSum
 from exl2.models.routed_experts import RoutedExperts
 from exl2.runtime.linear import permuted_indices, project
@@ -148,6 +150,10 @@ class GatedMLP(nn.Module):
         return down(glu(gate, up, self.act_name))
 
 
+# Token rows up to which the softmax router runs as two kernels (`softmax_topk_route`); prompts take the GEMM.
+FUSED_ROUTE_ROWS = 64
+
+
 class MoE(nn.Module):
     """Routed experts (+ optional shared expert). Routing rules follow the source architectures exactly."""
 
@@ -174,6 +180,8 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (expert ids [N, k], weights [N, k]) for flattened tokens x [N, H]."""
         m = self.spec
+        if m.router == "softmax" and use_triton(x) and x.shape[0] <= FUSED_ROUTE_ROWS:
+            return softmax_topk_route(x, self.router_weight, self.router_bias, m.top_k, m.norm_topk_prob)
         bias = None if self.router_bias is None else self.router_bias.float()
         logits = F.linear(x.float(), self.router_weight.float(), bias)
         if m.router == "softmax":
