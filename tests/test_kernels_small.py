@@ -252,3 +252,17 @@ def test_rotary_store_matches_rotary_then_cache_write(interleaved, rd, keep_k):
         assert torch.equal(k, kc.view(-1, hk, d)[slots])
     else:
         assert torch.equal(k, k0)
+
+
+@needs_triton
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_pair_matches_two_norms(gemma):
+    """q and k heads (different row counts, each with its weight) normed in one launch, as two twin calls."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 8, 64, generator=g).half().to(DEV)
+    k = torch.randn(2, 3, 2, 64, generator=g).half().to(DEV)
+    wq, wk = (torch.randn(64, generator=g).half().to(DEV) for _ in range(2))
+    with force_triton():
+        a, b = norm.rms_norm_pair(q, wq, k, wk, 1e-6, gemma=gemma)
+    torch.testing.assert_close(a, norm.rms_norm_torch(q, wq, 1e-6, gemma=gemma), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(b, norm.rms_norm_torch(k, wk, 1e-6, gemma=gemma), atol=2e-3, rtol=2e-3)

@@ -226,6 +226,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
     return impl(x, weight, None, eps, residual, gemma, False)
 
 
+@triton.jit
+def _norm_pair_kernel(a_ptr, wa_ptr, oa_ptr, ROWS_A, b_ptr, wb_ptr, ob_ptr, D, eps, GEMMA: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """RMSNorm of the contiguous D-wide rows of two tensors, each with its weight, in one launch: program r < ROWS_A
+    normalizes a's row r, the others b's row r - ROWS_A."""
+    if PDL:
+        pdl_sync()
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    if row < ROWS_A:
+        _norm_row(a_ptr + row.to(tl.int64) * D, wa_ptr, oa_ptr + row.to(tl.int64) * D, offs, mask, D, eps, GEMMA)
+    else:
+        r = (row - ROWS_A).to(tl.int64)
+        _norm_row(b_ptr + r * D, wb_ptr, ob_ptr + r * D, offs, mask, D, eps, GEMMA)
+
+
+@triton.jit
+def _norm_row(x_row, w_ptr, o_row, offs, mask, D, eps, GEMMA: tl.constexpr):
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = w + 1.0
+    y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)) * w
+    tl.store(o_row + offs, y.to(o_row.dtype.element_ty), mask=mask)
+
+
+def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float,
+                  gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` of a and b (each over its last dim, of one width, with its own weight) in one launch: the
+    per-head q and k norms of Qwen3, Gemma 3 and the like, a launch a layer fewer."""
+    if a.shape[-1] != b.shape[-1] or not use_triton(a):
+        return rms_norm(a.contiguous(), wa, eps, gemma=gemma), rms_norm(b.contiguous(), wb, eps, gemma=gemma)
+    a, b = a.contiguous(), b.contiguous()
+    d = a.shape[-1]
+    oa, ob = torch.empty_like(a), torch.empty_like(b)
+    rows_a, rows_b = a.numel() // d, b.numel() // d
+    if rows_a + rows_b:
+        _norm_pair_kernel[(rows_a + rows_b,)](a, wa, oa, rows_a, b, wb, ob, d, eps, GEMMA=gemma,
+                                              BLOCK=next_pow2(d), num_warps=min(16, max(1, next_pow2(d) // 256)),
+                                              **pdl_args(a.device, rows_a + rows_b, small=True))
+    return oa, ob
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                residual: torch.Tensor | None = None):
     """LayerNorm over the last dim, same residual convention as `rms_norm`."""

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from exl2.errors import ConfigError, ModelLoadError
-from exl2.models.layers import GatedMLP, MoE, RMSNorm, attention, l2_norm, make_norm, softcap, temperature_scale
+from exl2.models.layers import (GatedMLP, MoE, RMSNorm, attention, l2_norm, make_norm, norm_pair, softcap,
+                               temperature_scale)
 from exl2.kernels.attention import scatter_columns, varlen_attention
 from exl2.kernels.qweight import dequantize_torch
 from exl2.kernels.rotary import apply_rotary
@@ -160,7 +161,7 @@ class Attention(nn.Module):
         k = k.view(b, t, s.num_kv_heads, s.head_dim)
         v = v.view(b, t, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None and not s.qk_norm_full:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = norm_pair(self.q_norm, self.k_norm, q, k)
         # with a cache and nothing between RoPE and attention, the cache applies it while storing k
         rope_in_cache = rope is not None and cache is not None and not (layer.qk_l2_norm or layer.temperature_tuning)
         if rope is not None and not rope_in_cache:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl2.kernels.activation import glu
-from exl2.kernels.norm import rms_norm, rms_norm_gather
+from exl2.kernels.norm import rms_norm, rms_norm_gather, rms_norm_pair
 from exl2.kernels.backend import use_triton
 from exl2.kernels.quant_matmul import uses_permuted_input
 from exl2.kernels.router import softmax_topk_route
@@ -41,6 +41,15 @@ class RMSNorm(nn.Module):
             delta = delta.total(residual.dtype).view(residual.shape)
         normed, _ = rms_norm(delta.contiguous(), self.weight, self.eps, residual=residual, gemma=bool(self.offset))
         return normed
+
+
+def norm_pair(norm_a: nn.Module, norm_b: nn.Module, a: torch.Tensor, b: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm_a(a), norm_b(b)); two RMSNorms of one kind with weights in one launch (`rms_norm_pair`)."""
+    if (type(norm_a) is RMSNorm and type(norm_b) is RMSNorm and norm_a.weight is not None
+            and norm_b.weight is not None and (norm_a.eps, norm_a.offset) == (norm_b.eps, norm_b.offset)):
+        return rms_norm_pair(a, norm_a.weight, b, norm_b.weight, norm_a.eps, gemma=bool(norm_a.offset))
+    return norm_a(a), norm_b(b)
 
 
 class LayerNorm(nn.Module):
