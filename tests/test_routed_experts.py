@@ -227,3 +227,20 @@ def test_fused_softmax_router_matches_the_reference(k, norm, bias):
     order = idx.argsort(-1)
     assert torch.equal(idx.gather(1, order), ref_i.gather(1, ref_i.argsort(-1)))
     torch.testing.assert_close(wts.gather(1, order), ref_w.gather(1, ref_i.argsort(-1)), atol=1e-5, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ["silu", "gptoss"])
+def test_routed_glu_writes_each_slots_down_order(act):
+    """The gated activation of gate rows 0..S-1 and up rows S..2S-1 (wider than K: padded outputs) written in
+    each slot's expert's input order, orders of different lengths padded with zeros, as glu then gather."""
+    from exl2.kernels.activation import glu_torch
+
+    ws = _experts(5, bias=False)
+    r = RoutedWeights(ws)
+    sel = torch.tensor([3, 0, 4, 3], device=DEV)
+    gu = (torch.randn(8, 288, generator=torch.Generator().manual_seed(1)) * 4).half().to(DEV)
+    with force_triton():
+        got = r.glu_gather(gu, sel, act)
+    ref = r.gather(glu_torch(gu[:4, :256].cpu(), gu[4:, :256].cpu(), act), sel.cpu())
+    torch.testing.assert_close(got.cpu(), ref, atol=2e-3, rtol=2e-3)

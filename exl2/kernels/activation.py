@@ -15,7 +15,7 @@ from exl2.kernels.permute import take_columns
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "gptoss")
 GPTOSS_ALPHA, GPTOSS_LIMIT = 1.702, 7.0
-_ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
+ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 
 @triton.jit
@@ -34,8 +34,15 @@ def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.co
         src = mask
     if PDL:
         pdl_sync()
-    g = tl.load(g_ptr + row * stride_g + col, mask=src, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + col, mask=src, other=0.0).to(tl.float32)
+    y = glu_values(g_ptr + row * stride_g, u_ptr + row * stride_u, col, src, ACT)
+    tl.store(o_ptr + row * stride_o + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def glu_values(g_row, u_row, col, src, ACT: tl.constexpr):
+    """act(g[col])·u[col] in fp32 (0 where not `src`) for the activation ACT (`ACT_ID`)."""
+    g = tl.load(g_row + col, mask=src, other=0.0).to(tl.float32)
+    u = tl.load(u_row + col, mask=src, other=0.0).to(tl.float32)
     if ACT == 0:
         a = g / (1.0 + tl.exp(-g))
     elif ACT == 1:
@@ -47,7 +54,7 @@ def _glu_kernel(g_ptr, u_ptr, o_ptr, I, stride_g, stride_u, stride_o, ACT: tl.co
         g = tl.minimum(g, 7.0)
         a = g / (1.0 + tl.exp(-1.702 * g))
         u = tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0
-    tl.store(o_ptr + row * stride_o + offs, (a * u).to(o_ptr.dtype.element_ty), mask=mask)
+    return a * u
 
 
 def _split(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +95,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "s
     """`act(gate) * up`; `activation` is "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU). With `index` (int32,
     -1 for a zero) the output columns come in that order: the permuted input of the quantized down projection
     (`QuantWeight.x_index`), written by this kernel instead of a separate gather."""
-    if activation not in _ACT_ID:
+    if activation not in ACT_ID:
         raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}.")
     if not use_triton(gate):
         return glu_torch(gate, up, activation, index)
@@ -106,7 +113,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "s
     if o2.shape[0]:
         block = min(2048, next_pow2(i))
         grid = (o2.shape[0], triton.cdiv(i, block))
-        _glu_kernel[grid](g2, u2, o2, i, g2.stride(0), u2.stride(0), o2.stride(0), ACT=_ACT_ID[activation],
+        _glu_kernel[grid](g2, u2, o2, i, g2.stride(0), u2.stride(0), o2.stride(0), ACT=ACT_ID[activation],
                           BLOCK=block, num_warps=4, **pdl_args(g2.device, o2.shape[0], small=True))
     return out
 
@@ -123,7 +130,7 @@ def _glu_gather(g: torch.Tensor, u: torch.Tensor, activation: str, index: torch.
     if out.shape[0]:
         block = min(512, next_pow2(p))  # more programs: each waits on an index load, then on the gathered loads
         _glu_kernel[(out.shape[0], triton.cdiv(p, block))](g2, u2, out, p, g2.stride(0), u2.stride(0), out.stride(0),
-                                                           ACT=_ACT_ID[activation], BLOCK=block, idx_ptr=index,
+                                                           ACT=ACT_ID[activation], BLOCK=block, idx_ptr=index,
                                                            GATHER=True, num_warps=4,
                                                            **pdl_args(g2.device, out.shape[0], small=True))
     return out.view(*g.shape[:-1], p)

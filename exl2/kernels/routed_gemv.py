@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from exl2.kernels.activation import ACT_ID, glu_torch, glu_values
 from exl2.kernels.backend import sm_count, tl, triton, use_triton
 from exl2.kernels.gemv import GEMV_BN, GEMV_BS, GEMV_STAGES, GEMV_WARPS, _gemv_widths, fast4_available
 from exl2.kernels.matmul_launch import class_args, pairs_view, width_mask
@@ -50,6 +51,24 @@ def _routed_gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, sel_ptr, SEL_N, 
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     gather_block(x_ptr + ((s % SEL_N) // ROW_DIV).to(tl.int64) * stride_xm, idx,
                  out_ptr + s.to(tl.int64) * stride_om, n, offs)
+
+
+@triton.jit
+def _routed_glu_kernel(gu_ptr, stride_gu, S, out_ptr, stride_om, sel_ptr, meta_ptr, addr_ptr, ACT: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out[s, p] = act(gate_s[c])·up_s[c] with c = idx_e[p] (0 where c < 0): slot s's gated activation in the
+    input order of its expert e = sel[s] (this table's weights: the down projections), gate_s and up_s being
+    rows s and S + s of gu."""
+    s = tl.program_id(1)
+    e = tl.load(sel_ptr + s).to(tl.int32)
+    n = tl.load(meta_ptr + e * 19 + 18)
+    idx = _addr(addr_ptr + e * 6, 5, tl.int32)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    col = tl.load(idx + offs, mask=mask, other=-1)
+    y = glu_values(gu_ptr + s.to(tl.int64) * stride_gu, gu_ptr + (S + s).to(tl.int64) * stride_gu, col,
+                   mask & (col >= 0), ACT)
+    tl.store(out_ptr + s.to(tl.int64) * stride_om + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -159,6 +178,23 @@ class RoutedWeights:
     def _experts(sel: torch.Tensor, copies: int, e_step: int) -> list[int]:
         """The table row of every slot (the twins' `_expert`)."""
         return [int(e) + c * e_step for c in range(copies) for e in sel.reshape(-1).tolist()]
+
+    def glu_gather(self, gu: torch.Tensor, sel: torch.Tensor, activation: str) -> torch.Tensor:
+        """Each slot's gated activation act(gate)·up in its expert's input order of this table's weights (the
+        down projections): gu `[2S, ≥ K]` holds slot s's gate in row s and its up in row S + s (the routed
+        gate/up matmul's output). `[S, index_len]`, in one launch where `gather(glu(...))` takes two."""
+        s = sel.numel()
+        if not use_triton(gu):
+            return self.gather(glu_torch(gu[:s, : self.k], gu[s:, : self.k], activation), sel)
+        gu = gu if gu.stride(-1) == 1 else gu.contiguous()
+        alloc = torch.empty if self.uniform_index else torch.zeros
+        out = alloc((s, self.index_len), dtype=gu.dtype, device=gu.device)
+        if s:
+            block = 1024
+            _routed_glu_kernel[(triton.cdiv(self.index_len, block), s)](
+                gu, gu.stride(0), s, out, out.stride(0), sel, self.meta, self.addrs, ACT=ACT_ID[activation],
+                BLOCK=block, num_warps=4)
+        return out
 
     def _padded_index(self, e: int) -> torch.Tensor:
         idx = self.ws[e].x_index

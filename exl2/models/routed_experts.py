@@ -7,7 +7,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from exl2.kernels.activation import glu
 from exl2.kernels.backend import env_choice, use_triton
 from exl2.kernels.routed_gemv import RoutedWeights
 from exl2.runtime.linear import Linear
@@ -26,7 +25,6 @@ class RoutedExperts:
         self.gate_up = RoutedWeights([e.gate_proj.kernel for e in experts] + [e.up_proj.kernel for e in experts])
         self.down = RoutedWeights([e.down_proj.kernel for e in experts])
         self.experts = len(experts)
-        self.dim = experts[0].gate_proj.out_features
         self.hidden = experts[0].down_proj.out_features
         # exllamav2 files quantize gate and up with one act-order permutation: one gathered input serves both
         self.shared_order = all(e.gate_proj.kernel.x_index is e.up_proj.kernel.x_index for e in experts)
@@ -68,8 +66,7 @@ class RoutedExperts:
         gu = self.gate_up(xp, sel, copies=2, e_step=e)
         if gu.dim() == 3:   # K-split partials
             gu = gu.sum(0).to(x.dtype)
-        h = glu(gu[:s, : self.dim], gu[s:, : self.dim], self.activation)
-        y = self.down(self.down.gather(h, sel), sel, weight=None if scale_input else wf)
+        y = self.down(self.down.glu_gather(gu, sel, self.activation), sel, weight=None if scale_input else wf)
         if y.dim() == 3:
             y = y.sum(0)
         return y[:, : self.hidden].reshape(n, k, self.hidden).sum(1).to(x.dtype)
