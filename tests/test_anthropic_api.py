@@ -12,6 +12,7 @@ import pytest
 
 from exl2.config import SamplingSettings, ServerConfig
 from exl2.server.anthropic_api import chat_messages
+from exl2.server.errors import APIError
 from exl2.server.app import create_app
 from test_server import CALL, TOOLS, FakeEngine
 
@@ -154,6 +155,21 @@ def test_blocks_become_chat_messages():
     assert out[1]["reasoning_content"] == "hmm" and out[1]["tool_calls"][0]["id"] == "t1"
     assert out[2] == {"role": "tool", "tool_call_id": "t1", "content": "Error: boom"}
     assert out[3] == {"role": "user", "content": [{"type": "text", "text": "Try again."}]}
+
+
+def test_a_tool_result_may_hold_images():
+    """A tool_result with an image block (a screenshot tool's) becomes a tool message of text and image parts;
+    a failed one says so first; other blocks there are a 400."""
+    shot = {"type": "image", "source": {"type": "url", "url": "https://example.com/s.png"}}
+    out = chat_messages([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+                                                       "content": [{"type": "text", "text": "Screen:"}, shot]}]}])
+    assert out == [{"role": "tool", "tool_call_id": "t1",
+                    "content": [{"type": "text", "text": "Error:"}, {"type": "text", "text": "Screen:"},
+                                {"type": "image_url", "image_url": {"url": "https://example.com/s.png"}}]}]
+    with pytest.raises(APIError) as e:
+        chat_messages([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                     "content": [shot, {"type": "document"}]}]}])
+    assert e.value.param == "messages[0].content[0].content[1]"
 
 
 def test_errors_in_anthropic_shape(fake_app):

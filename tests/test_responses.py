@@ -121,6 +121,18 @@ def test_input_items_become_chat_messages():
     assert out[3] == {"role": "tool", "tool_call_id": "c1", "content": "ok"} and len(out) == 4
 
 
+def test_a_tool_output_may_hold_images():
+    """A function_call_output with an input_image (a screenshot tool's) keeps it as an image part of the tool
+    message, which the vision path reads like a user's image."""
+    out = input_messages([{"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+                          {"type": "function_call_output", "call_id": "c1",
+                           "output": [{"type": "input_text", "text": "Screen:"},
+                                      {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
+    assert out[1] == {"role": "tool", "tool_call_id": "c1",
+                      "content": [{"type": "text", "text": "Screen:"},
+                                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+
+
 def test_unsupported_requests_are_400(fake_app):
     async def go(**kw):
         return await aclient(fake_app).responses.create(model="fake-model", **kw)

@@ -91,6 +91,24 @@ def _image(source: Any, param: str) -> dict:
     raise APIError(400, "An image's source is base64 data or a url.", param=f"{param}.source")
 
 
+def _result(content: Any, error: bool, param: str) -> Union[str, list[dict]]:
+    """A tool_result's content as a tool message's: its text, or text and image parts where it holds images (a
+    screenshot, a chart); "Error: " before it when the tool failed."""
+    if not isinstance(content, list) or not any(isinstance(b, dict) and b.get("type") == "image" for b in content):
+        text = _text(content, param)
+        return f"Error: {text}" if error else text
+    parts: list[dict] = [{"type": "text", "text": "Error:"}] if error else []
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": block.get("text", "")})
+        elif kind == "image":
+            parts.append(_image(block.get("source"), f"{param}[{i}]"))
+        else:
+            raise APIError(400, "A tool result holds text and image blocks.", param=f"{param}[{i}]")
+    return parts
+
+
 def chat_messages(messages: list[dict]) -> list[dict]:
     """Anthropic messages as chat messages: a user message's tool_result blocks become tool messages before its
     other content; an assistant message's tool_use blocks its tool calls and its thinking its reasoning_content."""
@@ -119,9 +137,9 @@ def chat_messages(messages: list[dict]) -> list[dict]:
                               "function": {"name": block.get("name"),
                                            "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
             elif kind == "tool_result" and role == "user":
-                text = _text(block.get("content"), f"{where}.content")
                 results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                                "content": f"Error: {text}" if block.get("is_error") else text})
+                                "content": _result(block.get("content"), bool(block.get("is_error")),
+                                                   f"{where}.content")})
             elif kind == "thinking" and role == "assistant":
                 thinking.append(block.get("thinking", ""))
             elif kind == "redacted_thinking":

@@ -76,18 +76,9 @@ def _stored(request: Request) -> Stored:
     return state.responses
 
 
-def _text_of(content: Any, param: str) -> str:
-    """Text of a tool output or a refusal: a string, or the text of its parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise APIError(400, "Expected a string or a list of text parts.", param=param)
-
-
 def _content(content: Any, param: str) -> Union[str, list[dict]]:
-    """A message's content as chat completions take it: input_text / output_text parts as text parts, input_image
-    parts as image_url parts."""
+    """A message's or a tool output's content as chat completions take it: input_text / output_text parts as text
+    parts, input_image parts as image_url parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -141,8 +132,12 @@ def input_messages(items: Union[str, list[dict]]) -> list[dict]:
                     msg["reasoning_content"], reasoning = reasoning, None
                 out.append(msg)
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": _text_of(item.get("output", ""), f"{param}.output")})
+            # a string, or input_text / input_image parts (a tool that returns a screenshot, a chart ...); text alone
+            # stays a string, which every chat template renders in a tool turn
+            output = _content(item.get("output", ""), f"{param}.output")
+            if isinstance(output, list) and all(p["type"] == "text" for p in output):
+                output = "".join(p["text"] for p in output)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         elif kind == "reasoning":
             texts = [c.get("text", "") for c in item.get("content") or [] if isinstance(c, dict)]
             reasoning = "".join(texts) or None
