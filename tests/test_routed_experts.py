@@ -244,3 +244,51 @@ def test_routed_glu_writes_each_slots_down_order(act):
         got = r.glu_gather(gu, sel, act)
     ref = r.gather(glu_torch(gu[:4, :256].cpu(), gu[4:, :256].cpu(), act), sel.cpu())
     torch.testing.assert_close(got.cpu(), ref, atol=2e-3, rtol=2e-3)
+
+
+@needs_triton
+@pytest.mark.parametrize("bias,weighted", [(False, True), (True, False)])
+def test_routed_dense_matches_the_twin(bias, weighted):
+    """Dense experts stacked (their own tensors now views of the stack), two copies of the choices (gate's
+    experts then up's), bias and slot weights, against the per-slot matmul."""
+    from exl2.kernels.routed_dense import RoutedDense
+    from exl2.runtime.linear import Linear
+
+    g = torch.Generator().manual_seed(2)
+    lin = [Linear(300, 40, torch.randn(40, 300, generator=g).half().to(DEV),
+                  torch.randn(40, generator=g).half().to(DEV) if bias else None) for _ in range(6)]
+    dense = [(m.weight.clone(), None if m.bias is None else m.bias.clone()) for m in lin]
+    r = RoutedDense.stack(lin)
+    assert lin[4].weight.data_ptr() == r.weight[4].data_ptr()
+    x = torch.randn(2, 300, generator=g).half().to(DEV)
+    sel = torch.tensor([[2, 0], [1, 2]], device=DEV)
+    wt = torch.rand(2, 2, generator=g).to(DEV) if weighted else None
+    with force_triton():
+        y = r(r.gather(x, sel, 2), sel, weight=wt, copies=2, e_step=3)
+    for s, e in enumerate([2, 0, 1, 2, 5, 3, 4, 5]):
+        w, b = dense[e]
+        ref = x[(s % 4) // 2].float() @ w.float().t() + (0 if b is None else b.float())
+        if weighted:
+            ref = ref * wt.reshape(-1)[s % 4]
+        torch.testing.assert_close(y[s].float(), ref, atol=3e-2, rtol=3e-3)
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_dense_experts_take_the_routed_path_where_the_kernels_run(tmp_path, arch):
+    """A model whose experts stay dense (Qwen3-MoE; gpt-oss: biased experts, the clamped SwiGLU) gets stacked
+    routed tables where the kernels run, and the block's output matches the grouped path on the twins."""
+    from tiny_models import build_tiny
+
+    from exl2.runtime.loader import load_model
+
+    model = load_model(build_tiny(arch, tmp_path), "cpu")
+    moe = next(layer.mlp for layer in model.layers if getattr(layer.mlp, "experts", None) is not None)
+    assert moe.routed is None   # the CPU twins: no kernels, no stacks
+    x = torch.randn(3, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = moe(x)
+        with force_triton():
+            assert moe.prepare_routed() and moe.routed.applies(x)
+            got = moe(x)
+    torch.testing.assert_close(got, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-3)

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from exl2.kernels.backend import env_choice, use_triton
+from exl2.kernels.routed_dense import RoutedDense
 from exl2.kernels.routed_gemv import RoutedWeights
 from exl2.runtime.linear import Linear
 
@@ -17,32 +18,43 @@ ROUTED_MAX_ROWS = env_choice("EXL2_MOE_ROUTED_ROWS", 16, range(0, 1 << 16))
 
 
 class RoutedExperts:
-    """The routed tables of one MoE block's experts (`GatedMLP`s with quantized gate, up and down)."""
+    """The routed tables of one MoE block's experts (`GatedMLP`s): `RoutedWeights` where gate, up and down are
+    quantized, `RoutedDense` stacks where they are fp16 / bf16."""
 
-    def __init__(self, experts: Sequence, activation: str):
-        self.activation = activation
+    def __init__(self, gate_up, down, experts: int, hidden: int, shared_order: bool, activation: str):
         # gate and up of every expert in one table (up's rows after gate's): one launch computes both
-        self.gate_up = RoutedWeights([e.gate_proj.kernel for e in experts] + [e.up_proj.kernel for e in experts])
-        self.down = RoutedWeights([e.down_proj.kernel for e in experts])
-        self.experts = len(experts)
-        self.hidden = experts[0].down_proj.out_features
-        # exllamav2 files quantize gate and up with one act-order permutation: one gathered input serves both
-        self.shared_order = all(e.gate_proj.kernel.x_index is e.up_proj.kernel.x_index for e in experts)
+        self.gate_up, self.down = gate_up, down
+        self.experts, self.hidden = experts, hidden
+        self.shared_order, self.activation = shared_order, activation
 
     @classmethod
     def build(cls, experts: Sequence, activation: str) -> Optional["RoutedExperts"]:
-        """The tables, or None where the routed path does not apply: an expert projection not quantized, with
-        LoRA adapters, or experts that differ in shape or kind (`RoutedWeights.problem`)."""
-        linears = [getattr(e, name, None) for e in experts for name in ("gate_proj", "up_proj", "down_proj")]
-        if not experts or not all(isinstance(m, Linear) and m.kernel is not None and not m.loras for m in linears):
+        """The tables, or None where the routed path does not apply: an expert projection with LoRA adapters,
+        quantized and dense projections mixed, experts that differ in shape or kind (`RoutedWeights.problem`,
+        `RoutedDense.problem`), or dense experts where the kernels do not run (the CPU)."""
+        if not experts:
             return None
-        outs = {(e.gate_proj.out_features, e.up_proj.out_features, e.down_proj.out_features) for e in experts}
-        if len(outs) != 1:
+        gates, ups, downs = ([getattr(e, name, None) for e in experts] for name in ("gate_proj", "up_proj",
+                                                                                     "down_proj"))
+        linears = gates + ups + downs
+        if not all(isinstance(m, Linear) and not m.loras for m in linears):
             return None
-        gate_up = [e.gate_proj.kernel for e in experts] + [e.up_proj.kernel for e in experts]
-        if RoutedWeights.problem(gate_up) or RoutedWeights.problem([e.down_proj.kernel for e in experts]):
+        if len({(e.gate_proj.out_features, e.up_proj.out_features, e.down_proj.out_features) for e in experts}) > 1:
             return None
-        return cls(experts, activation)
+        hidden = downs[0].out_features
+        if all(m.kernel is not None for m in linears):
+            gate_up = [m.kernel for m in gates + ups]
+            if RoutedWeights.problem(gate_up) or RoutedWeights.problem([m.kernel for m in downs]):
+                return None
+            # exllamav2 files quantize gate and up with one act-order permutation: one gathered input serves both
+            shared = all(g.kernel.x_index is u.kernel.x_index for g, u in zip(gates, ups))
+            return cls(RoutedWeights(gate_up), RoutedWeights([m.kernel for m in downs]), len(experts), hidden,
+                       shared, activation)
+        if any(m.kernel is not None or m.weight is None for m in linears) or not use_triton(gates[0].weight):
+            return None
+        if RoutedDense.problem(gates + ups) or RoutedDense.problem(downs):
+            return None
+        return cls(RoutedDense.stack(gates + ups), RoutedDense.stack(downs), len(experts), hidden, True, activation)
 
     def applies(self, x: torch.Tensor) -> bool:
         """Whether `forward` should take x `[N, H]`: on the kernels' device, for small batches or a capture."""
