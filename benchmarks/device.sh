@@ -87,8 +87,9 @@
 # s76 (session 36): benchmarks/moe_dispatch.py (MoE.forward's sorted dispatch against the per-expert one).
 # s77 (session 37): the routed MoE GPU tests (CUDA-graph decoding of a quantized Qwen3-MoE-shaped model), then
 # benchmarks/moe_decode.py (grouped / routed / graph decode of a Qwen3-30B-A3B-shaped model, MOE_LAYERS layers).
-# s78: the fused router's and the q/k norm pair's tests on CUDA, then `exl2 bench --shape qwen3-30b-a3b --layers 8`
-# with its per-kernel breakdown (after session 37's router in two launches and q/k norms in one).
+# s78: the fused router's, the q/k norm pair's, the routed GLU's and the dense routed experts' tests on CUDA (gpt-oss
+# decodes through graphs with its bf16 experts stacked), then `exl2 bench --shape qwen3-30b-a3b --layers 8` with its
+# per-kernel breakdown (after session 37's router in two launches and q/k norms in one).
 # s54 (session 29, run 1): the register-prefetch 4-bit loop's GPU test, then the bench
 # at batch 1-2 with it (EXL2_GEMV_RPF=1: no cp.async ring, so no barriers in the loop) and the one-row gemvs at 16
 # steps an iteration and/or 8 warps (EXL2_GEMV_BS, EXL2_GEMV_WARPS): session 28 found them issue-bound on the H200
@@ -314,8 +315,9 @@ for s in $steps; do
        grep -vE "it/s\]" "$OUT/gpu_routed.txt" | tail -25
        timeout 400 python3 benchmarks/moe_decode.py --layers ${MOE_LAYERS:-8} > "$OUT/moe_decode.txt" 2>&1
        echo "moe decode rc=$?"; cat "$OUT/moe_decode.txt" | tail -20 ;;
-  s78) timeout -s INT -k 10 200 python3 -m pytest -m "gpu or not gpu" tests/test_routed_experts.py \
-         tests/test_kernels_small.py -q -p no:cacheprovider -n 4 > "$OUT/gpu_router.txt" 2>&1
+  s78) timeout -s INT -k 10 240 python3 -m pytest -m "gpu or not gpu" tests/test_routed_experts.py \
+         tests/test_kernels_small.py tests/test_gpt_oss.py tests/test_mla_cache.py -q -p no:cacheprovider -n 4 \
+         > "$OUT/gpu_router.txt" 2>&1
        echo "router / norm-pair tests rc=$?"; tail -3 "$OUT/gpu_router.txt"
        timeout 300 python3 -m exl2.cli.main bench --shape qwen3-30b-a3b --layers 8 --modes fp16 --contexts 128 \
          --prefill 512 --batch 4,16 --breakdown > "$OUT/bench_moe.txt" 2>&1; echo "moe bench rc=$?"
