@@ -260,6 +260,8 @@ def test_routed_dense_matches_the_twin(bias, weighted):
     dense = [(m.weight.clone(), None if m.bias is None else m.bias.clone()) for m in lin]
     r = RoutedDense.stack(lin)
     assert lin[4].weight.data_ptr() == r.weight[4].data_ptr()
+    assert RoutedDense.stack(lin).weight is r.weight   # stacked again (after a LoRA change): no copy
+    assert RoutedDense.stack(lin[:3]).weight is not r.weight
     x = torch.randn(2, 300, generator=g).half().to(DEV)
     sel = torch.tensor([[2, 0], [1, 2]], device=DEV)
     wt = torch.rand(2, 2, generator=g).to(DEV) if weighted else None

@@ -50,14 +50,31 @@ class RoutedDense:
     @classmethod
     def stack(cls, linears: Sequence) -> "RoutedDense":
         """The stack of dense `Linear`s of one shape (an expert projection each), rebinding each one's weight and
-        bias to its slice of the stack."""
+        bias to its slice of the stack; linears stacked so before (tables rebuilt after a LoRA change) reuse it."""
+        if cls._stacked_as(linears):
+            weight, bias, _ = linears[0]._stacked
+            return cls(weight, bias)
         weight = torch.stack([m.weight.data for m in linears])
         bias = torch.stack([m.bias.data for m in linears]) if linears[0].bias is not None else None
         for i, m in enumerate(linears):
             m.weight = torch.nn.Parameter(weight[i], requires_grad=False)
             if bias is not None:
                 m.bias = torch.nn.Parameter(bias[i], requires_grad=False)
+            m._stacked = (weight, bias, i)
         return cls(weight, bias)
+
+    @staticmethod
+    def _stacked_as(linears: Sequence) -> bool:
+        """Whether `stack` made these linears' weights the slices of one stack, in this order, still in place."""
+        first = getattr(linears[0], "_stacked", None)
+        if first is None or first[0].shape[0] != len(linears):
+            return False
+        for i, m in enumerate(linears):
+            mine = getattr(m, "_stacked", None)
+            if mine is None or mine[0] is not first[0] or mine[2] != i or \
+                    m.weight.data_ptr() != first[0][i].data_ptr():
+                return False
+        return True
 
     @staticmethod
     def problem(linears: Sequence) -> str | None:
