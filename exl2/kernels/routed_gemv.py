@@ -164,9 +164,7 @@ class RoutedWeights:
                 if s else x.new_zeros((0, self.index_len))
         else:
             x = x if x.stride(-1) == 1 else x.contiguous()
-            # positions past a shorter input order stay 0 (no launch clears them when all orders are one length)
-            alloc = torch.empty if self.uniform_index else torch.zeros
-            out = alloc((s, self.index_len), dtype=x.dtype, device=x.device)
+            out = self._inputs(s, x)
             if s:
                 block = 1024
                 _routed_gather_kernel[(triton.cdiv(self.index_len, block), s)](
@@ -187,14 +185,19 @@ class RoutedWeights:
         if not use_triton(gu):
             return self.gather(glu_torch(gu[:s, : self.k], gu[s:, : self.k], activation), sel)
         gu = gu if gu.stride(-1) == 1 else gu.contiguous()
-        alloc = torch.empty if self.uniform_index else torch.zeros
-        out = alloc((s, self.index_len), dtype=gu.dtype, device=gu.device)
+        out = self._inputs(s, gu)
         if s:
             block = 1024
             _routed_glu_kernel[(triton.cdiv(self.index_len, block), s)](
                 gu, gu.stride(0), s, out, out.stride(0), sel, self.meta, self.addrs, ACT=ACT_ID[activation],
                 BLOCK=block, num_warps=4)
         return out
+
+    def _inputs(self, slots: int, like: torch.Tensor) -> torch.Tensor:
+        """The `[slots, index_len]` buffer of the slots' permuted inputs: positions past a shorter input order must
+        read 0, so it is cleared only where the orders differ in length."""
+        alloc = torch.empty if self.uniform_index else torch.zeros
+        return alloc((slots, self.index_len), dtype=like.dtype, device=like.device)
 
     def _padded_index(self, e: int) -> torch.Tensor:
         idx = self.ws[e].x_index
