@@ -21,7 +21,8 @@ class RoutedExperts:
     """The routed tables of one MoE block's experts (`GatedMLP`s): `RoutedWeights` where gate, up and down are
     quantized, `RoutedDense` stacks where they are fp16 / bf16."""
 
-    def __init__(self, gate_up, down, experts: int, hidden: int, shared_order: bool, activation: str):
+    def __init__(self, gate_up: RoutedWeights | RoutedDense, down: RoutedWeights | RoutedDense, experts: int,
+                 hidden: int, shared_order: bool, activation: str):
         # gate and up of every expert in one table (up's rows after gate's): one launch computes both
         self.gate_up, self.down = gate_up, down
         self.experts, self.hidden = experts, hidden
