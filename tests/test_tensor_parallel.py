@@ -142,12 +142,12 @@ def tp_from_dir(d: Path, parts: int, **kw) -> TensorParallelModel:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral_swa", "mixtral",
-                                  "qwen3_moe", "qwen2_moe", "llama4", "glm4_moe", "gpt_oss"])
+                                  "qwen3_moe", "qwen2_moe", "llama4", "glm4_moe", "gpt_oss", "deepseek_v3"])
 def test_dense_tiny_models_match_unsharded(tiny_dirs, name):
     """Biases, q/k norms, sandwich norms, soft-caps, sliding windows, fused qkv/gate_up (Phi-3); mixtures of
     experts with every routing rule (softmax, Qwen2-MoE's gated shared expert, Llama 4's input-scaled sigmoid,
     GLM-4.5's grouped sigmoid with a score bias and shared expert, gpt-oss's biased router and experts and its
-    per-head attention sinks)."""
+    per-head attention sinks); DeepSeek-V3's latent attention (each shard's heads over a replicated latent cache)."""
     d = tiny_dirs[name]
     ref, tp = load_model(d, "cpu"), tp_from_dir(d, 2)
     assert tp.layers[0].o_mode == "reduce" and isinstance(tp.new_paged_cache(2), ShardedCache)
@@ -250,8 +250,6 @@ def test_dynamic_generator_greedy_tokens_match():
 def test_unsupported_models_and_device_counts(tiny_dirs):
     with pytest.raises(ConfigError, match=r"KV head count \(2\) to be a multiple of 4"):
         tp_from_dir(tiny_dirs["llama"], 4)
-    with pytest.raises(ConfigError, match="latent attention"):
-        tp_from_dir(tiny_dirs["deepseek_v3"], 2)
     with pytest.raises(ConfigError, match="norms"):
         tp_from_dir(tiny_dirs["olmo2"], 2)
     with pytest.raises(ConfigError, match="at least two devices"):

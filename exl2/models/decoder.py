@@ -231,6 +231,10 @@ class MLAttention(nn.Module):
         return self._latent
 
     def forward(self, x, q_pos, rope, cache=None):
+        return self.o_proj(self.heads(x, q_pos, rope, cache))
+
+    def heads(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None) -> torch.Tensor:
+        """The attention output before o_proj, `[B, T, H·v_head_dim]` (what a tensor-parallel shard exchanges)."""
         b, t, _ = x.shape
         m, h = self.m, self.spec.num_heads
         if m.q_lora_rank:
@@ -253,7 +257,7 @@ class MLAttention(nn.Module):
         apply_rotary(q_pe, k_pe, cos, sin, rope_index(rope, q_pos), m.qk_rope_head_dim, inter)
         k = torch.cat([k_nope, k_pe.expand(b, t, h, m.qk_rope_head_dim)], dim=-1)
         o = attention(q, k, v.contiguous(), q_pos, self.scale)
-        return self.o_proj(o.reshape(b, t, -1))
+        return o.reshape(b, t, -1)
 
     def _latent_attention(self, q, q_nope, q_pe, c, k_pe, q_pos, rope, cache):
         """Attention over the cached latent rows: q·k = (W_UKᵀ q_nope)·c + q_pe·k_pe, o = W_UV (Σ p·c)."""
@@ -276,13 +280,13 @@ class MLAttention(nn.Module):
             k = torch.cat([k_nope, k_pe.expand(b, t, h, m.qk_rope_head_dim)], dim=-1)
             o = varlen_attention(q.reshape(b * t, h, -1), k.reshape(b * t, h, -1), v.reshape(b * t, h, -1),
                                  list(range(0, b * t + 1, t)), t, scale=self.scale, backend=cache.prefill_backend)
-            return self.o_proj(o.reshape(b, t, -1))
+            return o.reshape(b, t, -1)
         w_uk, w_uv = self.latent()
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk.to(q.dtype))
         q_full = torch.cat([q_lat, q_pe], dim=-1)
         o = cache.attend(self.idx, q_full, k_lat, v_lat, q_pos, self.scale)
         o = torch.einsum("bthr,hvr->bthv", o, w_uv.to(o.dtype))
-        return self.o_proj(o.reshape(b, t, -1))
+        return o.reshape(b, t, -1)
 
 
 class DecoderLayer(nn.Module):

@@ -26,7 +26,7 @@ from torch import nn
 
 from exl2.errors import ConfigError
 from exl2.kernels.qweight import QuantWeight, input_features, slice_steps, take_outputs, with_inputs
-from exl2.models.decoder import Attention, DecoderLayer, on_device
+from exl2.models.decoder import Attention, DecoderLayer, MLAttention, on_device
 from exl2.models.layers import GatedMLP, MoE, RMSNorm
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import Linear
@@ -37,9 +37,6 @@ def check_supported(spec: ModelSpec, parts: int) -> None:
     """Raise ConfigError (one sentence) where this model cannot be sharded over `parts` devices."""
     if parts < 2:
         raise ConfigError("Tensor parallelism needs at least two devices; leave it off to run on one.")
-    if spec.mla is not None:
-        raise ConfigError(f"Tensor parallelism does not support multi-head latent attention ({spec.arch}) yet; use "
-                          "the layer split (--gpu_split without --tensor-parallel).")
     if spec.qk_norm_full or not spec.pre_norm:
         raise ConfigError(f"Tensor parallelism does not support {spec.arch}'s norms (q/k norms over every head "
                           "together, or no norm before each sublayer) yet; use the layer split (--gpu_split "
@@ -124,12 +121,7 @@ def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, dev
     d = spec.head_dim
     q_cols, kv_cols = _heads(spec.num_heads, d, part, parts), _heads(spec.num_kv_heads, d, part, parts)
     prefix = f"model.layers.{attn.idx}.self_attn"
-    o = attn.o_proj
-    if o.kernel is None:
-        o_mode, o_shard = "reduce", dense_rows(o, q_cols, part == 0, device)
-    else:
-        cols = torch.tensor_split(torch.arange(o.out_features), parts)[part]
-        o_mode, o_shard = "gather", columns(o, cols, device)
+    o_shard, o_mode = _o_shard(attn.o_proj, q_cols, part, parts, device)
     linears = {f"{prefix}.q_proj": columns(attn.q_proj, q_cols, device),
                f"{prefix}.k_proj": columns(attn.k_proj, kv_cols, device),
                f"{prefix}.v_proj": columns(attn.v_proj, kv_cols, device),
@@ -145,6 +137,41 @@ def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, dev
         shard = Attention(shard_spec(spec, parts), attn.layer, attn.idx, _Prepared(linears, tensors), prefix)
     shard.scale = attn.scale
     return shard, o_mode
+
+
+def shard_mla(attn: MLAttention, spec: ModelSpec, part: int, parts: int, device: torch.device
+              ) -> tuple[MLAttention, str]:
+    """`shard_attention` for multi-head latent attention: the shard's heads of q (q_b_proj or q_proj), kv_b_proj
+    and o_proj; the latent projections and norms replicated, so every shard caches the whole latent row and
+    attends over it with its own heads."""
+    m = spec.mla
+    prefix = f"model.layers.{attn.idx}.self_attn"
+    q_cols = _heads(spec.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, part, parts)
+    o_proj, o_mode = _o_shard(attn.o_proj, _heads(spec.num_heads, m.v_head_dim, part, parts), part, parts, device)
+    whole = lambda lin: columns(lin, torch.arange(lin.out_features), device)  # noqa: E731 - a replica
+    linears = {f"{prefix}.kv_a_proj_with_mqa": whole(attn.kv_a_proj),
+               f"{prefix}.kv_b_proj": columns(attn.kv_b_proj, _heads(spec.num_heads, m.qk_nope_head_dim
+                                                                      + m.v_head_dim, part, parts), device),
+               f"{prefix}.o_proj": o_proj}
+    tensors = {f"{prefix}.kv_a_layernorm.weight": attn.kv_a_norm.weight.detach().to(device).clone()}
+    if m.q_lora_rank:
+        linears[f"{prefix}.q_a_proj"] = whole(attn.q_a_proj)
+        linears[f"{prefix}.q_b_proj"] = columns(attn.q_b_proj, q_cols, device)
+        tensors[f"{prefix}.q_a_layernorm.weight"] = attn.q_a_norm.weight.detach().to(device).clone()
+    else:
+        linears[f"{prefix}.q_proj"] = columns(attn.q_proj, q_cols, device)
+    with torch.no_grad():
+        shard = MLAttention(shard_spec(spec, parts), attn.layer, attn.idx, _Prepared(linears, tensors), prefix)
+    shard.scale = attn.scale
+    return shard, o_mode
+
+
+def _o_shard(o: Linear, head_cols: torch.Tensor, part: int, parts: int, device: torch.device) -> tuple[Linear, str]:
+    """A shard's o_proj and how its output is combined: "reduce" (dense: the rows of the shard's heads, outputs
+    all-reduced) or "gather" (quantized: all-gathered input, a column slice of the output, all-gathered)."""
+    if o.kernel is None:
+        return dense_rows(o, head_cols, part == 0, device), "reduce"
+    return columns(o, torch.tensor_split(torch.arange(o.out_features), parts)[part], device), "gather"
 
 
 class _Idle(nn.Module):
@@ -204,7 +231,8 @@ class ShardedLayer(nn.Module):
         self.spec, self.idx = layer.spec, layer.idx
         self.sandwich = layer.spec.sandwich_norm
         parts = len(devices)
-        attns, modes = zip(*[shard_attention(layer.self_attn, layer.spec, r, parts, d) for r, d in enumerate(devices)])
+        shard = shard_mla if layer.spec.mla is not None else shard_attention
+        attns, modes = zip(*[shard(layer.self_attn, layer.spec, r, parts, d) for r, d in enumerate(devices)])
         self.o_mode = modes[0]
         self.attn = nn.ModuleList(attns)
         self.mlp = nn.ModuleList([shard_ffn(layer.mlp, r, parts, d) for r, d in enumerate(devices)])
