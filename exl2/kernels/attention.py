@@ -14,8 +14,8 @@ Conventions (token-major, varlen batches):
 * Options: GQA (`Hq` a multiple of `Hkv`), `scale` (default `Dk^−½`), `sliding_window` w > 0 (key j visible to
   query i iff `i − w < j ≤ i`, Hugging Face's convention), `softcap` c > 0 (`c·tanh(s/c)` on scaled logits),
   `Dk ≠ Dv` allowed, `sinks` (fp32 `[Hq]`, gpt-oss): a logit per query head that joins each softmax with no
-  value, so the weights of the keys sum to less than one. MLA models are run by the caller as standard attention
-  with expanded heads (Dk = nope+rope, Dv = v_head_dim); no absorbed-MLA kernel here.
+  value, so the weights of the keys sum to less than one. MLA models reach these kernels in the absorbed form
+  (`MLAttention`): every query head over one latent "KV head", Dk = kv_lora_rank + rope, Dv = kv_lora_rank.
 
 Kernel: one program per (sequence, block of query tokens × the GQA group's heads, KV head, split of the key
 range). With split-K ("flash-decoding") each program writes a partial output and its log-sum-exp, and a merge

@@ -23,8 +23,8 @@ from exl2.kernels.qweight import QuantWeight, matmul_torch
 
 # Columns of the metadata table: (first step, steps, first word) of the 8/6/5/4/3/2-bit classes, then the
 # permuted input's length; of the address table: qweight, scales, zeros, step_group, bias, x_index.
-META = 19
-ADDRS = 6
+META = tl.constexpr(19)
+ADDRS = tl.constexpr(6)
 
 
 @triton.jit
@@ -46,8 +46,8 @@ def _routed_gather_kernel(x_ptr, stride_xm, out_ptr, stride_om, sel_ptr, SEL_N, 
     (`_expert`)."""
     s = tl.program_id(1)
     e = _expert(sel_ptr, s, SEL_N, E_STEP)
-    n = tl.load(meta_ptr + e * 19 + 18)
-    idx = _addr(addr_ptr + e * 6, 5, tl.int32)
+    n = tl.load(meta_ptr + e * META + META - 1)
+    idx = _addr(addr_ptr + e * ADDRS, 5, tl.int32)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     gather_block(x_ptr + ((s % SEL_N) // ROW_DIV).to(tl.int64) * stride_xm, idx,
                  out_ptr + s.to(tl.int64) * stride_om, n, offs)
@@ -61,8 +61,8 @@ def _routed_glu_kernel(gu_ptr, stride_gu, S, out_ptr, stride_om, sel_ptr, meta_p
     rows s and S + s of gu."""
     s = tl.program_id(1)
     e = tl.load(sel_ptr + s).to(tl.int32)
-    n = tl.load(meta_ptr + e * 19 + 18)
-    idx = _addr(addr_ptr + e * 6, 5, tl.int32)
+    n = tl.load(meta_ptr + e * META + META - 1)
+    idx = _addr(addr_ptr + e * ADDRS, 5, tl.int32)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     col = tl.load(idx + offs, mask=mask, other=-1)
@@ -84,8 +84,8 @@ def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, X_ROWS, out_ptr, stride_om, s
     s = tl.program_id(2)
     xs = s % X_ROWS
     e = _expert(sel_ptr, s, SEL_N, E_STEP)
-    meta = meta_ptr + e * 19
-    addr = addr_ptr + e * 6
+    meta = meta_ptr + e * META
+    addr = addr_ptr + e * ADDRS
     qw = _addr(addr, 0, tl.int32)
     sc = _addr(addr, 1, tl.float16)
     zr = _addr(addr, 2, tl.float16)

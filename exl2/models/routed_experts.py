@@ -85,7 +85,6 @@ class RoutedExperts:
         return y[:, : self.hidden].reshape(n, k, self.hidden).sum(1).to(x.dtype)
 
 
-
 def prepare_routed(model: torch.nn.Module) -> int:
     """Build (or, after LoRA adapters change, rebuild) the routed tables of every MoE block of `model` (after
     `share_inputs`, whose aliased input orders they record). Returns how many blocks take the routed path."""

@@ -109,7 +109,7 @@ class _Prepared:
 def norm_on(norm: Optional[RMSNorm], device: torch.device) -> Optional[RMSNorm]:
     if norm is None:
         return None
-    weight = None if norm.weight is None else norm.weight.detach().to(device).clone()
+    weight = _replica(norm.weight, device)
     return RMSNorm(weight, norm.eps, norm.offset)
 
 
@@ -128,11 +128,11 @@ def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, dev
                f"{prefix}.o_proj": o_shard}
     tensors = {}
     if attn.q_norm is not None:
-        tensors = {f"{prefix}.q_norm.weight": attn.q_norm.weight.detach().to(device).clone(),
-                   f"{prefix}.k_norm.weight": attn.k_norm.weight.detach().to(device).clone()}
+        tensors = {f"{prefix}.q_norm.weight": _replica(attn.q_norm.weight, device),
+                   f"{prefix}.k_norm.weight": _replica(attn.k_norm.weight, device)}
     if attn.sinks is not None:   # one per query head: the shard's heads' own
         per = spec.num_heads // parts
-        tensors[f"{prefix}.sinks"] = attn.sinks[part * per:(part + 1) * per].detach().to(device).clone()
+        tensors[f"{prefix}.sinks"] = _replica(attn.sinks[part * per:(part + 1) * per], device)
     with torch.no_grad():
         shard = Attention(shard_spec(spec, parts), attn.layer, attn.idx, _Prepared(linears, tensors), prefix)
     shard.scale = attn.scale
@@ -148,16 +148,15 @@ def shard_mla(attn: MLAttention, spec: ModelSpec, part: int, parts: int, device:
     prefix = f"model.layers.{attn.idx}.self_attn"
     q_cols = _heads(spec.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, part, parts)
     o_proj, o_mode = _o_shard(attn.o_proj, _heads(spec.num_heads, m.v_head_dim, part, parts), part, parts, device)
-    whole = lambda lin: columns(lin, torch.arange(lin.out_features), device)  # noqa: E731 - a replica
-    linears = {f"{prefix}.kv_a_proj_with_mqa": whole(attn.kv_a_proj),
+    linears = {f"{prefix}.kv_a_proj_with_mqa": _replica_linear(attn.kv_a_proj, device),
                f"{prefix}.kv_b_proj": columns(attn.kv_b_proj, _heads(spec.num_heads, m.qk_nope_head_dim
                                                                       + m.v_head_dim, part, parts), device),
                f"{prefix}.o_proj": o_proj}
-    tensors = {f"{prefix}.kv_a_layernorm.weight": attn.kv_a_norm.weight.detach().to(device).clone()}
+    tensors = {f"{prefix}.kv_a_layernorm.weight": _replica(attn.kv_a_norm.weight, device)}
     if m.q_lora_rank:
-        linears[f"{prefix}.q_a_proj"] = whole(attn.q_a_proj)
+        linears[f"{prefix}.q_a_proj"] = _replica_linear(attn.q_a_proj, device)
         linears[f"{prefix}.q_b_proj"] = columns(attn.q_b_proj, q_cols, device)
-        tensors[f"{prefix}.q_a_layernorm.weight"] = attn.q_a_norm.weight.detach().to(device).clone()
+        tensors[f"{prefix}.q_a_layernorm.weight"] = _replica(attn.q_a_norm.weight, device)
     else:
         linears[f"{prefix}.q_proj"] = columns(attn.q_proj, q_cols, device)
     with torch.no_grad():
@@ -205,6 +204,11 @@ def shard_mlp(mlp: GatedMLP, part: int, parts: int, device: torch.device) -> nn.
 
 def _replica(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
     return None if t is None else t.detach().to(device).clone()
+
+
+def _replica_linear(lin: Linear, device: torch.device) -> Linear:
+    """A whole copy of a linear on `device` (every shard computes it: MLA's latent projections)."""
+    return linear_on(lin.in_features, lin.out_features, lin.weight, lin.bias, lin.kernel, lin.info, device)
 
 
 def shard_moe(moe: MoE, part: int, parts: int, device: torch.device) -> MoE:
