@@ -3,8 +3,8 @@ what the parity fixtures (test_decoder_parity: `gemma`, `granite`, `cohere`, `co
 `glm4`, `mistral3`) do not show. Published config.json files read into the right spec, the paged cache (RoPE applied
 while storing keys, interleaved for Cohere and GLM, on the sliding layers only for Cohere2) matches the contiguous one,
 the float16 CPU path stays near the float32 reference, a multimodal checkpoint's weights load under either layout,
-GLM converts to EXL2 and shards for tensor parallelism, and the architectures `exl2 convert` or tensor parallelism
-cannot handle yet say so."""
+GLM and Cohere convert to EXL2, GLM shards for tensor parallelism, and the architectures tensor parallelism cannot
+handle yet say so."""
 import json
 
 import pytest
@@ -266,21 +266,6 @@ def test_mistral3_either_checkpoint_layout(dirs, tmp_path):
     assert json.loads((src / "config.json").read_text())["architectures"] == ["Mistral3ForConditionalGeneration"]
 
 
-@pytest.mark.parametrize("name,arch", [("cohere", "CohereForCausalLM"), ("cohere2", "Cohere2ForCausalLM")])
-def test_convert_says_cohere_is_not_supported_yet(dirs, name, arch):
-    """exl2 convert quantizes a layer as an attention block then an MLP block; Cohere's parallel layers (Command-R
-    and Command R7B alike) do not split that way, so the block calls it makes are a one-sentence ConfigError (the
-    CLI prints it, exit 2)."""
-    from exl2.quantize.blocks import SourceModel
-
-    model = SourceModel(dirs[name], load_model(dirs[name], "cpu").spec, torch.device("cpu"), torch.float32)
-    layer, x = model.layer(0), torch.randn(1, 8, 64)
-    q_pos, rope = model.rope(1, 8, 0)
-    for call in (lambda: layer.attn_block(x, q_pos, rope), lambda: layer.mlp_block(x)):
-        with pytest.raises(ConfigError, match=f"does not support {arch}"):
-            call()
-
-
 @pytest.mark.parametrize("name", [*NEW, "qwen2_moe"])
 def test_engine_chat_is_transformers_greedy(tmp_path, name):
     """The whole serving path (tokenizer, chat template, dynamic generator, paged cache, sampler) at temperature 0
@@ -428,15 +413,51 @@ def test_qwen2_moe_conversion_keeps_the_gates(tmp_path):
     assert not (tmp_path / "work2").exists() or not any((tmp_path / "work2").iterdir())
 
 
-@pytest.mark.parametrize("name", ["cohere", "cohere2"])
-def test_convert_rejects_cohere_before_any_work(dirs, tmp_path, name):
-    """The converter refuses Cohere's parallel layers at once, before reading calibration data or writing a job."""
-    from exl2.quantize.pipeline import Converter, ConvertSettings
+@pytest.mark.parametrize("name,bound", [("cohere", 0.16), ("cohere_qk_norm", 0.12), ("cohere2", 0.17)])
+def test_cohere_models_convert_and_load(tmp_path, name, bound):
+    """Command-R (+ its q/k-norm variant) and Command R7B to EXL2: each parallel layer is measured and quantized as
+    its attention (scored on x + attn(n(x))) and then its MLP (on the whole layer, with the attention already
+    quantized), both fed the layer's input; the converted model's logits stay near the source's (6 bpw on random
+    tiny models; measured relative error 11.8 %, 8.1 %, 13.0 %; GLM-4's is 8.6 %)."""
+    from safetensors import safe_open
 
-    work = tmp_path / "work"
-    with pytest.raises(ConfigError, match="not supported yet"):
-        Converter(ConvertSettings(in_dir=str(dirs[name]), out_dir=str(work), bits=4.0))
-    assert not work.exists() or not any(work.iterdir())
+    src, out = _converted(tmp_path, name)
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        keys = set(f.keys())
+    p = "model.layers.1"
+    assert {f"{p}.self_attn.q_proj.q_weight", f"{p}.mlp.down_proj.q_weight", f"{p}.input_layernorm.weight"} <= keys
+    assert not any("post_attention_layernorm" in k for k in keys)
+    ids = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, ref = load_model(out, "cpu")(ids), load_model(src, "cpu")(ids)
+    assert ((ours - ref).norm() / ref.norm()).item() < bound
+
+
+def test_cohere_conversion_resumed_after_an_attention_block_is_the_same(tmp_path, monkeypatch):
+    """A conversion killed between a parallel layer's attention and MLP blocks resumes at the attention (the MLP
+    block runs the quantized attention, which a fresh process has not loaded) and writes the very same tensors."""
+    from safetensors.torch import load_file
+
+    from exl2.cli.main import main
+    from exl2.quantize import pipeline, quantize
+
+    src, out = _converted(tmp_path, "cohere")
+    real, calls = quantize.quantize_slot, {"n": 0}
+
+    def killed_at_layer_1_mlp(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    args = ["convert", "-i", str(src), "-o", str(tmp_path / "work2"), "-cf", str(tmp_path / "out2"), "-b", "6.0",
+            "-c", str(tmp_path / "calibration.txt"), "-r", "4", "-l", "64", "-mr", "4", "-ml", "64"]
+    monkeypatch.setattr(pipeline, "quantize_slot", killed_at_layer_1_mlp)
+    assert main(args) != 0
+    monkeypatch.setattr(pipeline, "quantize_slot", real)
+    assert main(args) == 0
+    a, b = (load_file(str(next(d.glob("*.safetensors")))) for d in (out, tmp_path / "out2"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("name,bound", [("glm", 0.15), ("glm4", 0.2)])

@@ -12,7 +12,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch import nn
 
-from exl2.errors import ConfigError, ModelLoadError
+from exl2.errors import ModelLoadError
 from exl2.models.layers import (GatedMLP, MoE, RMSNorm, attention, l2_norm, make_norm, norm_pair, softcap,
                                temperature_scale)
 from exl2.kernels.attention import scatter_columns, varlen_attention
@@ -332,15 +332,18 @@ class DecoderLayer(nn.Module):
 
     def _check_sequential(self) -> None:
         if self.spec.parallel_block:
-            raise ConfigError(
-                f"exl2 convert does not support {self.spec.arch} yet: its layers run attention and MLP in parallel "
-                "on one normed input, so they do not split into the attention and MLP blocks it quantizes in turn.")
+            raise RuntimeError(f"{self.spec.arch}'s layers run attention and MLP in parallel on one normed input: "
+                               "call parallel() or parallel_attn(), not attn_block() / mlp_block().")
 
     def parallel(self, x, q_pos, rope, cache=None) -> torch.Tensor:
         """Cohere's block: `x + attn(n(x)) + mlp(n(x))`, one norm read by both (added in transformers' order)."""
         h = self.input_layernorm(x)
         a = _summed(self.self_attn(h, q_pos, rope, cache), x)
         return x + a + _summed(self.mlp(h), x)
+
+    def parallel_attn(self, x, q_pos, rope) -> torch.Tensor:
+        """`x + attn(n(x))`: a parallel block without its MLP, the output the quantizer scores its attention on."""
+        return x + _summed(self.self_attn(self.input_layernorm(x), q_pos, rope), x)
 
     def forward(self, x, q_pos, rope, cache=None):
         if self.spec.parallel_block:

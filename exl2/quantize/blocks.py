@@ -132,12 +132,24 @@ def projections(layer: DecoderLayer, slot: Slot) -> list[Proj]:
     return out
 
 
+def advances(spec: ModelSpec, slot: Slot) -> bool:
+    """Whether the block's output is the next block's input: not for a parallel layer's attention (Cohere), whose
+    MLP reads the same input."""
+    return not (spec.parallel_block and slot.kind == "attn")
+
+
 def run_block(model: SourceModel, layer: DecoderLayer, slot: Slot, x: torch.Tensor) -> torch.Tensor:
-    """The residual stream after the block, for a batch of rows x [B, T, H] on the compute device."""
-    if slot.kind == "attn":
-        q_pos, rope = model.rope(x.shape[0], x.shape[1], slot.layer)
+    """The residual stream after the block, for a batch of rows x [B, T, H] on the compute device.
+
+    A parallel layer's attention block gives `x + attn(n(x))` (what its quantization changes), and its MLP block the
+    whole layer, `x + attn(n(x)) + mlp(n(x))`, with the attention as it stands (quantized, in the quantization
+    pass): the errors the MLP's inputs carry are then those of the model the next layer will see."""
+    if slot.kind == "mlp" and not layer.spec.parallel_block:
+        return layer.mlp_block(x)
+    q_pos, rope = model.rope(x.shape[0], x.shape[1], slot.layer)
+    if not layer.spec.parallel_block:
         return layer.attn_block(x, q_pos, rope)
-    return layer.mlp_block(x)
+    return layer.parallel_attn(x, q_pos, rope) if slot.kind == "attn" else layer.parallel(x, q_pos, rope)
 
 
 def row_batches(rows: int, length: int, tokens_per_batch: int) -> Iterator[slice]:

@@ -21,7 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from exl2.quantize.blocks import HessianCollector, Proj, Slot, SourceModel, map_rows, projections, run_block
+from exl2.quantize.blocks import (HessianCollector, Proj, Slot, SourceModel, advances, map_rows, projections,
+                                  run_block)
 from exl2.quantize.gptq import PreparedHessian, QuantizedMatrix, gptq_quantize, prepare_hessian
 from exl2.quantize.qparams import QParams, roles, table
 
@@ -141,7 +142,8 @@ def reference_pass(model: SourceModel, layer, slot: Slot, states: torch.Tensor, 
 def measure_slot(model: SourceModel, layer, slot: Slot, states: torch.Tensor, device: torch.device,
                  tokens_per_batch: int, grads: Optional[torch.Tensor] = None,
                  tick: Optional[Callable[[], None]] = None) -> tuple[list[dict], torch.Tensor]:
-    """Options of one block with their scores, and the reference outputs (the next block's inputs)."""
+    """Options of one block with their scores, and the next block's inputs: the reference outputs (or, after a
+    parallel layer's attention, the same inputs)."""
     projs = projections(layer, slot)
     y_ref = torch.empty_like(states)
     quantizer = ProjQuantizer(reference_pass(model, layer, slot, states, device, tokens_per_batch, projs, y_ref),
@@ -184,4 +186,4 @@ def measure_slot(model: SourceModel, layer, slot: Slot, states: torch.Tensor, de
         entry["accuracy"] = max(1e-6, 1.0 - scores["rfn"])
         entry.update({k: v for k, v in scores.items() if k != "rfn"})
         results.append(entry)
-    return results, y_ref
+    return results, (y_ref if advances(model.spec, slot) else states)

@@ -20,7 +20,7 @@ from exl2.formats.writer import atomic_write_text
 from exl2.models.registry import read_config, spec_from_config
 from exl2.models.rope import RopeOverride
 from exl2.quantize import job as J
-from exl2.quantize.blocks import SourceModel, Slot, slots as model_slots
+from exl2.quantize.blocks import SourceModel, Slot, advances, slots as model_slots
 from exl2.quantize.calibration import builtin_calibration, random_rows, user_calibration
 from exl2.quantize.compile import compile_model
 from exl2.quantize.measure import measure_slot
@@ -193,9 +193,6 @@ class Converter:
         self.tpb = self.s.tokens_per_batch or (16384 if self.device.type == "cuda" else 8192)
         cfg = read_config(self.s.in_dir)
         self.spec = spec_from_config(cfg, RopeOverride(self.s.rope_scale, self.s.rope_alpha))
-        if self.spec.parallel_block:
-            raise ConfigError(f"Converting {self.spec.arch} is not supported yet: its layers run attention and MLP "
-                              "side by side, and the quantizer works one block after the other.")
         check_input_widths(self.spec)
         self.model = SourceModel(self.s.in_dir, self.spec, self.device, self.dtype)
         self.slots = model_slots(self.spec)
@@ -404,6 +401,8 @@ class Converter:
 
     def _stage_quant(self, job: J.Job, summary: dict) -> None:
         states, start, results = self._load_states("quant")
+        if 0 < start < len(self.slots) and not advances(self.spec, self.slots[start - 1]):
+            start -= 1      # a parallel layer's MLP block runs its quantized attention: quantize that again first
         strategy = job.data["strategy"]
         layer = None
         with self.ui.stage("quantization", len(self.slots) + 1, start) as tick:

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 from exl2.formats.exl2 import dequantize, pack
 from exl2.formats.writer import atomic_write
-from exl2.quantize.blocks import HessianCollector, Proj, Slot, SourceModel, map_rows, projections, run_block
+from exl2.quantize.blocks import (HessianCollector, Proj, Slot, SourceModel, advances, map_rows, projections,
+                                  run_block)
 from exl2.quantize.gptq import QuantizedMatrix
 from exl2.quantize.measure import ProjQuantizer, reference_pass
 from exl2.quantize.qparams import QPARAMS_HEAD, QParams
@@ -50,29 +51,34 @@ def quantize_proj(quantizer: ProjQuantizer, p: Proj, qp: QParams, out_dir: Path,
 
 def quantize_slot(model: SourceModel, layer, slot: Slot, option: dict, states: torch.Tensor, device: torch.device,
                   tokens_per_batch: int, out_dir: Path) -> float:
-    """Quantize one block in place (`states` become its quantized outputs); returns the mean relative error of the
-    quantized block against the unquantized one on the same inputs (over the first rows)."""
+    """Quantize one block in place (`states` become its quantized outputs, except after a parallel layer's attention,
+    whose MLP reads the same inputs); returns the mean relative error of the quantized block against the
+    unquantized one on the same inputs (over the first rows)."""
     projs = projections(layer, slot)
     for p in projs:
         if p.name not in option:
             raise RuntimeError(f"the strategy for {slot.key} has no option for {p.name}")
     keep = min(RFN_ROWS, states.shape[0])
-    ref = torch.empty_like(states[:keep])
+    ref, got = torch.empty_like(states[:keep]), torch.empty_like(states[:keep])
 
-    def keep_ref(sl, x, y):        # the unquantized outputs of the first rows, kept from the Hessian pass
-        if sl.start < keep:
-            stop = min(sl.stop, keep)
-            ref[sl.start:stop] = y[: stop - sl.start].to(ref.device, ref.dtype)
+    def first_rows(into: torch.Tensor):
+        def each(sl, x, y):
+            if sl.start < keep:
+                stop = min(sl.stop, keep)
+                into[sl.start:stop] = y[: stop - sl.start].to(into.device, into.dtype)
+        return each
 
-    # All Hessians come from the unquantized block (as in exllamav2): quantizing q/k/v or gate/up first and
-    # re-collecting o_proj/down_proj Hessians ("true sequential") gave a higher KL on the golden model.
-    collector = reference_pass(model, layer, slot, states, device, tokens_per_batch, projs, each=keep_ref)
+    # The first rows' unquantized outputs come from the Hessian pass. All Hessians come from the unquantized block
+    # (as in exllamav2): quantizing q/k/v or gate/up first and re-collecting o_proj/down_proj Hessians ("true
+    # sequential") gave a higher KL on the golden model.
+    collector = reference_pass(model, layer, slot, states, device, tokens_per_batch, projs, each=first_rows(ref))
     quantizer = ProjQuantizer(collector, device)
     for p in projs:
         quantize_proj(quantizer, p, QParams.from_dict(option[p.name]), out_dir)
     del quantizer, collector
-    map_rows(lambda x: run_block(model, layer, slot, x), states, device, tokens_per_batch, out=states)
-    d = (states[:keep] - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1).clamp_min(1e-20)
+    map_rows(lambda x: run_block(model, layer, slot, x), states, device, tokens_per_batch,
+             out=states if advances(model.spec, slot) else None, each=first_rows(got))
+    d = (got - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1).clamp_min(1e-20)
     return float(d.mean())
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from exl2.quantize.blocks import Slot, SourceModel, run_block
+from exl2.quantize.blocks import Slot, SourceModel, advances, run_block
 
 GRAD_DTYPE = torch.bfloat16
 
@@ -48,8 +48,9 @@ def sensitivity_pass(model: SourceModel, slots: list[Slot], x0: torch.Tensor, de
         for slot in slots:
             if layer is None or layer.idx != slot.layer:
                 layer = model.layer(slot.layer)
-            inputs[slot.index] = x.to("cpu", GRAD_DTYPE)   # only a linearization point: bf16 is plenty
-            x = torch.cat([run_block(model, layer, slot, x[r:r + 1].to(device)).cpu() for r in range(x.shape[0])])
+            if advances(model.spec, slot):
+                inputs[slot.index] = x.to("cpu", GRAD_DTYPE)   # only a linearization point: bf16 is plenty
+                x = torch.cat([run_block(model, layer, slot, x[r:r + 1].to(device)).cpu() for r in range(x.shape[0])])
             if slot.kind == "mlp" and tick is not None:
                 tick()
     layer = None
@@ -70,6 +71,13 @@ def sensitivity_pass(model: SourceModel, slots: list[Slot], x0: torch.Tensor, de
     del norm, head
     grads: dict[int, torch.Tensor] = {}
     for slot in reversed(slots):
+        if not advances(model.spec, slot):
+            # A parallel layer's attention adds straight into the layer's output, whose gradient the MLP block has;
+            # its backward already reached the layer's input (through the attention too), so g stays.
+            grads[slot.index] = grads[slot.index + 1].clone()   # (saved as its own tensor)
+            if tick is not None and slot.index:
+                tick()
+            continue
         grads[slot.index] = g.to(GRAD_DTYPE)
         if slot.index == 0:
             break
