@@ -3,8 +3,7 @@ what the parity fixtures (test_decoder_parity: `gemma`, `granite`, `cohere`, `co
 `glm4`, `mistral3`) do not show. Published config.json files read into the right spec, the paged cache (RoPE applied
 while storing keys, interleaved for Cohere and GLM, on the sliding layers only for Cohere2) matches the contiguous one,
 the float16 CPU path stays near the float32 reference, a multimodal checkpoint's weights load under either layout,
-GLM and Cohere convert to EXL2, GLM shards for tensor parallelism, and the architectures tensor parallelism cannot
-handle yet say so."""
+GLM and Cohere convert to EXL2, and GLM, Cohere and Granite shard for tensor parallelism."""
 import json
 
 import pytest
@@ -418,7 +417,8 @@ def test_cohere_models_convert_and_load(tmp_path, name, bound):
     """Command-R (+ its q/k-norm variant) and Command R7B to EXL2: each parallel layer is measured and quantized as
     its attention (scored on x + attn(n(x))) and then its MLP (on the whole layer, with the attention already
     quantized), both fed the layer's input; the converted model's logits stay near the source's (6 bpw on random
-    tiny models; measured relative error 11.8 %, 8.1 %, 13.0 %; GLM-4's is 8.6 %)."""
+    tiny models; measured relative error 11.8 %, 8.1 %, 13.0 %; GLM-4's is 8.6 %). Two shards of the EXL2 model
+    (quantized o_proj gathered, the MLP reduced) give its unsharded logits."""
     from safetensors import safe_open
 
     src, out = _converted(tmp_path, name)
@@ -431,6 +431,12 @@ def test_cohere_models_convert_and_load(tmp_path, name, bound):
     with torch.no_grad():
         ours, ref = load_model(out, "cpu")(ids), load_model(src, "cpu")(ids)
     assert ((ours - ref).norm() / ref.norm()).item() < bound
+    tp = build_tensor_parallel(TensorSource(out), spec_from_config(json.loads((out / "config.json").read_text())),
+                               ["cpu", "cpu"], torch.float32, use_kernels=True)
+    assert tp.layers[1].o_mode == "gather"
+    with torch.no_grad():
+        exl2 = load_model(out, "cpu", dtype=torch.float32)(ids)
+        assert (tp(ids) - exl2).abs().max().item() <= 1e-3 * exl2.abs().max().item()
 
 
 def test_cohere_conversion_resumed_after_an_attention_block_is_the_same(tmp_path, monkeypatch):
@@ -580,10 +586,12 @@ def test_glm4_blocks_count_each_norm_once(dirs):
     assert decoder_numel(model, slots(model.spec)) == want
 
 
-@pytest.mark.parametrize("name", ["glm", "glm4"])
-def test_glm_tensor_parallel_matches_unsharded(dirs, name):
+@pytest.mark.parametrize("name", ["glm", "glm4", "cohere", "cohere_qk_norm", "cohere2", "granite"])
+def test_tensor_parallel_matches_unsharded(dirs, name):
     """Two CPU shards of GLM-4 / GLM-4-0414 (partial interleaved RoPE, q/k/v biases, the fused gate_up_proj split,
-    GLM-4-0414's sandwich norms) give the unsharded logits, prefill and paged decode."""
+    GLM-4-0414's sandwich norms), Command-R (parallel layers: one all-reduce for o_proj's and the MLP's partial sums;
+    LayerNorm; per-head q/k LayerNorms split by head), Command R7B (sliding and NoPE layers, o bias) and Granite
+    (scaled residuals) give the unsharded logits, prefill and paged decode."""
     from exl2.models.registry import read_config
     from exl2.runtime.paged_cache import paged_cache_for
     from exl2.runtime.tp.model import build_tensor_parallel
@@ -603,14 +611,6 @@ def test_glm_tensor_parallel_matches_unsharded(dirs, name):
         logits.append(out)
     for i, (got, want) in enumerate(zip(*logits)):
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item(), f"step {i}"
-
-
-@pytest.mark.parametrize("name", ["granite", "cohere", "cohere2"])
-def test_tensor_parallel_refuses_layer_forms_it_does_not_shard(dirs, name):
-    from exl2.runtime.tp.shard import check_supported
-
-    with pytest.raises(ConfigError, match="Tensor parallelism does not support"):
-        check_supported(load_model(dirs[name], "cpu").spec, 2)
 
 
 def test_quantizer_logits_are_the_decoders(dirs):

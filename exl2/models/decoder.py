@@ -60,6 +60,12 @@ def _summed(y, like: torch.Tensor) -> torch.Tensor:
     return y.total(like.dtype) if isinstance(y, SplitSum) else y
 
 
+def residual_scaled(spec, h: torch.Tensor) -> torch.Tensor:
+    """A sublayer's output as the residual add takes it: × Granite's residual_multiplier (else as it is)."""
+    m = spec.residual_scale
+    return h if m == 1.0 else h * m
+
+
 def on_device(device: Optional[torch.device]):
     """Make `device` the current CUDA device inside the block: Triton launches on the current device, not on
     its tensors' device (a no-op context for the CPU)."""
@@ -326,9 +332,7 @@ class DecoderLayer(nn.Module):
         return x + self._scaled(_summed(self.mlp(self.post_attention_layernorm(x)), x))
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
-        """A sublayer's output as the residual add takes it: × Granite's residual_multiplier (else as it is)."""
-        m = self.spec.residual_scale
-        return h if m == 1.0 else h * m
+        return residual_scaled(self.spec, h)
 
     def _check_sequential(self) -> None:
         if self.spec.parallel_block:

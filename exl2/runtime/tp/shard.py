@@ -14,7 +14,10 @@ shard holds, made from a layer loaded whole on the host.
 - Mixture of experts: every expert (and the shared expert) is sharded as that MLP is, and the router, its score
   bias and the shared expert's gate are replicated, so every shard routes alike; a token's output is a weighted sum
   of expert outputs, each of which the shards' partial sums make up, so one all-reduce after the block suffices.
-- Norms are replicated; a bias of a row-parallel projection goes with shard 0 only.
+- Norms are replicated (Cohere's per-head q/k norms: the shard's heads' rows); a bias of a row-parallel projection
+  goes with shard 0 only.
+- A parallel layer (Cohere: attention and MLP on one normed input) adds its dense o_proj's and its MLP's partial
+  sums before one all-reduce.
 """
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ from torch import nn
 
 from exl2.errors import ConfigError
 from exl2.kernels.qweight import QuantWeight, input_features, slice_steps, take_outputs, with_inputs
-from exl2.models.decoder import Attention, DecoderLayer, MLAttention, on_device
-from exl2.models.layers import GatedMLP, MoE, RMSNorm
+from exl2.models.decoder import Attention, DecoderLayer, MLAttention, on_device, residual_scaled
+from exl2.models.layers import GatedMLP, LayerNorm, MoE, RMSNorm
 from exl2.models.spec import ModelSpec
 from exl2.runtime.linear import Linear
 from exl2.runtime.tp.collectives import Collectives
@@ -41,10 +44,6 @@ def check_supported(spec: ModelSpec, parts: int) -> None:
         raise ConfigError(f"Tensor parallelism does not support {spec.arch}'s norms (q/k norms over every head "
                           "together, or no norm before each sublayer) yet; use the layer split (--gpu_split "
                           "without --tensor-parallel).")
-    if spec.parallel_block or spec.norm_type != "rms" or spec.residual_scale != 1.0:
-        raise ConfigError(f"Tensor parallelism does not support {spec.arch}'s layer form (parallel blocks, "
-                          "LayerNorm or scaled residuals) yet; use the layer split (--gpu_split without "
-                          "--tensor-parallel).")
     if spec.num_kv_heads % parts:
         raise ConfigError(f"Tensor parallel over {parts} devices needs the KV head count ({spec.num_kv_heads}) to be "
                           f"a multiple of {parts}.")
@@ -106,11 +105,15 @@ class _Prepared:
         return self.linears[prefix]
 
 
-def norm_on(norm: Optional[RMSNorm], device: torch.device) -> Optional[RMSNorm]:
+def norm_on(norm: Optional[nn.Module], device: torch.device, rows: Optional[torch.Tensor] = None
+            ) -> Optional[nn.Module]:
+    """A copy of an RMSNorm or LayerNorm on `device`; `rows`: only those rows of a per-head [heads, d] weight."""
     if norm is None:
         return None
-    weight = _replica(norm.weight, device)
-    return RMSNorm(weight, norm.eps, norm.offset)
+    weight = norm.weight if rows is None or norm.weight is None or norm.weight.dim() < 2 else norm.weight[rows]
+    if isinstance(norm, LayerNorm):
+        return LayerNorm(_replica(weight, device), norm.eps)
+    return RMSNorm(_replica(weight, device), norm.eps, norm.offset)
 
 
 def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, device: torch.device
@@ -128,8 +131,9 @@ def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, dev
                f"{prefix}.o_proj": o_shard}
     tensors = {}
     if attn.q_norm is not None:
-        tensors = {f"{prefix}.q_norm.weight": _replica(attn.q_norm.weight, device),
-                   f"{prefix}.k_norm.weight": _replica(attn.k_norm.weight, device)}
+        heads = (_heads(n, 1, part, parts) for n in (spec.num_heads, spec.num_kv_heads))
+        tensors = {f"{prefix}.{name}.weight": norm_on(norm, device, rows).weight.data
+                   for name, norm, rows in zip(("q_norm", "k_norm"), (attn.q_norm, attn.k_norm), heads)}
     if attn.sinks is not None:   # one per query head: the shard's heads' own
         per = spec.num_heads // parts
         tensors[f"{prefix}.sinks"] = _replica(attn.sinks[part * per:(part + 1) * per], device)
@@ -233,14 +237,14 @@ class ShardedLayer(nn.Module):
     def __init__(self, layer: DecoderLayer, devices: list[torch.device]):
         super().__init__()
         self.spec, self.idx = layer.spec, layer.idx
-        self.sandwich = layer.spec.sandwich_norm
+        self.sandwich, self.parallel = layer.spec.sandwich_norm, layer.spec.parallel_block
         parts = len(devices)
         shard = shard_mla if layer.spec.mla is not None else shard_attention
         attns, modes = zip(*[shard(layer.self_attn, layer.spec, r, parts, d) for r, d in enumerate(devices)])
         self.o_mode = modes[0]
         self.attn = nn.ModuleList(attns)
         self.mlp = nn.ModuleList([shard_ffn(layer.mlp, r, parts, d) for r, d in enumerate(devices)])
-        names = ["input_layernorm", "post_attention_layernorm"]
+        names = ["input_layernorm"] if self.parallel else ["input_layernorm", "post_attention_layernorm"]
         if self.sandwich:
             names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         for name in names:
@@ -249,7 +253,7 @@ class ShardedLayer(nn.Module):
     def forward(self, xs: list[torch.Tensor], positions: list[torch.Tensor], ropes: list, caches: list,
                 coll: Collectives, devices: list[torch.device]) -> list[torch.Tensor]:
         """The residual stream after this layer, one replica per shard: three collectives with a quantized
-        o_proj (gather, gather, reduce), two with a dense one (reduce, reduce)."""
+        o_proj (gather, gather, reduce), two with a dense one (reduce, reduce; one for a parallel layer)."""
         def each(fn) -> list:
             out = []
             for r, d in enumerate(devices):  # queued one device after another; the GPUs run them side by side
@@ -259,16 +263,22 @@ class ShardedLayer(nn.Module):
 
         h = each(lambda r: self.input_layernorm[r](xs[r]))
         a = each(lambda r: self.attn[r].heads(h[r], positions[r], ropes[r], caches[r]))
+        if self.parallel and self.o_mode == "reduce":
+            s = coll.all_reduce(each(lambda r: self.attn[r].o_proj(a[r]) + self.mlp[r](h[r])))
+            return each(lambda r: xs[r] + s[r])
         if self.o_mode == "reduce":
             o = coll.all_reduce(each(lambda r: self.attn[r].o_proj(a[r])))
         else:
             full = coll.all_gather(a)
             o = coll.all_gather(each(lambda r: self.attn[r].o_proj(full[r])))
+        if self.parallel:
+            m = coll.all_reduce(each(lambda r: self.mlp[r](h[r])))
+            return each(lambda r: xs[r] + o[r] + m[r])
         if self.sandwich:
             o = each(lambda r: self.post_attention_layernorm[r](o[r]))
-        xs = each(lambda r: xs[r] + o[r])
+        xs = each(lambda r: xs[r] + residual_scaled(self.spec, o[r]))
         norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
         m = coll.all_reduce(each(lambda r: self.mlp[r](norm[r](xs[r]))))
         if self.sandwich:
             m = each(lambda r: self.post_feedforward_layernorm[r](m[r]))
-        return each(lambda r: xs[r] + m[r])
+        return each(lambda r: xs[r] + residual_scaled(self.spec, m[r]))
