@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import gc
+import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from exl2.config import EngineConfig, LoraSpec, SamplingSettings
-from exl2.errors import Exl2Error
+from exl2.errors import ConfigError, Exl2Error
 from exl2.generation.budget import ReasoningBudget
 from exl2.generation.chat import ChatTemplate, tool_call_format
 from exl2.generation.constraints import Grammar, json_grammar, regex_grammar, tool_call_grammar
@@ -17,6 +18,7 @@ from exl2.generation.embeddings import EmbeddingResult, Pooling, batches, check_
 from exl2.generation.generator import GenerationResult, Generator
 from exl2.generation.images import ImageTokens
 from exl2.generation.job import Event
+from exl2.generation.request_loras import check_choice
 from exl2.generation.multimodal import VisionPrompts, has_vision_tower, no_vision, split_images
 from exl2.generation.speculative import make_drafter
 from exl2.generation.templates import choose_template
@@ -25,7 +27,7 @@ from exl2.generation.worker import BatchWorker
 from exl2.models.rope import RopeOverride
 from exl2.runtime.load_progress import reporting, tagged
 from exl2.runtime.loader import context_length, engine_rope, load_model
-from exl2.runtime.lora import LoraAdapter, active_loras
+from exl2.runtime.lora import LoraAdapter
 
 class Engine:
     """A loaded model with its tokenizer and chat template. Calls from any number of threads or async tasks run
@@ -43,6 +45,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.template = choose_template(self.tokenizer, config.prompt_template)
         self._named_templates: dict = {}
+        self._request_adapters: dict[str, LoraAdapter] = {}   # per-request LoRA directories read so far
+        self._lora_lock = threading.Lock()
         self.pooling = Pooling.from_dir(config.model_dir, config.embedding_pooling)
         asked = config.max_seq_len if "max_seq_len" in config.model_fields_set else None  # None: the default
         max_seq_len = context_length(self.model.spec, asked)  # capped at what RoPE covers, with a warning
@@ -90,7 +94,7 @@ class Engine:
     @property
     def loras(self) -> list[LoraAdapter]:
         """The LoRA adapters active on the model."""
-        return active_loras(self.model)
+        return list(self.dynamic.loras.globals)
 
     def load_lora(self, spec: LoraSpec) -> LoraAdapter:
         """Read an adapter for this model without applying it (see `set_loras`)."""
@@ -102,6 +106,29 @@ class Engine:
         prompt cache is forgotten and CUDA graphs are captured again (DynamicGenerator.set_loras)."""
         adapters = [x if isinstance(x, LoraAdapter) else self.load_lora(x) for x in loras]
         self.worker.call(lambda: self.dynamic.set_loras(adapters))
+
+    def request_loras(self, loras: Optional[Sequence[Union[LoraSpec, LoraAdapter]]]) -> Optional[tuple]:
+        """A request's own adapters as a job takes them: ((adapter, scaling), ...), or None (the engine's active
+        ones). A LoraSpec's directory is read once (at scaling 1; its `scaling` then applies per request) and kept
+        for later requests; a LoraAdapter is used as it was loaded, an (adapter, scaling) pair as it is."""
+        if loras is None:
+            return None
+        out = []
+        for x in loras:
+            if isinstance(x, LoraAdapter):
+                out.append((x, 1.0))
+                continue
+            if isinstance(x, tuple):
+                out.append(x)
+                continue
+            key = str(Path(x.path).resolve())
+            with self._lora_lock:
+                adapter = self._request_adapters.get(key)
+                if adapter is None:
+                    adapter = self._request_adapters[key] = LoraAdapter.from_dir(x.path, self.model, 1.0)
+            out.append((adapter, x.scaling))
+        check_choice(tuple(out))
+        return tuple(out)
 
     def set_template(self, choice: Optional[str] = None, template_dir: Optional[Path] = None) -> ChatTemplate:
         """Render chats from now on with the template `choice` names (`generation.templates.choose_template`;
@@ -118,17 +145,19 @@ class Engine:
     def generate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                  stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None,
                  logprobs: Optional[int] = None, *, stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
-                 ignore_eos: bool = False, negative_prompt: Optional[str] = None) -> GenerationResult:
+                 ignore_eos: bool = False, negative_prompt: Optional[str] = None,
+                 loras: Optional[Sequence[Union[LoraSpec, LoraAdapter]]] = None) -> GenerationResult:
         """`grammar` (`json_grammar`, `regex_grammar`) restricts the reply to a format; `logprobs` (k) puts each
         token's log-probability and its k likeliest alternatives in `result.logprobs`. `stop_token_ids` end the
         reply like EOS (not part of its text); before `min_new_tokens` tokens neither they, EOS nor a stop string
         end it (they are not sampled); `ignore_eos` never samples EOS, so the reply runs to `max_new_tokens` or a
         stop. With `settings.cfg_scale` ≠ 1 (classifier-free guidance) the reply steers away from
-        `negative_prompt` (None: the BOS token alone)."""
+        `negative_prompt` (None: the BOS token alone). `loras`: this request's own adapters instead of the
+        engine's (`request_loras`; [] for the base model), batched with requests that use others."""
         return self.generator.generate(prompt, settings, max_new_tokens, stop_strings, grammar=grammar,
                                        logprobs=logprobs, stop_token_ids=stop_token_ids,
                                        min_new_tokens=min_new_tokens, ignore_eos=ignore_eos,
-                                       negative_prompt=negative_prompt)
+                                       negative_prompt=negative_prompt, loras=self.request_loras(loras))
 
     def stream(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None, *,
@@ -220,12 +249,19 @@ class Engine:
     def generate_batch(self, prompts: Sequence[str], settings: Optional[SamplingSettings] = None,
                        max_new_tokens: int = 256, stop_strings: Sequence[str] = (), *,
                        stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
-                       ignore_eos: bool = False, negative_prompt: Optional[str] = None) -> list[GenerationResult]:
-        """Several prompts decoded together; results in prompt order."""
+                       ignore_eos: bool = False, negative_prompt: Optional[str] = None,
+                       loras: Optional[Sequence[Optional[Sequence[Union[LoraSpec, LoraAdapter]]]]] = None
+                       ) -> list[GenerationResult]:
+        """Several prompts decoded together; results in prompt order. `loras`: one entry per prompt, each
+        `generate`'s (None: the engine's adapters)."""
+        choices = [None] * len(prompts) if loras is None else list(loras)
+        if len(choices) != len(prompts):
+            raise ConfigError(f"generate_batch got {len(prompts)} prompts but {len(choices)} LoRA choices.")
         return self.worker.run_all([self.generator.job(p, settings, max_new_tokens, stop_strings,
                                                        stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens,
-                                                       ignore_eos=ignore_eos, negative_prompt=negative_prompt)
-                                    for p in prompts])
+                                                       ignore_eos=ignore_eos, negative_prompt=negative_prompt,
+                                                       loras=self.request_loras(c))
+                                    for p, c in zip(prompts, choices)])
 
     async def agenerate(self, prompt: str, settings: Optional[SamplingSettings] = None, max_new_tokens: int = 256,
                         stop_strings: Sequence[str] = (), grammar: Optional[Grammar] = None, *,
@@ -276,12 +312,14 @@ class Engine:
                             min_new_tokens: int = 0, ignore_eos: bool = False,
                             negative_prompt: str | list[int] | None = None,
                             budget: Optional[ReasoningBudget] = None,
-                            images: Sequence[ImageTokens] = ()) -> AsyncIterator[Event]:
+                            images: Sequence[ImageTokens] = (),
+                            loras: Optional[Sequence[Union[LoraSpec, LoraAdapter]]] = None) -> AsyncIterator[Event]:
         """`aevents` as the generator's Event objects (text, the new tokens' log-probabilities, the result);
         `budget` (`generation.budget`) closes a think block after so many tokens; `images`: those whose tokens
-        the prompt's ids hold (`chat_input`)."""
+        the prompt's ids hold (`chat_input`); `loras`: `generate`'s."""
         job = self.generator.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar,
-                                 logprobs, min_new_tokens, ignore_eos, negative_prompt, budget)
+                                 logprobs, min_new_tokens, ignore_eos, negative_prompt, budget,
+                                 self.request_loras(loras))
         job.images = tuple(images)
         events = self.worker.astream(job)
         try:

@@ -104,7 +104,7 @@ class FakeEngine:
 
     async def aevent_stream(self, prompt, settings=None, max_new_tokens=256, stop_strings=(), add_bos=None,
                             grammar=None, logprobs=None, *, stop_token_ids=(), min_new_tokens=0, ignore_eos=False,
-                            negative_prompt=None, budget=None, images=()):
+                            negative_prompt=None, budget=None, images=(), loras=None):
         self.opened += 1
         self.prompts.append(prompt)
         self.ends.append(dict(stop_token_ids=list(stop_token_ids), min_new_tokens=min_new_tokens,

@@ -28,6 +28,7 @@ from exl2.generation.speculative import Drafter
 from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import NO_HEAD, DecoderModel
 from exl2.runtime import lora
+from exl2.generation.request_loras import RequestLoras, check_choice, choice_key
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.page_pool import PagePool, page_key
 from exl2.runtime.paged_cache import paged_cache_for
@@ -99,6 +100,7 @@ class DynamicGenerator:
                     sizes = tuple(b for b, n in self.check_guesses.items() if n == g)
                     self.verify_graphs[g] = DecodeGraphs(model, self.cache, self.pages_per_seq + self.spec_pages,
                                                          batch_sizes=sizes, scratch_page=self.scratch, tokens=g + 1)
+        self.loras = RequestLoras(model, max(chunk, max_seq_len, max_batch * (num_draft_tokens + 1)))
         self.queue: deque[Job] = deque()
         self.active: list[Job] = []
         self._decode_table: tuple = ((), None, None)   # (job ids, block table, RoPE shifts)
@@ -120,6 +122,8 @@ class DynamicGenerator:
         if len(job.ids) >= self.max_seq_len:
             raise ContextLengthError(
                 f"The prompt is {len(job.ids)} tokens long but the context holds {self.max_seq_len} tokens.")
+        if job.loras is not None:
+            check_choice(job.loras)
         if job.settings.token_healing and job.grammar is None:
             self._take_last_token(job)
         if job.images and self.model.spec.mrope_section is not None:
@@ -141,7 +145,7 @@ class DynamicGenerator:
             raise ContextLengthError(
                 f"The negative prompt is {len(ids)} tokens long but the context holds {self.max_seq_len} tokens.")
         job.max_new_tokens = max(1, min(job.max_new_tokens, self.max_seq_len - len(ids)))
-        guide = Job(ids, SamplingSettings(temperature=0.0), job.max_new_tokens)
+        guide = Job(ids, SamplingSettings(temperature=0.0), job.max_new_tokens, loras=job.loras)
         need = self._pages_needed(job) + self._pages_needed(guide)
         if need > self.pool.num_pages:
             raise ContextLengthError(
@@ -194,11 +198,14 @@ class DynamicGenerator:
             if self._inflight.done is not None:
                 self._inflight.done.synchronize()
             self._inflight = None
-        lora.set_loras(self.model, adapters)   # checks everything before it changes anything
+        self.loras.set_globals(adapters)   # checks everything before it changes anything
+        self._reset_graphs()
+        self.pool.forget_prefixes()
+
+    def _reset_graphs(self) -> None:
         for graphs in (self.graphs, *self.verify_graphs.values()):
             if graphs is not None:
                 graphs.reset()
-        self.pool.forget_prefixes()
 
     def _pages_needed(self, job: Job) -> int:
         # The last sampled token is never fed back, so it takes no cache slot.
@@ -207,7 +214,9 @@ class DynamicGenerator:
     def _admit(self) -> None:
         """Start queued jobs, oldest first, while the batch and the cache have room. A job whose pages are not free
         yet lets younger jobs that fit go first, at most MAX_SKIPS times; then it blocks the queue until it fits,
-        so a long request is delayed but never starved."""
+        so a long request is delayed but never starved. Adapters no running job uses any more are detached."""
+        if self.loras.attach([j.loras for j in self.active]):
+            self._reset_graphs()
         waiting: list[Job] = []
         for job in list(self.queue):
             if len(self.active) >= self.max_batch or any(w.skipped >= MAX_SKIPS for w in waiting):
@@ -222,11 +231,14 @@ class DynamicGenerator:
         seqs = [job] + ([job.guide] if job.guide is not None else [])
         if len(self.active) + len(seqs) > self.max_batch:
             return False
-        matches = [self.pool.match(j.ids, (len(j.ids) - 1) // self.page_size) for j in seqs]
+        root = choice_key(job.loras)
+        matches = [self.pool.match(j.ids, (len(j.ids) - 1) // self.page_size, root) for j in seqs]
         new = [self._pages_needed(j) - len(shared) for j, (shared, _) in zip(seqs, matches)]
         if sum(new) > self.pool.room(list({p for shared, _ in matches for p in shared})):
             return False  # wait for running jobs to free pages
         self.queue.remove(job)
+        if self.loras.attach([j.loras for j in self.active] + [job.loras]):
+            self._reset_graphs()
         for shared, _ in matches[1:]:  # the guide's cached pages are taken first, so that the job's cannot evict them
             self.pool.acquire(shared, 0)
         for i, (j, (shared, key), n) in enumerate(zip(seqs, matches, new)):
@@ -334,6 +346,7 @@ class DynamicGenerator:
             part = torch.tensor(rows, dtype=torch.long, device=self.model.device)
             self.cache.bind(self._table(group)[:, :max(len(j.pages) for j in group)])
             self.cache.limits = limits
+            self.loras.set_rows([j.loras for j in group], part.shape[1])
             logits = self.model(part, self.cache, start, last_only=last, **extra)[:, -1]
             budget -= width * len(rows)
             for job, end in zip(group, ends):
@@ -372,6 +385,7 @@ class DynamicGenerator:
         if self._decode_table[0] != key:  # pages are reserved up front: the table changes only with the batch
             self._decode_table = (key, self._table(jobs), self._rope_shift(jobs))
         _, table, shift = self._decode_table
+        self.loras.set_rows([j.loras for j in jobs], 1)
         if self.graphs is not None:
             logits = self.graphs.step(ids, pos, table, max_len=max(j.length for j in jobs) + 1, lazy=True,
                                       shift=shift)
@@ -739,6 +753,7 @@ class DynamicGenerator:
         pos = torch.tensor([j.length for j in jobs], dtype=torch.long, device=dev)
         table = self._table(jobs, self.spec_pages)
         shift = self._rope_shift(jobs)
+        self.loras.set_rows([j.loras for j in jobs], n)
         if k in self.verify_graphs:
             logits = self.verify_graphs[k].step(ids, pos, table, lazy=True, shift=shift)
         else:

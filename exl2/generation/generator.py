@@ -36,18 +36,18 @@ class Generator:
             stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None, stop_token_ids: Sequence[int] = (),
             grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, min_new_tokens: int = 0,
             ignore_eos: bool = False, negative_prompt: str | list[int] | None = None,
-            budget: Optional[ReasoningBudget] = None) -> Job:
+            budget: Optional[ReasoningBudget] = None, loras: Optional[tuple] = None) -> Job:
         """A job for the dynamic generator; `grammar` (generation.constraints) restricts the reply's format;
         `logprobs` (k) puts each token's log-probability and the k likeliest alternatives in the result;
         `stop_token_ids` end the reply like EOS; before `min_new_tokens` tokens neither they, EOS nor a stop string
         can end it; `ignore_eos` never samples EOS; `negative_prompt` is what classifier-free guidance
         (settings.cfg_scale ≠ 1) steers away from (None: the BOS token alone; text gets the tokenizer's BOS rule,
         whatever `add_bos` says for a chat prompt); `budget` closes a think block after so many tokens (see
-        Job)."""
+        Job); `loras` ((adapter, scaling), ...) this request's own LoRA adapters (see Job)."""
         ids = self._ids(prompt, add_bos)
         negative = None if negative_prompt is None else self._ids(negative_prompt, None)  # the tokenizer's BOS rule
         return Job(ids, settings, max_new_tokens, stop_strings, stop_token_ids, grammar, logprobs, min_new_tokens,
-                   ignore_eos, negative, budget)
+                   ignore_eos, negative, budget, loras)
 
     def _ids(self, prompt: str | list[int], add_bos: Optional[bool]) -> list[int]:
         return self.tokenizer.encode(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
@@ -67,12 +67,12 @@ class Generator:
                stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
                stop_token_ids: Sequence[int] = (), grammar: Optional[Grammar] = None,
                logprobs: Optional[int] = None, min_new_tokens: int = 0, ignore_eos: bool = False,
-               negative_prompt: str | list[int] | None = None, images: Sequence = ()
-               ) -> Iterator[tuple[str, Optional[GenerationResult]]]:
+               negative_prompt: str | list[int] | None = None, images: Sequence = (),
+               loras: Optional[tuple] = None) -> Iterator[tuple[str, Optional[GenerationResult]]]:
         """Yield (new text, None) while generating and finally ("", result); `images`: the images.ImageTokens
         whose tokens the prompt's ids hold."""
         job = self.job(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar, logprobs,
-                       min_new_tokens, ignore_eos, negative_prompt)
+                       min_new_tokens, ignore_eos, negative_prompt, loras=loras)
         job.images = tuple(images)
         for event in self.events(job):
             if event.text:
@@ -84,9 +84,10 @@ class Generator:
                  max_new_tokens: int = 256, stop_strings: Sequence[str] = (), add_bos: Optional[bool] = None,
                  grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, *,
                  stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0,
-                 ignore_eos: bool = False, negative_prompt: str | list[int] | None = None) -> GenerationResult:
+                 ignore_eos: bool = False, negative_prompt: str | list[int] | None = None,
+                 loras: Optional[tuple] = None) -> GenerationResult:
         result = None
         for _, r in self.stream(prompt, settings, max_new_tokens, stop_strings, add_bos, stop_token_ids, grammar,
-                                logprobs, min_new_tokens, ignore_eos, negative_prompt):
+                                logprobs, min_new_tokens, ignore_eos, negative_prompt, loras=loras):
             result = r or result
         return result

@@ -22,7 +22,7 @@ class Job:
                  stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                  grammar: Optional[Grammar] = None, logprobs: Optional[int] = None, min_new_tokens: int = 0,
                  ignore_eos: bool = False, negative_ids: Optional[Sequence[int]] = None,
-                 budget: Optional[ReasoningBudget] = None):
+                 budget: Optional[ReasoningBudget] = None, loras: Optional[tuple] = None):
         self.id = next(_ids)
         self.logprobs = logprobs         # None: off; k: each token's log-probability and the k likeliest tokens
         self.token_logprobs: list[TokenLogprob] = []
@@ -41,6 +41,8 @@ class Job:
         self.guide: Optional[Job] = None
         self.guided: Optional[Job] = None
         self.budget = budget             # a reasoning budget: the think block is closed after so many tokens
+        # ((LoraAdapter, scaling), ...): this request's own adapters (() the base model); None: the generator's
+        self.loras = None if loras is None else tuple((ad, float(s)) for ad, s in loras)
         self.images: tuple = ()          # the images.ImageTokens whose aliases the prompt holds (a vision model's)
         self.rope = None                 # M-RoPE models, prompts with images: images.mrope_positions' pair
         self.forced: list[int] = []      # tokens to feed next instead of sampling (the budget's end of the block)

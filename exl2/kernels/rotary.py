@@ -151,6 +151,9 @@ def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     if k_cache.shape[-2:] != (hk, d) or v_cache.shape[-2:] != (hk, dv):
         raise ValueError("new keys/values do not match the cache's row width.")
     if not use_triton(q):
+        if not keep_k:
+            k = k.clone()
+            k3 = token_view(k, t)
         apply_rotary_torch(q, k, cos, sin, positions, rotary_dim, interleaved)
         idx = slots.reshape(-1).long()
         k_cache.view(-1, hk, d).index_copy_(0, idx, k3.to(k_cache.dtype))

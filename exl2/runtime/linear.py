@@ -26,6 +26,17 @@ class LoraWeights:
     a: torch.Tensor
     b: torch.Tensor
     a_perm: Optional[torch.Tensor] = None
+    rows: Optional["RowScales"] = None   # the adapter's per-token multipliers, shared by all its pairs
+
+
+class RowScales:
+    """Per-token multipliers of one adapter's deltas, so that requests batched together can use different adapters
+    (`generation.request_loras`): `scales` [capacity] holds one value per token row of the next forward, in
+    batch-major order, 0 for the rows of requests without the adapter. None: every row takes the delta as it is.
+    The buffer stays one tensor for good, so a CUDA graph that reads it sees each step's values."""
+
+    def __init__(self) -> None:
+        self.scales: Optional[torch.Tensor] = None
 
 
 def permute_lora_a(a: torch.Tensor, x_index: torch.Tensor) -> torch.Tensor:
@@ -40,6 +51,8 @@ def lora_delta(x: torch.Tensor, loras: Sequence[LoraWeights], permuted: bool = F
     out = None
     for lw in loras:
         d = F.linear(F.linear(x, lw.a_perm if permuted else lw.a), lw.b)
+        if lw.rows is not None and lw.rows.scales is not None:
+            d = d * lw.rows.scales[: d.numel() // d.shape[-1]].view(*d.shape[:-1], 1).to(d.dtype)
         out = d if out is None else out + d
     return out
 

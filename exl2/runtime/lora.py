@@ -19,7 +19,7 @@ from torch import nn
 
 from exl2.errors import ConfigError, ModelLoadError
 from exl2.models.routed_experts import prepare_routed
-from exl2.runtime.linear import Linear, LoraWeights, permute_lora_a
+from exl2.runtime.linear import Linear, LoraWeights, RowScales, permute_lora_a
 
 if TYPE_CHECKING:
     from exl2.models.decoder import DecoderModel
@@ -40,6 +40,16 @@ class LoraAdapter:
     alpha: float
     targets: int
     parts: list[tuple[str, LoraWeights]] = field(default_factory=list, repr=False)
+    rows: RowScales = field(default_factory=RowScales, repr=False)
+
+    def __post_init__(self) -> None:
+        for _, lw in self.parts:
+            lw.rows = self.rows
+
+    @property
+    def targets_experts(self) -> bool:
+        """Whether it changes a mixture-of-experts expert (whose rows are the tokens routed to it, not the batch's)."""
+        return any(".experts." in name for name, _ in self.parts)
 
     @classmethod
     def from_dir(cls, path: Path | str, model: "DecoderModel", scaling: float = 1.0) -> "LoraAdapter":

@@ -40,10 +40,12 @@ class PagePool:
         """Pages a new sequence could take (free ones plus cached ones nobody uses)."""
         return len(self.free) + len(self.idle)
 
-    def match(self, tokens: Sequence[int], max_pages: int) -> tuple[list[int], Optional[bytes]]:
+    def match(self, tokens: Sequence[int], max_pages: int, root: Optional[bytes] = None
+              ) -> tuple[list[int], Optional[bytes]]:
         """The cached pages that hold the longest prefix of `tokens` (at most `max_pages` of them), and the key
-        of the last one. They are not taken yet: `acquire` does that."""
-        pages, key = [], None
+        of the last one (`root` when none matches). They are not taken yet: `acquire` does that. `root` starts
+        the chain of keys: prefixes computed another way (other LoRA adapters) never match each other."""
+        pages, key = [], root
         for i in range(min(max_pages, len(tokens) // self.page_size)):
             k = page_key(key, tokens[i * self.page_size:(i + 1) * self.page_size])
             page = self.page_of.get(k)

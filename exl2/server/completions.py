@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
-from exl2.config import SamplingSettings
+from exl2.config import LoraSpec, SamplingSettings
 from exl2.errors import ConfigError, Exl2Error
 from exl2.generation.budget import DEFAULT_TAGS, ReasoningBudget, ThinkTags, budget_end
 from exl2.generation.chat import parse_tool_calls
@@ -63,6 +63,7 @@ class Job:
     negative_prompt: Optional[str] = None    # classifier-free guidance's (settings.cfg_scale)
     budget: Optional[ReasoningBudget] = None  # chat: close the think block after so many tokens
     images: tuple = ()                       # chat: the images whose tokens `prompt` (ids then) holds
+    loras: Optional[tuple] = None            # the request's own adapters ((LoraAdapter, scaling), ...)
 
     async def events(self, engine) -> AsyncIterator[Event]:
         """(new text, result or None, the new tokens' log-probability records: empty when none) from the
@@ -70,7 +71,8 @@ class Job:
         stream = engine.aevent_stream(self.prompt, self.settings, self.max_new_tokens, self.stop_strings,
                                       self.add_bos, self.grammar, self.logprobs, stop_token_ids=self.stop_token_ids,
                                       min_new_tokens=self.min_new_tokens, ignore_eos=self.ignore_eos,
-                                      negative_prompt=self.negative_prompt, budget=self.budget, images=self.images)
+                                      negative_prompt=self.negative_prompt, budget=self.budget, images=self.images,
+                                      loras=self.loras)
         try:
             async for event in stream:
                 yield event.text, event.result, event.logprobs
@@ -101,6 +103,23 @@ def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, defau
     return [Job(prompt, params.sampling(req, i, bias, **lists), max_new, stops, add_bos, param,
                 params.response_grammar(engine, req), want, **ends)
             for prompt in prompts for i in range(count)]
+
+
+async def request_loras(request: Request, body, engine, jobs: list[Job]) -> None:
+    """Give the jobs the request's own LoRA adapters (`loras`: names under --lora-dir), each directory read once
+    for the engine (off the event loop); a bad name or adapter is a 400 blaming `loras`."""
+    if body.loras is None:
+        return
+    from exl2.server.admin import lora_path
+
+    root = host(request).config.lora_dir
+    specs = [LoraSpec(path=lora_path(root, x.name, "loras"), scaling=x.scaling) for x in body.loras]
+    try:
+        chosen = await asyncio.to_thread(engine.request_loras, specs)
+    except Exl2Error as e:
+        raise APIError(400, str(e), param="loras", code="invalid_lora") from None
+    for job in jobs:
+        job.loras = chosen
 
 
 def best_of(results: list[GenerationResult], per_prompt: int, n: int) -> list[GenerationResult]:
@@ -437,6 +456,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     body, legacy = from_functions(overridden(request, body))
     params.check_supported(body)
     jobs = _jobs(body, st.engine, [""], False, "messages", st.config.max_tokens)   # checks every field first
+    await request_loras(request, body, st.engine, jobs)
     tools = template_tools(body.tools, body.tool_choice)
     for job in jobs:  # a grammar holds parse state: one per choice
         job.grammar = params.tool_grammar(st.engine, tools, body.tool_choice) or job.grammar
@@ -551,6 +571,7 @@ async def completions(body: CompletionRequest, request: Request):
     ranked = (body.best_of or 1) > body.n
     jobs = _jobs(body, st.engine, prompts, add_bos, "prompt", st.config.max_tokens,
                  body.best_of if ranked else None)
+    await request_loras(request, body, st.engine, jobs)
     echoes = [p if isinstance(p, str) else st.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
     head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": st.name}

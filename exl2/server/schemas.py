@@ -77,10 +77,20 @@ class ResponseFormat(_Body):
     json_schema: Optional[dict[str, Any]] = None
 
 
+class RequestLora(_Body):
+    """One LoRA adapter a request runs with: a directory name under the server's --lora-dir."""
+
+    name: str
+    scaling: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+
+
 class SamplingFields(_Body):
     """What completions and chat completions share: length, sampling, stops, streaming."""
 
     model: Optional[str] = None
+    # this request's own LoRA adapters instead of the served ones ([]: the base model); batched with requests that
+    # use others
+    loras: Optional[list[RequestLora]] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=10.0)       # OpenAI's default is 1.0, not the engine's 0.8
     top_p: float = Field(1.0, ge=0.0, le=1.0)
