@@ -87,6 +87,9 @@
 # s76 (session 36): benchmarks/moe_dispatch.py (MoE.forward's sorted dispatch against the per-expert one).
 # s77 (session 37): the routed MoE GPU tests (CUDA-graph decoding of a quantized Qwen3-MoE-shaped model), then
 # benchmarks/moe_decode.py (grouped / routed / graph decode of a Qwen3-30B-A3B-shaped model, MOE_LAYERS layers).
+# s79: the routed-expert, rotary-store and per-request LoRA tests on CUDA (session 38 made the interpreter-only ones
+# run on a GPU too), the MoE bench with its breakdown (the router logits over more programs, the slot sum in one
+# launch), then on an H200 the target table.
 # s78: the fused router's, the q/k norm pair's, the routed GLU's and the dense routed experts' tests on CUDA (gpt-oss
 # decodes through graphs with its bf16 experts stacked), then `exl2 bench --shape qwen3-30b-a3b --layers 8` with its
 # per-kernel breakdown (after session 37's router in two launches and q/k norms in one).
@@ -315,6 +318,18 @@ for s in $steps; do
        grep -vE "it/s\]" "$OUT/gpu_routed.txt" | tail -25
        timeout 400 python3 benchmarks/moe_decode.py --layers ${MOE_LAYERS:-8} > "$OUT/moe_decode.txt" 2>&1
        echo "moe decode rc=$?"; cat "$OUT/moe_decode.txt" | tail -20 ;;
+  s79) timeout -s INT -k 10 240 python3 -m pytest -m "gpu or not gpu" tests/test_routed_experts.py \
+         tests/test_lora_per_request.py tests/test_kernels_small.py -k "routed or dense or glu or rotary_store or per_request" \
+         -q -p no:cacheprovider -n 4 > "$OUT/gpu_s79.txt" 2>&1
+       echo "routed / per-request LoRA tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_s79.txt" | tail -12
+       timeout 200 python3 -m exl2.cli.main bench --shape qwen3-30b-a3b --layers 8 --modes fp16 --contexts 128 \
+         --prefill 512 --batch 4,16 --breakdown > "$OUT/bench_moe.txt" 2>&1; echo "moe bench rc=$?"
+       grep -vE "it/s\]|[Ww]arn" "$OUT/bench_moe.txt" | tail -24
+       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$gpu"
+       if [[ "$gpu" == *H200* ]]; then
+         timeout 150 python3 -m exl2.cli.main bench --batch 2,4,16 > "$OUT/bench_target.txt" 2>&1; echo "bench rc=$?"
+         grep -E "^\| (decode|prefill)" "$OUT/bench_target.txt"
+       fi ;;
   s78) timeout -s INT -k 10 240 python3 -m pytest -m "gpu or not gpu" tests/test_routed_experts.py \
          tests/test_kernels_small.py tests/test_gpt_oss.py tests/test_mla_cache.py -q -p no:cacheprovider -n 4 \
          > "$OUT/gpu_router.txt" 2>&1

@@ -208,16 +208,18 @@ def test_weight_bytes_count_the_experts_a_token_picks():
 
 
 @needs_triton
-@pytest.mark.parametrize("k,norm,bias", [(3, True, False), (8, False, True), (1, True, False)])
-def test_fused_softmax_router_matches_the_reference(k, norm, bias):
+@pytest.mark.parametrize("k,norm,bias,n,e", [(3, True, False, 5, 40), (8, False, True, 5, 40), (1, True, False, 5, 40),
+                                             (8, True, True, 40, 128)])
+def test_fused_softmax_router_matches_the_reference(k, norm, bias, n, e):
     """The two-launch softmax router: the same experts as softmax + top-k (as sets: the order is free) and their
-    weights within fp32 rounding, renormalised or not."""
+    weights within fp32 rounding, renormalised or not (one expert a program for few tokens; 16, the row in two
+    steps, for 40 tokens over 128 experts)."""
     from exl2.kernels.router import softmax_topk_route
 
     g = torch.Generator().manual_seed(k)
-    x = torch.randn(5, 300, generator=g).half().to(DEV)
-    w = (torch.randn(40, 300, generator=g) * 0.1).half().to(DEV)
-    b = torch.randn(40, generator=g).to(DEV) if bias else None
+    x = torch.randn(n, 300, generator=g).half().to(DEV)
+    w = (torch.randn(e, 300, generator=g) * 0.1).half().to(DEV)
+    b = torch.randn(e, generator=g).to(DEV) if bias else None
     probs = torch.softmax(torch.nn.functional.linear(x.float(), w.float(), b), -1)
     ref_w, ref_i = torch.topk(probs, k)
     if norm:
@@ -298,3 +300,19 @@ def test_dense_experts_take_the_routed_path_where_the_kernels_run(tmp_path, arch
             got = moe(x)
     tol = 1e-4 if model.dtype == torch.float32 else 4e-3     # fp16 on a GPU: the kernels' sums round otherwise
     torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=10 * tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [1, 3])
+def test_slot_sum_adds_each_tokens_slots_and_drops_padding(split):
+    """The down gemv's slots (or its K-split partials) summed per token in one launch, padded columns dropped."""
+    from exl2.kernels.routed_gemv import sum_slots
+
+    g = torch.Generator().manual_seed(split)
+    y = torch.randn(split, 3 * 6, 160, generator=g).to(DEV)
+    y = y[0].half() if split == 1 else y
+    with force_triton():
+        got = sum_slots(y, 6, 150, torch.float16)
+    want = (y.float() if split == 1 else y.sum(0)).reshape(3, 6, 160).sum(1)[:, :150]
+    assert got.dtype == torch.float16 and got.shape == (3, 150)
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)

@@ -109,6 +109,38 @@ def _routed_gemv_kernel(x_ptr, x32_ptr, stride_xm, X_ROWS, out_ptr, stride_om, s
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit
+def _slot_sum_kernel(y_ptr, out_ptr, N, OUT_N, stride_split, SPLIT: tl.constexpr, K: tl.constexpr,
+                     KP: tl.constexpr, BN: tl.constexpr):
+    """out[t, c] = Σ_split Σ_j y[split, t·K + j, c] for c < OUT_N (token t: program row 0; columns: row 1)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BN + tl.arange(0, BN)
+    slots = tl.arange(0, KP)
+    mask = (slots[:, None] < K) & (offs[None, :] < OUT_N)
+    ptrs = y_ptr + (t.to(tl.int64) * K + slots[:, None]) * N + offs[None, :]
+    acc = tl.zeros([KP, BN], dtype=tl.float32)
+    for p in tl.static_range(SPLIT):
+        acc += tl.load(ptrs + p * stride_split, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * OUT_N + offs, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty),
+             mask=offs < OUT_N)
+
+
+def sum_slots(y: torch.Tensor, k: int, out_n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's k slot rows summed, `[N, out_n]` in `dtype`, from the routed gemv's `[N·k, n]` output (or its
+    K-split partials `[split, N·k, n]`): one launch for what took a split sum, a reduction and a cast."""
+    parts = y if y.dim() == 3 else y[None]
+    n = parts.shape[1] // k
+    if not use_triton(y):
+        return parts.float().sum(0)[:, :out_n].reshape(n, k, out_n).sum(1).to(dtype)
+    out = torch.empty((n, out_n), dtype=dtype, device=y.device)
+    if n:
+        bn = 128
+        _slot_sum_kernel[(n, triton.cdiv(out_n, bn))](parts, out, parts.shape[2], out_n, parts.stride(0),
+                                                      SPLIT=parts.shape[0], K=k, KP=triton.next_power_of_2(k),
+                                                      BN=bn, num_warps=4)
+    return out
+
+
 class RoutedWeights:
     """One projection of every expert of a layer, as the device tables `routed_matmul` reads. The tables hold
     the weights' addresses: the weights are kept referenced here, so they live as long as the tables."""

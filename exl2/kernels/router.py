@@ -69,9 +69,13 @@ def softmax_topk_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     idx = torch.empty((n, k), dtype=torch.int64, device=x.device)
     wts = torch.empty((n, k), dtype=torch.float32, device=x.device)
     if n:
-        be = 16
+        # at least ~256 programs (one token: one expert a program; a whole 2,048-wide row in one load), so the
+        # router weight streams from every SM: 16 experts a program left one token's 128 experts to 8 SMs
+        # (11.7 µs a layer on an H100, RESULTS.md session 38)
+        be = max(1, min(16, next_pow2(n * e) // 256))
         _logits_kernel[(n, triton.cdiv(e, be))](x, x.stride(0), w, bias if bias is not None else w, logits, h, e,
-                                               HAS_BIAS=bias is not None, BE=be, BH=256, num_warps=4)
+                                               HAS_BIAS=bias is not None, BE=be, BH=min(next_pow2(h), 4096 // be),
+                                               num_warps=4)
         _softmax_topk_kernel[(n,)](logits, idx, wts, e, K=k, KP=next_pow2(k), BE=next_pow2(e), NORM=norm,
                                    num_warps=4)
     return idx, wts

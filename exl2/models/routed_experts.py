@@ -9,7 +9,7 @@ import torch
 
 from exl2.kernels.backend import env_choice, use_triton
 from exl2.kernels.routed_dense import RoutedDense
-from exl2.kernels.routed_gemv import RoutedWeights
+from exl2.kernels.routed_gemv import RoutedWeights, sum_slots
 from exl2.runtime.linear import Linear
 
 # Token rows up to which an eager MoE block takes the routed path (EXL2_MOE_ROUTED_ROWS); larger batches group
@@ -80,9 +80,7 @@ class RoutedExperts:
         if gu.dim() == 3:   # K-split partials
             gu = gu.sum(0).to(x.dtype)
         y = self.down(self.down.glu_gather(gu, sel, self.activation), sel, weight=None if scale_input else wf)
-        if y.dim() == 3:
-            y = y.sum(0)
-        return y[:, : self.hidden].reshape(n, k, self.hidden).sum(1).to(x.dtype)
+        return sum_slots(y, k, self.hidden, x.dtype)
 
 
 def prepare_routed(model: torch.nn.Module) -> int:
