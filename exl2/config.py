@@ -338,6 +338,9 @@ class ServerConfig(BaseModel):
     # defaults) with max_tokens and stop strings, as INFO lines of the exl2.server logger
     log_prompt: bool = False
     log_generation_params: bool = False
+    # seconds between the keep-alive comments of a streamed reply (TabbyAPI's sse_ping_interval), which keep proxies
+    # from closing a stream that waits (a long prompt, a queue); 0: none
+    sse_ping_interval: float = Field(15.0, ge=0.0, allow_inf_nan=False)
 
     @field_validator("api_keys", "admin_keys")
     @classmethod

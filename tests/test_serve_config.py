@@ -15,6 +15,7 @@ TABBY = """\
 network:
   host: 0.0.0.0
   port: 5001
+  sse_ping_interval: 5
   disable_auth: false
   api_servers: ["OAI"]
 logging:
@@ -66,7 +67,7 @@ def test_tabbyapi_config_fills_the_flags(tmp_path, caplog):
     path = _write(tmp_path, TABBY.format(root=tmp_path))
     with caplog.at_level(logging.WARNING, logger="exl2.server"):
         args = apply_config_file(_args(["--config", str(path)]), serve._PARSER)
-    assert (args.host, args.port) == ("0.0.0.0", 5001)
+    assert (args.host, args.port, args.sse_ping_interval) == ("0.0.0.0", 5001, 5.0)
     assert args.model_dir_root == str(tmp_path) and args.model_dir == str(tmp_path / "Llama-3-8B-exl2")
     assert (args.max_seq_len, args.cache_size, args.cache_mode, args.gpu_split) == (8192, 16384, "q4", "auto")
     assert (args.rope_scale, args.rope_alpha, args.chunk_size, args.max_batch_size) == (1.0, None, 1024, 8)

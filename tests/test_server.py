@@ -1743,6 +1743,21 @@ def test_inline_model_loading(models_root, built):
         ServerConfig(inline_model_loading=True)
 
 
+@pytest.mark.parametrize("interval", [0.02, 0.0])
+def test_streams_send_keep_alive_pings_at_the_configured_interval(interval):
+    """sse_ping_interval: a stream that waits between its pieces (50 ms each here) carries `: ping` comments every
+    `interval` seconds, and none with 0; the data is the same either way."""
+    slow = SlowFake(EngineConfig(model_dir="slow", max_seq_len=512), reply="a b c d e f")
+    with serving(create_app(slow, ServerConfig(sse_ping_interval=interval))) as base:
+        with httpx.stream("POST", f"{base}/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+            lines = list(r.iter_lines())
+    pings = [line for line in lines if line.startswith(": ping")]
+    assert (len(pings) >= 3) if interval else not pings
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines
+             if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert "".join(texts) == "a b c d e f"
+
+
 def test_requests_wait_for_a_load_and_running_ones_finish_on_the_old_engine(models_root, built):
     """While a load runs, the old model streams on; a request arriving then waits and is served by the new
     model; the old engine is closed only after its last request ended."""

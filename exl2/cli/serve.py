@@ -75,6 +75,8 @@ def register(sub) -> None:
                    help="log each completion request's prompt (TabbyAPI's log_prompt)")
     p.add_argument("--log-generation-params", "--log_generation_params", dest="log_generation_params",
                    action="store_true", help="log each completion request's sampling settings, max_tokens and stops")
+    p.add_argument("--sse-ping-interval", "--sse_ping_interval", dest="sse_ping_interval", type=float, default=15.0,
+                   metavar="S", help="seconds between a streamed reply's keep-alive pings (default 15; 0 = none)")
     p.add_argument("--cors-origin", "--cors_origin", dest="cors_origins", action="append", default=[],
                    metavar="ORIGIN", help="let browser apps on this origin call the API, e.g. http://localhost:3000 "
                                           "(repeatable; '*' = any origin; default: no CORS headers)")
@@ -225,6 +227,7 @@ def run(args) -> int:
                                      reasoning_start_token=args.reasoning_start_token,
                                      reasoning_end_token=args.reasoning_end_token,
                                      log_prompt=args.log_prompt, log_generation_params=args.log_generation_params,
+                                     sse_ping_interval=args.sse_ping_interval,
                                      kobold=args.kobold, sampler_override=args.sampler_override,
                                      sampler_override_dir=args.sampler_override_dir,
                                      template_dir=args.template_dir, start_in_reasoning=args.start_in_reasoning,

@@ -53,6 +53,7 @@ def _split(v: Any) -> str:
 _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("network", "host"): ("host", _text),
     ("network", "port"): ("port", _integer),
+    ("network", "sse_ping_interval"): ("sse_ping_interval", _number),
     ("model", "model_dir"): ("model_dir_root", _text),
     ("model", "inline_model_loading"): ("inline_model_loading", _flag),
     ("model", "max_seq_len"): ("max_seq_len", _integer),

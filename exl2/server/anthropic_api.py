@@ -21,7 +21,7 @@ from exl2.errors import Exl2Error
 from exl2.server import completions
 from exl2.server.chunk_events import ChatChunks
 from exl2.server.errors import APIError, validated
-from exl2.server.host import serving
+from exl2.server.host import serving, sse_ping
 from exl2.server.messages import template_messages
 from exl2.server.schemas import ChatCompletionRequest, ChatMessage, _Body
 
@@ -265,7 +265,7 @@ async def create_message(request: Request):
         return _error(e)
     mid = "msg_" + secrets.token_hex(12)
     if body.stream:
-        return EventSourceResponse(_Events(body, mid).translate(result.body_iterator), ping=15)
+        return EventSourceResponse(_Events(body, mid).translate(result.body_iterator), ping=sse_ping(request))
     if isinstance(result, Response):
         return result
     choice = result["choices"][0]

@@ -32,7 +32,7 @@ from exl2.generation.output import TokenLogprob
 from exl2.names import plain_name
 from exl2.server import params
 from exl2.server.errors import APIError, first_problem, from_engine
-from exl2.server.host import host, serving
+from exl2.server.host import host, serving, sse_ping
 from exl2.server.messages import template_messages, template_variables
 from exl2.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from exl2.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -330,7 +330,7 @@ async def _generate(request: Request, engine, jobs: list[Job]) -> list[Generatio
         await choices.close()
 
 
-async def _stream(engine, jobs: list[Job], prelude, on_text, finish, usage_head: Optional[dict], n: int
+async def _stream(request: Request, engine, jobs: list[Job], prelude, on_text, finish, usage_head: Optional[dict], n: int
                   ) -> EventSourceResponse:
     """Start the jobs, then stream SSE data: each choice's `prelude(i)` chunks, `on_text(i, text, logprobs)` chunks
     while its tokens arrive and `finish(i, result)` chunks when it ends (choices interleaved as produced), the usage
@@ -361,7 +361,7 @@ async def _stream(engine, jobs: list[Job], prelude, on_text, finish, usage_head:
         finally:
             await choices.close()
 
-    return EventSourceResponse(chunks(), ping=15)
+    return EventSourceResponse(chunks(), ping=sse_ping(request))
 
 
 def _state(request: Request):
@@ -558,7 +558,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 yield chunk(i, {"content": holdbacks[i].rest()})
         yield chunk(i, {}, reason, None, _stop_fields(result))
 
-    return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
+    return await _stream(request, st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
 
 
 @router.post("/v1/completions")
@@ -617,4 +617,4 @@ async def completions(body: CompletionRequest, request: Request):
         yield json.dumps({**head, "choices": [{**choice(i, "", result.finish_reason), **_stop_fields(result)}]},
                          ensure_ascii=False)
 
-    return await _stream(st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)
+    return await _stream(request, st.engine, jobs, prelude, on_text, finish, _usage_head(body, head), body.n)

@@ -161,6 +161,11 @@ def host(request: Request) -> ModelHost:
     return request.app.state.exl2_host
 
 
+def sse_ping(request: Request) -> float:
+    """Seconds between a stream's keep-alive pings (`ServerConfig.sse_ping_interval`; 0: none)."""
+    return host(request).config.sse_ping_interval
+
+
 async def acquire(request: Request) -> None:
     """A dependency for routes that use the engine: waits for a load or LoRA change in progress, then pins the
     engine serving now to the request until its response has been sent; 503 when no model is loaded."""

@@ -22,7 +22,7 @@ from exl2.generation.generator import GenerationResult
 from exl2.server import params
 from exl2.server.completions import Choices, ClientGone, Job, engine_error, overridden, unless_disconnected
 from exl2.server.errors import APIError
-from exl2.server.host import host, serving
+from exl2.server.host import host, serving, sse_ping
 from exl2.server.schemas import SamplingFields
 
 KAI_VERSION = "1.2.5"        # KoboldAI United's API version and the KoboldCpp release impersonated: clients
@@ -291,7 +291,7 @@ def router(auth, engine, context_length: ContextLength) -> APIRouter:
                 await gen.choices.close()      # the engine cancels the job
 
         # "\n" line ends, as KoboldCpp sends them: some Kobold clients split events on "\n\n"
-        return EventSourceResponse(events(), ping=15, sep="\n")
+        return EventSourceResponse(events(), ping=sse_ping(request), sep="\n")
 
     @r.post("/api/extra/abort", dependencies=[auth])
     async def abort(request: Request, body: Optional[KoboldKey] = None):

@@ -21,6 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from exl2.server import completions
 from exl2.server.chunk_events import ChatChunks
 from exl2.server.errors import APIError, validated
+from exl2.server.host import sse_ping
 from exl2.server.schemas import ChatCompletionRequest, _Body
 
 KEEP_RESPONSES = 256
@@ -274,7 +275,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             store.put(response, conversation + input_messages(output))
         return response
     events = _Events(body, rid, created, store, conversation)
-    return EventSourceResponse(events.translate(result.body_iterator), ping=15)
+    return EventSourceResponse(events.translate(result.body_iterator), ping=sse_ping(request))
 
 
 @router.get("/v1/responses/{response_id}")
