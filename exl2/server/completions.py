@@ -330,8 +330,8 @@ async def _generate(request: Request, engine, jobs: list[Job]) -> list[Generatio
         await choices.close()
 
 
-async def _stream(request: Request, engine, jobs: list[Job], prelude, on_text, finish, usage_head: Optional[dict], n: int
-                  ) -> EventSourceResponse:
+async def _stream(request: Request, engine, jobs: list[Job], prelude, on_text, finish, usage_head: Optional[dict],
+                  n: int) -> EventSourceResponse:
     """Start the jobs, then stream SSE data: each choice's `prelude(i)` chunks, `on_text(i, text, logprobs)` chunks
     while its tokens arrive and `finish(i, result)` chunks when it ends (choices interleaved as produced), the usage
     chunk (`usage_head` plus `usage`, if given) once all ended, then [DONE]. An error after the 200 can only be
