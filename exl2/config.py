@@ -58,6 +58,9 @@ class EngineConfig(BaseModel):
     device: Optional[str] = None
     max_batch_size: int = Field(16, ge=1, le=256)
     cache_size: Optional[int] = Field(None, ge=512)   # tokens of KV cache all requests share; default max_seq_len
+    # GB of host memory for cached prompt pages the GPU cache evicts (TabbyAPI's sysmem_kv_cache): copied back when a
+    # later prompt starts with them instead of computed again; 0: none
+    host_cache_gb: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     # prompt tokens a generator step prefills at most (TabbyAPI's chunk_size): smaller chunks need less activation
     # memory and let running replies go on between a long prompt's chunks; larger ones prefill faster
     chunk_size: int = Field(CHUNK_DEFAULT, ge=CHUNK_MIN, le=CHUNK_MAX)

@@ -62,7 +62,8 @@ class Engine:
                                         draft=draft, num_draft_tokens=config.num_draft_tokens,
                                         flash_attention=config.flash_attention_enabled,
                                         adaptive_draft=config.adaptive_draft,
-                                        max_draft_batch=config.max_draft_batch)
+                                        max_draft_batch=config.max_draft_batch,
+                                        host_cache_bytes=int(config.host_cache_gb * 2**30))
         if config.loras:
             self.dynamic.set_loras([self.load_lora(spec) for spec in config.loras])
         self.worker = BatchWorker(self.dynamic)

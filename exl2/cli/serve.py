@@ -60,6 +60,9 @@ def register(sub) -> None:
     p.add_argument("--cache-size", "--cache_size", dest="cache_size", type=int, default=None,
                    help="tokens of KV cache all requests share (default: --max_seq_len; more lets more long "
                         "requests run at once and keeps more prompt prefixes cached)")
+    p.add_argument("--host-cache", "--host_cache", dest="host_cache_gb", type=float, default=None, metavar="GB",
+                   help="host memory for cached prompt pages the KV cache evicts, copied back when a later prompt "
+                        "starts with them (default 0: none)")
     p.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=1024,
                    help="completion length for requests that give no max_tokens (default 1024)")
     p.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser",
@@ -260,6 +263,8 @@ def run(args) -> int:
             settings["embedding_pooling"] = args.embedding_pooling
         if args.cache_size is not None:
             settings["cache_size"] = args.cache_size
+        if args.host_cache_gb is not None:
+            settings["host_cache_gb"] = args.host_cache_gb
         if args.vision:
             settings["vision"] = True
         if args.pan_and_scan:

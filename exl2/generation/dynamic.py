@@ -29,6 +29,7 @@ from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import NO_HEAD, DecoderModel
 from exl2.runtime import lora
 from exl2.generation.request_loras import RequestLoras, check_choice, choice_key
+from exl2.runtime.host_pages import HostPages, stored_run
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.page_pool import PagePool, page_key
 from exl2.runtime.paged_cache import paged_cache_for
@@ -64,13 +65,14 @@ class _Step:
 class DynamicGenerator:
     """`cache_tokens` (at least max_seq_len) sizes the cache all jobs share; `max_batch` bounds the decode batch;
     `overlap` (default: on a GPU) lets decode steps run ahead of the host's text handling (see `iterate`);
-    `flash_attention` False keeps prompt attention off PyTorch's SDPA and the flash_attn package."""
+    `flash_attention` False keeps prompt attention off PyTorch's SDPA and the flash_attn package;
+    `host_cache_bytes` keeps cached prompt pages the GPU cache evicts in host memory (`runtime.host_pages`)."""
 
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, max_seq_len: int, cache_mode: str = "fp16",
                  cache_tokens: Optional[int] = None, max_batch: int = 16, page_size: int = 256, chunk: int = 2048,
                  use_graphs: bool = True, draft: Optional[Drafter] = None, num_draft_tokens: int = 4,
                  overlap: Optional[bool] = None, flash_attention: bool = True, adaptive_draft: bool = True,
-                 max_draft_batch: int = MAX_DRAFT_BATCH):
+                 max_draft_batch: int = MAX_DRAFT_BATCH, host_cache_bytes: int = 0):
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens, self.adaptive_draft = draft, num_draft_tokens, adaptive_draft
         # batch size (rounded up to these) -> guesses a sequence a check feeds
@@ -84,6 +86,9 @@ class DynamicGenerator:
         self.pool = PagePool(num_pages, page_size)
         self.scratch = num_pages  # one spare page: where padded rows of a decode graph write
         self.cache = paged_cache_for(model, num_pages + 1, page_size, cache_mode)
+        self.host_pages = HostPages(self.cache, host_cache_bytes) if host_cache_bytes else None
+        if self.host_pages is not None:
+            self.pool.on_evict = self.host_pages.save
         for shard in getattr(self.cache, "shards", [self.cache]):  # EngineConfig.flash_attention_enabled
             shard.prefill_backend = "auto" if flash_attention else "triton"
         # a check feeds up to num_draft_tokens positions past a job's end (never kept): extra scratch columns
@@ -201,6 +206,8 @@ class DynamicGenerator:
         self.loras.set_globals(adapters)   # checks everything before it changes anything
         self._reset_graphs()
         self.pool.forget_prefixes()
+        if self.host_pages is not None:
+            self.host_pages.clear()
 
     def _reset_graphs(self) -> None:
         for graphs in (self.graphs, *self.verify_graphs.values()):
@@ -232,10 +239,16 @@ class DynamicGenerator:
         if len(self.active) + len(seqs) > self.max_batch:
             return False
         root = choice_key(job.loras)
+        limit = (len(job.ids) - 1) // self.page_size    # the prompt's last token is always computed
         matches = [self.pool.match(j.ids, (len(j.ids) - 1) // self.page_size, root) for j in seqs]
         new = [self._pages_needed(j) - len(shared) for j, (shared, _) in zip(seqs, matches)]
         if sum(new) > self.pool.room(list({p for shared, _ in matches for p in shared})):
             return False  # wait for running jobs to free pages
+        stored: list[bytes] = []   # the job's next pages that the host tier holds: copied in, not computed
+        if self.host_pages is not None:
+            keys = self.pool.keys_after(job.ids, matches[0][1], len(matches[0][0]), limit)
+            stored = keys[:stored_run(self.host_pages, keys)]
+        held = [self.host_pages.take(k) for k in stored]   # out of the tier before acquiring may evict into it
         self.queue.remove(job)
         if self.loras.attach([j.loras for j in self.active] + [job.loras]):
             self._reset_graphs()
@@ -247,6 +260,14 @@ class DynamicGenerator:
                 j.pages = shared + j.pages
             j.length = j.cached_tokens = len(shared) * self.page_size
             j.key, j.published = key, len(shared)
+            if i == 0 and stored:
+                for k, data in zip(stored, held):
+                    page = j.pages[j.published]
+                    self.host_pages.write(page, data)
+                    self.pool.publish(page, k)
+                    j.published += 1
+                j.key, j.length = stored[-1], j.published * self.page_size
+                j.cached_tokens = j.length
             j.tokens = list(j.ids)
             j.reply = j.new_reply(self.tokenizer)
             j.seed = j.settings.seed if j.settings.seed is not None else fresh_seed()

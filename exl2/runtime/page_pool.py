@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -35,6 +35,8 @@ class PagePool:
         self.page_of: dict[bytes, int] = {}                # key -> page
         self.free: list[int] = list(range(num_pages - 1, -1, -1))    # never written since the start, or released
         self.idle: OrderedDict[int, None] = OrderedDict()  # keyed pages nobody uses, least recently used first
+        # called with (page, key) as a cached page is taken for other contents (a host-memory tier saves it)
+        self.on_evict: Optional[Callable[[int, bytes], None]] = None
 
     def available(self) -> int:
         """Pages a new sequence could take (free ones plus cached ones nobody uses)."""
@@ -54,6 +56,15 @@ class PagePool:
             pages.append(page)
             key = k
         return pages, key
+
+    def keys_after(self, tokens: Sequence[int], key: Optional[bytes], first: int, max_pages: int) -> list[bytes]:
+        """The keys of `tokens`' full pages `first`, `first` + 1, ... (below `max_pages`), chained from `key`, the
+        key of the page before them."""
+        out = []
+        for i in range(first, min(max_pages, len(tokens) // self.page_size)):
+            key = page_key(key, tokens[i * self.page_size:(i + 1) * self.page_size])
+            out.append(key)
+        return out
 
     def room(self, shared: list[int]) -> int:
         """How many empty pages a sequence that takes the `shared` cached pages could get besides them (those of
@@ -75,7 +86,10 @@ class PagePool:
                 p = self.free.pop()
             else:
                 p, _ = self.idle.popitem(last=False)
-                del self.page_of[self.key_of.pop(p)]
+                key = self.key_of.pop(p)
+                del self.page_of[key]
+                if self.on_evict is not None:
+                    self.on_evict(p, key)
             self.refs[p] = 1
             out.append(p)
         return list(shared) + out

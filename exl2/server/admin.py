@@ -41,7 +41,7 @@ T = TypeVar("T")
 # The EngineConfig fields that `exl2 serve`'s flags set for every model, so loads through the API inherit them.
 DEFAULT_FIELDS = ("device", "kv_cache_mode", "max_batch_size", "gpu_split", "tensor_parallel", "ngram_draft",
                   "num_draft_tokens", "max_draft_batch", "flash_attention_enabled", "prefill_fp8", "chunk_size",
-                  "cuda_graphs", "vision")
+                  "cuda_graphs", "vision", "host_cache_gb")
 # EngineConfig field -> the load request's name for it, for error messages
 _REQUEST_NAMES = {"kv_cache_mode": "cache_mode", "draft_model_dir": "draft_model.draft_model_name",
                   "num_draft_tokens": "draft_model.draft_num_tokens", "flash_attention_enabled": "no_flash_attention",
