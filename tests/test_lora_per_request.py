@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_lora_serving import GREEDY, MODEL, PROMPT, make_adapter
+from test_lora_serving import GREEDY, MODEL, PROMPT, adapters, engine  # noqa: F401 (the fixtures)
 
 from exl2.config import EngineConfig, LoraSpec
 from exl2.engine import Engine
@@ -18,21 +18,6 @@ from exl2.generation.request_loras import choice_key
 from exl2.runtime.lora import active_loras
 
 LONG = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 11)  # > one 256-token page
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("loras")
-    make_adapter(root, "one", 1)
-    make_adapter(root, "two", 2, modules=("k_proj", "o_proj"))
-    return root
-
-
-@pytest.fixture(scope="module")
-def engine():
-    e = Engine(EngineConfig(model_dir=MODEL, max_seq_len=512, device="cpu"))
-    yield e
-    e.close()
 
 
 def reference(engine: Engine, specs: list, prompt: str) -> list[int]:

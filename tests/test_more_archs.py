@@ -322,8 +322,6 @@ def test_glm4_moe_converts_without_its_next_token_layer(tmp_path):
     and its own norms and projection); the conversion leaves it out, and the EXL2 model stays near the source
     (6 bpw on a random tiny model whose sigmoid routing flips easily, as DeepSeek-V3's: measured relative error
     33 %)."""
-    from safetensors import safe_open
-
     def with_extra_layer(src):
         path = next(src.glob("*.safetensors"))
         tensors = load_file(path)
@@ -335,10 +333,8 @@ def test_glm4_moe_converts_without_its_next_token_layer(tmp_path):
         save_file({**tensors, **extra}, str(path))
         return n
 
-    src, out = _converted(tmp_path, "glm4_moe", edit=with_extra_layer)
+    src, out, keys = _converted_keys(tmp_path, "glm4_moe", edit=with_extra_layer)
     n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
-    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
-        keys = set(f.keys())
     assert f"model.layers.{n - 1}.mlp.experts.3.up_proj.q_weight" in keys
     assert not any(k.startswith(f"model.layers.{n}.") for k in keys)
     ids = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -352,6 +348,15 @@ def test_glm4_moe_converts_without_its_next_token_layer(tmp_path):
     with torch.no_grad():
         exl2 = load_model(out, "cpu", dtype=torch.float32)(ids)
         assert (tp(ids) - exl2).abs().max().item() <= 1e-3 * exl2.abs().max().item()
+
+
+def _converted_keys(tmp_path, name: str, edit=None):
+    """`_converted`'s source and output directories, and the tensor names the output holds."""
+    from safetensors import safe_open
+
+    src, out = _converted(tmp_path, name, edit)
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        return src, out, set(f.keys())
 
 
 def _converted(tmp_path, name: str, edit=None):
@@ -395,13 +400,9 @@ def test_moe_models_convert_and_load(tmp_path, name, bound):
 def test_qwen2_moe_conversion_keeps_the_gates(tmp_path):
     """The routed and shared experts are quantized, the router and the shared expert's gate kept as they are; an
     input width EXL2 cannot pack is refused before any work."""
-    from safetensors import safe_open
-
     from exl2.quantize.pipeline import Converter, ConvertSettings
 
-    src, out = _converted(tmp_path, "qwen2_moe")
-    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
-        keys = set(f.keys())
+    src, out, keys = _converted_keys(tmp_path, "qwen2_moe")
     p = "model.layers.0.mlp"
     assert {f"{p}.shared_expert.down_proj.q_weight", f"{p}.experts.3.up_proj.q_weight", f"{p}.gate.weight",
             f"{p}.shared_expert_gate.weight"} <= keys
@@ -419,11 +420,7 @@ def test_cohere_models_convert_and_load(tmp_path, name, bound):
     quantized), both fed the layer's input; the converted model's logits stay near the source's (6 bpw on random
     tiny models; measured relative error 11.8 %, 8.1 %, 13.0 %; GLM-4's is 8.6 %). Two shards of the EXL2 model
     (quantized o_proj gathered, the MLP reduced) give its unsharded logits."""
-    from safetensors import safe_open
-
-    src, out = _converted(tmp_path, name)
-    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
-        keys = set(f.keys())
+    src, out, keys = _converted_keys(tmp_path, name)
     p = "model.layers.1"
     assert {f"{p}.self_attn.q_proj.q_weight", f"{p}.mlp.down_proj.q_weight", f"{p}.input_layernorm.weight"} <= keys
     assert not any("post_attention_layernorm" in k for k in keys)
@@ -471,11 +468,7 @@ def test_glm_models_convert_and_load(tmp_path, name, bound):
     """GLM-4 and GLM-4-0414 to EXL2: the fused gate_up_proj is quantized as gate_proj and up_proj, the q/k/v biases
     and GLM-4-0414's four norms per layer are kept under their names, and the converted model's logits stay near
     the source's (6 bpw on random tiny models; measured relative error 8.6 %, 12.8 %)."""
-    from safetensors import safe_open
-
-    src, out = _converted(tmp_path, name)
-    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
-        keys = set(f.keys())
+    src, out, keys = _converted_keys(tmp_path, name)
     p = "model.layers.1"
     assert {f"{p}.mlp.gate_proj.q_weight", f"{p}.mlp.up_proj.q_weight", f"{p}.self_attn.k_proj.bias"} <= keys
     assert not any("gate_up_proj" in k for k in keys)
@@ -492,14 +485,10 @@ def test_olmo2_converts_and_counts_its_norms_once(tmp_path):
     """OLMo 2 to EXL2 (norms after the sublayers only, q/k norms over whole projections): both output norms and
     the q/k norms kept under their names, every decoder tensor counted once for the bit rate, and the logits near
     the source's (6 bpw on a random tiny model; measured relative error 9.1 %)."""
-    from safetensors import safe_open
-
     from exl2.quantize.blocks import SourceModel, slots
     from exl2.quantize.pipeline import decoder_numel
 
-    src, out = _converted(tmp_path, "olmo2")
-    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
-        keys = set(f.keys())
+    src, out, keys = _converted_keys(tmp_path, "olmo2")
     p = "model.layers.1"
     assert {f"{p}.{n}.weight" for n in ("post_attention_layernorm", "post_feedforward_layernorm",
                                         "self_attn.q_norm", "self_attn.k_norm")} <= keys
