@@ -320,7 +320,7 @@ for s in $steps; do
        echo "moe decode rc=$?"; cat "$OUT/moe_decode.txt" | tail -20 ;;
   s79) timeout -s INT -k 10 240 python3 -m pytest -m "gpu or not gpu" tests/test_routed_experts.py \
          tests/test_lora_per_request.py tests/test_kernels_small.py -k "routed or dense or glu or rotary_store or per_request" \
-         -q -p no:cacheprovider -n 4 > "$OUT/gpu_s79.txt" 2>&1
+         -q -p no:cacheprovider -n 8 > "$OUT/gpu_s79.txt" 2>&1
        echo "routed / per-request LoRA tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_s79.txt" | tail -12
        timeout 200 python3 -m exl2.cli.main bench --shape qwen3-30b-a3b --layers 8 --modes fp16 --contexts 128 \
          --prefill 512 --batch 4,16 --breakdown > "$OUT/bench_moe.txt" 2>&1; echo "moe bench rc=$?"
