@@ -160,3 +160,15 @@ def test_per_request_adapters_through_the_decode_graphs(adapters):
         assert len({tuple(want[n][0]) for n in sets}) == 3
     finally:
         e.close()
+
+
+def test_a_base_model_choice_without_adapters_attaches_nothing(engine, monkeypatch):
+    """A request choosing [] while no adapter is active changes nothing on the model: no set_loras, no graph
+    reset, on any step."""
+    from exl2.runtime import lora
+
+    calls = []
+    monkeypatch.setattr(lora, "set_loras", lambda *a: calls.append(a))
+    want = engine.generate(PROMPT, GREEDY, 6).token_ids
+    assert engine.generate(PROMPT, GREEDY, 6, loras=[]).token_ids == want
+    assert calls == []

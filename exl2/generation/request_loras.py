@@ -77,7 +77,7 @@ class RequestLoras:
             for ad, _ in choice or ():
                 if ad not in want:
                     want.append(ad)
-        per_row = any(c is not None for c in choices)
+        per_row = bool(want) and any(c is not None for c in choices)
         if want == self.attached and per_row == self.per_row:
             return False
         lora.set_loras(self.model, want)
