@@ -436,6 +436,27 @@ def test_cohere_models_convert_and_load(tmp_path, name, bound):
         assert (tp(ids) - exl2).abs().max().item() <= 1e-3 * exl2.abs().max().item()
 
 
+def test_cohere_measurement_is_exllamav2s_parallel_layout_and_reusable(tmp_path):
+    """A parallel layer's measurement goes out as exllamav2 writes it (`model.layers.N.parallel_decoder` holding
+    `attn` and `mlp`), and a conversion given that file with -m reads it back and writes the very same tensors."""
+    from safetensors.torch import load_file
+
+    from exl2.cli.main import main
+
+    src, out = _converted(tmp_path, "cohere")
+    data = json.loads((tmp_path / "work" / "measurement.json").read_text())
+    m = data["measurement"]
+    assert list(m) == [f"model.layers.{i}.parallel_decoder" for i in range(3)] + ["model.norm.norm", "lm_head.linear"]
+    assert data["last_module_idx"] == 5
+    assert {"q_proj", "o_proj"} <= set(m["model.layers.1.parallel_decoder"]["attn"][0])
+    assert {"gate_proj", "down_proj"} <= set(m["model.layers.1.parallel_decoder"]["mlp"][0])
+    assert main(["convert", "-i", str(src), "-o", str(tmp_path / "work2"), "-cf", str(tmp_path / "out2"), "-b", "6.0",
+                 "-c", str(tmp_path / "calibration.txt"), "-r", "4", "-l", "64",
+                 "-m", str(tmp_path / "work" / "measurement.json")]) == 0
+    a, b = (load_file(str(next(d.glob("*.safetensors")))) for d in (out, tmp_path / "out2"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_cohere_conversion_resumed_after_an_attention_block_is_the_same(tmp_path, monkeypatch):
     """A conversion killed between a parallel layer's attention and MLP blocks resumes at the attention (the MLP
     block runs the quantized attention, which a fresh process has not loaded) and writes the very same tensors."""

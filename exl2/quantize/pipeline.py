@@ -34,6 +34,7 @@ BUILTIN_ROWS, BUILTIN_MEASURE_ROWS = 115, 19      # exllamav2's built-in set siz
 FILE_ROWS, FILE_MEASURE_ROWS = 100, 16            # exllamav2's -r / -mr defaults for -c data
 STATE_SAVE_BYTES = 512 * 2 ** 20                  # states larger than this are saved at most every SAVE_SECONDS
 SAVE_SECONDS = 120.0
+PARALLEL = ".parallel_decoder"                     # exllamav2's measurement key suffix of a parallel layer
 
 # Settings that invalidate a measurement when changed, and those that only invalidate the quant pass/compile.
 _MEASURE_KEYS = ("in_dir", "cal_dataset", "measurement_rows", "measurement_length", "measurement", "seed",
@@ -140,15 +141,27 @@ def read_measurement(path: Path | str) -> dict:
     m = data.get("measurement") if isinstance(data, dict) else None
     if not isinstance(m, dict):
         raise ConfigError(f"{path} has no \"measurement\" object; it is not a measurement.json.")
-    return m
+    out = {}
+    for key, entry in m.items():   # exllamav2's parallel layers (Cohere): one entry holding both blocks
+        if key.endswith(PARALLEL) and isinstance(entry, dict):
+            layer = key[: -len(PARALLEL)]
+            out[layer + ".self_attn"], out[layer + ".mlp"] = entry.get("attn"), entry.get("mlp")
+        else:
+            out[key] = entry
+    return out
 
 
-def measurement_json(measurement: dict, slots: list[Slot]) -> dict:
-    """exllamav2's file layout: block entries, then the unmeasured norm/head, and the index of the last module."""
-    out = {s.key: measurement[s.key] for s in slots}
+def measurement_json(measurement: dict, slots: list[Slot], parallel: bool = False) -> dict:
+    """exllamav2's file layout: block entries (a parallel layer's two in one `parallel_decoder` entry, as exllamav2
+    measures it), then the unmeasured norm/head, and the index of the last module."""
+    if parallel:
+        out = {f"model.layers.{a.layer}{PARALLEL}": {"attn": measurement[a.key], "mlp": measurement[m.key]}
+               for a, m in zip(slots[::2], slots[1::2])}
+    else:
+        out = {s.key: measurement[s.key] for s in slots}
     out["model.norm.norm"] = None
     out["lm_head.linear"] = None
-    return {"measurement": out, "last_module_idx": len(slots) + 2}
+    return {"measurement": out, "last_module_idx": len(out)}
 
 
 def decoder_numel(model: SourceModel, slots: list[Slot]) -> int:
@@ -366,14 +379,18 @@ class Converter:
                 results[slot.key] = options
                 last = slot.index == len(self.slots) - 1
                 self._save_states(states, "measure", slot.index + 1, results, force=last)
-        atomic_write_text(self.work / J.MEASUREMENT_FILE, json.dumps(measurement_json(results, self.slots), indent=4))
+        self._save_measurement(self.work / J.MEASUREMENT_FILE, results)
         job.advance("optimize", measurement=results)
+
+    def _save_measurement(self, path: Path, measurement: dict) -> None:
+        data = measurement_json(measurement, self.slots, self.spec.parallel_block)
+        atomic_write_text(path, json.dumps(data, indent=4))
 
     def _write_measurement(self, measurement: dict) -> None:
         """-om: copy the measurement where asked (a file, or measurement.json inside a directory)."""
         target = Path(self.s.output_measurement)
         path = target / J.MEASUREMENT_FILE if target.is_dir() else target
-        atomic_write_text(path, json.dumps(measurement_json(measurement, self.slots), indent=4))
+        self._save_measurement(path, measurement)
         self.ui.info(f"measurement written to {path}")
 
     def _stage_optimize(self, job: J.Job, summary: dict) -> None:
