@@ -87,6 +87,8 @@
 # s76 (session 36): benchmarks/moe_dispatch.py (MoE.forward's sorted dispatch against the per-expert one).
 # s77 (session 37): the routed MoE GPU tests (CUDA-graph decoding of a quantized Qwen3-MoE-shaped model), then
 # benchmarks/moe_decode.py (grouped / routed / graph decode of a Qwen3-30B-A3B-shaped model, MOE_LAYERS layers).
+# s80: s79 cut to fit little device time: the router, slot-sum, routed-path and per-request LoRA GPU tests, then the
+# MoE bench at batches 1 and 16 with its breakdown.
 # s79: the routed-expert, rotary-store and per-request LoRA tests on CUDA (session 38 made the interpreter-only ones
 # run on a GPU too), the MoE bench with its breakdown (the router logits over more programs, the slot sum in one
 # launch), then on an H200 the target table.
@@ -318,6 +320,13 @@ for s in $steps; do
        grep -vE "it/s\]" "$OUT/gpu_routed.txt" | tail -25
        timeout 400 python3 benchmarks/moe_decode.py --layers ${MOE_LAYERS:-8} > "$OUT/moe_decode.txt" 2>&1
        echo "moe decode rc=$?"; cat "$OUT/moe_decode.txt" | tail -20 ;;
+  s80) timeout -s INT -k 10 150 python3 -m pytest -m "gpu or not gpu" tests/test_routed_experts.py \
+         tests/test_lora_per_request.py -k "softmax or slot_sum or routed_path or graph or glu or per_request_adapters" \
+         -q -p no:cacheprovider -n 8 > "$OUT/gpu_s80.txt" 2>&1
+       echo "router / slot-sum / per-request LoRA tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_s80.txt" | tail -8
+       timeout 150 python3 -m exl2.cli.main bench --shape qwen3-30b-a3b --layers 8 --modes fp16 --contexts 128 \
+         --prefill 512 --batch 16 --breakdown > "$OUT/bench_moe.txt" 2>&1; echo "moe bench rc=$?"
+       grep -vE "it/s\]|[Ww]arn" "$OUT/bench_moe.txt" | tail -22 ;;
   s79) timeout -s INT -k 10 240 python3 -m pytest -m "gpu or not gpu" tests/test_routed_experts.py \
          tests/test_lora_per_request.py tests/test_kernels_small.py -k "routed or dense or glu or rotary_store or per_request" \
          -q -p no:cacheprovider -n 8 > "$OUT/gpu_s79.txt" 2>&1
