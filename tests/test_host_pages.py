@@ -2,6 +2,8 @@
 cache evicts are kept in host memory and copied back when a prompt starts with them, giving the same reply as
 computing them; without the tier the same request recomputes them. The golden 4.0 bpw model on CPU, with a cache of
 two 256-token pages so that a second long prompt evicts the first one's pages."""
+import logging
+
 import pytest
 import torch
 
@@ -36,8 +38,9 @@ def test_evicted_pages_come_back_from_host_memory():
     assert logprobs[2] == pytest.approx(plain_logprobs[2], abs=1e-5)
 
 
-def test_host_pages_store_and_drop_oldest_first():
-    """save/take/write round-trip every tensor of a page; past the budget the oldest page goes first."""
+def test_host_pages_store_and_drop_oldest_first(caplog):
+    """save/take/write round-trip every tensor of a page; past the budget the oldest page goes first; a budget below
+    one page says so."""
     from exl2.models.registry import spec_from_config
     from exl2.runtime.paged_cache import PagedKVCache
     from exl2.runtime.synthetic import QWEN3_30B_A3B
@@ -57,6 +60,9 @@ def test_host_pages_store_and_drop_oldest_first():
     data = store.take(b"b")
     store.write(3, data)
     assert all(torch.equal(t[3], t[1]) for t in tensors) and b"b" not in store
+    with caplog.at_level(logging.WARNING, logger="exl2.model"):
+        assert HostPages(cache, 1000).capacity == 0
+    assert "smaller than one cache page" in caplog.text
 
 
 def test_page_pool_reports_evictions_and_chains_keys():

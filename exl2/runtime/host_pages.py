@@ -4,10 +4,13 @@ busy GPU cache (TabbyAPI's sysmem_kv_cache). Copying a page back costs a host-to
 values (for an 8B model in fp16, 32 MB for 256 tokens: ~2 ms), against a prefill of those tokens."""
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Optional
 
 import torch
+
+log = logging.getLogger("exl2.model")
 
 
 def page_tensors(cache) -> list[torch.Tensor]:
@@ -27,6 +30,9 @@ class HostPages:
         self.tensors = page_tensors(cache)
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
         self.capacity = int(budget_bytes // max(1, self.page_bytes))
+        if budget_bytes and not self.capacity:
+            log.warning("The host cache (%.2f GB) is smaller than one cache page (%.1f MB), so it holds nothing.",
+                        budget_bytes / 2**30, self.page_bytes / 2**20)
         self.pinned = any(t.is_cuda for t in self.tensors)
         self._pages: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
 
