@@ -87,6 +87,7 @@
 # s76 (session 36): benchmarks/moe_dispatch.py (MoE.forward's sorted dispatch against the per-expert one).
 # s77 (session 37): the routed MoE GPU tests (CUDA-graph decoding of a quantized Qwen3-MoE-shaped model), then
 # benchmarks/moe_decode.py (grouped / routed / graph decode of a Qwen3-30B-A3B-shaped model, MOE_LAYERS layers).
+# s81: benchmarks/lora_batch.py (decode tok/s with no adapter, a global one, per-request ones).
 # s80: s79 cut to fit little device time: the router, slot-sum, routed-path and per-request LoRA GPU tests, then the
 # MoE bench at batches 1 and 16 with its breakdown.
 # s79: the routed-expert, rotary-store and per-request LoRA tests on CUDA (session 38 made the interpreter-only ones
@@ -320,6 +321,8 @@ for s in $steps; do
        grep -vE "it/s\]" "$OUT/gpu_routed.txt" | tail -25
        timeout 400 python3 benchmarks/moe_decode.py --layers ${MOE_LAYERS:-8} > "$OUT/moe_decode.txt" 2>&1
        echo "moe decode rc=$?"; cat "$OUT/moe_decode.txt" | tail -20 ;;
+  s81) timeout 300 python3 benchmarks/lora_batch.py --batches 1,4,16 > "$OUT/lora_batch.txt" 2>&1
+       echo "lora batch rc=$?"; cat "$OUT/lora_batch.txt" ;;
   s80) timeout -s INT -k 10 150 python3 -m pytest -m "gpu or not gpu" tests/test_routed_experts.py \
          tests/test_lora_per_request.py -k "softmax or slot_sum or routed_path or graph or glu or per_request_adapters" \
          -q -p no:cacheprovider -n 8 > "$OUT/gpu_s80.txt" 2>&1
