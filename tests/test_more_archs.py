@@ -596,19 +596,22 @@ def test_glm4_blocks_count_each_norm_once(dirs):
     assert decoder_numel(model, slots(model.spec)) == want
 
 
-@pytest.mark.parametrize("name", ["glm", "glm4", "cohere", "cohere_qk_norm", "cohere2", "granite"])
-def test_tensor_parallel_matches_unsharded(dirs, name):
+@pytest.mark.parametrize("name", ["glm", "glm4", "cohere", "cohere_qk_norm", "cohere2", "granite", "olmo2", "olmo3",
+                                  "minimax_m2"])
+def test_tensor_parallel_matches_unsharded(dirs, tmp_path, name):
     """Two CPU shards of GLM-4 / GLM-4-0414 (partial interleaved RoPE, q/k/v biases, the fused gate_up_proj split,
     GLM-4-0414's sandwich norms), Command-R (parallel layers: one all-reduce for o_proj's and the MLP's partial sums;
-    LayerNorm; per-head q/k LayerNorms split by head), Command R7B (sliding and NoPE layers, o bias) and Granite
-    (scaled residuals) give the unsharded logits, prefill and paged decode."""
+    LayerNorm; per-head q/k LayerNorms split by head), Command R7B (sliding and NoPE layers, o bias), Granite
+    (scaled residuals), OLMo 2/3 (no norm before the sublayers; q/k RMSNorms over the whole projections, each shard's
+    share normed with every shard's sums) and MiniMax-M2 (those q/k norms in an MoE model) give the unsharded
+    logits, prefill and paged decode."""
     from exl2.models.registry import read_config
     from exl2.runtime.paged_cache import paged_cache_for
     from exl2.runtime.tp.model import build_tensor_parallel
 
-    ref = load_model(dirs[name], "cpu")
-    tp = build_tensor_parallel(TensorSource(dirs[name]), spec_from_config(read_config(dirs[name])), ["cpu"] * 2,
-                               torch.float32)
+    src = dirs[name] if name in dirs else build_tiny(name, tmp_path / name)
+    ref = load_model(src, "cpu")
+    tp = build_tensor_parallel(TensorSource(src), spec_from_config(read_config(src)), ["cpu"] * 2, torch.float32)
     ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(0))
     logits = []
     for model in (tp, ref):

@@ -155,14 +155,20 @@ class Attention(nn.Module):
         return self.o_proj(self.heads(x, q_pos, rope, cache, xp))
 
     def heads(self, x: torch.Tensor, q_pos: torch.Tensor, rope: Optional[tuple], cache=None,
-              xp: Optional[torch.Tensor] = None, out_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+              xp: Optional[torch.Tensor] = None, out_index: Optional[torch.Tensor] = None,
+              qkv: Optional[tuple] = None) -> torch.Tensor:
         """The attention output before o_proj, `[B, T, H·Dv]` (with `out_index`, the rows `[B·T, H·Dv]` in that
-        column order): what a tensor-parallel shard exchanges before its share of o_proj (runtime.tp)."""
+        column order): what a tensor-parallel shard exchanges before its share of o_proj (runtime.tp). `qkv`: the
+        projections of x already made (and, for whole-projection q/k norms, normed: a shard's norm needs every
+        shard's sums)."""
         b, t, _ = x.shape
         s, layer = self.spec, self.layer
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), xp)
-        if s.qk_norm_full:
-            q, k = self.q_norm(q.reshape(b, t, -1)), self.k_norm(k.reshape(b, t, -1))
+        if qkv is not None:
+            q, k, v = qkv
+        else:
+            q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), xp)
+            if s.qk_norm_full:
+                q, k = self.q_norm(q.reshape(b, t, -1)), self.k_norm(k.reshape(b, t, -1))
         q = q.view(b, t, s.num_heads, s.head_dim)
         k = k.view(b, t, s.num_kv_heads, s.head_dim)
         v = v.view(b, t, s.num_kv_heads, s.head_dim)

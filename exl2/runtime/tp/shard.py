@@ -32,7 +32,7 @@ from exl2.kernels.qweight import QuantWeight, input_features, slice_steps, take_
 from exl2.models.decoder import Attention, DecoderLayer, MLAttention, on_device, residual_scaled
 from exl2.models.layers import GatedMLP, LayerNorm, MoE, RMSNorm
 from exl2.models.spec import ModelSpec
-from exl2.runtime.linear import Linear
+from exl2.runtime.linear import Linear, project
 from exl2.runtime.tp.collectives import Collectives
 
 
@@ -40,10 +40,6 @@ def check_supported(spec: ModelSpec, parts: int) -> None:
     """Raise ConfigError (one sentence) where this model cannot be sharded over `parts` devices."""
     if parts < 2:
         raise ConfigError("Tensor parallelism needs at least two devices; leave it off to run on one.")
-    if spec.qk_norm_full or not spec.pre_norm:
-        raise ConfigError(f"Tensor parallelism does not support {spec.arch}'s norms (q/k norms over every head "
-                          "together, or no norm before each sublayer) yet; use the layer split (--gpu_split "
-                          "without --tensor-parallel).")
     if spec.num_kv_heads % parts:
         raise ConfigError(f"Tensor parallel over {parts} devices needs the KV head count ({spec.num_kv_heads}) to be "
                           f"a multiple of {parts}.")
@@ -107,10 +103,12 @@ class _Prepared:
 
 def norm_on(norm: Optional[nn.Module], device: torch.device, rows: Optional[torch.Tensor] = None
             ) -> Optional[nn.Module]:
-    """A copy of an RMSNorm or LayerNorm on `device`; `rows`: only those rows of a per-head [heads, d] weight."""
-    if norm is None:
-        return None
-    weight = norm.weight if rows is None or norm.weight is None or norm.weight.dim() < 2 else norm.weight[rows]
+    """A copy of an RMSNorm or LayerNorm on `device` (an Identity, where a model has no norm, as it is); `rows`:
+    only those entries of its weight (a shard's heads of a per-head [heads, d] weight, its features of a
+    whole-projection one)."""
+    if norm is None or isinstance(norm, nn.Identity):
+        return norm
+    weight = norm.weight if rows is None or norm.weight is None else norm.weight[rows]
     if isinstance(norm, LayerNorm):
         return LayerNorm(_replica(weight, device), norm.eps)
     return RMSNorm(_replica(weight, device), norm.eps, norm.offset)
@@ -131,9 +129,14 @@ def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, dev
                f"{prefix}.o_proj": o_shard}
     tensors = {}
     if attn.q_norm is not None:
-        heads = (_heads(n, 1, part, parts) for n in (spec.num_heads, spec.num_kv_heads))
-        tensors = {f"{prefix}.{name}.weight": norm_on(norm, device, rows).weight.data
-                   for name, norm, rows in zip(("q_norm", "k_norm"), (attn.q_norm, attn.k_norm), heads)}
+        if spec.qk_norm_full:           # RMSNorms over the whole projections: the shard's features of the weight
+            rows = (q_cols, kv_cols)
+        elif attn.q_norm.weight.dim() == 2:   # one weight row a head (Cohere): the shard's heads
+            rows = tuple(_heads(n, 1, part, parts) for n in (spec.num_heads, spec.num_kv_heads))
+        else:                           # one weight for every head (Qwen3): whole
+            rows = (None, None)
+        tensors = {f"{prefix}.{name}.weight": norm_on(norm, device, r).weight.data
+                   for name, norm, r in zip(("q_norm", "k_norm"), (attn.q_norm, attn.k_norm), rows)}
     if attn.sinks is not None:   # one per query head: the shard's heads' own
         per = spec.num_heads // parts
         tensors[f"{prefix}.sinks"] = _replica(attn.sinks[part * per:(part + 1) * per], device)
@@ -231,6 +234,13 @@ def shard_ffn(ffn: nn.Module, part: int, parts: int, device: torch.device) -> nn
     return shard_mlp(ffn, part, parts, device)
 
 
+def _rms_with(x: torch.Tensor, sum_sq: torch.Tensor, features: int, norm: RMSNorm) -> torch.Tensor:
+    """RMSNorm of a shard's share `x` of a wider row, given the whole row's sum of squares (`kernels.norm`'s
+    arithmetic: fp32, then the weight, then x's dtype)."""
+    y = x.float() * torch.rsqrt(sum_sq / features + norm.eps)[..., None]
+    return (y * (norm.weight.float() + norm.offset)).to(x.dtype)
+
+
 class ShardedLayer(nn.Module):
     """One decoder layer as `parts` shards: per shard its norms, attention and MLP (on that shard's device)."""
 
@@ -250,6 +260,13 @@ class ShardedLayer(nn.Module):
         for name in names:
             setattr(self, name, nn.ModuleList([norm_on(getattr(layer, name), d) for d in devices]))
 
+    def _full_normed(self, r: int, qkv: tuple, sums: torch.Tensor) -> tuple:
+        """Shard r's q and k normed over the whole projections (OLMo 2/3, MiniMax-M2) from every shard's sums."""
+        q, k, v = qkv
+        s, attn = self.spec, self.attn[r]
+        return (_rms_with(q, sums[..., 0], s.num_heads * s.head_dim, attn.q_norm),
+                _rms_with(k, sums[..., 1], s.num_kv_heads * s.head_dim, attn.k_norm), v)
+
     def forward(self, xs: list[torch.Tensor], positions: list[torch.Tensor], ropes: list, caches: list,
                 coll: Collectives, devices: list[torch.device]) -> list[torch.Tensor]:
         """The residual stream after this layer, one replica per shard: three collectives with a quantized
@@ -262,7 +279,13 @@ class ShardedLayer(nn.Module):
             return out
 
         h = each(lambda r: self.input_layernorm[r](xs[r]))
-        a = each(lambda r: self.attn[r].heads(h[r], positions[r], ropes[r], caches[r]))
+        if self.spec.qk_norm_full:   # RMSNorms over whole projections: every shard's sums of squares first
+            qkv = each(lambda r: project(h[r], (self.attn[r].q_proj, self.attn[r].k_proj, self.attn[r].v_proj)))
+            sums = coll.all_reduce(each(lambda r: torch.stack([y.float().square().sum(-1) for y in qkv[r][:2]], -1)))
+            qkv = each(lambda r: self._full_normed(r, qkv[r], sums[r]))
+            a = each(lambda r: self.attn[r].heads(h[r], positions[r], ropes[r], caches[r], qkv=qkv[r]))
+        else:
+            a = each(lambda r: self.attn[r].heads(h[r], positions[r], ropes[r], caches[r]))
         if self.parallel and self.o_mode == "reduce":
             s = coll.all_reduce(each(lambda r: self.attn[r].o_proj(a[r]) + self.mlp[r](h[r])))
             return each(lambda r: xs[r] + s[r])
