@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from exl2.config import SamplingSettings  # noqa: E402
 from exl2.generation.dynamic import DynamicGenerator, Job  # noqa: E402
 from exl2.runtime.lora import LoraAdapter  # noqa: E402
-from exl2.runtime.synthetic import synthetic_model, synthetic_tokenizer  # noqa: E402
+from serving import synthetic_on_cuda  # noqa: E402 - the same model and tokenizer as the serving benchmark
 
 GREEDY = SamplingSettings(temperature=0)
 
@@ -68,13 +68,12 @@ def main() -> int:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--layers", type=int, default=None, help="fewer layers, for a quick check")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("error: benchmarks/lora_batch.py needs a CUDA GPU.", file=sys.stderr)
+    loaded = synthetic_on_cuda("lora_batch.py", args.layers)
+    if loaded is None:
         return 2
+    model, tok = loaded
     batches = [int(b) for b in args.batches.split(",")]
-    model, _ = synthetic_model(torch.device("cuda"), args.layers)
     with tempfile.TemporaryDirectory() as d:
-        tok = synthetic_tokenizer(d)
         a, b = (LoraAdapter.from_dir(write_adapter(Path(d), n, model, args.rank, s), model)
                 for n, s in (("a", 1), ("b", 2)))
     gen = DynamicGenerator(model, tok, args.prompt + args.new + 64, max_batch=max(batches),

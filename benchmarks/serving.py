@@ -9,7 +9,6 @@ speculative guesses in one step against a plain step. Run on a CUDA machine:
 """
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -32,6 +31,14 @@ VARIANTS = [(name, settings, overlap) for name, settings in (("greedy", GREEDY),
 ROLEPLAY = SamplingSettings(temperature=1.0, min_p=0.05, dry_multiplier=0.8, xtc_probability=0.5)
 # classifier-free guidance (--cfg): every job decodes a second sequence (its negative prompt, the BOS token)
 GUIDED = SamplingSettings(temperature=0, cfg_scale=1.5)
+
+
+def synthetic_on_cuda(script: str, layers: Optional[int]):
+    """(the synthetic 8B model on the GPU, its tokenizer), or None (having said why) without a GPU."""
+    if not torch.cuda.is_available():
+        print(f"error: benchmarks/{script} needs a CUDA GPU.", file=sys.stderr)
+        return None
+    return synthetic_model(torch.device("cuda"), layers)[0], synthetic_tokenizer()
 
 
 def run(gen: DynamicGenerator, batch: int, prompt: int, new: int, vocab: int, seed: int = 0,
@@ -82,13 +89,11 @@ def main() -> int:
     variants = VARIANTS + ([("min-p 0.05, DRY 0.8, XTC 0.5", ROLEPLAY, True)] if args.extended else []) \
         + ([("greedy, CFG 1.5 (two sequences a job)", GUIDED, False)] if args.cfg else [])
     rows = 2 if args.cfg else 1
-    if not torch.cuda.is_available():
-        print("error: benchmarks/serving.py needs a CUDA GPU.", file=sys.stderr)
+    loaded = synthetic_on_cuda("serving.py", args.layers)
+    if loaded is None:
         return 2
+    model, tok = loaded
     batches = [int(b) for b in args.batches.split(",")]
-    model, _ = synthetic_model(torch.device("cuda"), args.layers)
-    with tempfile.TemporaryDirectory() as d:
-        tok = synthetic_tokenizer(d)
     longest = round(args.prompt * (1 + args.spread)) + args.new + 64
     gen = DynamicGenerator(model, tok, longest, args.cache_mode, cache_tokens=rows * max(batches) * (longest + 256),
                            max_batch=rows * max(batches))

@@ -165,16 +165,20 @@ def synthetic_model(device: torch.device, layers: int | None = None, body: str =
     return model, source
 
 
-def synthetic_tokenizer(directory, vocab_size: int = LLAMA3_8B["vocab_size"]):
-    """A word-level tokenizer with one made-up word per id and no end token, written to `directory`, so the
-    generators can run the fabricated model to a fixed length."""
+def synthetic_tokenizer(directory=None, vocab_size: int = LLAMA3_8B["vocab_size"]):
+    """A word-level tokenizer with one made-up word per id and no end token, written to `directory` (None: a
+    temporary one), so the generators can run the fabricated model to a fixed length."""
     import json
+    import tempfile
     from pathlib import Path
 
     from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
     from exl2.generation.tokenizer import Tokenizer
 
+    if directory is None:
+        with tempfile.TemporaryDirectory() as d:
+            return synthetic_tokenizer(d, vocab_size)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tok = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
