@@ -167,8 +167,8 @@ def test_a_base_model_choice_without_adapters_attaches_nothing(engine, monkeypat
     reset, on any step."""
     from exl2.runtime import lora
 
+    want = engine.generate(PROMPT, GREEDY, 6).token_ids   # (detaches what earlier tests' requests left attached)
     calls = []
     monkeypatch.setattr(lora, "set_loras", lambda *a: calls.append(a))
-    want = engine.generate(PROMPT, GREEDY, 6).token_ids
     assert engine.generate(PROMPT, GREEDY, 6, loras=[]).token_ids == want
     assert calls == []
