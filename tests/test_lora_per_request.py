@@ -99,8 +99,8 @@ def test_row_scales_multiply_each_rows_delta():
 
 
 def test_server_requests_name_their_adapters(engine, adapters):
-    """`loras` on /v1/completions and /v1/chat/completions: concurrent requests with different adapters get
-    their own replies; bad names are a 400 blaming `loras`."""
+    """`loras` on /v1/completions and /v1/chat/completions (and through them /v1/messages and /v1/responses):
+    concurrent requests with different adapters get their own replies; bad names are a 400 blaming `loras`."""
     import asyncio
 
     httpx = pytest.importorskip("httpx")
@@ -118,10 +118,20 @@ def test_server_requests_name_their_adapters(engine, adapters):
                   ({}, {"loras": [{"name": "one"}]}, {"loras": [{"name": "one"}, {"name": "two", "scaling": 0.5}]})]
         replies = await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
         assert [r.json()["choices"][0]["text"] for r in replies] == want
-        chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                           "max_tokens": 6, "temperature": 0,
-                                                           "loras": [{"name": "one"}]})
+        talk = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+        chat = await c.post("/v1/chat/completions", json={**talk, "loras": [{"name": "one"}]})
+        plain = await c.post("/v1/chat/completions", json=talk)
         assert chat.status_code == 200, chat.text
+        reply = chat.json()["choices"][0]["message"]["content"]
+        assert reply != plain.json()["choices"][0]["message"]["content"]
+        # the Messages and Responses APIs pass the field through to the chat completion they make
+        msg = await c.post("/v1/messages", json={**talk, "loras": [{"name": "one"}]})
+        assert msg.status_code == 200, msg.text
+        assert msg.json()["content"][0]["text"] == reply
+        resp = await c.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 6, "temperature": 0,
+                                                    "loras": [{"name": "one"}], "store": False})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["output"][-1]["content"][0]["text"] == reply
         for loras, code in (([{"name": "missing"}], "invalid_lora"), ([{"name": "../one"}], "invalid_lora_name"),
                             ([{"name": "one"}, {"name": "one"}], "invalid_lora")):
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "loras": loras})
