@@ -567,12 +567,13 @@ async def completions(body: CompletionRequest, request: Request):
     body = overridden(request, body)
     params.check_supported(body)
     prompts = params.completion_prompts(body)
+    echoes = [p if isinstance(p, str) else st.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
+    prompts = params.fill_in_the_middle(body, st.engine.tokenizer, prompts)
     add_bos = body.add_bos_token if isinstance(prompts[0], str) else None
     ranked = (body.best_of or 1) > body.n
     jobs = _jobs(body, st.engine, prompts, add_bos, "prompt", st.config.max_tokens,
                  body.best_of if ranked else None)
     await request_loras(request, body, st.engine, jobs)
-    echoes = [p if isinstance(p, str) else st.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
     head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": st.name}
     log_jobs(st.config, jobs)

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from exl2.config import SamplingSettings
 from exl2.errors import ConfigError
 from exl2.generation.constraints import Grammar, lark_grammar
+from exl2.generation.fim import fim_prompt
 from exl2.server.errors import APIError, first_problem, unsupported
 from exl2.server.schemas import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat,
                                  SamplingFields)
@@ -106,8 +107,6 @@ def check_supported(req: SamplingFields) -> None:
             raise APIError(400, f"logprobs is at most {MAX_COMPLETION_LOGPROBS}.", param="logprobs")
         if req.logprobs is not None and req.echo:
             raise unsupported("logprobs", "logprobs with echo (the prompt's log-probabilities)")
-        if req.suffix:
-            raise unsupported("suffix", "suffix (fill-in-the-middle)")
         if req.best_of is not None:
             if req.best_of < req.n:
                 raise APIError(400, f"best_of ({req.best_of}) must be at least n ({req.n}).", param="best_of")
@@ -273,3 +272,16 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     if any(isinstance(one, list) and not one for one in prompts):
         raise APIError(400, "The prompt is empty.", param="prompt")
     return prompts
+
+
+def fill_in_the_middle(req: CompletionRequest, tokenizer, prompts: list) -> list:
+    """With `suffix`, each text prompt as the model's fill-in-the-middle prompt (token ids) for the text between
+    it and the suffix; without, the prompts as they are."""
+    if not req.suffix:
+        return prompts
+    if not all(isinstance(one, str) for one in prompts):
+        raise APIError(400, "suffix needs text prompts, not token ids.", param="suffix")
+    try:
+        return [fim_prompt(tokenizer, one, req.suffix) for one in prompts]
+    except ConfigError as e:
+        raise APIError(400, str(e), param="suffix", code="unsupported_parameter") from None
