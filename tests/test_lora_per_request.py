@@ -99,8 +99,9 @@ def test_row_scales_multiply_each_rows_delta():
 
 
 def test_server_requests_name_their_adapters(engine, adapters):
-    """`loras` on /v1/completions and /v1/chat/completions (and through them /v1/messages and /v1/responses):
-    concurrent requests with different adapters get their own replies; bad names are a 400 blaming `loras`."""
+    """`loras` on /v1/completions and /v1/chat/completions (and through them /v1/messages and /v1/responses), or a
+    `model` naming an adapter: concurrent requests with different adapters get their own replies; /v1/models lists
+    the adapters under the served model; bad names are a 400 blaming `loras`."""
     import asyncio
 
     httpx = pytest.importorskip("httpx")
@@ -132,6 +133,16 @@ def test_server_requests_name_their_adapters(engine, adapters):
                                                     "loras": [{"name": "one"}], "store": False})
         assert resp.status_code == 200, resp.text
         assert resp.json()["output"][-1]["content"][0]["text"] == reply
+        # vLLM's convention: `model` naming an adapter runs the served model with it; /v1/models lists them
+        named = await c.post("/v1/chat/completions", json={**talk, "model": "one"})
+        assert named.json()["choices"][0]["message"]["content"] == reply
+        cards = {m["id"]: m for m in (await c.get("/v1/models")).json()["data"]}
+        served = engine.model_name
+        assert cards["one"]["parent"] == served and cards["two"]["parent"] == served and ".hidden" not in cards
+        assert (await c.get("/v1/models/one")).json()["parent"] == served
+        assert (await c.get("/v1/models/nothing")).status_code == 404
+        other = await c.post("/v1/chat/completions", json={**talk, "model": "gpt-4o"})   # a client's default
+        assert other.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
         for loras, code in (([{"name": "missing"}], "invalid_lora"), ([{"name": "../one"}], "invalid_lora_name"),
                             ([{"name": "one"}, {"name": "one"}], "invalid_lora")):
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "loras": loras})

@@ -38,9 +38,19 @@ def _models_router() -> APIRouter:
         return {"id": st.name, "object": "model", "created": st.created, "owned_by": "exl2",
                 "max_model_len": _context_length(st.engine)}
 
+    def adapter_cards(config: ServerConfig, st: Optional[ServerState]) -> list[dict]:
+        """The LoRA directory's adapters as children of the loaded model (a request naming one runs the model
+        with that adapter: completions.request_loras)."""
+        if config.lora_dir is None or st is None:
+            return []
+        return [{**card(st), "id": c["id"], "created": c["created"], "parent": st.name}
+                for c in admin.lora_cards(config) if c["id"] != st.name]
+
     @router.get("/v1/models")
     async def list_models(request: Request):
-        """The loaded model; with inline loading every model of the root (a request naming one loads it)."""
+        """The loaded model; with inline loading every model of the root (a request naming one loads it); with a
+        LoRA directory its adapters, as the loaded model's children (vLLM's cards: a request naming one runs the
+        model with that adapter)."""
         h = host(request)
         st = h.state
         data = [card(st)] if st is not None else []
@@ -51,7 +61,7 @@ def _models_router() -> APIRouter:
                          or _context_length(embedder)})
         if h.config.inline_model_loading:
             data += [c for c in admin.model_cards(h.config) if st is None or c["id"] != st.name]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": data + adapter_cards(h.config, st)}
 
     @router.get("/v1/model")
     async def current_model(request: Request):
@@ -74,10 +84,13 @@ def _models_router() -> APIRouter:
         if st is None:
             raise APIError(404, f"The model '{model_id}' does not exist; no model is loaded.", param="model",
                            code="model_not_found")
-        if model_id != st.name:
+        if model_id == st.name:
+            return card(st)
+        found = [c for c in adapter_cards(host(request).config, st) if c["id"] == model_id]
+        if not found:
             raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{st.name}'.",
                            param="model", code="model_not_found")
-        return card(st)
+        return found[0]
 
     return router
 

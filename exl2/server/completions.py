@@ -35,7 +35,7 @@ from exl2.server.errors import APIError, first_problem, from_engine
 from exl2.server.host import host, serving, sse_ping
 from exl2.server.messages import template_messages, template_variables
 from exl2.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
-from exl2.server.schemas import ChatCompletionRequest, CompletionRequest
+from exl2.server.schemas import ChatCompletionRequest, CompletionRequest, RequestLora
 from exl2.server.tools import (ToolCallHoldback, as_function_call, content_before_calls, from_functions,
                                openai_tool_calls, template_tools)
 
@@ -105,15 +105,25 @@ def _jobs(req, engine, prompts: list, add_bos: Optional[bool], param: str, defau
             for prompt in prompts for i in range(count)]
 
 
+def _model_as_lora(root, model: Optional[str], served: str) -> Optional[list[RequestLora]]:
+    """vLLM's convention: a `model` that names an adapter directory under --lora-dir (not the served model) asks
+    for the served model with that adapter."""
+    if root is None or not isinstance(model, str) or model == served or not plain_name(model):
+        return None
+    return [RequestLora(name=model)] if (root / model / "adapter_config.json").is_file() else None
+
+
 async def request_loras(request: Request, body, engine, jobs: list[Job]) -> None:
-    """Give the jobs the request's own LoRA adapters (`loras`: names under --lora-dir), each directory read once
-    for the engine (off the event loop); a bad name or adapter is a 400 blaming `loras`."""
-    if body.loras is None:
+    """Give the jobs the request's own LoRA adapters (`loras`: names under --lora-dir; or a `model` naming one),
+    each directory read once for the engine (off the event loop); a bad name or adapter is a 400 blaming
+    `loras`."""
+    root = host(request).config.lora_dir
+    chosen = body.loras if body.loras is not None else _model_as_lora(root, body.model, serving(request).name)
+    if chosen is None:
         return
     from exl2.server.admin import lora_path
 
-    root = host(request).config.lora_dir
-    specs = [LoraSpec(path=lora_path(root, x.name, "loras"), scaling=x.scaling) for x in body.loras]
+    specs = [LoraSpec(path=lora_path(root, x.name, "loras"), scaling=x.scaling) for x in chosen]
     try:
         chosen = await asyncio.to_thread(engine.request_loras, specs)
     except Exl2Error as e:
