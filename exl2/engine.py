@@ -126,7 +126,7 @@ class Engine:
             with self._lora_lock:
                 adapter = self._request_adapters.get(key)
                 if adapter is None:
-                    adapter = self._request_adapters[key] = LoraAdapter.from_dir(x.path, self.model, 1.0)
+                    adapter = self._request_adapters[key] = self.load_lora(LoraSpec(path=x.path))
             out.append((adapter, x.scaling))
         check_choice(tuple(out))
         return tuple(out)

@@ -29,7 +29,7 @@ from exl2.generation.tokenizer import Tokenizer
 from exl2.models.decoder import NO_HEAD, DecoderModel
 from exl2.runtime import lora
 from exl2.generation.request_loras import RequestLoras, check_choice, choice_key
-from exl2.runtime.host_pages import HostPages, stored_run
+from exl2.runtime.host_pages import HostPages
 from exl2.runtime.graphs import DecodeGraphs, graph_safe
 from exl2.runtime.page_pool import PagePool, page_key
 from exl2.runtime.paged_cache import paged_cache_for
@@ -247,7 +247,7 @@ class DynamicGenerator:
         stored: list[bytes] = []   # the job's next pages that the host tier holds: copied in, not computed
         if self.host_pages is not None:
             keys = self.pool.keys_after(job.ids, matches[0][1], len(matches[0][0]), limit)
-            stored = keys[:stored_run(self.host_pages, keys)]
+            stored = keys[:self.host_pages.run(keys)]
         held = [self.host_pages.take(k) for k in stored]   # out of the tier before acquiring may evict into it
         self.queue.remove(job)
         if self.loras.attach([j.loras for j in self.active] + [job.loras]):

@@ -96,7 +96,7 @@ class RequestLoras:
         """The multipliers for a forward over jobs with these choices (batch order), `tokens` rows each."""
         if not self.per_row:
             return
-        key = (tuple(map(choice_key, choices)), tokens)
+        key = (tuple(choices), tokens)     # adapters compare by identity: no hashing on the decode path
         if key == self._rows_key:
             return
         if len(choices) * tokens > self.capacity:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Optional
-
 import torch
 
 log = logging.getLogger("exl2.model")
@@ -67,12 +65,10 @@ class HostPages:
     def clear(self) -> None:
         self._pages.clear()
 
+    def run(self, keys: list[bytes]) -> int:
+        """How many of `keys` (a prompt's next page keys, in order) are held here without a gap."""
+        n = 0
+        while n < len(keys) and keys[n] in self._pages:
+            n += 1
+        return n
 
-def stored_run(store: Optional[HostPages], keys: list[bytes]) -> int:
-    """How many of `keys` (a prompt's next page keys, in order) the store holds without a gap."""
-    if store is None:
-        return 0
-    n = 0
-    while n < len(keys) and keys[n] in store:
-        n += 1
-    return n

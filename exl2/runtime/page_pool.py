@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -48,8 +48,7 @@ class PagePool:
         of the last one (`root` when none matches). They are not taken yet: `acquire` does that. `root` starts
         the chain of keys: prefixes computed another way (other LoRA adapters) never match each other."""
         pages, key = [], root
-        for i in range(min(max_pages, len(tokens) // self.page_size)):
-            k = page_key(key, tokens[i * self.page_size:(i + 1) * self.page_size])
+        for k in self._chain(tokens, root, 0, max_pages):
             page = self.page_of.get(k)
             if page is None:
                 break
@@ -60,11 +59,13 @@ class PagePool:
     def keys_after(self, tokens: Sequence[int], key: Optional[bytes], first: int, max_pages: int) -> list[bytes]:
         """The keys of `tokens`' full pages `first`, `first` + 1, ... (below `max_pages`), chained from `key`, the
         key of the page before them."""
-        out = []
+        return list(self._chain(tokens, key, first, max_pages))
+
+    def _chain(self, tokens: Sequence[int], key: Optional[bytes], first: int, max_pages: int) -> Iterator[bytes]:
+        """`keys_after`, one key at a time (`match` stops hashing at its first miss)."""
         for i in range(first, min(max_pages, len(tokens) // self.page_size)):
             key = page_key(key, tokens[i * self.page_size:(i + 1) * self.page_size])
-            out.append(key)
-        return out
+            yield key
 
     def room(self, shared: list[int]) -> int:
         """How many empty pages a sequence that takes the `shared` cached pages could get besides them (those of

@@ -101,17 +101,13 @@ class _Prepared:
         return self.linears[prefix]
 
 
-def norm_on(norm: Optional[nn.Module], device: torch.device, rows: Optional[torch.Tensor] = None
-            ) -> Optional[nn.Module]:
-    """A copy of an RMSNorm or LayerNorm on `device` (an Identity, where a model has no norm, as it is); `rows`:
-    only those entries of its weight (a shard's heads of a per-head [heads, d] weight, its features of a
-    whole-projection one)."""
+def norm_on(norm: Optional[nn.Module], device: torch.device) -> Optional[nn.Module]:
+    """A copy of an RMSNorm or LayerNorm on `device` (an Identity, where a model has no norm, as it is)."""
     if norm is None or isinstance(norm, nn.Identity):
         return norm
-    weight = norm.weight if rows is None or norm.weight is None else norm.weight[rows]
     if isinstance(norm, LayerNorm):
-        return LayerNorm(_replica(weight, device), norm.eps)
-    return RMSNorm(_replica(weight, device), norm.eps, norm.offset)
+        return LayerNorm(_replica(norm.weight, device), norm.eps)
+    return RMSNorm(_replica(norm.weight, device), norm.eps, norm.offset)
 
 
 def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, device: torch.device
@@ -135,7 +131,7 @@ def shard_attention(attn: Attention, spec: ModelSpec, part: int, parts: int, dev
             rows = tuple(_heads(n, 1, part, parts) for n in (spec.num_heads, spec.num_kv_heads))
         else:                           # one weight for every head (Qwen3): whole
             rows = (None, None)
-        tensors = {f"{prefix}.{name}.weight": norm_on(norm, device, r).weight.data
+        tensors = {f"{prefix}.{name}.weight": _replica(norm.weight if r is None else norm.weight[r], device)
                    for name, norm, r in zip(("q_norm", "k_norm"), (attn.q_norm, attn.k_norm), rows)}
     if attn.sinks is not None:   # one per query head: the shard's heads' own
         per = spec.num_heads // parts
