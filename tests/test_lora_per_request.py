@@ -193,3 +193,16 @@ def test_a_base_model_choice_without_adapters_attaches_nothing(engine, monkeypat
     monkeypatch.setattr(lora, "set_loras", lambda *a: calls.append(a))
     assert engine.generate(PROMPT, GREEDY, 6, loras=[]).token_ids == want
     assert calls == []
+
+
+def test_a_refused_global_change_changes_nothing(engine, adapters):
+    """set_loras with an adapter listed twice is a ConfigError, and the adapters active before stay active."""
+    one = engine.load_lora(LoraSpec(path=adapters / "one"))
+    engine.set_loras([one])
+    try:
+        want = engine.generate(PROMPT, GREEDY, 6).token_ids
+        with pytest.raises(ConfigError, match="listed twice"):
+            engine.set_loras([one, one])
+        assert engine.loras == [one] and engine.generate(PROMPT, GREEDY, 6).token_ids == want
+    finally:
+        engine.set_loras([])

@@ -65,14 +65,18 @@ class RequestLoras:
         return any(ad.rows.scales is not None for ad in self.attached)
 
     def set_globals(self, adapters: Sequence[LoraAdapter]) -> None:
-        """The adapters of jobs that choose none (called with no job running)."""
+        """The adapters of jobs that choose none (called with no job running). A ConfigError from attaching them
+        (an adapter listed twice, one made for another model) changes nothing."""
+        self._attach(list(adapters), [])
         self.globals = list(adapters)
-        self.attach([])
 
     def attach(self, choices: Sequence[Optional[Choice]]) -> bool:
         """Attach the global adapters and those `choices` name (no others); True when the attached set changed
         (the caller's CUDA graphs then hold stale work)."""
-        want = list(self.globals)
+        return self._attach(self.globals, choices)
+
+    def _attach(self, globals_: list[LoraAdapter], choices: Sequence[Optional[Choice]]) -> bool:
+        want = list(globals_)
         for choice in choices:
             for ad, _ in choice or ():
                 if ad not in want:
